@@ -1,0 +1,35 @@
+"""megatron-multilora: train many LoRA adapters at once on one frozen Megatron-core model."""
+
+from megatron_multilora.layers.inject import apply_multi_lora, set_adapter_trainability
+from megatron_multilora.layers.lifecycle import (
+    adapter_state_dict,
+    clear_adapter_slot,
+    expose_adapter_slot,
+    hide_adapters,
+    init_adapter_slot,
+    load_adapter,
+    multi_lora_modules,
+    set_tokens_per_adapter_slot,
+)
+from megatron_multilora.layers.multi_lora_linear import LoRASlot, MultiLoRALinear
+from megatron_multilora.models.gpt import GPTModelConfig, build_gpt_model
+from megatron_multilora.parallel import destroy_parallel, init_parallel
+
+__all__ = [
+    "GPTModelConfig",
+    "LoRASlot",
+    "MultiLoRALinear",
+    "adapter_state_dict",
+    "apply_multi_lora",
+    "build_gpt_model",
+    "clear_adapter_slot",
+    "destroy_parallel",
+    "expose_adapter_slot",
+    "hide_adapters",
+    "init_adapter_slot",
+    "init_parallel",
+    "load_adapter",
+    "multi_lora_modules",
+    "set_adapter_trainability",
+    "set_tokens_per_adapter_slot",
+]

@@ -1,0 +1,159 @@
+"""Model-wide slot lifecycle: token routing, init/clear/load of a slot, expose and hide.
+
+A model-wide adapter is slot ``idx`` of every multi-LoRA layer. These functions take a
+model or a list of model chunks and act on every :class:`MultiLoRALinear` in it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Iterator, Sequence, Union
+
+import torch
+
+from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear
+from megatron_multilora.layers.slot_tokens import SlotTokens, check_token_counts
+
+ModelOrChunks = Union[torch.nn.Module, Sequence[torch.nn.Module]]
+
+
+def _chunks(model: ModelOrChunks) -> list[torch.nn.Module]:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def named_multi_lora_modules(model: ModelOrChunks) -> Iterator[tuple[str, MultiLoRALinear]]:
+    """(path, layer) for every multi-LoRA layer; paths get ``chunkK.`` with several chunks."""
+    chunks = _chunks(model)
+    for k, chunk in enumerate(chunks):
+        prefix = f"chunk{k}." if len(chunks) > 1 else ""
+        for name, module in chunk.named_modules():
+            if isinstance(module, MultiLoRALinear):
+                yield prefix + name, module
+
+
+def multi_lora_modules(model: ModelOrChunks) -> list[MultiLoRALinear]:
+    layers = [m for _, m in named_multi_lora_modules(model)]
+    if not layers:
+        raise ValueError("the model has no multi-LoRA layers: call apply_multi_lora first")
+    return layers
+
+
+def num_adapter_slots(model: ModelOrChunks) -> int:
+    """The number of slots N (the same in every layer)."""
+    return multi_lora_modules(model)[0].n_adapters
+
+
+def set_tokens_per_adapter_slot(model: ModelOrChunks,
+                                tokens_per_adapter: Union[torch.Tensor, Sequence[int]]) -> None:
+    """Route the next packed micro-batch: slot i owns the next ``tokens_per_adapter[i]`` tokens.
+
+    Tokens are the ``[s, b]`` positions flattened sequence-major; the counts must sum to
+    ``s * b`` (checked in each layer's forward, naming the layer).
+    """
+    layers = multi_lora_modules(model)
+    tokens = SlotTokens(check_token_counts(tokens_per_adapter, layers[0].n_adapters))
+    for layer in layers:
+        layer.slot_tokens = tokens
+
+
+def init_adapter_slot(model: ModelOrChunks, idx: int, rank: int, alpha: float) -> None:
+    """Claim slot ``idx`` in every layer with ``rank`` (1..dim) and ``alpha``."""
+    for layer in multi_lora_modules(model):
+        layer.init_adapter_slot(idx, rank, alpha)
+
+
+def clear_adapter_slot(model: ModelOrChunks, idx: int) -> None:
+    """Release slot ``idx`` in every layer: zero alpha, max rank, deterministic re-init."""
+    for layer in multi_lora_modules(model):
+        layer.clear_adapter_slot(idx)
+
+
+@contextlib.contextmanager
+def _swap_children(layers: Iterable[MultiLoRALinear], make) -> Iterator[None]:
+    """Temporarily replace each layer's ``adapters`` child by ``make(layer)``'s children."""
+    saved = []
+    try:
+        for layer in layers:
+            replacement = make(layer)
+            saved.append((layer, layer._modules.pop("adapters")))
+            layer._modules.update(replacement)
+        yield
+    finally:
+        for layer, adapters in saved:
+            layer._modules.pop("adapter", None)
+            layer._modules["adapters"] = adapters
+
+
+@contextlib.contextmanager
+def expose_adapter_slot(model: ModelOrChunks, idx: int) -> Iterator[None]:
+    """Present slot ``idx`` of every layer as a single ``.adapter`` (slot index not in names).
+
+    Inside, ``state_dict``/``named_parameters`` name the slot ``<layer>.adapter.*`` and no
+    other slot, so what is saved from slot a loads into slot b. Restored on exit, also on
+    an exception.
+    """
+    layers = multi_lora_modules(model)
+    layers[0]._check_idx(idx)
+    with _swap_children(layers, lambda layer: {"adapter": layer.adapters[idx]}):
+        yield
+
+
+@contextlib.contextmanager
+def hide_adapters(model: ModelOrChunks) -> Iterator[None]:
+    """Hide every adapter parameter, e.g. while a base checkpoint loads into the model."""
+    with _swap_children(multi_lora_modules(model), lambda layer: {}):
+        yield
+
+
+def adapter_state_dict(model: ModelOrChunks, idx: int) -> dict[str, torch.Tensor]:
+    """Slot ``idx``'s tensors (this rank's shards) under slot-free names, ready to save.
+
+    Keys are ``<layer path>.adapter.{linear_in.weight, linear_out.weight, rank, alpha}``,
+    the names :func:`load_adapter` expects.
+    """
+    return {f"{path}.adapter.{k}": v.detach().clone()
+            for path, layer in named_multi_lora_modules(model)
+            for k, v in _slot_state(layer, idx).items()}
+
+
+def _slot_state(layer: MultiLoRALinear, idx: int) -> dict[str, torch.Tensor]:
+    layer._check_idx(idx)
+    return layer.adapters[idx].state_dict(keep_vars=True)
+
+
+def load_adapter(model: ModelOrChunks, idx: int, state_dict: dict[str, torch.Tensor]) -> int:
+    """Load an adapter saved by :func:`adapter_state_dict` (from any slot) into slot ``idx``.
+
+    Tensors are this rank's shards, copied as they are. The key sets must match exactly
+    (``KeyError`` naming missing and unexpected keys) and shapes must agree
+    (``ValueError``); nothing is changed unless everything matches. Returns the number of
+    tensors loaded.
+    """
+    targets = {f"{path}.adapter.{k}": v
+               for path, layer in named_multi_lora_modules(model)
+               for k, v in _slot_state(layer, idx).items()}
+    if not targets:
+        raise ValueError("the model has no multi-LoRA layers: call apply_multi_lora first")
+    missing = sorted(targets.keys() - state_dict.keys())
+    unexpected = sorted(state_dict.keys() - targets.keys())
+    if missing or unexpected:
+        raise KeyError(f"adapter state dict does not match the model's slot {idx}: "
+                       f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+                       f"({len(missing)}), unexpected {unexpected[:5]}"
+                       f"{' ...' if len(unexpected) > 5 else ''} ({len(unexpected)})")
+    bad = [(k, tuple(v.shape), tuple(state_dict[k].shape)) for k, v in targets.items()
+           if v.shape != state_dict[k].shape]
+    if bad:
+        raise ValueError(f"adapter tensor shapes differ (key, model, given): {bad[:5]}")
+    layers = dict(named_multi_lora_modules(model))
+    bad_ranks = [(path, int(state_dict[f"{path}.adapter.rank"])) for path, layer in layers.items()
+                 if not 1 <= int(state_dict[f"{path}.adapter.rank"]) <= layer.dim]
+    if bad_ranks:
+        raise ValueError(f"adapter ranks outside 1..dim (layer, rank): {bad_ranks[:5]}")
+    with torch.no_grad():
+        for k, v in targets.items():
+            v.copy_(state_dict[k])
+    for layer in layers.values():
+        layer._apply_rank_mask(idx)
+        layer._refresh_scale()
+    return len(targets)

@@ -1,0 +1,330 @@
+"""``MultiLoRALinear``: a Megatron parallel linear with N concurrent LoRA adapter slots.
+
+For a token t of slot s (LoRA, Hu et al. 2021, with per-slot rank and alpha)::
+
+    y_t = base(x_t) + (alpha_s / r_s) * B_s[:, :r_s] @ A_s[:r_s] @ x_t
+
+Every slot is allocated at the max rank ``dim``; rows ``[r_s:]`` of A_s and columns
+``[:, r_s:]`` of B_s are kept at zero, so padded rank never contributes and its gradients
+stay zero. A packed micro-batch holds each slot's tokens contiguously (adapter-major);
+``set_tokens_per_adapter_slot`` says how many. The forward is two grouped GEMMs over those
+slot segments with one TP collective on the small ``[tokens, dim]`` buffer between them
+(layout per base kind in :mod:`.sharding`); the per-slot scale is applied in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    set_tensor_model_parallel_attributes,
+)
+
+from megatron_multilora.layers.grouped_gemm import grouped_linear
+from megatron_multilora.layers.sharding import Sharding
+from megatron_multilora.layers.slot_tokens import SlotTokens
+
+_INIT_METHODS = ("xavier", "kaiming", "normal", "zero")
+_TE_KINDS = {
+    "TEColumnParallelLinear": "column",
+    "TELayerNormColumnParallelLinear": "column",
+    "TERowParallelLinear": "row",
+}
+
+
+class LoRASlot(torch.nn.Module):
+    """One adapter slot: ``linear_in`` (A, ``[dim, in]``), ``linear_out`` (B, ``[out, dim]``).
+
+    Shapes are this TP rank's shards. ``rank`` and ``alpha`` are buffers so that a saved
+    slot carries them. The two linears are never called: the layer runs all slots at once.
+    """
+
+    def __init__(self, in_features: int, out_features: int, dim: int, alpha: float,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.linear_in = torch.nn.Linear(in_features, dim, bias=False, dtype=dtype, device=device)
+        self.linear_out = torch.nn.Linear(dim, out_features, bias=False, dtype=dtype, device=device)
+        self.register_buffer("rank", torch.tensor(dim, dtype=torch.int64))
+        self.register_buffer("alpha", torch.tensor(float(alpha), dtype=torch.float32))
+
+
+def _init_weight(method: str, shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
+    w = torch.empty(shape)
+    if method == "xavier":
+        torch.nn.init.xavier_normal_(w, generator=generator)
+    elif method == "kaiming":
+        torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5), generator=generator)
+    elif method == "normal":
+        torch.nn.init.normal_(w, std=0.02, generator=generator)
+    else:
+        w.zero_()
+    return w
+
+
+def base_kind(to_wrap: torch.nn.Module) -> str:
+    """``"column"``, ``"row"`` or ``"replicated"``: how the base's weight is split over TP."""
+    if isinstance(to_wrap, ColumnParallelLinear):
+        return "column"
+    if isinstance(to_wrap, RowParallelLinear):
+        return "row"
+    kind = _TE_KINDS.get(type(to_wrap).__name__)
+    if kind is not None:
+        return kind
+    if isinstance(to_wrap, torch.nn.Linear) or getattr(to_wrap, "parallel_mode", "") == "duplicated":
+        return "replicated"
+    raise TypeError(
+        f"MultiLoRALinear cannot wrap {type(to_wrap).__name__}: supported bases are megatron's "
+        "ColumnParallelLinear/RowParallelLinear, TE's (LayerNorm)ColumnParallelLinear/"
+        "RowParallelLinear and TP-replicated linears")
+
+
+class MultiLoRALinear(torch.nn.Module):
+    """Megatron parallel linear wrapped with ``n_adapters`` concurrent LoRA slots.
+
+    Args:
+        to_wrap: the frozen base linear; ``forward`` returns what it returns, plus LoRA.
+        n_adapters: number of slots N.
+        dim: max rank; every slot is allocated at this rank.
+        alpha: initial alpha of every slot (per-slot values via ``init_adapter_slot``).
+        full_name: the module's path in the model, used in errors and to seed init.
+        column_init_method / row_init_method: init of A / B ("xavier", "kaiming",
+            "normal", "zero"); B at zero makes a fresh adapter a no-op.
+        dropout / dropout_position: dropout on the LoRA input ("pre") or output ("post").
+        a2a_experimental: accepted for API compatibility; only False is supported.
+        sequence_parallel: for bases that do not carry the flag themselves (plain
+            replicated linears); megatron and TE bases use their own.
+        seed: base seed of the deterministic, layout-independent slot initialisation.
+    """
+
+    def __init__(
+        self,
+        to_wrap: torch.nn.Module,
+        n_adapters: int,
+        dim: int,
+        alpha: float,
+        full_name: str,
+        column_init_method: str = "xavier",
+        row_init_method: str = "zero",
+        dropout: float = 0.0,
+        dropout_position: str = "pre",
+        a2a_experimental: bool = False,
+        sequence_parallel: Optional[bool] = None,
+        seed: int = 1234,
+    ) -> None:
+        super().__init__()
+        where = f"MultiLoRALinear({full_name})"
+        if n_adapters < 1 or dim < 1:
+            raise ValueError(f"{where}: n_adapters={n_adapters} and dim={dim} must be >= 1")
+        if column_init_method not in _INIT_METHODS or row_init_method not in _INIT_METHODS:
+            raise ValueError(f"{where}: init methods must be one of {_INIT_METHODS}, got "
+                             f"{column_init_method!r}/{row_init_method!r}")
+        if dropout_position not in ("pre", "post") or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"{where}: dropout={dropout} must be in [0, 1) and "
+                             f"dropout_position={dropout_position!r} 'pre' or 'post'")
+        if a2a_experimental:
+            raise ValueError(f"{where}: a2a_experimental=True is not supported")
+        if getattr(to_wrap, "gather_output", False):
+            raise ValueError(f"{where}: bases with gather_output=True are not supported")
+        if getattr(to_wrap, "is_expert", False):
+            raise ValueError(f"{where}: expert linears are wrapped by MultiLoRAGroupedExpertLinear")
+        if isinstance(to_wrap, RowParallelLinear) and not to_wrap.input_is_parallel:
+            raise ValueError(f"{where}: row-parallel bases need input_is_parallel=True")
+
+        self.to_wrap = to_wrap
+        self.n_adapters, self.dim, self.full_name = n_adapters, dim, full_name
+        self.column_init_method, self.row_init_method = column_init_method, row_init_method
+        self.dropout, self.dropout_position, self.seed = dropout, dropout_position, seed
+        self.sharding = self._sharding(to_wrap, sequence_parallel)
+        self._returns_ln_output = type(to_wrap).__name__ == "TELayerNormColumnParallelLinear"
+        if self._returns_ln_output:
+            # LoRA reads the normalised input; TE hands it back next to the output.
+            to_wrap.return_layernorm_output = True
+            to_wrap.return_layernorm_output_gathered = False
+
+        weight = to_wrap.weight
+        out_local, in_local = weight.shape
+        self.adapters = torch.nn.ModuleList(
+            LoRASlot(in_local, out_local, dim, alpha, weight.dtype, weight.device)
+            for _ in range(n_adapters))
+        a_partial, b_partial = self.sharding.partial_grad_factors()
+        for slot in self.adapters:
+            self._tag(slot.linear_in.weight, self.sharding.a_split_dim, a_partial)
+            self._tag(slot.linear_out.weight, self.sharding.b_split_dim, b_partial)
+        self.register_buffer("scale", torch.zeros(n_adapters, dtype=torch.float32,
+                                                  device=weight.device), persistent=False)
+        self.slot_tokens: Optional[SlotTokens] = None
+        for idx in range(n_adapters):
+            self.reset_adapter(idx)
+        self._refresh_scale()
+        # The base keeps its own state-dict keys (no "to_wrap." level), so base checkpoints
+        # load into wrapped and unwrapped models alike.
+        self._register_state_dict_hook(_strip_wrap_prefix)
+        self._register_load_state_dict_pre_hook(_add_wrap_prefix, with_module=True)
+        self.register_load_state_dict_post_hook(lambda module, _: module._refresh_scale())
+
+    @staticmethod
+    def _sharding(to_wrap: torch.nn.Module, sequence_parallel: Optional[bool]) -> Sharding:
+        sp = getattr(to_wrap, "sequence_parallel", None)
+        sp = bool(sequence_parallel) if sp is None else sp
+        group = getattr(to_wrap, "tp_group", None)
+        if group is None and parallel_state.model_parallel_is_initialized():
+            group = parallel_state.get_tensor_model_parallel_group()
+        if group is None:
+            return Sharding(base_kind(to_wrap), 1, 0, False, None)
+        tp_size = torch.distributed.get_world_size(group)
+        tp_rank = torch.distributed.get_rank(group)
+        return Sharding(base_kind(to_wrap), tp_size, tp_rank, sp and tp_size > 1, group)
+
+    @staticmethod
+    def _tag(param: torch.nn.Parameter, split_dim: Optional[int], partial_grad: bool) -> None:
+        set_tensor_model_parallel_attributes(param, split_dim is not None,
+                                             0 if split_dim is None else split_dim, 1)
+        param.sequence_parallel = partial_grad
+
+    # ----- slot lifecycle -------------------------------------------------------------
+
+    def _check_idx(self, idx: int) -> None:
+        if not 0 <= idx < self.n_adapters:
+            raise IndexError(f"MultiLoRALinear({self.full_name}): slot {idx} is out of range "
+                             f"0..{self.n_adapters - 1}")
+
+    def _refresh_scale(self) -> None:
+        with torch.no_grad():
+            for i, slot in enumerate(self.adapters):
+                self.scale[i] = slot.alpha / slot.rank
+
+    def _master_shape(self, local: torch.Size, split_dim: Optional[int]) -> tuple[int, int]:
+        shape = list(local)
+        if split_dim is not None:
+            shape[split_dim] *= self.sharding.tp_size
+        return tuple(shape)
+
+    def _local_shard(self, full: torch.Tensor, split_dim: Optional[int]) -> torch.Tensor:
+        if split_dim is None:
+            return full
+        return full.chunk(self.sharding.tp_size, dim=split_dim)[self.sharding.tp_rank]
+
+    def reset_adapter(self, idx: int) -> None:
+        """Re-initialise slot ``idx``'s weights, identically on every rank and TP layout.
+
+        Each factor is drawn as the full (unsharded) tensor from a generator seeded by
+        (seed, layer name, slot), then this rank's shard is kept: data-parallel replicas
+        agree and the adapter does not depend on the TP size.
+        """
+        self._check_idx(idx)
+        slot = self.adapters[idx]
+        key = zlib.crc32(f"{self.seed}:{self.full_name}:{idx}".encode())
+        gen = torch.Generator().manual_seed(key)
+        with torch.no_grad():
+            for linear, method, split in ((slot.linear_in, self.column_init_method,
+                                           self.sharding.a_split_dim),
+                                          (slot.linear_out, self.row_init_method,
+                                           self.sharding.b_split_dim)):
+                full = _init_weight(method, self._master_shape(linear.weight.shape, split), gen)
+                linear.weight.copy_(self._local_shard(full, split))
+        self._apply_rank_mask(idx)
+
+    def _apply_rank_mask(self, idx: int) -> None:
+        """Zero A's rows and B's columns beyond the slot's rank (the rank dim is never split)."""
+        slot = self.adapters[idx]
+        r = int(slot.rank)
+        with torch.no_grad():
+            slot.linear_in.weight[r:].zero_()
+            slot.linear_out.weight[:, r:].zero_()
+
+    def init_adapter_slot(self, idx: int, rank: int, alpha: float) -> None:
+        """Claim slot ``idx``: bind rank and alpha and zero the padded rank."""
+        self._check_idx(idx)
+        if not isinstance(rank, int) or not 1 <= rank <= self.dim:
+            raise ValueError(f"MultiLoRALinear({self.full_name}): rank={rank} is outside "
+                             f"1..{self.dim} (the layer's max rank dim)")
+        slot = self.adapters[idx]
+        slot.rank.fill_(rank)
+        slot.alpha.fill_(float(alpha))
+        self._apply_rank_mask(idx)
+        self._refresh_scale()
+
+    def clear_adapter_slot(self, idx: int) -> None:
+        """Free slot ``idx``: zero alpha, restore max rank, re-initialise its weights."""
+        self._check_idx(idx)
+        slot = self.adapters[idx]
+        slot.rank.fill_(self.dim)
+        slot.alpha.zero_()
+        self.reset_adapter(idx)
+        self._refresh_scale()
+
+    # ----- forward ----------------------------------------------------------------------
+
+    def _window(self, rows: int, is_shard: bool) -> tuple[int, int]:
+        """(start, rows) of this input/output within the packed micro-batch."""
+        tokens = self.slot_tokens
+        if tokens is None:
+            raise RuntimeError(f"MultiLoRALinear({self.full_name}): no token counts; call "
+                               "set_tokens_per_adapter_slot(model, counts) before forward")
+        expected = tokens.total // self.sharding.tp_size if is_shard else tokens.total
+        if rows != expected or (is_shard and tokens.total % self.sharding.tp_size):
+            what = (f"this rank's sequence shard of {tokens.total} tokens over "
+                    f"{self.sharding.tp_size} ranks" if is_shard else f"{tokens.total} tokens")
+            raise ValueError(
+                f"MultiLoRALinear({self.full_name}): input has {rows} tokens but "
+                f"tokens_per_adapter={list(tokens.counts)} describes {what}; the counts must "
+                "sum to the micro-batch's tokens (sequence x batch)")
+        return (self.sharding.tp_rank * rows if is_shard else 0), rows
+
+    def _dropout(self, t: torch.Tensor, tp_sharded: bool) -> torch.Tensor:
+        if not self.training or self.dropout == 0.0:
+            return t
+        if tp_sharded:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return F.dropout(t, self.dropout)
+        return F.dropout(t, self.dropout)
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        result = self.to_wrap(x, *args, **kwargs)
+        # Megatron/TE linears return (output, bias); plain torch linears a tensor.
+        base_out, bias = result if isinstance(result, tuple) else (result, None)
+        if self._returns_ln_output:
+            base_out, x = base_out
+        sh = self.sharding
+        x2 = x.reshape(-1, x.size(-1))
+        start, rows = self._window(x2.size(0), sh.input_is_sequence_shard)
+        seg_in = self.slot_tokens.segments(start, rows, x2.device)
+        if self.dropout_position == "pre":
+            x2 = self._dropout(x2, sh.input_is_tp_sharded)
+
+        a = torch.stack([s.linear_in.weight for s in self.adapters])    # [N, dim, in]
+        mid = sh.reduce_mid(grouped_linear(x2.contiguous(), a, seg_in))  # [T, dim]
+        start, rows = self._window(mid.size(0), sh.output_is_sequence_shard)
+        seg_out = self.slot_tokens.segments(start, rows, mid.device)
+        b = torch.stack([s.linear_out.weight for s in self.adapters])   # [N, out, dim]
+        lora = grouped_linear(mid, b, seg_out)                           # [T, out]
+        if self.dropout_position == "post":
+            lora = self._dropout(lora, sh.output_is_sequence_shard or sh.kind == "column")
+        # Scale in fp32, as serving engines do, then add in the base's dtype.
+        lora = (lora.float() * self.scale[seg_out.group_of_row].unsqueeze(1)).to(base_out.dtype)
+        out = base_out + lora.view_as(base_out)
+        return (out, bias) if isinstance(result, tuple) else out
+
+    def extra_repr(self) -> str:
+        return (f"n_adapters={self.n_adapters}, dim={self.dim}, base={self.sharding.kind}, "
+                f"tp={self.sharding.tp_size}, sequence_parallel={self.sharding.sequence_parallel}")
+
+
+def _strip_wrap_prefix(module, state_dict, prefix, local_metadata):
+    inner = prefix + "to_wrap."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+    return state_dict
+
+
+def _add_wrap_prefix(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    for name in module.to_wrap.state_dict().keys():
+        if prefix + name in state_dict:
+            state_dict[prefix + "to_wrap." + name] = state_dict.pop(prefix + name)

@@ -1,0 +1,70 @@
+"""Per-slot token spans of one packed micro-batch, as each layer needs to see them.
+
+A micro-batch is packed adapter-major: the ``[s, b]`` tokens flattened sequence-major are
+slot 0's tokens, then slot 1's, and so on. A layer whose input is this rank's
+sequence-parallel shard sees only a window of those rows; its spans are the per-slot
+overlap with that window.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from megatron_multilora.layers.grouped_gemm import Segments
+
+
+def narrow_counts_to_window(counts: Sequence[int], start: int, rows: int) -> list[int]:
+    """Intersect contiguous per-slot spans with the row window ``[start, start + rows)``.
+
+    E.g. counts (3, 0, 5) over rows 0..8 and window start=4, rows=4 gives (0, 0, 4).
+    """
+    out, begin, end = [], 0, start + rows
+    for c in counts:
+        lo, hi = max(begin, start), min(begin + c, end)
+        out.append(max(0, hi - lo))
+        begin += c
+    return out
+
+
+class SlotTokens:
+    """Token counts per adapter slot for the next forward, shared by every wrapped layer.
+
+    Segments are built once per distinct (window, device) and reused by all layers, so a
+    forward costs one host-to-device copy of the counts per window, not one per layer.
+    """
+
+    def __init__(self, counts: Sequence[int]) -> None:
+        self.counts = tuple(int(c) for c in counts)
+        self.total = sum(self.counts)
+        self._cache: dict[tuple[int, int, torch.device], Segments] = {}
+
+    def segments(self, start: int, rows: int, device: torch.device) -> Segments:
+        key = (start, rows, device)
+        seg = self._cache.get(key)
+        if seg is None:
+            counts = self.counts if (start, rows) == (0, self.total) else narrow_counts_to_window(
+                self.counts, start, rows)
+            seg = self._cache[key] = Segments.from_counts(counts, device)
+        return seg
+
+
+def check_token_counts(tokens_per_adapter: Sequence[int] | torch.Tensor, n_adapters: int) -> list[int]:
+    """Validate user-given counts (length, integer, non-negative); return them as ints."""
+    if isinstance(tokens_per_adapter, torch.Tensor):
+        if tokens_per_adapter.dim() != 1 or tokens_per_adapter.is_floating_point():
+            raise ValueError(
+                "tokens_per_adapter must be a 1-D integer tensor, got "
+                f"{tokens_per_adapter.dtype} of shape {tuple(tokens_per_adapter.shape)}")
+        counts = tokens_per_adapter.tolist()  # the one host sync the counts need
+    else:
+        counts = list(tokens_per_adapter)
+    if len(counts) != n_adapters:
+        raise ValueError(f"tokens_per_adapter has {len(counts)} entries but the model has "
+                         f"{n_adapters} adapter slots: give one count per slot (0 for unused)")
+    bad = [(i, c) for i, c in enumerate(counts) if not isinstance(c, int) or isinstance(c, bool) or c < 0]
+    if bad:
+        raise ValueError(f"tokens_per_adapter must be non-negative integers; bad entries "
+                         f"(slot, value): {bad}")
+    return counts

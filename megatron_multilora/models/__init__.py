@@ -1,0 +1,1 @@
+"""Model building: configs, layer specs and the Megatron GPT builder."""

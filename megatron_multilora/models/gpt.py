@@ -1,0 +1,132 @@
+"""Build a Megatron-core GPT model from a plain config."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_multilora.models.specs import gpt_block_spec
+
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+
+
+@dataclasses.dataclass
+class GPTModelConfig:
+    """Architecture of a decoder-only GPT; every field maps onto megatron's config."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None
+    """Key/value heads (GQA); None means one per attention head."""
+    ffn_hidden_size: int = 128
+    vocab_size: int = 256
+    max_sequence_length: int = 512
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    norm_epsilon: float = 1e-5
+    activation: Literal["silu", "gelu", "relu"] = "silu"
+    gated_linear_unit: bool = True
+    """fc1 produces [gate; up] and the MLP computes act(gate) * up (SwiGLU with silu)."""
+    position_embedding_type: Literal["rope", "learned_absolute", "none"] = "rope"
+    rotary_base: int = 10000
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    kv_channels: Optional[int] = None
+    """Head dimension; None means hidden_size // num_attention_heads."""
+    tie_word_embeddings: bool = False
+    init_method_std: float = 0.02
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+
+    def check(self, tensor_model_parallel_size: int) -> list[str]:
+        """Problems with this config under ``tensor_model_parallel_size``; empty when fine."""
+        tp = tensor_model_parallel_size
+        groups = self.num_query_groups or self.num_attention_heads
+        problems = []
+        if self.num_attention_heads % groups:
+            problems.append(f"num_attention_heads={self.num_attention_heads} is not divisible "
+                            f"by num_query_groups={groups}")
+        for name, value in (("num_attention_heads", self.num_attention_heads),
+                            ("num_query_groups", groups), ("ffn_hidden_size", self.ffn_hidden_size),
+                            ("vocab_size", self.vocab_size)):
+            if value % tp:
+                problems.append(f"{name}={value} is not divisible by tensor parallel size {tp}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            problems.append(f"hidden_size={self.hidden_size} is not divisible by "
+                            f"num_attention_heads={self.num_attention_heads}; set kv_channels")
+        if self.activation not in _ACTIVATIONS:
+            problems.append(f"activation={self.activation!r}: choose one of {sorted(_ACTIVATIONS)}")
+        return problems
+
+
+def transformer_config(
+    cfg: GPTModelConfig,
+    sequence_parallel: bool = False,
+    params_dtype: torch.dtype = torch.float32,
+    **overrides: object,
+) -> TransformerConfig:
+    """megatron's TransformerConfig for ``cfg`` under the current parallel layout."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    problems = cfg.check(tp)
+    if problems:
+        raise ValueError("invalid model config:\n  " + "\n  ".join(problems))
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        kv_channels=cfg.kv_channels,
+        normalization=cfg.normalization,
+        layernorm_epsilon=cfg.norm_epsilon,
+        activation_func=_ACTIVATIONS[cfg.activation],
+        gated_linear_unit=cfg.gated_linear_unit,
+        add_bias_linear=cfg.add_bias_linear,
+        add_qkv_bias=cfg.add_qkv_bias,
+        qk_layernorm=cfg.qk_layernorm,
+        init_method_std=cfg.init_method_std,
+        attention_dropout=cfg.attention_dropout,
+        hidden_dropout=cfg.hidden_dropout,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=sequence_parallel,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        pipeline_dtype=params_dtype,
+        # On CPU, weights are initialised as full master tensors and split, which also makes
+        # initial weights independent of the TP layout.
+        use_cpu_initialization=not torch.cuda.is_available(),
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        **overrides,
+    )
+
+
+def build_gpt_model(
+    cfg: GPTModelConfig,
+    sequence_parallel: bool = False,
+    params_dtype: torch.dtype = torch.float32,
+) -> GPTModel:
+    """A GPTModel for ``cfg`` on the current parallel layout (call ``init_parallel`` first)."""
+    config = transformer_config(cfg, sequence_parallel, params_dtype)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=gpt_block_spec(cfg.num_layers, cfg.qk_layernorm),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_sequence_length,
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+        position_embedding_type=cfg.position_embedding_type,
+        rotary_base=cfg.rotary_base,
+    )
+    if torch.cuda.is_available():
+        model.cuda()
+    return model

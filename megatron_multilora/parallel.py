@@ -1,0 +1,98 @@
+"""Process groups and RNG for one parallel layout, and their teardown.
+
+``init_parallel`` is the single entry point a recipe or test calls: it starts
+``torch.distributed`` from the torchrun environment (or as a one-process group), builds
+megatron's ``parallel_state`` for the requested layout and seeds megatron's RNG trackers.
+``destroy_parallel`` undoes the layout so a test can build another one in the same process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+from megatron_multilora.platform.cpu_support import activate_cpu_support
+
+
+def _init_process_group(timeout_s: float) -> None:
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        # Launched without torchrun: a group of one on a free local port.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_parallel(
+    tensor_model_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    sequence_parallel: bool = False,
+    seed: int = 1234,
+    timeout_s: float = 120.0,
+) -> None:
+    """Initialize torch.distributed, megatron's parallel_state and RNG for one layout.
+
+    ``sequence_parallel`` is validated here (it needs tensor parallelism) and is otherwise a
+    model-config setting. ``timeout_s`` bounds every collective, so a mismatched rank fails
+    instead of hanging. Call :func:`destroy_parallel` before initializing another layout.
+    """
+    if pipeline_model_parallel_size != 1:
+        raise ValueError(
+            f"pipeline_model_parallel_size={pipeline_model_parallel_size}: multi-LoRA slot "
+            "routing is carried on modules, so only pipeline_model_parallel_size=1 is supported"
+        )
+    if sequence_parallel and tensor_model_parallel_size == 1:
+        raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1")
+    activate_cpu_support()
+    _init_process_group(timeout_s)
+    world = dist.get_world_size()
+    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
+    if world % model_parallel or world % expert_model_parallel_size:
+        raise ValueError(
+            f"world size {world} is not divisible by tensor x pipeline parallel "
+            f"({tensor_model_parallel_size} x {pipeline_model_parallel_size}) and expert "
+            f"parallel ({expert_model_parallel_size}) sizes"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+        create_gloo_process_groups=torch.cuda.is_available(),
+    )
+    # Same default-generator seed across tensor-parallel ranks (megatron's convention);
+    # the tracker adds the per-TP-rank and expert streams.
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed + 100 * pp_rank)
+    torch.manual_seed(seed + 100 * pp_rank)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_parallel(destroy_process_group: bool = False) -> None:
+    """Tear down the parallel layout; optionally the process group too."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if destroy_process_group and dist.is_initialized():
+        dist.destroy_process_group()

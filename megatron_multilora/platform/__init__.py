@@ -1,0 +1,1 @@
+"""Platform support: what megatron-core needs to run where CUDA is absent."""

@@ -1,0 +1,114 @@
+"""Everything megatron-core 0.16.1 needs to run on a machine without CUDA.
+
+Active only when ``torch.cuda.is_available()`` is False; on a GPU machine
+:func:`activate_cpu_support` does nothing. Each shim names the megatron-core place it
+covers and why; they were checked against megatron-core 0.16.1 (see
+``shared/notes/megatron-on-cpu.md``). Nothing else in the package patches megatron.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+from typing import Iterator
+
+import torch
+
+CHECKED_MEGATRON_VERSION = "0.16.1"
+_log = logging.getLogger(__name__)
+_active = False
+
+
+def cpu_support_active() -> bool:
+    """True once :func:`activate_cpu_support` has installed the shims."""
+    return _active
+
+
+class CPURNGStatesTracker:
+    """Megatron's RNG-states tracker on the CPU generator.
+
+    megatron's ``CudaRNGStatesTracker`` stores ``torch.cuda`` generator states; on CPU the
+    same named streams (data-parallel, tensor-parallel, expert-parallel) live as CPU
+    generator states and ``fork`` swaps the default CPU generator in and out.
+    """
+
+    def __init__(self, **_: object) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._is_initialized = False
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise RuntimeError(f"seed {seed} already exists")
+        if name in self.states_:
+            raise RuntimeError(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        if name not in self.states_:
+            raise RuntimeError(f"rng state {name} is not added")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+def activate_cpu_support() -> bool:
+    """Install the CPU shims once; return True when they are active.
+
+    A no-op (returning False) when CUDA is available, so GPU runs use megatron unchanged.
+    """
+    global _active
+    if _active:
+        return True
+    if torch.cuda.is_available():
+        return False
+
+    from megatron.core import package_info
+
+    if package_info.__version__ != CHECKED_MEGATRON_VERSION:
+        _log.warning(
+            "CPU support was checked on megatron-core %s; running %s",
+            CHECKED_MEGATRON_VERSION,
+            package_info.__version__,
+        )
+
+    # mappings.py, layers.py (SP buffers), rotary get_emb and the MoE router allocate on
+    # torch.cuda.current_device(); returning "cpu" puts those tensors on the CPU.
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    # parallel_state and dist_checkpointing call torch.cuda.synchronize() unconditionally.
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+
+    # tensor_parallel/random.py stores torch.cuda RNG states; use CPU generator states.
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random._CUDA_RNG_STATE_TRACKER = CPURNGStatesTracker()
+    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+    # moe/moe_utils.py names te_general_gemm at call time even without TE (NameError).
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    _active = True
+    return True
