@@ -167,7 +167,7 @@ class MultiLoRALinear(torch.nn.Module):
         # load into wrapped and unwrapped models alike.
         self._register_state_dict_hook(_strip_wrap_prefix)
         self._register_load_state_dict_pre_hook(_add_wrap_prefix, with_module=True)
-        self.register_load_state_dict_post_hook(lambda module, _: module._refresh_scale())
+        self.register_load_state_dict_post_hook(_refresh_after_load)
 
     @staticmethod
     def _sharding(to_wrap: torch.nn.Module, sequence_parallel: Optional[bool]) -> Sharding:
@@ -315,6 +315,11 @@ class MultiLoRALinear(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"n_adapters={self.n_adapters}, dim={self.dim}, base={self.sharding.kind}, "
                 f"tp={self.sharding.tp_size}, sequence_parallel={self.sharding.sequence_parallel}")
+
+
+def _refresh_after_load(module: MultiLoRALinear, incompatible_keys: Any) -> None:
+    if "adapters" in module._modules:  # not while hide_adapters/expose_adapter_slot is active
+        module._refresh_scale()
 
 
 def _strip_wrap_prefix(module, state_dict, prefix, local_metadata):

@@ -1,0 +1,90 @@
+"""apply_multi_lora on a real megatron GPT, and the model builder's config checks."""
+
+import pytest
+import torch
+
+import megatron_multilora as mm
+from megatron_multilora.layers.inject import set_adapter_trainability
+
+CFG = mm.GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                        ffn_hidden_size=48, vocab_size=64)
+N, DIM = 3, 4
+
+
+def gpt(cfg=CFG):
+    torch.manual_seed(0)
+    return mm.build_gpt_model(cfg)
+
+
+def lora_params_expected(model):
+    """N * (dim*in + out*dim) per wrapped layer, from the base weights' shapes."""
+    total = 0
+    for layer in mm.multi_lora_modules(model):
+        out_f, in_f = layer.to_wrap.weight.shape
+        total += N * DIM * (in_f + out_f)
+    return total
+
+
+def test_wraps_all_four_targets_and_trains_only_adapters():
+    model = mm.apply_multi_lora(gpt(), N, DIM, 8.0)
+    names = [n for n, _ in mm.layers.lifecycle.named_multi_lora_modules(model)]
+    assert len(names) == 4 * CFG.num_layers
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    adapter = {n for n, _ in model.named_parameters() if ".adapters." in n}
+    assert trainable == adapter
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == lora_params_expected(model)
+    # qkv: 32 -> (4 + 2*2) heads * 8 = 64 outputs, 3 slots of rank 4: 3 * 4 * (32 + 64)
+    qkv = model.decoder.layers[0].self_attention.linear_qkv
+    assert sum(p.numel() for p in qkv.adapters.parameters()) == 3 * 4 * (32 + 64)
+
+
+def test_idempotent_and_conflicting_reapply():
+    model = mm.apply_multi_lora(gpt(), N, DIM, 8.0)
+    before = [id(m) for m in mm.multi_lora_modules(model)]
+    mm.apply_multi_lora(model, N, DIM, 8.0)
+    assert [id(m) for m in mm.multi_lora_modules(model)] == before
+    assert not any(isinstance(m.to_wrap, mm.MultiLoRALinear) for m in mm.multi_lora_modules(model))
+    with pytest.raises(ValueError, match="already wrapped with n_adapters=3"):
+        mm.apply_multi_lora(model, N + 1, DIM, 8.0)
+
+
+def test_wildcard_targets_and_model_chunks():
+    chunks = [gpt(), gpt()]
+    mm.apply_multi_lora(chunks, N, DIM, 8.0, target_modules=["*.layers.0.*.linear_qkv"])
+    for chunk in chunks:
+        wrapped = [n for n, m in chunk.named_modules() if isinstance(m, mm.MultiLoRALinear)]
+        assert wrapped == ["decoder.layers.0.self_attention.linear_qkv"]
+    with pytest.raises(ValueError, match="no linear matched"):
+        mm.apply_multi_lora(gpt(), N, DIM, 8.0, target_modules=["linear_nope"])
+
+
+def test_base_checkpoint_keys_unchanged_and_fresh_adapters_are_a_noop():
+    plain = gpt()
+    ids = torch.randint(0, CFG.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(12)[None]
+    want = plain(ids, pos, None, labels=ids)
+    model = mm.apply_multi_lora(gpt(), N, DIM, 8.0)
+    with mm.hide_adapters(model):
+        assert set(model.state_dict()) == set(plain.state_dict())
+        model.load_state_dict(plain.state_dict())
+    mm.set_tokens_per_adapter_slot(model, [5, 0, 7])
+    assert torch.equal(model(ids, pos, None, labels=ids), want)
+
+
+def test_set_adapter_trainability_counts():
+    model = mm.apply_multi_lora(gpt(), N, DIM, 8.0)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    assert set_adapter_trainability(model) == lora_params_expected(model)
+
+
+def test_model_config_errors_are_collected():
+    bad = mm.GPTModelConfig(hidden_size=30, num_attention_heads=4, num_query_groups=3,
+                            activation="tanh")
+    with pytest.raises(ValueError) as err:
+        mm.build_gpt_model(bad)
+    msg = str(err.value)
+    assert "num_attention_heads=4 is not divisible by num_query_groups=3" in msg
+    assert "hidden_size=30 is not divisible" in msg and "activation='tanh'" in msg
+    assert mm.GPTModelConfig(vocab_size=257).check(2) == [
+        "vocab_size=257 is not divisible by tensor parallel size 2"]

@@ -1,0 +1,143 @@
+"""MultiLoRALinear at TP=1 against the token-by-token reference in tests/reference.py."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+from megatron_multilora import MultiLoRALinear
+from megatron_multilora.layers.slot_tokens import SlotTokens
+from tests.reference import linear_config, lora_reference, random_slots
+
+IN, OUT, DIM = 16, 24, 8
+COUNTS = [5, 0, 7, 4]          # slot 1 has no tokens
+RANKS = [8, 3, 1, 5]           # unequal ranks, slot 0 at the max rank
+ALPHAS = [16.0, 4.0, 2.0, 10.0]
+KINDS = ["column", "row", "replicated"]
+
+
+def make_base(kind: str, in_f: int, out_f: int, dtype=torch.float32) -> torch.nn.Module:
+    cfg = linear_config(dtype=dtype)
+    init = lambda w: torch.nn.init.normal_(w, std=0.3)  # noqa: E731
+    if kind == "column":
+        return ColumnParallelLinear(in_f, out_f, config=cfg, init_method=init, bias=False,
+                                    gather_output=False, skip_bias_add=True)
+    if kind == "row":
+        return RowParallelLinear(in_f, out_f, config=cfg, init_method=init, bias=False,
+                                 input_is_parallel=True, skip_bias_add=True)
+    base = torch.nn.Linear(in_f, out_f, bias=False, dtype=dtype)
+    torch.nn.init.normal_(base.weight, std=0.3)
+    return base
+
+
+def make_layer(kind, in_f=IN, dtype=torch.float32, seed=0, **kwargs):
+    """A wrapped base whose slots hold random factors; returns (layer, reference slots)."""
+    gen = torch.Generator().manual_seed(seed)
+    layer = MultiLoRALinear(make_base(kind, in_f, OUT, dtype), len(COUNTS), DIM, 1.0,
+                            f"test.{kind}", **kwargs)
+    slots = random_slots(len(COUNTS), DIM, in_f, OUT, RANKS, ALPHAS, gen)
+    with torch.no_grad():
+        for i, f in enumerate(slots):
+            layer.init_adapter_slot(i, f.rank, f.alpha)
+            layer.adapters[i].linear_in.weight.copy_(f.a)
+            layer.adapters[i].linear_out.weight.copy_(f.b)
+            if dtype != torch.float32:  # the reference uses the same rounded values
+                f.a.data.copy_(f.a.to(dtype).float())
+                f.b.data.copy_(f.b.to(dtype).float())
+    layer.slot_tokens = SlotTokens(COUNTS)
+    return layer, slots
+
+
+def output(result):
+    return result[0] if isinstance(result, tuple) else result
+
+
+def run_both(layer, slots, x, dtype=torch.float32, mask=None, seed=3):
+    """Forward+backward through the layer and the reference with the same upstream grad."""
+    base_w = (layer.to_wrap.weight.detach().float())
+    x_l = x.to(dtype).detach().requires_grad_()
+    x_r = x.to(dtype).float().detach().requires_grad_()
+    y = output(layer(x_l.view(-1, 1, x.size(-1)))).view(x.size(0), -1)
+    y_ref = lora_reference(x_r, base_w, slots, COUNTS, mask)
+    g = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(seed))
+    (y.float() * g).sum().backward()
+    (y_ref * g).sum().backward()
+    return y.float(), y_ref, x_l.grad.float(), x_r.grad
+
+
+def assert_close(got, want, rel, what):
+    want = torch.zeros_like(got) if want is None else want  # reference: no tokens, no grad
+    err = (got - want).abs().max().item()
+    scale = max(want.abs().max().item(), 1e-6)
+    assert err <= rel * scale, f"{what}: max abs error {err:.3e} > {rel:g} x {scale:.3e}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("in_f", [IN, 10], ids=["grouped_mm", "loop_fallback"])
+@pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)],
+                         ids=["fp32", "bf16"])
+def test_outputs_and_grads_match_reference(kind, in_f, dtype, rel):
+    layer, slots = make_layer(kind, in_f, dtype)
+    x = torch.randn(sum(COUNTS), in_f, generator=torch.Generator().manual_seed(1))
+    y, y_ref, gx, gx_ref = run_both(layer, slots, x, dtype)
+    assert_close(y, y_ref, rel, "output")
+    assert_close(gx, gx_ref, rel, "input grad")
+    for i, f in enumerate(slots):
+        slot = layer.adapters[i]
+        assert_close(slot.linear_in.weight.grad.float(), f.a.grad, rel, f"slot {i} A grad")
+        assert_close(slot.linear_out.weight.grad.float(), f.b.grad, rel, f"slot {i} B grad")
+    # The zero-token slot's factors get exact zero gradients, not None.
+    assert layer.adapters[1].linear_in.weight.grad.abs().sum() == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("position", ["pre", "post"])
+def test_dropout_matches_reference_mask(kind, position):
+    layer, slots = make_layer(kind, dropout=0.25, dropout_position=position)
+    layer.train()
+    x = torch.randn(sum(COUNTS), IN, generator=torch.Generator().manual_seed(1))
+    tracker = get_cuda_rng_tracker()
+    cpu_state, tracker_states = torch.get_rng_state(), tracker.get_states()
+    y = output(layer(x.view(-1, 1, IN))).view(x.size(0), -1)
+    # Replay the RNG: row-parallel inputs and column-parallel outputs are TP-sharded, so
+    # their masks come from megatron's tensor-parallel stream.
+    torch.set_rng_state(cpu_state)
+    tracker.set_states(tracker_states)
+    sharded = kind == "row" if position == "pre" else kind == "column"
+    shape = (x.size(0), IN if position == "pre" else OUT)
+    with tracker.fork() if sharded else torch.no_grad():
+        mask = F.dropout(torch.ones(shape), 0.25, training=True)
+    if position == "pre":
+        y_ref = lora_reference(x, layer.to_wrap.weight.detach(), slots, COUNTS, mask)
+    else:
+        base = x @ layer.to_wrap.weight.detach().t()
+        delta = lora_reference(x, torch.zeros(OUT, IN), slots, COUNTS)
+        y_ref = base + mask * delta
+    assert (mask == 0).any() and (mask != 0).any()
+    assert_close(y.detach(), y_ref.detach(), 1e-6, f"{position}-dropout output")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_padded_rank_stays_zero_through_training(kind):
+    layer, _ = make_layer(kind)
+    opt = torch.optim.AdamW(layer.adapters.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        x = torch.randn(sum(COUNTS), 1, IN, generator=torch.Generator().manual_seed(step))
+        output(layer(x)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for i, r in enumerate(RANKS):
+        slot = layer.adapters[i]
+        assert slot.linear_in.weight[r:].abs().sum() == 0
+        assert slot.linear_out.weight[:, r:].abs().sum() == 0
+        if r > 1:
+            assert slot.linear_in.weight[:r].abs().sum() > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fresh_adapters_leave_base_output_unchanged(kind):
+    layer = MultiLoRALinear(make_base(kind, IN, OUT), 3, DIM, 8.0, "fresh")
+    layer.slot_tokens = SlotTokens([2, 3, 1])
+    x = torch.randn(6, 1, IN)
+    assert torch.equal(output(layer(x)), output(layer.to_wrap(x)))
