@@ -51,6 +51,6 @@ def linear_config(tp: int = 1, sequence_parallel: bool = False,
                   dtype: torch.dtype = torch.float32) -> TransformerConfig:
     """A megatron config carrying only what a standalone parallel linear reads."""
     return TransformerConfig(
-        num_layers=1, hidden_size=8, num_attention_heads=1, tensor_model_parallel_size=tp,
+        num_layers=1, hidden_size=8, num_attention_heads=4, tensor_model_parallel_size=tp,
         sequence_parallel=sequence_parallel, params_dtype=dtype, use_cpu_initialization=True,
         gradient_accumulation_fusion=False, bf16=dtype == torch.bfloat16)

@@ -1,0 +1,69 @@
+"""Multi-process tests: run all of them in one launch,
+``torchrun --nproc-per-node 2 -m pytest tests/distributed``.
+
+Every rank runs the same tests in the same order; each test initialises its own parallel
+layout. Failures are gathered from all ranks before asserting (``assert_all_ranks``), so a
+failure on one rank fails the test on every rank instead of hanging the others; collectives
+time out after ``TIMEOUT_S`` and pytest-timeout bounds each test.
+"""
+
+import os
+
+import pytest
+import torch.distributed as dist
+
+from megatron_multilora import destroy_parallel, init_parallel
+
+TIMEOUT_S = 60.0
+WORST_REL_ERROR: dict[str, float] = {}  # per test, printed in the summary
+WORLD = int(os.environ.get("WORLD_SIZE", "0"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if WORLD < 2:
+        skip = pytest.mark.skip(reason="multi-process test: run under torchrun --nproc-per-node 2")
+        for item in items:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def layout():
+    """Call ``layout(tp=.., ep=.., sp=..)`` to initialise; torn down after the test."""
+
+    def init(tp: int = 1, ep: int = 1, sp: bool = False, seed: int = 1234) -> None:
+        if WORLD % (tp * ep) and WORLD % tp:
+            pytest.skip(f"needs a world divisible by tp={tp}, ep={ep}")
+        init_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                      sequence_parallel=sp, seed=seed, timeout_s=TIMEOUT_S)
+
+    yield init
+    destroy_parallel()
+
+
+def assert_all_ranks(failures: list[str]) -> None:
+    """Fail on every rank if any rank has failures, reporting each rank's messages."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, list(failures))
+    msgs = [f"rank {r}: {m}" for r, fs in enumerate(gathered) for m in fs]
+    assert not msgs, "\n".join(msgs)
+
+
+def compare(failures: list[str], got, want, rel: float, what: str) -> float:
+    """Record a failure when max|got - want| > rel * max|want|; return the relative error."""
+    import torch
+
+    want = torch.zeros_like(got) if want is None else want
+    err = (got.float() - want.float()).abs().max().item()
+    scale = max(want.float().abs().max().item(), 1e-12)
+    if err > rel * scale:
+        failures.append(f"{what}: max abs error {err:.3e} > {rel:g} x {scale:.3e}")
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+    WORST_REL_ERROR[test] = max(WORST_REL_ERROR.get(test, 0.0), err / scale)
+    return err / scale
+
+
+def pytest_terminal_summary(terminalreporter):
+    if WORST_REL_ERROR:
+        terminalreporter.section("worst relative error per test (this rank)")
+        for test, rel in WORST_REL_ERROR.items():
+            terminalreporter.write_line(f"{rel:.2e}  {test}")
