@@ -1,5 +1,9 @@
 """megatron-multilora: train many LoRA adapters at once on one frozen Megatron-core model."""
 
+from megatron_multilora.platform.cpu_support import quiet_missing_accelerator_warnings
+
+quiet_missing_accelerator_warnings()  # before megatron is imported below
+
 from megatron_multilora.layers.inject import apply_multi_lora, set_adapter_trainability
 from megatron_multilora.layers.lifecycle import (
     adapter_state_dict,
@@ -10,6 +14,7 @@ from megatron_multilora.layers.lifecycle import (
     load_adapter,
     multi_lora_modules,
     set_tokens_per_adapter_slot,
+    slot_parameters,
 )
 from megatron_multilora.layers.multi_lora_linear import LoRASlot, MultiLoRALinear
 from megatron_multilora.models.gpt import GPTModelConfig, build_gpt_model
@@ -32,4 +37,5 @@ __all__ = [
     "multi_lora_modules",
     "set_adapter_trainability",
     "set_tokens_per_adapter_slot",
+    "slot_parameters",
 ]

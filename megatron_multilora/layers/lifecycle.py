@@ -56,6 +56,13 @@ def set_tokens_per_adapter_slot(model: ModelOrChunks,
         layer.slot_tokens = tokens
 
 
+def slot_parameters(model: ModelOrChunks, idx: int) -> list[torch.nn.Parameter]:
+    """Slot ``idx``'s trainable parameters across all layers (what its optimizer owns)."""
+    layers = multi_lora_modules(model)
+    layers[0]._check_idx(idx)
+    return [p for layer in layers for p in layer.adapters[idx].parameters()]
+
+
 def init_adapter_slot(model: ModelOrChunks, idx: int, rank: int, alpha: float) -> None:
     """Claim slot ``idx`` in every layer with ``rank`` (1..dim) and ``alpha``."""
     for layer in multi_lora_modules(model):

@@ -9,7 +9,8 @@ Every slot is allocated at the max rank ``dim``; rows ``[r_s:]`` of A_s and colu
 stay zero. A packed micro-batch holds each slot's tokens contiguously (adapter-major);
 ``set_tokens_per_adapter_slot`` says how many. The forward is two grouped GEMMs over those
 slot segments with one TP collective on the small ``[tokens, dim]`` buffer between them
-(layout per base kind in :mod:`.sharding`); the per-slot scale is applied in fp32.
+(layout per base kind in :mod:`.sharding`). The per-slot scale is applied in fp32 to that
+small buffer, as serving kernels apply it, rather than to the full ``[tokens, out]`` output.
 """
 
 from __future__ import annotations
@@ -303,12 +304,13 @@ class MultiLoRALinear(torch.nn.Module):
         mid = sh.reduce_mid(grouped_linear(x2.contiguous(), a, seg_in))  # [T, dim]
         start, rows = self._window(mid.size(0), sh.output_is_sequence_shard)
         seg_out = self.slot_tokens.segments(start, rows, mid.device)
+        # Per-token alpha/rank on the small [T, dim] buffer, in fp32 (as serving kernels do).
+        scale = self.scale[seg_out.group_of_row].unsqueeze(1)
+        mid = (mid.float() * scale).to(mid.dtype)
         b = torch.stack([s.linear_out.weight for s in self.adapters])   # [N, out, dim]
         lora = grouped_linear(mid, b, seg_out)                           # [T, out]
         if self.dropout_position == "post":
             lora = self._dropout(lora, sh.output_is_sequence_shard or sh.kind == "column")
-        # Scale in fp32, as serving engines do, then add in the base's dtype.
-        lora = (lora.float() * self.scale[seg_out.group_of_row].unsqueeze(1)).to(base_out.dtype)
         out = base_out + lora.view_as(base_out)
         return (out, bias) if isinstance(result, tuple) else out
 

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh), then run the whole test suite: single-process tests, then every
+# multi-process test in one torchrun launch. Extra arguments go to both pytest runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+
+run_pytest() {
+    # pytest exits 5 when it collected no test: a suite that ran nothing has failed.
+    local rc=0
+    "$@" || rc=$?
+    if [ "$rc" -eq 5 ]; then echo "test: no tests were collected by: $*" >&2; fi
+    return "$rc"
+}
+
+echo "test: single-process tests"
+run_pytest .venv/bin/python -m pytest tests/unit "$@"
+echo "test: multi-process tests (torchrun, 2 processes, gloo)"
+OMP_NUM_THREADS=1 run_pytest .venv/bin/torchrun --standalone --nproc-per-node 2 \
+    --local-ranks-filter 0 -m pytest tests/distributed "$@"
