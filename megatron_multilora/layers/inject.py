@@ -6,6 +6,7 @@ import fnmatch
 from typing import Optional, Sequence
 
 import torch
+from megatron.core.transformer.mlp import MLP
 
 from megatron_multilora.layers.lifecycle import ModelOrChunks, _chunks
 from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear, base_kind
@@ -82,12 +83,19 @@ def apply_multi_lora(
             parent = chunk.get_submodule(parent_name) if parent_name else chunk
             setattr(parent, child, MultiLoRALinear(
                 module, n_adapters, dim, alpha, name, column_init_method, row_init_method,
-                dropout, dropout_position, sequence_parallel=config_sp, seed=seed))
+                dropout, dropout_position, sequence_parallel=config_sp,
+                gated_output=_is_gated_fc1(parent, child), seed=seed))
             wrapped += 1
     if wrapped == 0:
         raise ValueError(f"apply_multi_lora: no linear matched target_modules={list(target_modules)}")
     set_adapter_trainability(model)
     return model
+
+
+def _is_gated_fc1(parent: torch.nn.Module, child: str) -> bool:
+    """megatron's MLP keeps fc1's output as [gate; up] per TP rank when it is gated."""
+    return (isinstance(parent, MLP) and child == "linear_fc1"
+            and bool(getattr(parent.config, "gated_linear_unit", False)))
 
 
 def _ancestors(root: torch.nn.Module, name: str) -> list[torch.nn.Module]:

@@ -27,6 +27,11 @@ from megatron.core.tensor_parallel.layers import (
     RowParallelLinear,
     set_tensor_model_parallel_attributes,
 )
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+from megatron.core.transformer.utils import (
+    make_sharded_tensors_for_checkpoint,
+    sharded_state_dict_default,
+)
 
 from megatron_multilora.layers.grouped_gemm import grouped_linear
 from megatron_multilora.layers.sharding import Sharding
@@ -101,6 +106,8 @@ class MultiLoRALinear(torch.nn.Module):
         a2a_experimental: accepted for API compatibility; only False is supported.
         sequence_parallel: for bases that do not carry the flag themselves (plain
             replicated linears); megatron and TE bases use their own.
+        gated_output: the base is a gated MLP's fc1, whose output is ``[gate; up]`` within
+            each TP rank's shard; B's rows follow that layout in checkpoints.
         seed: base seed of the deterministic, layout-independent slot initialisation.
     """
 
@@ -117,6 +124,7 @@ class MultiLoRALinear(torch.nn.Module):
         dropout_position: str = "pre",
         a2a_experimental: bool = False,
         sequence_parallel: Optional[bool] = None,
+        gated_output: bool = False,
         seed: int = 1234,
     ) -> None:
         super().__init__()
@@ -142,6 +150,7 @@ class MultiLoRALinear(torch.nn.Module):
         self.n_adapters, self.dim, self.full_name = n_adapters, dim, full_name
         self.column_init_method, self.row_init_method = column_init_method, row_init_method
         self.dropout, self.dropout_position, self.seed = dropout, dropout_position, seed
+        self.gated_output = gated_output
         self.sharding = self._sharding(to_wrap, sequence_parallel)
         self._returns_ln_output = type(to_wrap).__name__ == "TELayerNormColumnParallelLinear"
         if self._returns_ln_output:
@@ -313,6 +322,36 @@ class MultiLoRALinear(torch.nn.Module):
             lora = self._dropout(lora, sh.output_is_sequence_shard or sh.kind == "column")
         out = base_out + lora.view_as(base_out)
         return (out, bias) if isinstance(result, tuple) else out
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
+        """megatron dist-checkpointing view: the base's own keys and sharding, plus the
+        adapter tensors (``adapters.i.*``, or ``adapter.*`` while a slot is exposed) with
+        their TP split axes, so checkpoints reshard across TP layouts."""
+        sharded = sharded_state_dict_default(self.to_wrap, prefix, sharded_offsets, metadata)
+        split = {"A": self.sharding.a_split_dim, "B": self.sharding.b_split_dim}
+        factor_of = {}  # parameter -> "A" | "B", by identity
+        for slot in self.modules():
+            if isinstance(slot, LoRASlot):
+                factor_of[slot.linear_in.weight] = "A"
+                factor_of[slot.linear_out.weight] = "B"
+        tensors, axes, gated_keys = {}, {}, []
+        for name, child in self.named_children():
+            if child is self.to_wrap:
+                continue
+            for key, value in child.state_dict(prefix=f"{name}.", keep_vars=True).items():
+                tensors[key] = value
+                factor = factor_of.get(value)
+                if factor is not None and split[factor] is not None:
+                    axes[key] = split[factor]
+                    if factor == "B" and self.gated_output:
+                        gated_keys.append(prefix + key)
+        adapters = make_sharded_tensors_for_checkpoint(tensors, prefix, axes, sharded_offsets)
+        singleton = (metadata or {}).get("singleton_local_shards", False)
+        for key in gated_keys:  # B rows are [gate; up] per rank, as the base's fc1 weight
+            adapters[key] = apply_swiglu_sharded_factory(adapters[key], sharded_offsets, singleton)
+        sharded.update(adapters)
+        return sharded
 
     def extra_repr(self) -> str:
         return (f"n_adapters={self.n_adapters}, dim={self.dim}, base={self.sharding.kind}, "

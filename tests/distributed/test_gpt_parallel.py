@@ -129,3 +129,29 @@ def test_dp2_grads_equal_one_process_on_both_micro_batches(layout):
     for k, g in adapter_grads(ddp).items():
         compare(failures, g, want[k], REL, k)
     assert_all_ranks(failures)
+
+
+def test_dist_checkpoint_saved_at_tp1_loads_at_tp2(layout, tmp_path):
+    """Base and adapter tensors reshard through megatron's dist_checkpointing."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    path = [str(tmp_path)]
+    dist.broadcast_object_list(path, src=0)  # one folder for all ranks
+    layout(tp=1)
+    ddp = build()
+    full = {k: v.clone() for k, v in ddp.module.state_dict().items() if torch.is_tensor(v)}
+    dist_checkpointing.save(ddp.module.sharded_state_dict(), path[0])
+    mm.destroy_parallel()
+
+    layout(tp=2)
+    torch.manual_seed(99)  # different weights until the checkpoint loads
+    model = mm.apply_multi_lora(mm.build_gpt_model(CFG), N, DIM, 1.0)
+    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), path[0]))
+    like = model.state_dict(keep_vars=True)
+    failures = [k for k, v in full.items()
+                if not torch.equal(like[k].detach(), shard_for_this_rank(k, v, like[k]))]
+    want = torch.tensor(ALPHAS) / torch.tensor(RANKS)
+    if any(not torch.equal(layer.scale, want) for layer in mm.multi_lora_modules(model)):
+        failures.append(f"slot scales not restored: {mm.multi_lora_modules(model)[0].scale}")
+    assert_all_ranks(failures)

@@ -35,6 +35,10 @@ def test_wraps_all_four_targets_and_trains_only_adapters():
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == lora_params_expected(model)
     # qkv: 32 -> (4 + 2*2) heads * 8 = 64 outputs, 3 slots of rank 4: 3 * 4 * (32 + 64)
     qkv = model.decoder.layers[0].self_attention.linear_qkv
+    gated = {n.rsplit(".", 1)[-1]: m.gated_output for n, m in
+             mm.layers.lifecycle.named_multi_lora_modules(model)}
+    assert gated == {"linear_qkv": False, "linear_proj": False, "linear_fc1": True,
+                     "linear_fc2": False}
     assert sum(p.numel() for p in qkv.adapters.parameters()) == 3 * 4 * (32 + 64)
 
 
@@ -88,3 +92,29 @@ def test_model_config_errors_are_collected():
     assert "hidden_size=30 is not divisible" in msg and "activation='tanh'" in msg
     assert mm.GPTModelConfig(vocab_size=257).check(2) == [
         "vocab_size=257 is not divisible by tensor parallel size 2"]
+
+
+@pytest.mark.parametrize("variant", [
+    dict(normalization="LayerNorm", activation="gelu", gated_linear_unit=False),
+    dict(position_embedding_type="learned_absolute", tie_word_embeddings=True),
+    dict(add_bias_linear=True, add_qkv_bias=True, qk_layernorm=True),
+], ids=["layernorm_gelu", "absolute_tied", "biases_qknorm"])
+def test_builder_variants_train_through_adapters(variant):
+    cfg = mm.GPTModelConfig(**{**CFG.__dict__, **variant})
+    model = mm.apply_multi_lora(gpt(cfg), N, DIM, 8.0, row_init_method="normal")
+    ids = torch.randint(0, cfg.vocab_size, (1, 10), generator=torch.Generator().manual_seed(0))
+    mm.set_tokens_per_adapter_slot(model, [4, 6, 0])
+    model(ids, torch.arange(10)[None], None, labels=ids).mean().backward()
+    grads = [p.grad for p in mm.slot_parameters(model, 0)]
+    assert all(g is not None for g in grads) and any(g.abs().sum() > 0 for g in grads)
+    assert all(p.grad.abs().sum() == 0 for p in mm.slot_parameters(model, 2))  # no tokens
+
+
+def test_init_parallel_rejects_unsupported_layouts():
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size=2"):
+        mm.init_parallel(pipeline_model_parallel_size=2)
+    with pytest.raises(ValueError, match="sequence_parallel=True needs"):
+        mm.init_parallel(sequence_parallel=True)
+    with pytest.raises(ValueError, match="world size 1 is not divisible"):
+        mm.init_parallel(tensor_model_parallel_size=2)
+    mm.init_parallel(seed=1234)  # the session's layout is still usable
