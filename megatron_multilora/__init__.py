@@ -4,6 +4,7 @@ from megatron_multilora.platform.cpu_support import quiet_missing_accelerator_wa
 
 quiet_missing_accelerator_warnings()  # before megatron is imported below
 
+from megatron_multilora.layers.expert_lora import MultiLoRAGroupedExpertLinear
 from megatron_multilora.layers.inject import apply_multi_lora, set_adapter_trainability
 from megatron_multilora.layers.lifecycle import (
     adapter_state_dict,
@@ -19,10 +20,13 @@ from megatron_multilora.layers.lifecycle import (
 from megatron_multilora.layers.multi_lora_linear import LoRASlot, MultiLoRALinear
 from megatron_multilora.models.gpt import GPTModelConfig, build_gpt_model
 from megatron_multilora.parallel import destroy_parallel, init_parallel
+from megatron_multilora.routing.slot_routing import ExpertSlotRouting, install_moe_slot_routing
 
 __all__ = [
+    "ExpertSlotRouting",
     "GPTModelConfig",
     "LoRASlot",
+    "MultiLoRAGroupedExpertLinear",
     "MultiLoRALinear",
     "adapter_state_dict",
     "apply_multi_lora",
@@ -33,6 +37,7 @@ __all__ = [
     "hide_adapters",
     "init_adapter_slot",
     "init_parallel",
+    "install_moe_slot_routing",
     "load_adapter",
     "multi_lora_modules",
     "set_adapter_trainability",

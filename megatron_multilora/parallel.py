@@ -79,6 +79,8 @@ def init_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         expert_model_parallel_size=expert_model_parallel_size,
+        # Expert LoRA segments rows by whole experts: experts are never tensor-split.
+        expert_tensor_parallel_size=1,
         distributed_timeout_minutes=max(1, int(timeout_s // 60)),
         create_gloo_process_groups=torch.cuda.is_available(),
     )

@@ -6,10 +6,14 @@ import fnmatch
 from typing import Optional, Sequence
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.experts import TEGroupedMLP
 
+from megatron_multilora.layers.expert_lora import MultiLoRAGroupedExpertLinear
 from megatron_multilora.layers.lifecycle import ModelOrChunks, _chunks
 from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear, base_kind
+from megatron_multilora.routing.slot_routing import install_moe_slot_routing
 
 DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
@@ -57,6 +61,9 @@ def apply_multi_lora(
 ) -> ModelOrChunks:
     """Wrap every target linear with a :class:`MultiLoRALinear` of ``n_adapters`` slots.
 
+    Grouped expert linears (``mlp.experts.linear_fc1/fc2``) get a
+    :class:`MultiLoRAGroupedExpertLinear` and their MoE layers the slot-routing hook; shared
+    experts and other dense linears a :class:`MultiLoRALinear`; routers are left alone.
     Targets are module names (``"linear_qkv"`` matches every ``...linear_qkv``) or
     wildcard patterns over the full path (``"*.layers.0.*.linear_qkv"``). The base is frozen;
     only adapter parameters stay trainable. Already-wrapped modules are left alone, so
@@ -75,26 +82,39 @@ def apply_multi_lora(
                                      f"n_adapters={n_adapters}, dim={dim}")
                 wrapped += 1
                 continue
-            if not name or not _matches(name, target_modules) or not _wrappable(module):
+            if not name or not _matches(name, target_modules):
                 continue
             if any(isinstance(m, MultiLoRALinear) for m in _ancestors(chunk, name)):
                 continue  # the base inside a wrapper
             parent_name, _, child = name.rpartition(".")
             parent = chunk.get_submodule(parent_name) if parent_name else chunk
-            setattr(parent, child, MultiLoRALinear(
-                module, n_adapters, dim, alpha, name, column_init_method, row_init_method,
-                dropout, dropout_position, sequence_parallel=config_sp,
-                gated_output=_is_gated_fc1(parent, child), seed=seed))
+            gated = _is_gated_fc1(parent, child)
+            if isinstance(parent, TEGroupedMLP):
+                local = parent.num_local_experts
+                wrapper: MultiLoRALinear = MultiLoRAGroupedExpertLinear(
+                    module, n_adapters, dim, alpha, name, local, column_init_method,
+                    row_init_method, dropout, dropout_position, gated_output=gated,
+                    expert_offset=parallel_state.get_expert_model_parallel_rank() * local,
+                    seed=seed)
+            elif _wrappable(module):
+                wrapper = MultiLoRALinear(
+                    module, n_adapters, dim, alpha, name, column_init_method, row_init_method,
+                    dropout, dropout_position, sequence_parallel=config_sp,
+                    gated_output=gated, seed=seed)
+            else:
+                continue
+            setattr(parent, child, wrapper)
             wrapped += 1
     if wrapped == 0:
         raise ValueError(f"apply_multi_lora: no linear matched target_modules={list(target_modules)}")
+    install_moe_slot_routing(model)
     set_adapter_trainability(model)
     return model
 
 
 def _is_gated_fc1(parent: torch.nn.Module, child: str) -> bool:
-    """megatron's MLP keeps fc1's output as [gate; up] per TP rank when it is gated."""
-    return (isinstance(parent, MLP) and child == "linear_fc1"
+    """megatron's (expert) MLPs keep fc1's output as [gate; up] (per TP rank) when gated."""
+    return (isinstance(parent, (MLP, TEGroupedMLP)) and child == "linear_fc1"
             and bool(getattr(parent.config, "gated_linear_unit", False)))
 
 

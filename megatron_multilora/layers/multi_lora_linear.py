@@ -128,7 +128,7 @@ class MultiLoRALinear(torch.nn.Module):
         seed: int = 1234,
     ) -> None:
         super().__init__()
-        where = f"MultiLoRALinear({full_name})"
+        where = f"{type(self).__name__}({full_name})"
         if n_adapters < 1 or dim < 1:
             raise ValueError(f"{where}: n_adapters={n_adapters} and dim={dim} must be >= 1")
         if column_init_method not in _INIT_METHODS or row_init_method not in _INIT_METHODS:
@@ -139,12 +139,7 @@ class MultiLoRALinear(torch.nn.Module):
                              f"dropout_position={dropout_position!r} 'pre' or 'post'")
         if a2a_experimental:
             raise ValueError(f"{where}: a2a_experimental=True is not supported")
-        if getattr(to_wrap, "gather_output", False):
-            raise ValueError(f"{where}: bases with gather_output=True are not supported")
-        if getattr(to_wrap, "is_expert", False):
-            raise ValueError(f"{where}: expert linears are wrapped by MultiLoRAGroupedExpertLinear")
-        if isinstance(to_wrap, RowParallelLinear) and not to_wrap.input_is_parallel:
-            raise ValueError(f"{where}: row-parallel bases need input_is_parallel=True")
+        self._check_base(to_wrap, where)
 
         self.to_wrap = to_wrap
         self.n_adapters, self.dim, self.full_name = n_adapters, dim, full_name
@@ -158,17 +153,10 @@ class MultiLoRALinear(torch.nn.Module):
             to_wrap.return_layernorm_output = True
             to_wrap.return_layernorm_output_gathered = False
 
-        weight = to_wrap.weight
-        out_local, in_local = weight.shape
-        self.adapters = torch.nn.ModuleList(
-            LoRASlot(in_local, out_local, dim, alpha, weight.dtype, weight.device)
-            for _ in range(n_adapters))
-        a_partial, b_partial = self.sharding.partial_grad_factors()
-        for slot in self.adapters:
-            self._tag(slot.linear_in.weight, self.sharding.a_split_dim, a_partial)
-            self._tag(slot.linear_out.weight, self.sharding.b_split_dim, b_partial)
+        self.adapters = torch.nn.ModuleList(self._new_slot(alpha) for _ in range(n_adapters))
         self.register_buffer("scale", torch.zeros(n_adapters, dtype=torch.float32,
-                                                  device=weight.device), persistent=False)
+                                                  device=self.adapters[0].alpha.device),
+                             persistent=False)
         self.slot_tokens: Optional[SlotTokens] = None
         for idx in range(n_adapters):
             self.reset_adapter(idx)
@@ -179,8 +167,25 @@ class MultiLoRALinear(torch.nn.Module):
         self._register_load_state_dict_pre_hook(_add_wrap_prefix, with_module=True)
         self.register_load_state_dict_post_hook(_refresh_after_load)
 
-    @staticmethod
-    def _sharding(to_wrap: torch.nn.Module, sequence_parallel: Optional[bool]) -> Sharding:
+    def _check_base(self, to_wrap: torch.nn.Module, where: str) -> None:
+        if getattr(to_wrap, "gather_output", False):
+            raise ValueError(f"{where}: bases with gather_output=True are not supported")
+        if getattr(to_wrap, "is_expert", False):
+            raise ValueError(f"{where}: expert linears are wrapped by MultiLoRAGroupedExpertLinear")
+        if isinstance(to_wrap, RowParallelLinear) and not to_wrap.input_is_parallel:
+            raise ValueError(f"{where}: row-parallel bases need input_is_parallel=True")
+
+    def _new_slot(self, alpha: float) -> LoRASlot:
+        """A slot shaped like this rank's shard of the base, its factors tagged for megatron."""
+        weight = self.to_wrap.weight
+        out_local, in_local = weight.shape
+        slot = LoRASlot(in_local, out_local, self.dim, alpha, weight.dtype, weight.device)
+        a_partial, b_partial = self.sharding.partial_grad_factors()
+        self._tag(slot.linear_in.weight, self.sharding.a_split_dim, a_partial)
+        self._tag(slot.linear_out.weight, self.sharding.b_split_dim, b_partial)
+        return slot
+
+    def _sharding(self, to_wrap: torch.nn.Module, sequence_parallel: Optional[bool]) -> Sharding:
         sp = getattr(to_wrap, "sequence_parallel", None)
         sp = bool(sequence_parallel) if sp is None else sp
         group = getattr(to_wrap, "tp_group", None)
@@ -202,7 +207,7 @@ class MultiLoRALinear(torch.nn.Module):
 
     def _check_idx(self, idx: int) -> None:
         if not 0 <= idx < self.n_adapters:
-            raise IndexError(f"MultiLoRALinear({self.full_name}): slot {idx} is out of range "
+            raise IndexError(f"{type(self).__name__}({self.full_name}): slot {idx} is out of range "
                              f"0..{self.n_adapters - 1}")
 
     def _refresh_scale(self) -> None:
@@ -221,6 +226,11 @@ class MultiLoRALinear(torch.nn.Module):
             return full
         return full.chunk(self.sharding.tp_size, dim=split_dim)[self.sharding.tp_rank]
 
+    def _generator(self, *key: object) -> torch.Generator:
+        """A CPU generator seeded by (seed, layer name, key): the same on every rank."""
+        text = ":".join(str(k) for k in (self.seed, self.full_name, *key))
+        return torch.Generator().manual_seed(zlib.crc32(text.encode()))
+
     def reset_adapter(self, idx: int) -> None:
         """Re-initialise slot ``idx``'s weights, identically on every rank and TP layout.
 
@@ -230,8 +240,7 @@ class MultiLoRALinear(torch.nn.Module):
         """
         self._check_idx(idx)
         slot = self.adapters[idx]
-        key = zlib.crc32(f"{self.seed}:{self.full_name}:{idx}".encode())
-        gen = torch.Generator().manual_seed(key)
+        gen = self._generator(idx)
         with torch.no_grad():
             for linear, method, split in ((slot.linear_in, self.column_init_method,
                                            self.sharding.a_split_dim),
@@ -242,18 +251,22 @@ class MultiLoRALinear(torch.nn.Module):
         self._apply_rank_mask(idx)
 
     def _apply_rank_mask(self, idx: int) -> None:
-        """Zero A's rows and B's columns beyond the slot's rank (the rank dim is never split)."""
+        """Zero A's rank rows and B's rank columns beyond the slot's rank.
+
+        The rank dim is never split over TP; A is ``[..., dim, in]`` and B ``[..., out, dim]``
+        (with a leading local-expert dim for expert layers).
+        """
         slot = self.adapters[idx]
         r = int(slot.rank)
         with torch.no_grad():
-            slot.linear_in.weight[r:].zero_()
-            slot.linear_out.weight[:, r:].zero_()
+            slot.linear_in.weight[..., r:, :].zero_()
+            slot.linear_out.weight[..., r:].zero_()
 
     def init_adapter_slot(self, idx: int, rank: int, alpha: float) -> None:
         """Claim slot ``idx``: bind rank and alpha and zero the padded rank."""
         self._check_idx(idx)
         if not isinstance(rank, int) or not 1 <= rank <= self.dim:
-            raise ValueError(f"MultiLoRALinear({self.full_name}): rank={rank} is outside "
+            raise ValueError(f"{type(self).__name__}({self.full_name}): rank={rank} is outside "
                              f"1..{self.dim} (the layer's max rank dim)")
         slot = self.adapters[idx]
         slot.rank.fill_(rank)

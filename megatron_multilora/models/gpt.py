@@ -44,6 +44,24 @@ class GPTModelConfig:
     init_method_std: float = 0.02
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
+    # Mixture of experts (every layer's MLP when num_moe_experts is set).
+    num_moe_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    """Per-expert FFN width; None means ffn_hidden_size."""
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before top-k (no renormalisation of the top-k probabilities);
+    False applies softmax over the chosen top-k, i.e. renormalised."""
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing auxiliary loss weight; 0 disables it."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
+    # Activation recompute.
+    recompute_granularity: Optional[Literal["full", "selective"]] = None
+    """"full" recomputes each transformer layer; "selective" the modules listed below."""
+    recompute_modules: Optional[list[str]] = None
+    """With selective recompute, e.g. ["moe"] or ["core_attn"] (megatron's names)."""
 
     def check(self, tensor_model_parallel_size: int) -> list[str]:
         """Problems with this config under ``tensor_model_parallel_size``; empty when fine."""
@@ -61,6 +79,13 @@ class GPTModelConfig:
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             problems.append(f"hidden_size={self.hidden_size} is not divisible by "
                             f"num_attention_heads={self.num_attention_heads}; set kv_channels")
+        if self.num_moe_experts is not None:
+            if not 1 <= self.moe_router_topk <= self.num_moe_experts:
+                problems.append(f"moe_router_topk={self.moe_router_topk} must be in "
+                                f"1..num_moe_experts={self.num_moe_experts}")
+            if self.moe_token_dispatcher_type not in ("alltoall", "allgather"):
+                problems.append(f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r}: "
+                                "use 'alltoall' or 'allgather'")
         if self.activation not in _ACTIVATIONS:
             problems.append(f"activation={self.activation!r}: choose one of {sorted(_ACTIVATIONS)}")
         return problems
@@ -74,9 +99,21 @@ def transformer_config(
 ) -> TransformerConfig:
     """megatron's TransformerConfig for ``cfg`` under the current parallel layout."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    ep = parallel_state.get_expert_model_parallel_world_size()
     problems = cfg.check(tp)
+    if cfg.num_moe_experts is not None and cfg.num_moe_experts % ep:
+        problems.append(f"num_moe_experts={cfg.num_moe_experts} is not divisible by expert "
+                        f"parallel size {ep}")
     if problems:
         raise ValueError("invalid model config:\n  " + "\n  ".join(problems))
+    if cfg.num_moe_experts is not None:
+        overrides = {**_moe_settings(cfg, ep), **overrides}
+    if cfg.recompute_granularity == "full":
+        overrides = {"recompute_granularity": "full", "recompute_method": "uniform",
+                     "recompute_num_layers": 1, **overrides}
+    elif cfg.recompute_granularity == "selective":
+        overrides = {"recompute_granularity": "selective",
+                     "recompute_modules": cfg.recompute_modules or ["core_attn"], **overrides}
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -111,6 +148,24 @@ def transformer_config(
     )
 
 
+def _moe_settings(cfg: GPTModelConfig, ep: int) -> dict:
+    return dict(
+        num_moe_experts=cfg.num_moe_experts,
+        moe_router_topk=cfg.moe_router_topk,
+        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+        moe_router_score_function=cfg.moe_router_score_function,
+        moe_router_pre_softmax=cfg.moe_router_pre_softmax,
+        moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+        moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none",
+        moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+        moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
+        moe_grouped_gemm=True,
+        moe_permute_fusion=False,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+    )
+
+
 def build_gpt_model(
     cfg: GPTModelConfig,
     sequence_parallel: bool = False,
@@ -120,7 +175,8 @@ def build_gpt_model(
     config = transformer_config(cfg, sequence_parallel, params_dtype)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=gpt_block_spec(cfg.num_layers, cfg.qk_layernorm),
+        transformer_layer_spec=gpt_block_spec(cfg.num_layers, cfg.qk_layernorm,
+                                              cfg.num_moe_experts),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_sequence_length,
         share_embeddings_and_output_weights=cfg.tie_word_embeddings,

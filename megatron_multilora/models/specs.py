@@ -8,12 +8,33 @@ from __future__ import annotations
 
 import dataclasses
 
+from typing import Optional
+
 import torch
+from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_multilora.models.torch_modules import SDPAttention, TorchNorm
+from megatron_multilora.models.torch_modules import SDPAttention, TorchGroupedLinear, TorchNorm
+
+
+class TorchSpecProvider(LocalSpecProvider):
+    """megatron's local backend with pure-torch attention, norms and grouped experts."""
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+        return TorchNorm
+
+    def core_attention(self) -> type:
+        return SDPAttention
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool):
+        # TEGroupedMLP with TE-interface torch grouped linears: same module paths as with TE.
+        return TEGroupedMLP, MLPSubmodules(linear_fc1=TorchGroupedLinear,
+                                           linear_fc2=TorchGroupedLinear)
 
 
 def transformer_engine_usable() -> bool:
@@ -21,17 +42,22 @@ def transformer_engine_usable() -> bool:
     return gpt_layer_specs.HAVE_TE and torch.cuda.is_available()
 
 
-def gpt_block_spec(num_layers: int, qk_layernorm: bool = False) -> TransformerBlockSubmodules | ModuleSpec:
-    """The decoder-block spec for a dense GPT of ``num_layers`` layers."""
+def gpt_block_spec(num_layers: int, qk_layernorm: bool = False,
+                   num_experts: Optional[int] = None) -> TransformerBlockSubmodules | ModuleSpec:
+    """The decoder-block spec for a GPT of ``num_layers`` layers (MoE MLPs with experts)."""
     if transformer_engine_usable():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=num_experts is not None,
+            qk_layernorm=qk_layernorm)
     layer = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
     return TransformerBlockSubmodules(
-        layer_specs=[torch_layer_spec(layer, qk_layernorm)] * num_layers, layer_norm=TorchNorm
+        layer_specs=[torch_layer_spec(layer, qk_layernorm, num_experts)] * num_layers,
+        layer_norm=TorchNorm,
     )
 
 
-def torch_layer_spec(layer: ModuleSpec, qk_layernorm: bool) -> ModuleSpec:
+def torch_layer_spec(layer: ModuleSpec, qk_layernorm: bool,
+                     num_experts: Optional[int] = None) -> ModuleSpec:
     """Swap the CUDA-only/non-SP submodules of a local layer spec for pure-torch ones."""
     attn = layer.submodules.self_attention
     attn_sub = dataclasses.replace(attn.submodules, core_attention=SDPAttention)
@@ -43,4 +69,7 @@ def torch_layer_spec(layer: ModuleSpec, qk_layernorm: bool) -> ModuleSpec:
         pre_mlp_layernorm=TorchNorm,
         self_attention=dataclasses.replace(attn, submodules=attn_sub),
     )
+    if num_experts is not None:
+        layer_sub = dataclasses.replace(layer_sub, mlp=get_moe_module_spec_for_backend(
+            TorchSpecProvider(), num_experts=num_experts, moe_grouped_gemm=True))
     return dataclasses.replace(layer, submodules=layer_sub)

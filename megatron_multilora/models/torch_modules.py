@@ -100,3 +100,77 @@ class TorchNorm:
         for p in norm.parameters():
             p.sequence_parallel = config.sequence_parallel
         return norm
+
+
+class TorchGroupedLinear(torch.nn.Module):
+    """Transformer Engine's grouped expert linear, in pure torch.
+
+    Same constructor and ``forward(x, m_splits) -> (out, None)`` as the TE grouped linears
+    megatron's ``TEGroupedMLP`` builds, with one ``weight{i}`` ``[out, in]`` per local expert,
+    so expert MLPs have the same module paths and checkpoint keys with and without TE. Rows of
+    ``x`` are grouped by local expert (``m_splits[i]`` rows for expert i).
+
+    Expert tensor parallelism and expert biases are not supported.
+    """
+
+    def __init__(
+        self,
+        num_gemms: int,
+        input_size: int,
+        output_size: int,
+        *,
+        config: TransformerConfig,
+        init_method: Any,
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool,
+        tp_comm_buffer_name: Optional[str] = None,
+        pg_collection: Any = None,
+        parallel_mode: Optional[str] = None,
+    ) -> None:
+        super().__init__()
+        if bias:
+            raise ValueError("TorchGroupedLinear: expert biases (add_bias_linear) are not supported")
+        if pg_collection is not None and pg_collection.expt_tp.size() > 1:
+            raise ValueError("TorchGroupedLinear: expert tensor parallelism must be 1")
+        self.num_gemms = num_gemms
+        self.in_features, self.out_features = input_size, output_size
+        self.config = config
+        self.ep_group = pg_collection.ep if pg_collection is not None else None
+        self.expt_dp_group = pg_collection.expt_dp if pg_collection is not None else None
+        from megatron.core.tensor_parallel.random import get_expert_parallel_rng_tracker_name
+
+        for i in range(num_gemms):
+            w = torch.empty(output_size, input_size, dtype=config.params_dtype)
+            if config.perform_initialization:
+                with tensor_parallel.get_cuda_rng_tracker().fork(
+                        get_expert_parallel_rng_tracker_name()):
+                    init_method(w)
+            param = torch.nn.Parameter(w)
+            # Expert weights are reduced over the expert-data-parallel group by megatron DDP.
+            param.allreduce = not is_expert
+            self.register_parameter(f"weight{i}", param)
+
+    def forward(self, x: torch.Tensor, m_splits: list[int]) -> tuple[torch.Tensor, None]:
+        from megatron_multilora.layers.grouped_gemm import Segments, grouped_linear
+
+        w = torch.stack([getattr(self, f"weight{i}") for i in range(self.num_gemms)])
+        return grouped_linear(x, w, Segments.from_counts(m_splits, x.device)), None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
+        """``weight{i}`` as global expert ``ep_rank * num_gemms + i`` of one ``weight``
+        tensor, the layout TE's grouped linears and megatron's SequentialMLP checkpoint."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        ep_size = self.ep_group.size() if self.ep_group is not None else 1
+        ep_rank = self.ep_group.rank() if self.ep_group is not None else 0
+        edp_rank = self.expt_dp_group.rank() if self.expt_dp_group is not None else 0
+        out = {}
+        for i in range(self.num_gemms):
+            offsets = (*sharded_offsets, (len(sharded_offsets), ep_rank * self.num_gemms + i,
+                                          ep_size * self.num_gemms))
+            out[f"{prefix}weight{i}"] = ShardedTensor.from_rank_offsets(
+                f"{prefix}weight", getattr(self, f"weight{i}"), *offsets,
+                replica_id=(0, 0, edp_rank), prepend_axis_num=len(offsets))
+        return out

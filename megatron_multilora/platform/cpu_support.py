@@ -114,11 +114,31 @@ def activate_cpu_support() -> bool:
 
     mp_random._CUDA_RNG_STATE_TRACKER = CPURNGStatesTracker()
     mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # Activation recompute (CheckpointFunction) saves and restores the "CUDA" RNG state; on
+    # CPU the default generator is the only device generator.
+    mp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
 
     # moe/moe_utils.py names te_general_gemm at call time even without TE (NameError).
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
 
+    # moe/token_dispatcher.py: the alltoall dispatcher creates a torch.cuda.Stream at init and
+    # moves split sizes to the host on it; gloo also needs host split sizes.
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = object()
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _host_splits
+
     _active = True
     return True
+
+
+def _host_splits(dispatcher, point: str, tokens_per_expert=None):
+    """CPU stand-in for ``_maybe_dtoh_and_synchronize``: split sizes as host integers."""
+    for name in ("input_splits", "output_splits", "output_splits_tp"):
+        value = getattr(dispatcher, name, None)
+        if torch.is_tensor(value):
+            setattr(dispatcher, name, value.numpy())
+    return tokens_per_expert

@@ -1,0 +1,1 @@
+"""MoE slot routing: which adapter slot each dispatched expert row belongs to."""
