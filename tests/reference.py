@@ -54,3 +54,42 @@ def linear_config(tp: int = 1, sequence_parallel: bool = False,
         num_layers=1, hidden_size=8, num_attention_heads=4, tensor_model_parallel_size=tp,
         sequence_parallel=sequence_parallel, params_dtype=dtype, use_cpu_initialization=True,
         gradient_accumulation_fusion=False, bf16=dtype == torch.bfloat16)
+
+
+@dataclasses.dataclass
+class ExpertFactors:
+    a: torch.Tensor  # [E, dim, in], leaf with grad
+    b: torch.Tensor  # [E, out, dim], leaf with grad
+    rank: int
+    alpha: float
+
+
+def moe_reference(x: torch.Tensor, router_w: torch.Tensor, topk: int, w1: torch.Tensor,
+                  w2: torch.Tensor, fc1: list[ExpertFactors], fc2: list[ExpertFactors],
+                  counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """A token-choice MoE with SwiGLU experts and per-(slot, expert) LoRA, token by token.
+
+    Router: softmax over the top-k logits. Expert e on token t of slot s:
+    ``fc2_e(silu(g) * u)`` with ``[g; u] = fc1_e(x_t)``, each linear
+    ``W_e x + (alpha_s / r_s) B_{s,e}[:, :r] A_{s,e}[:r] x``. Returns the output and the
+    number of (token, expert) assignments each expert received.
+    """
+    def lora_linear(w, f, e, v):
+        r = f.rank
+        return w[e] @ v + (f.alpha / r) * (f.b[e][:, :r] @ (f.a[e][:r] @ v))
+
+    rows, per_expert, t = [], [0] * w1.size(0), 0
+    for s, c in enumerate(counts):
+        for _ in range(c):
+            logits = router_w @ x[t]
+            top_v, top_i = logits.topk(topk)
+            probs = torch.softmax(top_v, dim=0)
+            y = torch.zeros(w2.size(1))
+            for p, e in zip(probs, top_i.tolist()):
+                per_expert[e] += 1
+                h = lora_linear(w1, fc1[s], e, x[t])
+                g, u = h.chunk(2)
+                y = y + p * lora_linear(w2, fc2[s], e, torch.nn.functional.silu(g) * u)
+            rows.append(y)
+            t += 1
+    return torch.stack(rows), per_expert

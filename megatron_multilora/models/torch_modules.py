@@ -138,18 +138,37 @@ class TorchGroupedLinear(torch.nn.Module):
         self.config = config
         self.ep_group = pg_collection.ep if pg_collection is not None else None
         self.expt_dp_group = pg_collection.expt_dp if pg_collection is not None else None
-        from megatron.core.tensor_parallel.random import get_expert_parallel_rng_tracker_name
-
-        for i in range(num_gemms):
-            w = torch.empty(output_size, input_size, dtype=config.params_dtype)
-            if config.perform_initialization:
-                with tensor_parallel.get_cuda_rng_tracker().fork(
-                        get_expert_parallel_rng_tracker_name()):
-                    init_method(w)
+        for i, w in enumerate(self._initial_weights(init_method)):
             param = torch.nn.Parameter(w)
             # Expert weights are reduced over the expert-data-parallel group by megatron DDP.
             param.allreduce = not is_expert
             self.register_parameter(f"weight{i}", param)
+
+    def _initial_weights(self, init_method: Any) -> list[torch.Tensor]:
+        """This rank's experts. With CPU initialisation every global expert is drawn in turn
+        from the default generator and the local ones kept (as megatron's CPU init does for
+        TP), so initial experts do not depend on the EP layout; on GPU each rank draws its
+        own from megatron's expert-parallel RNG stream."""
+        cfg = self.config
+        shape = (self.out_features, self.in_features)
+        weights = [torch.empty(shape, dtype=cfg.params_dtype) for _ in range(self.num_gemms)]
+        if not cfg.perform_initialization:
+            return weights
+        if cfg.use_cpu_initialization:
+            ep_size = self.ep_group.size() if self.ep_group is not None else 1
+            ep_rank = self.ep_group.rank() if self.ep_group is not None else 0
+            for g in range(ep_size * self.num_gemms):
+                w = torch.empty(shape, dtype=torch.float32)
+                init_method(w)
+                if g // self.num_gemms == ep_rank:
+                    weights[g % self.num_gemms].copy_(w)
+            return weights
+        from megatron.core.tensor_parallel.random import get_expert_parallel_rng_tracker_name
+
+        with tensor_parallel.get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+            for w in weights:
+                init_method(w)
+        return weights
 
     def forward(self, x: torch.Tensor, m_splits: list[int]) -> tuple[torch.Tensor, None]:
         from megatron_multilora.layers.grouped_gemm import Segments, grouped_linear

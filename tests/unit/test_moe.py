@@ -1,0 +1,132 @@
+"""Expert multi-LoRA in one process: a MoE layer against a token-by-token reference, the
+co-permuted slot ids against the dispatched rows, recompute, and config rejection."""
+
+import pytest
+import torch
+
+import megatron_multilora as mm
+from tests.reference import ExpertFactors, moe_reference
+
+E, TOPK, HID, FFN = 8, 2, 16, 12
+N, DIM = 3, 4
+COUNTS = [5, 0, 7]           # slot 1 has no tokens
+RANKS, ALPHAS = [4, 2, 1], [8.0, 3.0, 2.0]
+
+
+def moe_model(dispatcher="alltoall", **extra):
+    cfg = mm.GPTModelConfig(num_layers=1, hidden_size=HID, num_attention_heads=4,
+                            ffn_hidden_size=FFN, vocab_size=32, num_moe_experts=E,
+                            moe_router_topk=TOPK, moe_token_dispatcher_type=dispatcher, **extra)
+    torch.manual_seed(0)
+    model = mm.build_gpt_model(cfg)
+    mm.apply_multi_lora(model, N, DIM, 1.0, row_init_method="normal")
+    for i, (r, a) in enumerate(zip(RANKS, ALPHAS)):
+        mm.init_adapter_slot(model, i, r, a)
+    return model
+
+
+def expert_factors(linear):
+    """Reference leaves holding the wrapped expert linear's slot factors."""
+    return [ExpertFactors(s.linear_in.weight.detach().clone().requires_grad_(),
+                          s.linear_out.weight.detach().clone().requires_grad_(),
+                          int(s.rank), float(s.alpha)) for s in linear.adapters]
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_moe_layer_matches_token_reference(dispatcher):
+    model = moe_model(dispatcher)
+    moe = model.decoder.layers[0].mlp
+    fc1, fc2 = moe.experts.linear_fc1, moe.experts.linear_fc2
+    w1 = torch.stack([getattr(fc1.to_wrap, f"weight{e}").detach() for e in range(E)])
+    w2 = torch.stack([getattr(fc2.to_wrap, f"weight{e}").detach() for e in range(E)])
+    ref1, ref2 = expert_factors(fc1), expert_factors(fc2)
+    x = torch.randn(sum(COUNTS), HID, generator=torch.Generator().manual_seed(2))  # expert 5 idle
+    x_ref, x_in = x.clone().requires_grad_(), x.clone().view(-1, 1, HID).requires_grad_()
+    g = torch.randn(sum(COUNTS), HID, generator=torch.Generator().manual_seed(5))
+
+    mm.set_tokens_per_adapter_slot(model, COUNTS)
+    y, _ = moe(x_in)
+    (y.view(-1, HID) * g).sum().backward()
+    y_ref, per_expert = moe_reference(x_ref, moe.router.weight.detach(), TOPK, w1, w2, ref1, ref2,
+                                      COUNTS)
+    (y_ref * g).sum().backward()
+
+    assert 0 in per_expert, "the case must include an expert that receives no tokens"
+    torch.testing.assert_close(y.view(-1, HID), y_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x_in.grad.view(-1, HID), x_ref.grad, rtol=1e-5, atol=1e-6)
+    for linear, refs in ((fc1, ref1), (fc2, ref2)):
+        for s, ref in enumerate(refs):
+            for factor, leaf in ((linear.adapters[s].linear_in, ref.a),
+                                 (linear.adapters[s].linear_out, ref.b)):
+                want = torch.zeros_like(leaf) if leaf.grad is None else leaf.grad
+                # every (slot, expert) pair, including empty experts and the empty slot
+                torch.testing.assert_close(factor.weight.grad, want, rtol=1e-5, atol=1e-6)
+    assert fc1.adapters[1].linear_in.weight.grad.abs().sum() == 0
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_co_permuted_slot_ids_match_dispatched_rows(dispatcher):
+    """Encode each token's slot in its hidden state; the experts must see the same slots."""
+    model = moe_model(dispatcher)
+    moe = model.decoder.layers[0].mlp
+    seen = {}
+
+    def capture(module, args):
+        routing = module.linear_fc1.routing
+        seen["dispatched"] = args[0][:, 0].round().long()
+        seen["routed"] = routing.slot_of_row[routing.inverse_idx]
+
+    moe.experts.register_forward_pre_hook(capture)  # runs after the routing hook
+    counts = [4, 3, 5]
+    x = torch.randn(sum(counts), 1, HID)
+    x[:, 0, 0] = torch.repeat_interleave(torch.arange(3), torch.tensor(counts)).float()
+    mm.set_tokens_per_adapter_slot(model, counts)
+    moe(x)
+    assert seen["dispatched"].numel() == sum(counts) * TOPK
+    assert torch.equal(seen["dispatched"], seen["routed"])
+
+
+def test_moe_recompute_gives_the_same_gradients():
+    grads = []
+    for recompute in (None, "selective"):
+        model = moe_model(recompute_granularity=recompute, recompute_modules=["moe"])
+        assert model.decoder.layers[0].mlp.moe_layer_recompute == (recompute is not None)
+        ids = torch.randint(0, 32, (1, 12), generator=torch.Generator().manual_seed(1))
+        mm.set_tokens_per_adapter_slot(model, COUNTS)
+        model(ids, torch.arange(12)[None], None, labels=ids).mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
+    assert len(grads[0]) == len(grads[1]) > 0
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_install_is_idempotent_and_unsupported_moe_settings_are_rejected():
+    model = moe_model()
+    assert mm.install_moe_slot_routing(model) == 1
+    assert mm.install_moe_slot_routing(model) == 1
+    assert len(model.decoder.layers[0].mlp.experts._forward_pre_hooks) == 1
+    cfg = mm.GPTModelConfig(num_layers=1, hidden_size=HID, num_attention_heads=4,
+                            ffn_hidden_size=FFN, vocab_size=32, num_moe_experts=E)
+    plain = mm.build_gpt_model(cfg)
+    plain.config.moe_expert_capacity_factor = 1.0
+    plain.config.moe_permute_fusion = True
+    with pytest.raises(ValueError, match="token dropping.*moe_permute_fusion=True"):
+        mm.apply_multi_lora(plain, N, DIM, 1.0)
+    dense = mm.build_gpt_model(mm.GPTModelConfig(num_layers=1, hidden_size=HID,
+                                                 num_attention_heads=4, vocab_size=32))
+    assert mm.install_moe_slot_routing(mm.apply_multi_lora(dense, N, DIM, 1.0)) == 0
+
+
+def test_expert_adapters_follow_the_slot_api():
+    model = moe_model()
+    fc1 = model.decoder.layers[0].mlp.experts.linear_fc1
+    assert isinstance(fc1, mm.MultiLoRALinear) and fc1.adapters[0].linear_in.weight.shape == (E, DIM, HID)
+    assert all(p.allreduce is False for p in fc1.adapters.parameters())
+    assert fc1.adapters[1].linear_in.weight[:, 2:].abs().sum() == 0  # rank 2 of 4, every expert
+    saved = mm.adapter_state_dict(model, 0)
+    mm.clear_adapter_slot(model, 2)
+    assert fc1.adapters[2].alpha == 0
+    assert mm.load_adapter(model, 2, saved) == len(saved)
+    assert torch.equal(fc1.adapters[2].linear_out.weight, fc1.adapters[0].linear_out.weight)
+    with mm.hide_adapters(model):
+        assert not any("adapter" in k for k in model.state_dict())
