@@ -15,6 +15,8 @@ run_pytest() {
 
 echo "test: single-process tests"
 run_pytest .venv/bin/python -m pytest tests/unit "$@"
-echo "test: multi-process tests (torchrun, 2 processes, gloo)"
-OMP_NUM_THREADS=1 run_pytest .venv/bin/torchrun --standalone --nproc-per-node 2 \
-    --local-ranks-filter 0 -m pytest tests/distributed "$@"
+for world in 2 4; do
+    echo "test: multi-process tests (torchrun, $world processes, gloo)"
+    OMP_NUM_THREADS=1 run_pytest .venv/bin/torchrun --standalone --nproc-per-node "$world" \
+        --local-ranks-filter 0 -m pytest tests/distributed "$@"
+done

@@ -83,6 +83,10 @@ class GPTModelConfig:
             if not 1 <= self.moe_router_topk <= self.num_moe_experts:
                 problems.append(f"moe_router_topk={self.moe_router_topk} must be in "
                                 f"1..num_moe_experts={self.num_moe_experts}")
+            if (self.moe_router_topk == 1 and self.moe_router_score_function == "softmax"
+                    and not self.moe_router_pre_softmax):
+                problems.append("moe_router_topk=1 with softmax needs moe_router_pre_softmax=True "
+                                "(a softmax over one chosen logit is always 1)")
             if self.moe_token_dispatcher_type not in ("alltoall", "allgather"):
                 problems.append(f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r}: "
                                 "use 'alltoall' or 'allgather'")

@@ -20,10 +20,13 @@ WORLD = int(os.environ.get("WORLD_SIZE", "0"))
 
 
 def pytest_collection_modifyitems(config, items):
-    if WORLD < 2:
-        skip = pytest.mark.skip(reason="multi-process test: run under torchrun --nproc-per-node 2")
-        for item in items:
-            item.add_marker(skip)
+    """Each test runs in launches of its world size: ``@pytest.mark.world(4)``, else 2."""
+    for item in items:
+        marker = item.get_closest_marker("world")
+        need = marker.args[0] if marker else 2
+        if WORLD != need:
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs torchrun --nproc-per-node {need} (this launch: {WORLD or 1})"))
 
 
 @pytest.fixture

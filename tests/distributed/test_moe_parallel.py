@@ -1,0 +1,127 @@
+"""A small MoE GPT with experts, shared experts and attention wrapped, under EP=2 (both
+dispatchers), TP=2+SP with EP=1, and TP=2 x EP=2 on 4 processes, against one process.
+
+Reference: TP=1/EP=1 on the same weights, each rank running every data-parallel
+micro-batch itself and averaging the gradients. The parallel run gives each DP rank its own
+micro-batch and reduces through megatron's DDP and finalize_model_grads.
+"""
+
+import pytest
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+import megatron_multilora as mm
+from tests.distributed.conftest import assert_all_ranks, compare
+from tests.distributed.harness import build, load_full_state, local_view, micro_batch, step, trainable_grads
+
+COUNTS = [[5, 0, 7, 4], [0, 9, 3, 4]]  # per DP rank; zero-token slots on both
+REL = 2e-5
+
+
+def moe_cfg(dispatcher: str, topk: int = 2) -> mm.GPTModelConfig:
+    return mm.GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                             num_query_groups=2, ffn_hidden_size=48, vocab_size=64,
+                             num_moe_experts=4, moe_router_topk=topk,
+                             moe_router_pre_softmax=topk == 1,
+                             moe_shared_expert_intermediate_size=32,
+                             moe_token_dispatcher_type=dispatcher)
+
+
+def run_against_reference(layout, cfg, tp, ep, sp):
+    layout(tp=1)
+    dp = torch.distributed.get_world_size() // tp
+    batches = [micro_batch(20 + d, COUNTS[d % 2], cfg.vocab_size) for d in range(dp)]
+    ref = build(cfg, ddp=False)
+    state = {k: v.clone() for k, v in ref.state_dict().items() if torch.is_tensor(v)}
+    ref_losses = [step(ref, b) for b in batches]
+    ref_grads = {k: g / dp for k, g in trainable_grads(ref).items()}
+    mm.destroy_parallel()
+
+    layout(tp=tp, ep=ep, sp=sp)
+    ddp = build(cfg, sp)
+    load_full_state(ddp, state, cfg)
+    ddp.zero_grad_buffer()
+    d = parallel_state.get_data_parallel_rank()
+    losses = step(ddp, batches[d])
+    finalize_model_grads([ddp])
+
+    failures: list[str] = []
+    compare(failures, losses, ref_losses[d], REL, f"per-slot loss (micro-batch {d})")
+    like = ddp.module.state_dict(keep_vars=True)
+    grads = trainable_grads(ddp)
+    n_expert = sum(".experts." in k for k in grads)
+    if n_expert == 0:
+        failures.append("no expert adapter parameters were trained")
+    for k, g in grads.items():
+        compare(failures, g, local_view(k, ref_grads, like[k], cfg), REL, k)
+    assert_all_ranks(failures)
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_ep2_moe_matches_one_process(layout, dispatcher):
+    run_against_reference(layout, moe_cfg(dispatcher), tp=1, ep=2, sp=False)
+
+
+def test_tp2_sp_moe_matches_one_process(layout):
+    run_against_reference(layout, moe_cfg("alltoall"), tp=2, ep=1, sp=True)
+
+
+@pytest.mark.world(4)
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_tp2_ep2_moe_matches_one_process(layout, dispatcher):
+    run_against_reference(layout, moe_cfg(dispatcher), tp=2, ep=2, sp=True)
+
+
+def test_rank_receiving_no_tokens_still_gets_zero_gradients(layout):
+    """Route every token to experts 0/1 (EP rank 0): EP rank 1's experts get no rows."""
+    layout(tp=1, ep=2)
+    cfg = moe_cfg("alltoall", topk=1)
+    model = build(cfg, ddp=False)
+    with torch.no_grad():
+        for layer in model.decoder.layers:
+            w = layer.mlp.router.weight  # logits [l, -l, 0, 0]: top-1 is expert 0 or 1
+            w[1] = -w[0]
+            w[2:] = 0
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    step(model, micro_batch(30 + parallel_state.get_data_parallel_rank(), COUNTS[0], cfg.vocab_size))
+    failures = []
+    for name, linear in mm.layers.lifecycle.named_multi_lora_modules(model):
+        if not isinstance(linear, mm.MultiLoRAGroupedExpertLinear):
+            continue
+        grads = [p.grad for p in linear.adapters.parameters()]
+        if any(g is None for g in grads):
+            failures.append(f"{name}: an adapter parameter has no gradient")
+        elif ep_rank == 1 and any(g.abs().sum() > 0 for g in grads):
+            failures.append(f"{name}: idle experts got non-zero gradients")
+        elif ep_rank == 0 and all(g.abs().sum() == 0 for g in grads):
+            failures.append(f"{name}: busy experts got only zero gradients")
+    assert_all_ranks(failures)
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_ep2_co_permuted_slot_ids_match_dispatched_rows(layout, dispatcher):
+    """Each token carries its slot id in its hidden state through the real EP exchange."""
+    layout(tp=1, ep=2)
+    model = build(moe_cfg(dispatcher), ddp=False)
+    moe = model.decoder.layers[0].mlp
+    seen = {}
+
+    def capture(module, args):
+        routing = module.linear_fc1.routing
+        seen["dispatched"] = args[0][:, 0].round().long()
+        seen["routed"] = routing.slot_of_row[routing.inverse_idx]
+
+    moe.experts.register_forward_pre_hook(capture)  # runs after the routing hook
+    counts = COUNTS[parallel_state.get_data_parallel_rank()]
+    x = torch.randn(sum(counts), 1, 32, generator=torch.Generator().manual_seed(7))
+    x[:, 0, 0] = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).float()
+    mm.set_tokens_per_adapter_slot(model, counts)
+    moe(x)
+    failures = []
+    if seen["dispatched"].numel() == 0 and dispatcher == "alltoall":
+        failures.append("no rows were dispatched to this rank: the check would be vacuous")
+    if not torch.equal(seen["dispatched"], seen["routed"]):
+        failures.append(f"slot ids differ: dispatched {seen['dispatched'].tolist()} "
+                        f"routed {seen['routed'].tolist()}")
+    assert_all_ranks(failures)
