@@ -108,8 +108,27 @@ def apply_multi_lora(
     if wrapped == 0:
         raise ValueError(f"apply_multi_lora: no linear matched target_modules={list(target_modules)}")
     install_moe_slot_routing(model)
+    for chunk in _chunks(model):
+        _keep_graph_through_recompute(chunk)
     set_adapter_trainability(model)
     return model
+
+
+def _embedding_output_requires_grad(module: torch.nn.Module, args: tuple,
+                                    output: torch.Tensor) -> torch.Tensor:
+    return output if output.requires_grad else output.requires_grad_()
+
+
+def _keep_graph_through_recompute(chunk: torch.nn.Module) -> None:
+    """With activation recompute, a checkpointed block whose inputs need no gradient (the
+    frozen embedding's output) would cut the adapters inside it out of the graph; make the
+    embedding output require grad, as PEFT does for checkpointed models."""
+    config = getattr(chunk, "config", None)
+    embedding = getattr(chunk, "embedding", None)
+    if (getattr(config, "recompute_granularity", None) and embedding is not None
+            and not getattr(embedding, "_requires_grad_hook", None)):
+        embedding._requires_grad_hook = embedding.register_forward_hook(
+            _embedding_output_requires_grad)
 
 
 def _is_gated_fc1(parent: torch.nn.Module, child: str) -> bool:

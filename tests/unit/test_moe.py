@@ -86,11 +86,12 @@ def test_co_permuted_slot_ids_match_dispatched_rows(dispatcher):
     assert torch.equal(seen["dispatched"], seen["routed"])
 
 
-def test_moe_recompute_gives_the_same_gradients():
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_moe_recompute_gives_the_same_gradients(recompute):
     grads = []
-    for recompute in (None, "selective"):
-        model = moe_model(recompute_granularity=recompute, recompute_modules=["moe"])
-        assert model.decoder.layers[0].mlp.moe_layer_recompute == (recompute is not None)
+    for setting in (None, recompute):
+        model = moe_model(recompute_granularity=setting, recompute_modules=["moe"])
+        assert model.config.recompute_granularity == setting
         ids = torch.randint(0, 32, (1, 12), generator=torch.Generator().manual_seed(1))
         mm.set_tokens_per_adapter_slot(model, COUNTS)
         model(ids, torch.arange(12)[None], None, labels=ids).mean().backward()
@@ -98,6 +99,23 @@ def test_moe_recompute_gives_the_same_gradients():
     assert len(grads[0]) == len(grads[1]) > 0
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("router", [
+    dict(moe_router_score_function="sigmoid", moe_aux_loss_coeff=0.01),
+    dict(moe_router_pre_softmax=True, moe_shared_expert_intermediate_size=8),
+], ids=["sigmoid_aux_loss", "pre_softmax_shared_experts"])
+def test_router_variants_train_expert_adapters(router):
+    model = moe_model(**router)
+    ids = torch.randint(0, 32, (1, 12), generator=torch.Generator().manual_seed(1))
+    mm.set_tokens_per_adapter_slot(model, COUNTS)
+    model(ids, torch.arange(12)[None], None, labels=ids).mean().backward()
+    moe = model.decoder.layers[0].mlp
+    assert moe.router.weight.grad is None  # the router stays frozen
+    assert moe.experts.linear_fc1.adapters[0].linear_in.weight.grad.abs().sum() > 0
+    if "moe_shared_expert_intermediate_size" in router:
+        assert isinstance(moe.shared_experts.linear_fc1, mm.MultiLoRALinear)
+        assert moe.shared_experts.linear_fc1.adapters[2].linear_out.weight.grad.abs().sum() > 0
 
 
 def test_install_is_idempotent_and_unsupported_moe_settings_are_rejected():
