@@ -20,7 +20,11 @@ from typing import Any, Optional
 import torch
 
 from megatron_multilora.layers.grouped_gemm import grouped_linear
-from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear, _init_weight
+from megatron_multilora.layers.multi_lora_linear import (
+    MultiLoRALinear,
+    _init_weight,
+    register_slot_buffers,
+)
 from megatron_multilora.layers.sharding import Sharding
 
 
@@ -37,12 +41,11 @@ class ExpertLoRASlot(torch.nn.Module):
     """One adapter slot of an expert linear: ``linear_in`` (A), ``linear_out`` (B), rank, alpha."""
 
     def __init__(self, experts: int, in_features: int, out_features: int, dim: int, alpha: float,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dropout: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.linear_in = GroupedFactor(experts, dim, in_features, dtype, device)
         self.linear_out = GroupedFactor(experts, out_features, dim, dtype, device)
-        self.register_buffer("rank", torch.tensor(dim, dtype=torch.int64))
-        self.register_buffer("alpha", torch.tensor(float(alpha), dtype=torch.float32))
+        register_slot_buffers(self, dim, alpha, dropout)
 
 
 class MultiLoRAGroupedExpertLinear(MultiLoRALinear):
@@ -78,7 +81,7 @@ class MultiLoRAGroupedExpertLinear(MultiLoRALinear):
     def _new_slot(self, alpha: float) -> ExpertLoRASlot:
         weight = self.to_wrap.weight0
         out_f, in_f = weight.shape
-        slot = ExpertLoRASlot(self.num_local_experts, in_f, out_f, self.dim, alpha,
+        slot = ExpertLoRASlot(self.num_local_experts, in_f, out_f, self.dim, alpha, self.dropout,
                               weight.dtype, weight.device)
         for p in slot.parameters():
             # Expert-parallel: megatron DDP reduces it over the expert-data-parallel group.
@@ -110,14 +113,14 @@ class MultiLoRAGroupedExpertLinear(MultiLoRALinear):
         n, e = self.n_adapters, self.num_local_experts
         xs = x.index_select(0, routing.sort_idx)          # rows grouped by (slot, expert)
         if self.dropout_position == "pre":
-            xs = self._dropout(xs, tp_sharded=True)
+            xs = self._dropout(xs, routing.slot_of_row, tp_sharded=True)
         a = torch.stack([s.linear_in.weight for s in self.adapters]).view(n * e, self.dim, -1)
         mid = grouped_linear(xs, a, routing.segments)     # [T, dim]
         mid = (mid.float() * self.scale[routing.slot_of_row].unsqueeze(1)).to(mid.dtype)
         b = torch.stack([s.linear_out.weight for s in self.adapters]).view(n * e, -1, self.dim)
         lora = grouped_linear(mid, b, routing.segments)   # [T, out]
         if self.dropout_position == "post":
-            lora = self._dropout(lora, tp_sharded=True)
+            lora = self._dropout(lora, routing.slot_of_row, tp_sharded=True)
         return out + lora.index_select(0, routing.inverse_idx), bias
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),

@@ -7,7 +7,7 @@ model or a list of model chunks and act on every :class:`MultiLoRALinear` in it.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator, Sequence, Union
+from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -63,10 +63,12 @@ def slot_parameters(model: ModelOrChunks, idx: int) -> list[torch.nn.Parameter]:
     return [p for layer in layers for p in layer.adapters[idx].parameters()]
 
 
-def init_adapter_slot(model: ModelOrChunks, idx: int, rank: int, alpha: float) -> None:
-    """Claim slot ``idx`` in every layer with ``rank`` (1..dim) and ``alpha``."""
+def init_adapter_slot(model: ModelOrChunks, idx: int, rank: int, alpha: float,
+                      dropout: Optional[float] = None) -> None:
+    """Claim slot ``idx`` in every layer with ``rank`` (1..dim), ``alpha`` and optionally its
+    own LoRA dropout rate."""
     for layer in multi_lora_modules(model):
-        layer.init_adapter_slot(idx, rank, alpha)
+        layer.init_adapter_slot(idx, rank, alpha, dropout)
 
 
 def clear_adapter_slot(model: ModelOrChunks, idx: int) -> None:
@@ -115,7 +117,8 @@ def hide_adapters(model: ModelOrChunks) -> Iterator[None]:
 def adapter_state_dict(model: ModelOrChunks, idx: int) -> dict[str, torch.Tensor]:
     """Slot ``idx``'s tensors (this rank's shards) under slot-free names, ready to save.
 
-    Keys are ``<layer path>.adapter.{linear_in.weight, linear_out.weight, rank, alpha}``,
+    Keys are ``<layer path>.adapter.{linear_in.weight, linear_out.weight, rank, alpha,
+    dropout}``,
     the names :func:`load_adapter` expects.
     """
     return {f"{path}.adapter.{k}": v.detach().clone()

@@ -15,12 +15,12 @@ small buffer, as serving kernels apply it, rather than to the full ``[tokens, ou
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -48,17 +48,24 @@ _TE_KINDS = {
 class LoRASlot(torch.nn.Module):
     """One adapter slot: ``linear_in`` (A, ``[dim, in]``), ``linear_out`` (B, ``[out, dim]``).
 
-    Shapes are this TP rank's shards. ``rank`` and ``alpha`` are buffers so that a saved
-    slot carries them. The two linears are never called: the layer runs all slots at once.
+    Shapes are this TP rank's shards. ``rank``, ``alpha`` and ``dropout`` are buffers so that
+    a saved slot carries them. The two linears are never called: the layer runs all slots at
+    once.
     """
 
     def __init__(self, in_features: int, out_features: int, dim: int, alpha: float,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dropout: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.linear_in = torch.nn.Linear(in_features, dim, bias=False, dtype=dtype, device=device)
         self.linear_out = torch.nn.Linear(dim, out_features, bias=False, dtype=dtype, device=device)
-        self.register_buffer("rank", torch.tensor(dim, dtype=torch.int64))
-        self.register_buffer("alpha", torch.tensor(float(alpha), dtype=torch.float32))
+        register_slot_buffers(self, dim, alpha, dropout)
+
+
+def register_slot_buffers(slot: torch.nn.Module, dim: int, alpha: float, dropout: float) -> None:
+    """The per-slot hyperparameters every slot module carries (saved with the slot)."""
+    slot.register_buffer("rank", torch.tensor(dim, dtype=torch.int64))
+    slot.register_buffer("alpha", torch.tensor(float(alpha), dtype=torch.float32))
+    slot.register_buffer("dropout", torch.tensor(float(dropout), dtype=torch.float32))
 
 
 def _init_weight(method: str, shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
@@ -102,7 +109,8 @@ class MultiLoRALinear(torch.nn.Module):
         full_name: the module's path in the model, used in errors and to seed init.
         column_init_method / row_init_method: init of A / B ("xavier", "kaiming",
             "normal", "zero"); B at zero makes a fresh adapter a no-op.
-        dropout / dropout_position: dropout on the LoRA input ("pre") or output ("post").
+        dropout / dropout_position: dropout on the LoRA input ("pre") or output ("post");
+            ``dropout`` is every slot's initial rate (per-slot via ``init_adapter_slot``).
         a2a_experimental: accepted for API compatibility; only False is supported.
         sequence_parallel: for bases that do not carry the flag themselves (plain
             replicated linears); megatron and TE bases use their own.
@@ -154,9 +162,11 @@ class MultiLoRALinear(torch.nn.Module):
             to_wrap.return_layernorm_output_gathered = False
 
         self.adapters = torch.nn.ModuleList(self._new_slot(alpha) for _ in range(n_adapters))
-        self.register_buffer("scale", torch.zeros(n_adapters, dtype=torch.float32,
-                                                  device=self.adapters[0].alpha.device),
+        device = self.adapters[0].alpha.device
+        self.register_buffer("scale", torch.zeros(n_adapters, dtype=torch.float32, device=device),
                              persistent=False)
+        self.register_buffer("dropout_p", torch.zeros(n_adapters, dtype=torch.float32,
+                                                      device=device), persistent=False)
         self.slot_tokens: Optional[SlotTokens] = None
         for idx in range(n_adapters):
             self.reset_adapter(idx)
@@ -179,7 +189,8 @@ class MultiLoRALinear(torch.nn.Module):
         """A slot shaped like this rank's shard of the base, its factors tagged for megatron."""
         weight = self.to_wrap.weight
         out_local, in_local = weight.shape
-        slot = LoRASlot(in_local, out_local, self.dim, alpha, weight.dtype, weight.device)
+        slot = LoRASlot(in_local, out_local, self.dim, alpha, self.dropout, weight.dtype,
+                        weight.device)
         a_partial, b_partial = self.sharding.partial_grad_factors()
         self._tag(slot.linear_in.weight, self.sharding.a_split_dim, a_partial)
         self._tag(slot.linear_out.weight, self.sharding.b_split_dim, b_partial)
@@ -211,9 +222,11 @@ class MultiLoRALinear(torch.nn.Module):
                              f"0..{self.n_adapters - 1}")
 
     def _refresh_scale(self) -> None:
+        """Per-slot alpha/rank and dropout, read by forward from two small buffers."""
         with torch.no_grad():
             for i, slot in enumerate(self.adapters):
                 self.scale[i] = slot.alpha / slot.rank
+                self.dropout_p[i] = slot.dropout
 
     def _master_shape(self, local: torch.Size, split_dim: Optional[int]) -> tuple[int, int]:
         shape = list(local)
@@ -262,15 +275,21 @@ class MultiLoRALinear(torch.nn.Module):
             slot.linear_in.weight[..., r:, :].zero_()
             slot.linear_out.weight[..., r:].zero_()
 
-    def init_adapter_slot(self, idx: int, rank: int, alpha: float) -> None:
-        """Claim slot ``idx``: bind rank and alpha and zero the padded rank."""
+    def init_adapter_slot(self, idx: int, rank: int, alpha: float,
+                          dropout: Optional[float] = None) -> None:
+        """Claim slot ``idx``: bind rank, alpha (and dropout) and zero the padded rank."""
         self._check_idx(idx)
+        where = f"{type(self).__name__}({self.full_name})"
         if not isinstance(rank, int) or not 1 <= rank <= self.dim:
-            raise ValueError(f"{type(self).__name__}({self.full_name}): rank={rank} is outside "
-                             f"1..{self.dim} (the layer's max rank dim)")
+            raise ValueError(f"{where}: rank={rank} is outside 1..{self.dim} (the layer's max "
+                             "rank dim)")
+        if dropout is not None and not 0.0 <= dropout < 1.0:
+            raise ValueError(f"{where}: dropout={dropout} must be in [0, 1)")
         slot = self.adapters[idx]
         slot.rank.fill_(rank)
         slot.alpha.fill_(float(alpha))
+        if dropout is not None:
+            slot.dropout.fill_(float(dropout))
         self._apply_rank_mask(idx)
         self._refresh_scale()
 
@@ -280,6 +299,7 @@ class MultiLoRALinear(torch.nn.Module):
         slot = self.adapters[idx]
         slot.rank.fill_(self.dim)
         slot.alpha.zero_()
+        slot.dropout.fill_(self.dropout)
         self.reset_adapter(idx)
         self._refresh_scale()
 
@@ -301,13 +321,18 @@ class MultiLoRALinear(torch.nn.Module):
                 "sum to the micro-batch's tokens (sequence x batch)")
         return (self.sharding.tp_rank * rows if is_shard else 0), rows
 
-    def _dropout(self, t: torch.Tensor, tp_sharded: bool) -> torch.Tensor:
-        if not self.training or self.dropout == 0.0:
+    def _dropout(self, t: torch.Tensor, slot_of_row: torch.Tensor, tp_sharded: bool) -> torch.Tensor:
+        """Inverted dropout of ``t``'s rows, each at its slot's rate.
+
+        Rows whose values differ across TP ranks draw from megatron's tensor-parallel RNG
+        stream; replicated rows from the default stream, which TP ranks share.
+        """
+        if not self.training or not bool((self.dropout_p > 0).any()):
             return t
-        if tp_sharded:
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                return F.dropout(t, self.dropout)
-        return F.dropout(t, self.dropout)
+        p = self.dropout_p[slot_of_row].unsqueeze(1)
+        with tensor_parallel.get_cuda_rng_tracker().fork() if tp_sharded else contextlib.nullcontext():
+            keep = torch.rand(t.shape, device=t.device) >= p
+        return t * keep.to(t.dtype) / (1.0 - p).to(t.dtype)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         result = self.to_wrap(x, *args, **kwargs)
@@ -320,7 +345,7 @@ class MultiLoRALinear(torch.nn.Module):
         start, rows = self._window(x2.size(0), sh.input_is_sequence_shard)
         seg_in = self.slot_tokens.segments(start, rows, x2.device)
         if self.dropout_position == "pre":
-            x2 = self._dropout(x2, sh.input_is_tp_sharded)
+            x2 = self._dropout(x2, seg_in.group_of_row, sh.input_is_tp_sharded)
 
         a = torch.stack([s.linear_in.weight for s in self.adapters])    # [N, dim, in]
         mid = sh.reduce_mid(grouped_linear(x2.contiguous(), a, seg_in))  # [T, dim]
@@ -332,7 +357,8 @@ class MultiLoRALinear(torch.nn.Module):
         b = torch.stack([s.linear_out.weight for s in self.adapters])   # [N, out, dim]
         lora = grouped_linear(mid, b, seg_out)                           # [T, out]
         if self.dropout_position == "post":
-            lora = self._dropout(lora, sh.output_is_sequence_shard or sh.kind == "column")
+            lora = self._dropout(lora, seg_out.group_of_row,
+                                 sh.output_is_sequence_shard or sh.kind == "column")
         out = base_out + lora.view_as(base_out)
         return (out, bias) if isinstance(result, tuple) else out
 

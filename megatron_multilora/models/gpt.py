@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,12 +28,15 @@ class GPTModelConfig:
     ffn_hidden_size: int = 128
     vocab_size: int = 256
     max_sequence_length: int = 512
-    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    normalization: str = "RMSNorm"
+    """RMSNorm or LayerNorm."""
     norm_epsilon: float = 1e-5
-    activation: Literal["silu", "gelu", "relu"] = "silu"
+    activation: str = "silu"
+    """silu, gelu or relu."""
     gated_linear_unit: bool = True
     """fc1 produces [gate; up] and the MLP computes act(gate) * up (SwiGLU with silu)."""
-    position_embedding_type: Literal["rope", "learned_absolute", "none"] = "rope"
+    position_embedding_type: str = "rope"
+    """rope, learned_absolute or none."""
     rotary_base: int = 10000
     add_bias_linear: bool = False
     add_qkv_bias: bool = False
@@ -49,16 +52,18 @@ class GPTModelConfig:
     moe_router_topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None
     """Per-expert FFN width; None means ffn_hidden_size."""
-    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    moe_router_score_function: str = "softmax"
+    """softmax or sigmoid."""
     moe_router_pre_softmax: bool = False
     """Softmax over all experts before top-k (no renormalisation of the top-k probabilities);
     False applies softmax over the chosen top-k, i.e. renormalised."""
     moe_aux_loss_coeff: float = 0.0
     """Load-balancing auxiliary loss weight; 0 disables it."""
     moe_shared_expert_intermediate_size: Optional[int] = None
-    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
+    moe_token_dispatcher_type: str = "alltoall"
+    """alltoall or allgather."""
     # Activation recompute.
-    recompute_granularity: Optional[Literal["full", "selective"]] = None
+    recompute_granularity: Optional[str] = None
     """"full" recomputes each transformer layer; "selective" the modules listed below."""
     recompute_modules: Optional[list[str]] = None
     """With selective recompute, e.g. ["moe"] or ["core_attn"] (megatron's names)."""
@@ -90,6 +95,14 @@ class GPTModelConfig:
             if self.moe_token_dispatcher_type not in ("alltoall", "allgather"):
                 problems.append(f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r}: "
                                 "use 'alltoall' or 'allgather'")
+        for name, value, allowed in (
+                ("normalization", self.normalization, ("RMSNorm", "LayerNorm")),
+                ("position_embedding_type", self.position_embedding_type,
+                 ("rope", "learned_absolute", "none")),
+                ("moe_router_score_function", self.moe_router_score_function, ("softmax", "sigmoid")),
+                ("recompute_granularity", self.recompute_granularity, (None, "full", "selective"))):
+            if value not in allowed:
+                problems.append(f"{name}={value!r}: choose one of {allowed}")
         if self.activation not in _ACTIVATIONS:
             problems.append(f"activation={self.activation!r}: choose one of {sorted(_ACTIVATIONS)}")
         return problems

@@ -91,31 +91,45 @@ def test_outputs_and_grads_match_reference(kind, in_f, dtype, rel):
     assert layer.adapters[1].linear_in.weight.grad.abs().sum() == 0
 
 
+DROPOUT = [0.25, 0.0, 0.5, 0.1]  # per slot
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("position", ["pre", "post"])
 def test_dropout_matches_reference_mask(kind, position):
-    layer, slots = make_layer(kind, dropout=0.25, dropout_position=position)
+    layer, slots = make_layer(kind, dropout=0.3, dropout_position=position)
+    for i, f in enumerate(slots):
+        layer.init_adapter_slot(i, f.rank, f.alpha, dropout=DROPOUT[i])
     layer.train()
     x = torch.randn(sum(COUNTS), IN, generator=torch.Generator().manual_seed(1))
     tracker = get_cuda_rng_tracker()
     cpu_state, tracker_states = torch.get_rng_state(), tracker.get_states()
     y = output(layer(x.view(-1, 1, IN))).view(x.size(0), -1)
-    # Replay the RNG: row-parallel inputs and column-parallel outputs are TP-sharded, so
-    # their masks come from megatron's tensor-parallel stream.
+    # Replay the RNG: one uniform draw per element, kept where it is >= the row's slot rate.
+    # Row-parallel inputs and column-parallel outputs are TP-sharded, so their draws come
+    # from megatron's tensor-parallel stream.
     torch.set_rng_state(cpu_state)
     tracker.set_states(tracker_states)
     sharded = kind == "row" if position == "pre" else kind == "column"
     shape = (x.size(0), IN if position == "pre" else OUT)
     with tracker.fork() if sharded else torch.no_grad():
-        mask = F.dropout(torch.ones(shape), 0.25, training=True)
+        u = torch.rand(shape)
+    p = torch.tensor([DROPOUT[s] for s, c in enumerate(COUNTS) for _ in range(c)]).unsqueeze(1)
+    mask = (u >= p).float() / (1 - p)
     if position == "pre":
         y_ref = lora_reference(x, layer.to_wrap.weight.detach(), slots, COUNTS, mask)
     else:
         base = x @ layer.to_wrap.weight.detach().t()
         delta = lora_reference(x, torch.zeros(OUT, IN), slots, COUNTS)
         y_ref = base + mask * delta
+    # rows 0-4 are slot 0 (rate 0.25), 5-11 slot 2 (0.5), 12-15 slot 3 (0.1)
+    assert set(mask[5:12].unique().tolist()) == {0.0, 2.0}
     assert (mask == 0).any() and (mask != 0).any()
     assert_close(y.detach(), y_ref.detach(), 1e-6, f"{position}-dropout output")
+    layer.eval()  # no dropout in eval
+    y_eval = output(layer(x.view(-1, 1, IN))).view(x.size(0), -1).detach()
+    assert_close(y_eval, lora_reference(x, layer.to_wrap.weight.detach(), slots, COUNTS).detach(),
+                 1e-6, "eval output")
 
 
 @pytest.mark.parametrize("kind", KINDS)
