@@ -1,0 +1,125 @@
+"""Adapter-major packing of tokenized examples into single-sequence micro-batches.
+
+A micro-batch is one packed sequence (batch size 1) holding whole examples: all of slot 0's,
+then slot 1's, and so on, so each adapter slot owns one contiguous span of positions (what
+the multi-LoRA layers' per-slot token counts describe). Attention is causal within an
+example and blocked across examples, so packing does not change what any example sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, TypeVar
+
+import torch
+
+from megatron_multilora.data.datasets import Example
+
+T = TypeVar("T")
+
+
+@dataclass
+class MicroBatch:
+    """One packed sequence of ``S`` positions (``S`` a multiple of the pad multiple).
+
+    ``counts[s]`` positions of slot ``s`` follow slot ``s - 1``'s; trailing pad positions
+    are counted in the last slot that has positions here.
+    """
+
+    tokens: torch.Tensor  # [1, S] int64 inputs
+    labels: torch.Tensor  # [1, S] int64 targets
+    loss_mask: torch.Tensor  # [1, S] float32, 1.0 where the label counts
+    attention_mask: torch.Tensor  # [1, 1, S, S] bool, True = masked out
+    position_ids: torch.Tensor  # [1, S] int64, restarting at 0 for each example
+    counts: list[int]  # positions per adapter slot; len == n_slots, sum == S
+    examples_per_slot: list[int]
+
+    def loss_tokens_per_slot(self) -> torch.Tensor:
+        """``[n_slots]`` int64: positions with loss_mask 1 in each slot's span."""
+        spans = torch.split(self.loss_mask[0], self.counts)
+        return torch.stack([span.sum() for span in spans]).to(torch.int64)
+
+
+def _build(items: list[tuple[int, Example]], n_slots: int, pad_multiple: int,
+           pad_id: int) -> MicroBatch:
+    """Pack ``(slot, example)`` pairs, already in adapter-major order, into a MicroBatch."""
+    tokens: list[int] = []
+    labels: list[int] = []
+    loss: list[bool] = []
+    positions: list[int] = []
+    segment: list[int] = []  # which example each position belongs to
+    counts = [0] * n_slots
+    examples_per_slot = [0] * n_slots
+    for index, (slot, example) in enumerate(items):
+        n = len(example.tokens) - 1
+        tokens += example.tokens[:-1]
+        labels += example.tokens[1:]
+        loss += example.loss_mask
+        positions += range(n)
+        segment += [index] * n
+        counts[slot] += n
+        examples_per_slot[slot] += 1
+    n_pad = -len(tokens) % pad_multiple
+    tokens += [pad_id] * n_pad
+    labels += [pad_id] * n_pad
+    loss += [False] * n_pad
+    positions += [0] * n_pad
+    # Each pad position is its own one-token segment: it attends only to itself, so no
+    # attention row is fully masked (a fully masked row's softmax would be NaN).
+    segment += range(len(items), len(items) + n_pad)
+    counts[items[-1][0]] += n_pad
+    seg = torch.tensor(segment)
+    pos = torch.arange(len(segment))
+    mask = (pos[None, :] > pos[:, None]) | (seg[None, :] != seg[:, None])
+    size = len(segment)
+    return MicroBatch(
+        tokens=torch.tensor(tokens, dtype=torch.int64).view(1, size),
+        labels=torch.tensor(labels, dtype=torch.int64).view(1, size),
+        loss_mask=torch.tensor(loss, dtype=torch.float32).view(1, size),
+        attention_mask=mask.view(1, 1, size, size),
+        position_ids=torch.tensor(positions, dtype=torch.int64).view(1, size),
+        counts=counts,
+        examples_per_slot=examples_per_slot,
+    )
+
+
+def pack_micro_batches(slot_examples: Sequence[Sequence[Example]], token_budget: int,
+                       pad_multiple: int = 1, pad_id: int = 0) -> list[MicroBatch]:
+    """Greedily pack every slot's examples, in slot order, into adapter-major micro-batches.
+
+    ``slot_examples[s]`` are adapter slot ``s``'s examples (possibly none). An example of
+    ``L`` tokens takes ``L - 1`` positions; a new micro-batch starts when the next example
+    would take the current one past ``token_budget`` positions. Each micro-batch is then
+    padded to a multiple of ``pad_multiple`` (e.g. the sequence-parallel size), which can
+    exceed ``token_budget`` only when the budget is not itself such a multiple.
+    Raises ValueError for an example longer than ``token_budget`` positions.
+    """
+    if token_budget < 1 or pad_multiple < 1:
+        raise ValueError(f"token_budget and pad_multiple must be >= 1, "
+                         f"got {token_budget} and {pad_multiple}")
+    n_slots = len(slot_examples)
+    batches: list[MicroBatch] = []
+    current: list[tuple[int, Example]] = []
+    used = 0
+    for slot, examples in enumerate(slot_examples):
+        for i, example in enumerate(examples):
+            n = len(example.tokens) - 1
+            if n > token_budget:
+                raise ValueError(
+                    f"slot {slot} example {i} takes {n} positions, more than token_budget "
+                    f"{token_budget}; truncate examples to max_seq_len <= token_budget")
+            if used + n > token_budget:
+                batches.append(_build(current, n_slots, pad_multiple, pad_id))
+                current, used = [], 0
+            current.append((slot, example))
+            used += n
+    if current:
+        batches.append(_build(current, n_slots, pad_multiple, pad_id))
+    return batches
+
+
+def shard_for_data_parallel(examples: Sequence[T], dp_rank: int, dp_size: int) -> list[T]:
+    """Round-robin shard: this data-parallel rank's ``examples[dp_rank::dp_size]``."""
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
+    return list(examples[dp_rank::dp_size])
