@@ -1,0 +1,1 @@
+"""Training multi-LoRA adapters: what a training run needs around the model."""
