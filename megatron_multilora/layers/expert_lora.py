@@ -89,14 +89,15 @@ class MultiLoRAGroupedExpertLinear(MultiLoRALinear):
             self._tag(p, None, False)
         return slot
 
-    def reset_adapter(self, idx: int) -> None:
+    def reset_adapter(self, idx: int, init_key: Optional[str] = None) -> None:
         """Re-initialise slot ``idx``: each expert's factors drawn by its *global* index, so
         the adapter does not depend on the expert-parallel layout."""
         self._check_idx(idx)
         slot = self.adapters[idx]
         with torch.no_grad():
             for e in range(self.num_local_experts):
-                gen = self._generator(idx, self.expert_offset + e)
+                gen = self._generator(idx if init_key is None else init_key,
+                                      self.expert_offset + e)
                 for factor, method in ((slot.linear_in, self.column_init_method),
                                        (slot.linear_out, self.row_init_method)):
                     factor.weight[e].copy_(_init_weight(method, tuple(factor.weight.shape[1:]), gen))

@@ -71,10 +71,11 @@ def init_adapter_slot(model: ModelOrChunks, idx: int, rank: int, alpha: float,
         layer.init_adapter_slot(idx, rank, alpha, dropout)
 
 
-def clear_adapter_slot(model: ModelOrChunks, idx: int) -> None:
-    """Release slot ``idx`` in every layer: zero alpha, max rank, deterministic re-init."""
+def clear_adapter_slot(model: ModelOrChunks, idx: int, init_key: Optional[str] = None) -> None:
+    """Release slot ``idx`` in every layer: zero alpha, max rank, deterministic re-init
+    (seeded by ``init_key`` when given, e.g. a job name, else by the slot index)."""
     for layer in multi_lora_modules(model):
-        layer.clear_adapter_slot(idx)
+        layer.clear_adapter_slot(idx, init_key)
 
 
 @contextlib.contextmanager

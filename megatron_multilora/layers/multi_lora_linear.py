@@ -244,16 +244,17 @@ class MultiLoRALinear(torch.nn.Module):
         text = ":".join(str(k) for k in (self.seed, self.full_name, *key))
         return torch.Generator().manual_seed(zlib.crc32(text.encode()))
 
-    def reset_adapter(self, idx: int) -> None:
+    def reset_adapter(self, idx: int, init_key: Optional[str] = None) -> None:
         """Re-initialise slot ``idx``'s weights, identically on every rank and TP layout.
 
         Each factor is drawn as the full (unsharded) tensor from a generator seeded by
-        (seed, layer name, slot), then this rank's shard is kept: data-parallel replicas
-        agree and the adapter does not depend on the TP size.
+        (seed, layer name, ``init_key`` or the slot index), then this rank's shard is kept:
+        data-parallel replicas agree and the adapter does not depend on the TP size (nor, with
+        an ``init_key``, on the slot).
         """
         self._check_idx(idx)
         slot = self.adapters[idx]
-        gen = self._generator(idx)
+        gen = self._generator(idx if init_key is None else init_key)
         with torch.no_grad():
             for linear, method, split in ((slot.linear_in, self.column_init_method,
                                            self.sharding.a_split_dim),
@@ -293,14 +294,14 @@ class MultiLoRALinear(torch.nn.Module):
         self._apply_rank_mask(idx)
         self._refresh_scale()
 
-    def clear_adapter_slot(self, idx: int) -> None:
+    def clear_adapter_slot(self, idx: int, init_key: Optional[str] = None) -> None:
         """Free slot ``idx``: zero alpha, restore max rank, re-initialise its weights."""
         self._check_idx(idx)
         slot = self.adapters[idx]
         slot.rank.fill_(self.dim)
         slot.alpha.zero_()
         slot.dropout.fill_(self.dropout)
-        self.reset_adapter(idx)
+        self.reset_adapter(idx, init_key)
         self._refresh_scale()
 
     # ----- forward ----------------------------------------------------------------------

@@ -187,9 +187,12 @@ def build_gpt_model(
     cfg: GPTModelConfig,
     sequence_parallel: bool = False,
     params_dtype: torch.dtype = torch.float32,
+    **config_overrides: object,
 ) -> GPTModel:
-    """A GPTModel for ``cfg`` on the current parallel layout (call ``init_parallel`` first)."""
-    config = transformer_config(cfg, sequence_parallel, params_dtype)
+    """A GPTModel for ``cfg`` on the current parallel layout (call ``init_parallel`` first).
+
+    ``config_overrides`` set further megatron TransformerConfig fields."""
+    config = transformer_config(cfg, sequence_parallel, params_dtype, **config_overrides)
     model = GPTModel(
         config=config,
         transformer_layer_spec=gpt_block_spec(cfg.num_layers, cfg.qk_layernorm,

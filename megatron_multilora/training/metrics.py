@@ -196,11 +196,10 @@ def format_adapter_line(step: int, name: str, metrics: Mapping[str, float | None
 class Progress:
     """A progress bar over ``total`` steps for the main process; disabled ranks do nothing.
 
-    Uses tqdm when installed. Without a terminal (a log file) tqdm redraws at most every
-    few seconds; without tqdm, a ``step k/total`` line is printed every 10% of ``total``.
+    Uses tqdm on a terminal. Elsewhere (a log file, torchrun's captured output) or without
+    tqdm, a ``step k/total`` line with rate and ETA is printed every 10% of ``total``, so
+    logs stay line-oriented.
     """
-
-    _NON_TTY_INTERVAL_S = 5.0
 
     def __init__(self, total: int, enabled: bool, desc: str = "train", initial: int = 0) -> None:
         self.total = total
@@ -210,21 +209,14 @@ class Progress:
         self._every = max(1, math.ceil(total / 10))
         # The fallback prints at the first update at or past this step.
         self._next_print = self._after(initial)
-        if not enabled:
+        self._start, self._initial = time.perf_counter(), initial
+        if not enabled or not sys.stderr.isatty():
             return
         try:
             from tqdm import tqdm
         except ImportError:
             return
-        interactive = sys.stderr.isatty()
-        self._bar = tqdm(
-            total=total,
-            initial=initial,
-            desc=desc,
-            dynamic_ncols=interactive,
-            ascii=not interactive,
-            mininterval=0.1 if interactive else self._NON_TTY_INTERVAL_S,
-        )
+        self._bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True)
 
     def update(self, step: int, postfix: str = "") -> None:
         """Move to absolute ``step`` (steps done) and show ``postfix`` after the bar."""
@@ -235,7 +227,11 @@ class Progress:
             self._bar.update(step - self._bar.n)
             return
         if step >= self._next_print:
-            print(f"{self.desc}: step {step}/{self.total}" + (f" | {postfix}" if postfix else ""),
+            elapsed = time.perf_counter() - self._start
+            rate = (step - self._initial) / max(elapsed, 1e-9)
+            eta = (self.total - step) / rate if rate > 0 else math.inf
+            print(f"{self.desc}: step {step}/{self.total} ({100 * step // max(self.total, 1)}%) "
+                  f"{rate:.1f} steps/s, eta {eta:.0f}s" + (f" | {postfix}" if postfix else ""),
                   flush=True)
             self._next_print = self._after(step)
 
@@ -259,3 +255,14 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def drop_records_after(path: str | Path, step: int) -> None:
+    """Keep only records up to ``step``: a run resumed from that step logs the rest again."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    kept = [r for r in read_metrics(path) if r["step"] <= step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)

@@ -1,0 +1,1 @@
+"""Checkpoints and adapter files: layout-independent adapter tensors, training state."""

@@ -1,0 +1,63 @@
+"""The project's adapter folder: ``adapter_config.json`` + ``adapter.safetensors``.
+
+Tensors are the full (unsharded) factors cut to the adapter's rank, keyed by layer path
+(:mod:`.adapter_tensors`), so an adapter saved under one TP/EP layout loads under any other
+and into a slot of any max rank >= its rank. Only global rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from megatron_multilora.checkpoint.adapter_tensors import gather_slot, load_slot, slot_rank_alpha
+from megatron_multilora.checkpoint.files import write_dir_atomic
+from megatron_multilora.layers.lifecycle import ModelOrChunks
+
+FORMAT = "megatron-multilora-adapter"
+CONFIG_FILE, TENSORS_FILE = "adapter_config.json", "adapter.safetensors"
+
+
+def export_adapter(model: ModelOrChunks, idx: int, out_dir: str | Path, meta: dict[str, Any],
+                   overwrite: bool = False) -> Path:
+    """Write slot ``idx`` as an adapter folder (collective: every rank calls it)."""
+    tensors = gather_slot(model, idx)
+    rank, alpha = slot_rank_alpha(model, idx)
+    if rank < 1 or alpha == 0.0:
+        raise ValueError(f"slot {idx} holds no adapter (alpha={alpha}): nothing to export")
+    config = {"format": FORMAT, "version": 1, "rank": rank, "alpha": alpha, **meta}
+    if dist.get_rank() == 0:
+        def fill(tmp: Path) -> None:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / TENSORS_FILE))
+            (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+        write_dir_atomic(out_dir, fill, overwrite=overwrite)
+    dist.barrier()
+    return Path(out_dir)
+
+
+def read_adapter(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """An adapter folder's config and tensors, with a clear error for anything else."""
+    folder = Path(folder)
+    config_path = folder / CONFIG_FILE
+    if not config_path.is_file() or not (folder / TENSORS_FILE).is_file():
+        raise FileNotFoundError(f"{folder} is not an adapter folder (needs {CONFIG_FILE} and "
+                                f"{TENSORS_FILE})")
+    config = json.loads(config_path.read_text())
+    if config.get("format") != FORMAT:
+        raise ValueError(f"{config_path}: format {config.get('format')!r} is not {FORMAT!r}")
+    return config, load_file(str(folder / TENSORS_FILE))
+
+
+def import_adapter(model: ModelOrChunks, idx: int, folder: str | Path) -> dict[str, Any]:
+    """Load an adapter folder into slot ``idx`` of this layout; returns its config."""
+    config, tensors = read_adapter(folder)
+    try:
+        load_slot(model, idx, tensors, int(config["rank"]), float(config["alpha"]))
+    except (KeyError, ValueError) as err:
+        raise ValueError(f"{folder}: cannot load into this model: {err}") from None
+    return config

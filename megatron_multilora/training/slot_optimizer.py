@@ -1,0 +1,131 @@
+"""One optimizer per adapter slot: AdamW on fp32 master weights, an LR schedule, the
+slot's own gradient norm and clipping.
+
+megatron-core's optimizer steps every trainable parameter at once; here each adapter steps,
+clips and is reset on its own, so a plain torch AdamW per slot is used. Gradients come from
+megatron DDP's ``main_grad`` (fp32, already reduced over data-parallel ranks).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_multilora.training.config import AdapterJob
+
+
+def lr_factor(step: int, job: AdapterJob, total_steps: int) -> float:
+    """Multiplier of ``job.lr`` at optimizer step ``step`` (0-based): linear warmup, then
+    constant, linear or cosine decay to ``min_lr_ratio`` at ``total_steps``."""
+    if step < job.warmup_steps:
+        return (step + 1) / job.warmup_steps
+    if job.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - job.warmup_steps) / max(1, total_steps - job.warmup_steps))
+    floor = job.min_lr_ratio
+    if job.schedule == "linear":
+        return 1.0 - (1.0 - floor) * progress
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    return getattr(param, "main_grad", None) if hasattr(param, "main_grad") else param.grad
+
+
+def slot_grad_norm(params: list[torch.nn.Parameter]) -> float:
+    """The L2 norm of a slot's whole gradient, over all its TP and EP shards.
+
+    TP-split factors add their shards over the TP group; TP-replicated factors (identical on
+    every TP rank after gradient finalisation) count once; expert factors add their experts
+    over the EP group. Every rank gets the same value.
+    """
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    dense = torch.zeros((), dtype=torch.float32)
+    expert = torch.zeros((), dtype=torch.float32)
+    for p in params:
+        g = _grad(p)
+        if g is None:
+            continue
+        sq = g.float().pow(2).sum().cpu()
+        if not getattr(p, "allreduce", True):
+            expert += sq
+        elif getattr(p, "tensor_model_parallel", False):
+            dense += sq
+        else:
+            dense += sq / tp
+    if tp > 1:
+        dist.all_reduce(dense, group=parallel_state.get_tensor_model_parallel_group())
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        dist.all_reduce(expert, group=parallel_state.get_expert_model_parallel_group())
+    return float((dense + expert).sqrt())
+
+
+class SlotOptimizer:
+    """AdamW and LR schedule for one slot's parameters, stepping fp32 master weights."""
+
+    def __init__(self, params: list[torch.nn.Parameter], job: AdapterJob, total_steps: int) -> None:
+        self.params, self.job, self.total_steps = params, job, total_steps
+        # fp32 parameters are their own masters; bf16 ones get fp32 copies.
+        self.masters = [p if p.dtype == torch.float32 else
+                        torch.nn.Parameter(p.detach().float().clone()) for p in params]
+        self._master_of = {id(p): m for p, m in zip(params, self.masters)}
+        self.optimizer = torch.optim.AdamW(self.masters, lr=job.lr, weight_decay=job.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(step, job, total_steps))
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def step(self, grad_norm: float) -> None:
+        """Clip by the slot's norm, take one AdamW step, advance the schedule."""
+        clip = self.job.grad_clip
+        coef = min(1.0, clip / (grad_norm + 1e-6)) if clip else 1.0
+        for param, master in zip(self.params, self.masters):
+            grad = _grad(param)
+            master.grad = grad.float() * coef if coef != 1.0 or master is param else grad.float()
+        self.optimizer.step()
+        self.scheduler.step()
+        with torch.no_grad():
+            for param, master in zip(self.params, self.masters):
+                master.grad = None
+                if master is not param:
+                    param.copy_(master)
+
+    def skip(self) -> None:
+        """A step whose gradients are not finite: nothing is applied; the schedule waits."""
+
+    def zero_grad(self) -> None:
+        for param in self.params:
+            grad = _grad(param)
+            if grad is not None:
+                grad.zero_()
+
+    def state_of(self, param: torch.nn.Parameter, key: str) -> torch.Tensor:
+        """AdamW's ``key`` moment for ``param`` (zeros before the first step)."""
+        master = self._master_of[id(param)]
+        state = self.optimizer.state.get(master, {})
+        return state[key] if key in state else torch.zeros_like(master, dtype=torch.float32)
+
+    def scalar_state(self) -> dict[str, Any]:
+        """Everything but the moments: step counts and the scheduler."""
+        steps = [float(s["step"]) for s in self.optimizer.state.values() if "step" in s]
+        return {"adam_step": steps[0] if steps else 0.0,
+                "scheduler": self.scheduler.state_dict()}
+
+    def load(self, scalar: dict[str, Any], moments: dict[str, dict[torch.nn.Parameter, torch.Tensor]]) -> None:
+        """Restore from :meth:`scalar_state` and per-parameter moments."""
+        for param, master in zip(self.params, self.masters):
+            if master is not param:
+                master.data.copy_(param.detach().float())
+            if scalar["adam_step"] > 0:
+                self.optimizer.state[master] = {
+                    "step": torch.tensor(scalar["adam_step"]),
+                    "exp_avg": moments["exp_avg"][param].to(torch.float32).clone(),
+                    "exp_avg_sq": moments["exp_avg_sq"][param].to(torch.float32).clone(),
+                }
+        self.scheduler.load_state_dict(scalar["scheduler"])

@@ -1,0 +1,85 @@
+"""One training step over a rank's packed micro-batches, with per-adapter loss normalisation.
+
+An adapter's loss is the mean over *its own* loss tokens in its global batch (all
+micro-batches, all data-parallel ranks): its gradients do not depend on which other adapters
+share the micro-batches. The per-adapter token counts are agreed before the backward passes,
+and megatron DDP sums (does not average) gradients over data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_multilora.data.packing import MicroBatch
+from megatron_multilora.layers.lifecycle import set_tokens_per_adapter_slot
+
+
+def global_loss_tokens(micro_batches: list[MicroBatch], n_slots: int) -> torch.Tensor:
+    """``[n_slots]`` loss tokens per adapter over this step's whole global batch."""
+    local = torch.zeros(n_slots, dtype=torch.int64)
+    for mb in micro_batches:
+        local += mb.loss_tokens_per_slot()
+    if parallel_state.get_data_parallel_world_size() > 1:
+        dist.all_reduce(local, group=parallel_state.get_data_parallel_group())
+    return local
+
+
+def equalize_micro_batches(micro_batches: list[MicroBatch], filler: MicroBatch) -> list[MicroBatch]:
+    """Pad every data-parallel rank to the same number of micro-batches with a loss-free
+    filler: expert-parallel collectives run once per forward on every rank."""
+    count = torch.tensor([len(micro_batches)])
+    if parallel_state.get_data_parallel_world_size() > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+    return micro_batches + [filler] * (int(count) - len(micro_batches))
+
+
+def forward_backward(model: torch.nn.Module, micro_batches: list[MicroBatch],
+                     denominators: torch.Tensor, backward: bool = True) -> torch.Tensor:
+    """Run the micro-batches; returns each adapter's summed normalised loss on this rank.
+
+    Token t of slot s weighs ``loss_mask_t / denominators[s]`` (0 where a slot has no loss
+    tokens), so summed over ranks each adapter's value is its mean token loss.
+    """
+    inner = getattr(model, "module", model)
+    n_slots = denominators.numel()
+    weight_per_slot = torch.where(denominators > 0, 1.0 / denominators.clamp(min=1).double(),
+                                  torch.zeros((), dtype=torch.float64)).float()
+    per_slot = torch.zeros(n_slots, dtype=torch.float64)
+    with torch.enable_grad() if backward else torch.no_grad():
+        for mb in micro_batches:
+            _run_micro_batch(model, inner, mb, n_slots, weight_per_slot, per_slot, backward)
+    return per_slot
+
+
+def _run_micro_batch(model, inner, mb: MicroBatch, n_slots: int, weight_per_slot: torch.Tensor,
+                     per_slot: torch.Tensor, backward: bool) -> None:
+    set_tokens_per_adapter_slot(inner, mb.counts)
+    token_loss = model(mb.tokens, mb.position_ids, mb.attention_mask, labels=mb.labels)
+    slot_of_token = torch.repeat_interleave(torch.arange(n_slots), torch.tensor(mb.counts))
+    weights = mb.loss_mask[0] * weight_per_slot[slot_of_token]
+    # where(): a token that does not count (padding, prompt) must not carry a non-finite loss
+    # into its slot's sum.
+    contrib = torch.where(weights > 0, token_loss[0].float() * weights, torch.zeros(()))
+    per_slot += torch.zeros(n_slots, dtype=torch.float64).index_add_(
+        0, slot_of_token, contrib.detach().double())
+    if backward:
+        contrib.sum().backward()
+
+
+def reduce_losses(per_slot: torch.Tensor) -> torch.Tensor:
+    """Sum per-adapter losses over data-parallel ranks (each rank held part of the batch)."""
+    if parallel_state.get_data_parallel_world_size() > 1:
+        dist.all_reduce(per_slot, group=parallel_state.get_data_parallel_group())
+    return per_slot
+
+
+def filler_micro_batch(n_slots: int, pad_multiple: int, pad_id: int) -> MicroBatch:
+    """A loss-free micro-batch of ``pad_multiple`` pad tokens, each attending to itself."""
+    s = max(1, pad_multiple)
+    pads = torch.full((1, s), pad_id, dtype=torch.int64)
+    return MicroBatch(tokens=pads, labels=pads.clone(), loss_mask=torch.zeros(1, s),
+                      attention_mask=~torch.eye(s, dtype=torch.bool).view(1, 1, s, s),
+                      position_ids=torch.zeros(1, s, dtype=torch.int64),
+                      counts=[s] + [0] * (n_slots - 1), examples_per_slot=[0] * n_slots)

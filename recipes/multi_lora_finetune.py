@@ -1,0 +1,399 @@
+"""Fine-tune N LoRA adapter jobs at once on one frozen Megatron-core model.
+
+    torchrun --standalone --nproc-per-node 2 recipes/multi_lora_finetune.py \
+        [adapters.0.lr=3e-4 trainer.max_steps=50 parallel.tp=2 ...]
+
+The story: check the config, start the parallel layout, build the model and wrap it with
+adapter slots, load every job's data, then train. Each trainer step packs every active job's
+global batch into adapter-major micro-batches, runs them with per-adapter loss
+normalisation, and steps each adapter's own optimizer. A job that reaches its budget is
+exported and its slot handed to the next queued job. At the end every adapter is evaluated
+on every job's held-out data.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import hydra
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+import megatron_multilora as mm
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.distributed import (  # noqa: E402
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+)
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads  # noqa: E402
+from megatron_multilora.checkpoint.adapter_files import export_adapter, import_adapter  # noqa: E402
+from megatron_multilora.checkpoint.training_state import (  # noqa: E402
+    find_checkpoint,
+    read_training_state,
+    restore_training_checkpoint,
+    save_training_checkpoint,
+)
+from megatron_multilora.data.datasets import Example, load_dataset, read_jsonl_records  # noqa: E402
+from megatron_multilora.data.demo_tasks import exact_match  # noqa: E402
+from megatron_multilora.data.packing import pack_micro_batches, shard_for_data_parallel  # noqa: E402
+from megatron_multilora.data.tokenizer import ByteTokenizer  # noqa: E402
+from megatron_multilora.training import evaluation, step as train_step  # noqa: E402
+from megatron_multilora.training.config import RunConfig, load_run_config, to_plain, validate  # noqa: E402
+from megatron_multilora.training.jobs import DONE, FAILED, JobQueue, JobState, planned_steps  # noqa: E402
+from megatron_multilora.training.metrics import (  # noqa: E402
+    METRICS_FILE,
+    MetricsLogger,
+    Progress,
+    drop_records_after,
+    format_adapter_line,
+    read_metrics,
+)
+from megatron_multilora.training.slot_optimizer import SlotOptimizer, slot_grad_norm  # noqa: E402
+
+
+class MultiLoRAFinetuneRecipe:
+    def __init__(self, run: RunConfig) -> None:
+        validate(run)  # every config problem, before any process-group work
+        self.run = run
+        self.run_dir = Path(run.run_dir)
+
+    # ----- setup, in order ----------------------------------------------------------------
+
+    def setup(self) -> None:
+        run = self.run
+        mm.init_parallel(tensor_model_parallel_size=run.parallel.tp,
+                         expert_model_parallel_size=run.parallel.ep,
+                         sequence_parallel=run.parallel.sp, seed=run.seed)
+        self.is_main = dist.get_rank() == 0
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.pad_multiple = run.parallel.tp if run.parallel.sp else 1
+        self.tokenizer = ByteTokenizer()
+        self.model = self._build_model()
+        self.ddp = DistributedDataParallel(self.model.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True), self.model)
+        self.n_slots = run.lora.slots
+        self.train_data = [load_dataset(j.dataset, self.tokenizer, run.trainer.max_seq_len)
+                           for j in run.adapters]
+        self.eval_records = [read_jsonl_records(j.eval_dataset)[:run.trainer.eval_samples]
+                             if j.eval_dataset else [] for j in run.adapters]
+        self.eval_data = [load_dataset(j.eval_dataset, self.tokenizer, run.trainer.max_seq_len)
+                          [:run.trainer.eval_samples] if j.eval_dataset else []
+                          for j in run.adapters]
+        self.queue = JobQueue(run.adapters, [len(d) for d in self.train_data], self.n_slots)
+        self.optimizers: dict[int, SlotOptimizer] = {}
+        self.step = 0
+        self._resume()
+        self.logger = MetricsLogger(self.run_dir, self.is_main, run.logging.wandb_mode,
+                                    run.logging.wandb_project, self.run_dir.name, to_plain(run))
+        self.filler = train_step.filler_micro_batch(self.n_slots, self.pad_multiple,
+                                                    self.tokenizer.pad_id)
+        if self.is_main:
+            trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            print(f"run {self.run_dir}: {len(run.adapters)} adapter jobs on {self.n_slots} slots, "
+                  f"world {dist.get_world_size()} (tp {run.parallel.tp}, sp {run.parallel.sp}, "
+                  f"ep {run.parallel.ep}, dp {self.dp_size}), {trainable:,} trainable parameters "
+                  f"per rank, starting at step {self.step}", flush=True)
+
+    def _build_model(self) -> torch.nn.Module:
+        run = self.run
+        model_cfg = run.model
+        if run.trainer.recompute is not None:
+            model_cfg.recompute_granularity = run.trainer.recompute
+            if run.trainer.recompute == "selective":
+                model_cfg.recompute_modules = ["core_attn"] + (["moe"] if model_cfg.num_moe_experts else [])
+        dtype = torch.bfloat16 if run.trainer.precision == "bf16" else torch.float32
+        # Per-adapter losses are normalised over the global batch: DDP must sum, not average.
+        model = mm.build_gpt_model(model_cfg, sequence_parallel=run.parallel.sp, params_dtype=dtype,
+                                   calculate_per_token_loss=True)
+        return mm.apply_multi_lora(model, run.lora.slots, run.lora.max_rank, alpha=1.0,
+                                   target_modules=run.lora.targets,
+                                   column_init_method=run.lora.column_init_method,
+                                   row_init_method=run.lora.row_init_method, seed=run.seed)
+
+    def _optimizer(self, slot: int, state: JobState) -> SlotOptimizer:
+        return SlotOptimizer(mm.slot_parameters(self.model, slot), self.run.adapters[state.index],
+                             state.total_steps)
+
+    def _resume(self) -> None:
+        path = find_checkpoint(self.run_dir, self.run.checkpoint.resume)
+        if path is None:
+            return
+        saved = read_training_state(path)
+        self.queue.load_state_dict(saved["trainer"]["queue"])
+        by_slot = {s.slot: s for s in self.queue.active()}
+        self.optimizers = restore_training_checkpoint(
+            path, saved, self.model, lambda slot: self._optimizer(slot, by_slot[slot]))
+        self.step = saved["step"]
+        if dist.get_rank() == 0:
+            drop_records_after(self.run_dir / METRICS_FILE, self.step)
+            print(f"resumed from {path} at step {self.step}", flush=True)
+
+    # ----- training -----------------------------------------------------------------------
+
+    def _start(self, state: JobState) -> None:
+        job = self.run.adapters[state.index]
+        if job.init_from:
+            import_adapter(self.model, state.slot, job.init_from)
+        else:  # initialised from the job, not the slot: the same adapter in any slot
+            mm.clear_adapter_slot(self.model, state.slot, init_key=job.name)
+        mm.init_adapter_slot(self.model, state.slot, job.rank, job.alpha, job.dropout)
+        self.optimizers[state.slot] = self._optimizer(state.slot, state)
+        self._say(f"step {self.step}: job {job.name} starts on slot {state.slot} "
+                  f"({state.total_steps} steps)")
+
+    def _end(self, state: JobState, status: str, reason: str) -> None:
+        job = self.run.adapters[state.index]
+        slot = state.slot
+        if status == DONE:
+            export_adapter(self.model, slot, self.run_dir / "adapters" / job.name,
+                           self._adapter_meta(job, state), overwrite=True)
+        self.queue.release(state, status, reason)
+        self.optimizers.pop(slot).zero_grad()
+        mm.clear_adapter_slot(self.model, slot)  # weights, rank, alpha back to a fresh slot
+        self._say(f"step {self.step}: job {job.name} {status} ({reason}); slot {slot} is free")
+
+    def _adapter_meta(self, job, state: JobState) -> dict:
+        return {"name": job.name, "dropout": job.dropout, "targets": list(self.run.lora.targets),
+                "max_rank": self.run.lora.max_rank, "steps": state.steps_done,
+                "base_model": to_plain(self.run)["model"]}
+
+    def _global_batch(self, active: list[JobState]) -> list[list[Example]]:
+        slot_examples: list[list[Example]] = [[] for _ in range(self.n_slots)]
+        for state in active:
+            job = self.run.adapters[state.index]
+            data = self.train_data[state.index]
+            picked = self.queue.next_samples(state, job.global_batch_size, len(data), self.run.seed)
+            slot_examples[state.slot] = [data[i] for i in
+                                         shard_for_data_parallel(picked, self.dp_rank, self.dp_size)]
+        return slot_examples
+
+    def _micro_batches(self, slot_examples, exclude: set[int]):
+        kept = [[] if s in exclude else ex for s, ex in enumerate(slot_examples)]
+        mbs = pack_micro_batches(kept, self.run.trainer.micro_batch_tokens, self.pad_multiple,
+                                 self.tokenizer.pad_id)
+        return train_step.equalize_micro_batches(mbs, self.filler)
+
+    def train_one_step(self, active: list[JobState]) -> dict[int, dict[str, float]]:
+        """One trainer step; returns per-slot metrics of the slots that stepped."""
+        slot_examples = self._global_batch(active)
+        micro_batches = self._micro_batches(slot_examples, set())
+        denominators = train_step.global_loss_tokens(micro_batches, self.n_slots)
+        bad: set[int] = set()
+        while True:
+            self.ddp.zero_grad_buffer()
+            losses = train_step.reduce_losses(
+                train_step.forward_backward(self.ddp, micro_batches, denominators))
+            finalize_model_grads([self.ddp])
+            norms = {s.slot: slot_grad_norm(self.optimizers[s.slot].params)
+                     for s in active if s.slot not in bad}
+            failing = {slot for slot, norm in norms.items()
+                       if not (math.isfinite(norm) and math.isfinite(float(losses[slot])))}
+            if not failing:
+                break
+            # A non-finite adapter can poison the others through masked attention (0 * inf):
+            # find which fail on their own samples, and redo the step without them.
+            bad |= self._failing_alone(slot_examples, denominators, failing)
+            micro_batches = self._micro_batches(slot_examples, bad)
+        stats = {}
+        for state in active:
+            job = self.run.adapters[state.index]
+            if state.slot in bad:
+                state.bad_steps += 1
+                self._say(f"step {self.step}: job {job.name} has non-finite loss/gradients; "
+                          f"step skipped ({state.bad_steps}/{self.run.trainer.max_bad_steps})")
+                continue
+            state.bad_steps = 0
+            opt = self.optimizers[state.slot]
+            lr = opt.lr
+            opt.step(norms[state.slot])
+            state.steps_done += 1
+            stats[state.slot] = {"loss": float(losses[state.slot]), "lr": lr,
+                                 "grad_norm": norms[state.slot],
+                                 "tokens": float(denominators[state.slot])}
+        return stats
+
+    def _failing_alone(self, slot_examples, denominators, candidates: set[int]) -> set[int]:
+        """The candidates whose loss is non-finite on their own samples (all of them when
+        none is, i.e. only their combination fails)."""
+        culprits = set()
+        for slot in sorted(candidates):
+            alone = self._micro_batches(slot_examples, set(range(self.n_slots)) - {slot})
+            loss = train_step.reduce_losses(
+                train_step.forward_backward(self.ddp, alone, denominators, backward=False))
+            if not math.isfinite(float(loss[slot])):
+                culprits.add(slot)
+        return culprits or set(candidates)
+
+    def train(self) -> None:
+        tr = self.run.trainer
+        budget = planned_steps(self.run.adapters, self.queue.states, self.n_slots)
+        progress = Progress(min(budget, tr.max_steps or budget), self.is_main, initial=self.step)
+        window: dict[str, list[float]] = {}
+        window_start = time.perf_counter()
+        while not self.queue.finished() and (tr.max_steps is None or self.step < tr.max_steps):
+            for state in self.queue.admit(self.step):
+                self._start(state)
+            active = self.queue.active()
+            if not active:  # every remaining job starts later
+                self.step += 1
+                continue
+            stats = self.train_one_step(active)
+            self.step += 1
+            for state in active:
+                job_name = self.run.adapters[state.index].name
+                if state.slot in stats:
+                    window.setdefault(job_name, []).append(stats[state.slot])
+                if state.bad_steps >= tr.max_bad_steps:
+                    self._end(state, FAILED, f"{state.bad_steps} non-finite steps in a row")
+                elif state.steps_done >= state.total_steps:
+                    self._end(state, DONE, f"{state.steps_done} steps")
+            progress.update(self.step)
+            if self.step % tr.log_interval == 0 or self.queue.finished():
+                self._log_train(window, time.perf_counter() - window_start, progress)
+                window, window_start = {}, time.perf_counter()
+            if tr.eval_interval and self.step % tr.eval_interval == 0:
+                self._log_eval(progress)
+            every = self.run.checkpoint.save_interval
+            if every and self.step % every == 0:
+                self._save()
+        progress.close()
+        self._save()
+
+    def _log_train(self, window, seconds: float, progress: Progress) -> None:
+        adapters = {}
+        for name, items in window.items():
+            tokens = sum(i["tokens"] for i in items)
+            adapters[name] = {"loss": sum(i["loss"] for i in items) / len(items),
+                              "lr": items[-1]["lr"], "grad_norm": items[-1]["grad_norm"],
+                              "tokens_per_s": tokens / max(seconds, 1e-9)}
+        if not adapters:
+            return
+        self.logger.log(self.step, "train", adapters)
+        width = max(len(n) for n in adapters)
+        for name, metrics in adapters.items():
+            progress.write(format_adapter_line(self.step, name, metrics, name_width=width))
+
+    def _eval_slots(self) -> tuple[list[list[Example]], dict[int, str]]:
+        slot_examples: list[list[Example]] = [[] for _ in range(self.n_slots)]
+        names = {}
+        for state in self.queue.active():
+            slot_examples[state.slot] = self.eval_data[state.index]
+            names[state.slot] = self.run.adapters[state.index].name
+        return slot_examples, names
+
+    def _log_eval(self, progress: Progress) -> None:
+        slot_examples, names = self._eval_slots()
+        if not any(slot_examples):
+            return
+        losses = evaluation.eval_losses(self.ddp, slot_examples, self.run.trainer.micro_batch_tokens,
+                                        self.pad_multiple, self.tokenizer.pad_id)
+        adapters = {names[s]: {"loss": float(losses[s])} for s in names if slot_examples[s]}
+        accuracy = self._accuracy({s.slot: s.index for s in self.queue.active()})
+        for slot, acc in accuracy.items():
+            adapters[names[slot]]["accuracy"] = acc
+        self.logger.log(self.step, "eval", adapters)
+        for name, metrics in adapters.items():
+            progress.write(f"eval {format_adapter_line(self.step, name, metrics)}")
+
+    def _accuracy(self, slot_to_job: dict[int, int]) -> dict[int, float]:
+        """Exact-match accuracy of greedy generations, per slot, on its job's eval records
+        (prompt/completion records only)."""
+        prompts, owners, answers = [], [], []
+        for slot, job_index in slot_to_job.items():
+            for record in self.eval_records[job_index]:
+                if "prompt" not in record:
+                    continue
+                ids = [self.tokenizer.bos_id] + self.tokenizer.encode(record["prompt"])
+                prompts.append((slot, ids))
+                owners.append(slot)
+                answers.append(record["completion"])
+        if not prompts:
+            return {}
+        outputs = evaluation.greedy_generate(
+            self.ddp, prompts, self.n_slots, self.run.trainer.max_new_tokens, self.tokenizer.eos_id,
+            self.pad_multiple, self.tokenizer.pad_id)
+        hits: dict[int, list[bool]] = {}
+        for slot, out, answer in zip(owners, outputs, answers):
+            hits.setdefault(slot, []).append(exact_match(self.tokenizer.decode(out), answer))
+        return {slot: sum(h) / len(h) for slot, h in hits.items()}
+
+    def _save(self) -> None:
+        save_training_checkpoint(self.run_dir, self.step, self.model, self.optimizers,
+                                 {"queue": self.queue.state_dict()}, self.run.checkpoint.keep_last)
+
+    # ----- the end: every adapter on every task -------------------------------------------
+
+    def finish(self) -> None:
+        names, tasks, losses, accuracy = self._adapter_task_tables()
+        if self.is_main and names:
+            from megatron_multilora.training.plots import format_table, plot_heatmap, plot_loss_curves
+
+            print("held-out loss of each adapter (row) on each job's data (column), * = best:")
+            print(format_table(losses, names, tasks, higher_is_better=False))
+            if any(v == v for row in accuracy for v in row):  # some tasks have prompts
+                print("exact-match accuracy of greedy generations:")
+                print(format_table(accuracy, names, tasks), flush=True)
+            self.logger.log(self.step, "eval", {
+                n: {**{f"loss_on_{t}": v for t, v in zip(tasks, lrow)},
+                    **{f"accuracy_on_{t}": v for t, v in zip(tasks, arow)}}
+                for n, lrow, arow in zip(names, losses, accuracy)})
+            if self.run.logging.plots:
+                plot_loss_curves(read_metrics(self.run_dir / METRICS_FILE), self.run_dir / "loss_curves.png")
+                plot_heatmap(losses, names, tasks, self.run_dir / "adapter_task_loss.png",
+                             "held-out loss: adapter (row) x task (column), lower is better")
+                print(f"plots: {self.run_dir / 'loss_curves.png'}, "
+                      f"{self.run_dir / 'adapter_task_loss.png'}")
+        if self.is_main:
+            for state in self.queue.states:
+                where = self.run_dir / "adapters" / state.name if state.status == DONE else "-"
+                print(f"job {state.name}: {state.status} after {state.steps_done} steps "
+                      f"({state.reason}) -> {where}", flush=True)
+        self.logger.close()
+        dist.barrier()
+
+    def _adapter_task_tables(self):
+        """Every exported adapter on every job's held-out data, ``n_slots`` adapters at a time:
+        (adapter names, task names, loss table, accuracy table)."""
+        finished = [s for s in self.queue.states if s.status == DONE]
+        tasks = [i for i, data in enumerate(self.eval_data) if data]
+        losses = [[float("nan")] * len(tasks) for _ in finished]
+        accuracy = [[float("nan")] * len(tasks) for _ in finished]
+        for start in range(0, len(finished), self.n_slots):
+            chunk = finished[start:start + self.n_slots]
+            for slot, state in enumerate(chunk):
+                import_adapter(self.model, slot, self.run_dir / "adapters" / state.name)
+            for col, task in enumerate(tasks):
+                slot_examples = [self.eval_data[task] if s < len(chunk) else []
+                                 for s in range(self.n_slots)]
+                task_losses = evaluation.eval_losses(
+                    self.ddp, slot_examples, self.run.trainer.micro_batch_tokens,
+                    self.pad_multiple, self.tokenizer.pad_id)
+                task_accuracy = self._accuracy({slot: task for slot in range(len(chunk))})
+                for slot in range(len(chunk)):
+                    losses[start + slot][col] = float(task_losses[slot])
+                    accuracy[start + slot][col] = task_accuracy.get(slot, float("nan"))
+            for slot in range(len(chunk)):
+                mm.clear_adapter_slot(self.model, slot)
+        return ([s.name for s in finished], [self.run.adapters[t].name for t in tasks],
+                losses, accuracy)
+
+    def _say(self, line: str) -> None:
+        if self.is_main:
+            print(line, flush=True)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    recipe = MultiLoRAFinetuneRecipe(load_run_config(cfg))
+    recipe.setup()
+    recipe.train()
+    recipe.finish()
+    mm.destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()
