@@ -1,0 +1,61 @@
+"""Recipe tests: the training recipe run in this process (world of one) or as a real
+torchrun CLI launch, on small generated demo datasets."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import megatron_multilora as mm
+from megatron_multilora.data.demo_tasks import write_demo_datasets
+from megatron_multilora.training.config import load_run_config
+from megatron_multilora.training.metrics import read_metrics
+
+CONF = str(Path(__file__).resolve().parents[2] / "conf")
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("demo")
+    write_demo_datasets(out, n_train=64, n_eval=8, seed=0)
+    return out
+
+
+def compose_run(overrides: list[str]):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return load_run_config(compose("config", overrides=overrides))
+
+
+QUIET = ["logging.wandb_mode=disabled", "logging.plots=false", "trainer.log_interval=1",
+         "trainer.eval_interval=0", "checkpoint.save_interval=null", "trainer.micro_batch_tokens=512"]
+
+
+def job(name: str, data: Path, task: str, steps: int, **extra) -> str:
+    """A Hydra override value for one adapter job."""
+    fields = {"name": name, "dataset": f"{data}/{task}.train.jsonl",
+              "eval_dataset": f"{data}/{task}.eval.jsonl", "rank": 8, "alpha": 16, "lr": 3e-3,
+              "global_batch_size": 4, "max_steps": steps, **extra}
+    return "{" + ",".join(f"{k}:{v}" for k, v in fields.items()) + "}"
+
+
+def run_in_process(run_dir: Path, jobs: list[str], overrides: list[str] = ()) -> tuple[dict, object]:
+    """Train in this process; returns ({adapter: [train losses by step]}, the recipe)."""
+    from recipes.multi_lora_finetune import MultiLoRAFinetuneRecipe
+
+    run = compose_run([*QUIET, f"run_dir={run_dir}", f"adapters=[{','.join(jobs)}]",
+                       "lora.slots=2", *overrides])
+    recipe = MultiLoRAFinetuneRecipe(run)
+    recipe.setup()
+    recipe.train()
+    recipe.finish()
+    mm.destroy_parallel()
+    return losses_by_adapter(run_dir), recipe
+
+
+def losses_by_adapter(run_dir: Path, key: str = "loss") -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    for record in read_metrics(Path(run_dir) / "metrics.jsonl"):
+        if record["kind"] == "train":
+            for name, metrics in record["adapters"].items():
+                out.setdefault(name, []).append(metrics[key])
+    return out

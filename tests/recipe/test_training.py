@@ -1,0 +1,68 @@
+"""Training behaviour, in process on CPU fp32: per-adapter normalisation (mixed batch equals
+alone), isolation of a diverging job, the job queue, precision and recompute."""
+
+import json
+
+import pytest
+import torch
+
+from tests.recipe.conftest import job, run_in_process
+
+REL = 1e-5
+
+
+def assert_same_curve(got: list[float], want: list[float], rel: float, what: str) -> None:
+    assert len(got) == len(want) > 0, f"{what}: {len(got)} vs {len(want)} steps"
+    worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
+    assert worst <= rel, f"{what}: worst relative difference {worst:.2e} > {rel:g}"
+
+
+def test_adapter_in_a_mixed_batch_trains_as_if_alone(demo_data, tmp_path):
+    mixed, _ = run_in_process(tmp_path / "mixed", [job("rev", demo_data, "reverse", 5),
+                                                    job("add", demo_data, "add", 5)])
+    alone, _ = run_in_process(tmp_path / "alone", [job("rev", demo_data, "reverse", 5)])
+    assert_same_curve(mixed["rev"], alone["rev"], REL, "rev loss")
+    assert mixed["rev"][-1] < mixed["rev"][0]  # it learns
+    assert abs(mixed["add"][0] - mixed["rev"][0]) > 1e-3  # a different task, a different loss
+
+
+def test_diverging_job_is_skipped_then_stopped_without_touching_the_others(demo_data, tmp_path):
+    healthy = [job("rev", demo_data, "reverse", 6), job("add", demo_data, "add", 6)]
+    boom = job("boom", demo_data, "sort", 6, lr=1e30, grad_clip="null")
+    with_bad, recipe = run_in_process(tmp_path / "bad", healthy + [boom], ["lora.slots=3",
+                                                                           "trainer.max_bad_steps=2"])
+    without, _ = run_in_process(tmp_path / "good", healthy)
+    for name in ("rev", "add"):
+        assert_same_curve(with_bad[name], without[name], REL, f"{name} loss")
+    states = {s.name: s for s in recipe.queue.states}
+    assert states["boom"].status == "failed" and "non-finite" in states["boom"].reason
+    assert states["rev"].status == states["add"].status == "done"
+    assert not (tmp_path / "bad" / "adapters" / "boom").exists()
+
+
+def test_queue_hands_a_finished_slot_to_the_next_job(demo_data, tmp_path):
+    jobs = [job("first", demo_data, "reverse", 3), job("second", demo_data, "add", 6),
+            job("third", demo_data, "sort", 4)]
+    queued, recipe = run_in_process(tmp_path / "queue", jobs)  # 2 slots for 3 jobs
+    alone, _ = run_in_process(tmp_path / "third", [jobs[2]])
+    # third reuses first's slot (weights, optimizer, schedule reset) and trains as if fresh
+    assert_same_curve(queued["third"], alone["third"], REL, "third loss")
+    assert [s.steps_done for s in recipe.queue.states] == [3, 6, 4]
+    assert recipe.step == 7  # third ran steps 3..6 beside second
+    for name in ("first", "second", "third"):
+        config = json.loads((tmp_path / "queue" / "adapters" / name / "adapter_config.json").read_text())
+        assert config["name"] == name and config["steps"] == {"first": 3, "second": 6, "third": 4}[name]
+
+
+@pytest.mark.parametrize("setting,rel", [("trainer.recompute=full", 1e-6),
+                                         ("trainer.recompute=selective", 1e-6),
+                                         ("trainer.precision=bf16", 3e-2)])
+def test_precision_and_recompute_keep_per_adapter_results(demo_data, tmp_path, setting, rel):
+    jobs = [job("rev", demo_data, "reverse", 4), job("add", demo_data, "add", 4)]
+    ref, _ = run_in_process(tmp_path / "ref", jobs)
+    got, recipe = run_in_process(tmp_path / "alt", jobs, [setting])
+    for name in ("rev", "add"):
+        assert_same_curve(got[name], ref[name], rel, f"{name} loss with {setting}")
+    if "bf16" in setting:
+        assert recipe.model.embedding.word_embeddings.weight.dtype == torch.bfloat16
+        assert got["rev"] != ref["rev"]  # really ran in bf16

@@ -1,0 +1,45 @@
+"""Per-slot optimizer: schedules, fp32 masters for bf16 adapters, clipping, state round trip."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_multilora.training.config import AdapterJob
+from megatron_multilora.training.slot_optimizer import SlotOptimizer, lr_factor, slot_grad_norm
+
+
+def job(**kw) -> AdapterJob:
+    return AdapterJob(name="j", dataset="-", **{"lr": 0.1, "warmup_steps": 2, **kw})
+
+
+@pytest.mark.parametrize("schedule,at_half,at_end", [("constant", 1.0, 1.0), ("linear", 0.55, 0.1),
+                                                      ("cosine", 0.55, 0.1)])
+def test_lr_schedules(schedule, at_half, at_end):
+    j = job(schedule=schedule, min_lr_ratio=0.1)
+    assert [lr_factor(s, j, 12) for s in (0, 1)] == [0.5, 1.0]  # warmup
+    assert lr_factor(7, j, 12) == pytest.approx(at_half)
+    assert lr_factor(12, j, 12) == pytest.approx(at_end)
+
+
+def test_bf16_slot_steps_fp32_masters_and_clips():
+    params = [torch.nn.Parameter(torch.ones(4, 3, dtype=torch.bfloat16))]
+    opt = SlotOptimizer(params, job(grad_clip=1.0, warmup_steps=0, schedule="constant"), 10)
+    assert opt.masters[0].dtype == torch.float32 and opt.masters[0] is not params[0]
+    params[0].grad = torch.full((4, 3), 3.0, dtype=torch.bfloat16)
+    norm = slot_grad_norm(params)
+    assert norm == pytest.approx(math.sqrt(12 * 9), rel=1e-3)
+    opt.step(norm)
+    # AdamW's first step moves every weight by ~lr whatever the (clipped) gradient scale
+    assert torch.allclose(params[0].float(), torch.full((4, 3), 1.0 - 0.1 - 0.1 * 0.01), atol=1e-2)
+    assert params[0].dtype == torch.bfloat16 and opt.masters[0].grad is None
+    exp_avg = opt.state_of(params[0], "exp_avg")
+    assert torch.allclose(exp_avg, torch.full((4, 3), 0.1 * 3.0 / norm))  # clipped grad * (1 - beta1)
+    opt.zero_grad()
+    assert params[0].grad.abs().sum() == 0
+
+    again = SlotOptimizer(params, job(grad_clip=1.0, warmup_steps=0, schedule="constant"), 10)
+    again.load(opt.scalar_state(), {"exp_avg": {params[0]: exp_avg},
+                                    "exp_avg_sq": {params[0]: opt.state_of(params[0], "exp_avg_sq")}})
+    assert again.scalar_state()["adam_step"] == 1.0
+    assert torch.equal(again.state_of(params[0], "exp_avg"), exp_avg)
