@@ -19,6 +19,7 @@ from pathlib import Path
 
 import hydra
 import torch
+from hydra.core.hydra_config import HydraConfig
 import torch.distributed as dist
 from omegaconf import DictConfig
 
@@ -388,7 +389,10 @@ class MultiLoRAFinetuneRecipe:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    recipe = MultiLoRAFinetuneRecipe(load_run_config(cfg))
+    run = load_run_config(cfg)
+    # Hydra's output folder is run_dir for a single run and run_dir-multirun/<n> per sweep job.
+    run.run_dir = HydraConfig.get().runtime.output_dir
+    recipe = MultiLoRAFinetuneRecipe(run)
     recipe.setup()
     recipe.train()
     recipe.finish()

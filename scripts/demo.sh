@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), then run the main job: 4 adapters trained at once on a tiny
-# frozen GPT with tensor parallelism over 2 CPU processes. Extra arguments go to the job.
+# The main job: set up (scripts/setup.sh), write the demo datasets if missing, then train 4
+# adapters on 4 demo tasks at once with the default recipe config on 2 CPU processes.
+# Extra arguments are Hydra overrides, e.g. `bash scripts/demo.sh trainer.max_steps=20`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-OMP_NUM_THREADS=1 exec .venv/bin/torchrun --standalone --nproc-per-node 2 scripts/train_demo.py "$@"
+if [ ! -f data/demo/sort.eval.jsonl ]; then
+    .venv/bin/python scripts/make_demo_data.py --out-dir data/demo
+fi
+OMP_NUM_THREADS=1 exec .venv/bin/torchrun --standalone --nproc-per-node 2 --local-ranks-filter 0 \
+    recipes/multi_lora_finetune.py "$@"
