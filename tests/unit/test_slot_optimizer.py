@@ -43,3 +43,21 @@ def test_bf16_slot_steps_fp32_masters_and_clips():
                                     "exp_avg_sq": {params[0]: opt.state_of(params[0], "exp_avg_sq")}})
     assert again.scalar_state()["adam_step"] == 1.0
     assert torch.equal(again.state_of(params[0], "exp_avg"), exp_avg)
+
+
+def test_atomic_folder_write_keeps_the_previous_folder_on_failure(tmp_path):
+    from megatron_multilora.checkpoint.files import write_dir_atomic
+
+    target = tmp_path / "ckpt"
+    write_dir_atomic(target, lambda d: (d / "a.txt").write_text("old"))
+
+    def crash(d):
+        (d / "a.txt").write_text("half")
+        raise RuntimeError("killed mid-save")
+
+    with pytest.raises(RuntimeError):
+        write_dir_atomic(target, crash, overwrite=True)
+    assert (target / "a.txt").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temp folder left
+    with pytest.raises(FileExistsError, match="not empty"):
+        write_dir_atomic(target, lambda d: None)
