@@ -23,15 +23,17 @@ from megatron_multilora.platform.cpu_support import activate_cpu_support
 def _init_process_group(timeout_s: float) -> None:
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:
-        # Launched without torchrun: a group of one on a free local port.
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "RANK" in os.environ:  # torchrun
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        # A group of one on a free local port, without touching os.environ (child
+        # processes must not mistake themselves for torchrun ranks).
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                rank=0, world_size=1, timeout=timeout)
 
 
 def _free_port() -> int:

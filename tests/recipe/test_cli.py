@@ -35,7 +35,9 @@ def command(run_dir: Path, demo: Path, extra: list[str] = (), nproc: int = 2) ->
 
 
 def launch(cmd: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
