@@ -93,3 +93,26 @@ def moe_reference(x: torch.Tensor, router_w: torch.Tensor, topk: int, w1: torch.
             rows.append(y)
             t += 1
     return torch.stack(rows), per_expert
+
+
+def dispatch_slot_ids(model: torch.nn.Module, counts: list[int], hidden: int,
+                      seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run layer 0's MoE on tokens whose first feature is their slot id; return (slot ids as
+    the experts received them in the hidden states, slot ids from the co-permutation)."""
+    from megatron_multilora import set_tokens_per_adapter_slot
+
+    moe = model.decoder.layers[0].mlp
+    seen = {}
+
+    def capture(module, args):
+        routing = module.linear_fc1.routing
+        seen["dispatched"] = args[0][:, 0].round().long()
+        seen["routed"] = routing.slot_of_row[routing.inverse_idx]
+
+    handle = moe.experts.register_forward_pre_hook(capture)  # runs after the routing hook
+    x = torch.randn(sum(counts), 1, hidden, generator=torch.Generator().manual_seed(seed))
+    x[:, 0, 0] = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).float()
+    set_tokens_per_adapter_slot(model, counts)
+    moe(x)
+    handle.remove()
+    return seen["dispatched"], seen["routed"]

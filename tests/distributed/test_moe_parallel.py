@@ -13,7 +13,15 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
 import megatron_multilora as mm
 from tests.distributed.conftest import assert_all_ranks, compare
-from tests.distributed.harness import build, load_full_state, local_view, micro_batch, step, trainable_grads
+from tests.distributed.harness import (
+    build,
+    load_full_state,
+    local_view,
+    micro_batch,
+    step,
+    trainable_grads,
+)
+from tests.reference import dispatch_slot_ids
 
 COUNTS = [[5, 0, 7, 4], [0, 9, 3, 4]]  # per DP rank; zero-token slots on both
 REL = 2e-5
@@ -103,27 +111,13 @@ def test_rank_receiving_no_tokens_still_gets_zero_gradients(layout):
 def test_ep2_co_permuted_slot_ids_match_dispatched_rows(layout, dispatcher):
     """Each token carries its slot id in its hidden state through the real EP exchange."""
     layout(tp=1, ep=2)
-    model = build(moe_cfg(dispatcher), ddp=False)
-    moe = model.decoder.layers[0].mlp
-    seen = {}
-
-    def capture(module, args):
-        routing = module.linear_fc1.routing
-        seen["dispatched"] = args[0][:, 0].round().long()
-        seen["routed"] = routing.slot_of_row[routing.inverse_idx]
-
-    moe.experts.register_forward_pre_hook(capture)  # runs after the routing hook
     counts = COUNTS[parallel_state.get_data_parallel_rank()]
-    x = torch.randn(sum(counts), 1, 32, generator=torch.Generator().manual_seed(7))
-    x[:, 0, 0] = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).float()
-    mm.set_tokens_per_adapter_slot(model, counts)
-    moe(x)
+    dispatched, routed = dispatch_slot_ids(build(moe_cfg(dispatcher), ddp=False), counts, 32)
     failures = []
-    if seen["dispatched"].numel() == 0 and dispatcher == "alltoall":
+    if dispatched.numel() == 0 and dispatcher == "alltoall":
         failures.append("no rows were dispatched to this rank: the check would be vacuous")
-    if not torch.equal(seen["dispatched"], seen["routed"]):
-        failures.append(f"slot ids differ: dispatched {seen['dispatched'].tolist()} "
-                        f"routed {seen['routed'].tolist()}")
+    if not torch.equal(dispatched, routed):
+        failures.append(f"slot ids differ: dispatched {dispatched.tolist()} routed {routed.tolist()}")
     assert_all_ranks(failures)
 
 

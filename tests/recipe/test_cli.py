@@ -14,7 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from megatron_multilora.training.metrics import read_metrics
 from tests.recipe.conftest import job, losses_by_adapter

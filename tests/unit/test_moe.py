@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import megatron_multilora as mm
-from tests.reference import ExpertFactors, moe_reference
+from tests.reference import ExpertFactors, dispatch_slot_ids, moe_reference
 
 E, TOPK, HID, FFN = 8, 2, 16, 12
 N, DIM = 3, 4
@@ -67,23 +67,10 @@ def test_moe_layer_matches_token_reference(dispatcher):
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
 def test_co_permuted_slot_ids_match_dispatched_rows(dispatcher):
     """Encode each token's slot in its hidden state; the experts must see the same slots."""
-    model = moe_model(dispatcher)
-    moe = model.decoder.layers[0].mlp
-    seen = {}
-
-    def capture(module, args):
-        routing = module.linear_fc1.routing
-        seen["dispatched"] = args[0][:, 0].round().long()
-        seen["routed"] = routing.slot_of_row[routing.inverse_idx]
-
-    moe.experts.register_forward_pre_hook(capture)  # runs after the routing hook
     counts = [4, 3, 5]
-    x = torch.randn(sum(counts), 1, HID)
-    x[:, 0, 0] = torch.repeat_interleave(torch.arange(3), torch.tensor(counts)).float()
-    mm.set_tokens_per_adapter_slot(model, counts)
-    moe(x)
-    assert seen["dispatched"].numel() == sum(counts) * TOPK
-    assert torch.equal(seen["dispatched"], seen["routed"])
+    dispatched, routed = dispatch_slot_ids(moe_model(dispatcher), counts, HID)
+    assert dispatched.numel() == sum(counts) * TOPK
+    assert torch.equal(dispatched, routed)
 
 
 @pytest.mark.parametrize("recompute", ["selective", "full"])
