@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from tests.recipe.conftest import job, run_in_process
+from tests.recipe.conftest import job, losses_by_adapter, run_in_process
 
 REL = 1e-5
 
@@ -22,6 +22,9 @@ def test_adapter_in_a_mixed_batch_trains_as_if_alone(demo_data, tmp_path):
                                                     job("add", demo_data, "add", 5)])
     alone, _ = run_in_process(tmp_path / "alone", [job("rev", demo_data, "reverse", 5)])
     assert_same_curve(mixed["rev"], alone["rev"], REL, "rev loss")
+    assert_same_curve(losses_by_adapter(tmp_path / "mixed", "grad_norm")["rev"],
+                      losses_by_adapter(tmp_path / "alone", "grad_norm")["rev"], REL,
+                      "rev gradient norm")
     assert mixed["rev"][-1] < mixed["rev"][0]  # it learns
     assert abs(mixed["add"][0] - mixed["rev"][0]) > 1e-3  # a different task, a different loss
 
