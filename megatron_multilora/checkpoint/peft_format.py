@@ -1,0 +1,244 @@
+"""One adapter slot <-> a Hugging Face PEFT LoRA folder (``adapter_config.json`` +
+``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained`` and vLLM load.
+
+Megatron fuses some linears that HF keeps apart; a fused LoRA has one A and a B whose rows
+follow the fused output, so export splits B and repeats A:
+
+* ``linear_qkv`` (rows ``[groups, (q_per_group + 2) * head_dim]``: each group's q heads, then
+  its k, then its v) -> ``q_proj``, ``k_proj``, ``v_proj``;
+* ``linear_fc1`` (rows ``[gate; up]``) -> ``gate_proj``, ``up_proj`` (Mixtral experts:
+  ``w1``, ``w3``); ``linear_fc2`` -> ``down_proj`` (``w2``); ``linear_proj`` -> ``o_proj``;
+* expert factors ``[E, ...]`` -> one 2-D pair per expert ``experts.{e}.*``.
+
+Tensors are cut to the slot's rank; r and lora_alpha are uniform (one rank/alpha per slot),
+which is what vLLM needs. Import does the inverse (A of fused parts must be equal; parts an
+adapter leaves out get B = 0; rank is padded to the slot's max rank).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from megatron_multilora.checkpoint.adapter_tensors import gather_slot, load_slot, slot_rank_alpha
+from megatron_multilora.checkpoint.files import write_dir_atomic
+from megatron_multilora.layers.lifecycle import ModelOrChunks, named_multi_lora_modules
+from megatron_multilora.models.gpt import GPTModelConfig
+
+CONFIG_FILE, TENSORS_FILE = "adapter_config.json", "adapter_model.safetensors"
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def _hf_parts(megatron_rest: str, model_type: str) -> Optional[list[str]]:
+    """HF module names (below ``model.layers.L.``) a Megatron linear splits into; ``{e}``
+    stands for the expert index."""
+    experts = ("block_sparse_moe.experts.{e}." if model_type == "mixtral" else "mlp.experts.{e}.")
+    gate_up_down = ("w1", "w3", "w2") if model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    table = {
+        "self_attention.linear_qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+        "self_attention.linear_proj": ["self_attn.o_proj"],
+        "mlp.linear_fc1": ["mlp.gate_proj", "mlp.up_proj"],
+        "mlp.linear_fc2": ["mlp.down_proj"],
+        "mlp.experts.linear_fc1": [experts + gate_up_down[0], experts + gate_up_down[1]],
+        "mlp.experts.linear_fc2": [experts + gate_up_down[2]],
+        "mlp.shared_experts.linear_fc1": ["mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"],
+        "mlp.shared_experts.linear_fc2": ["mlp.shared_expert.down_proj"],
+    }
+    return table.get(megatron_rest)
+
+
+def _split_rows(name: str, b: torch.Tensor, cfg: GPTModelConfig) -> list[torch.Tensor]:
+    """Split a fused B ``[out, r]`` into the HF parts' B matrices."""
+    if name.endswith("linear_qkv"):
+        heads, groups = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
+        head_dim = cfg.kv_channels or cfg.hidden_size // heads
+        per_group = b.view(groups, heads // groups + 2, head_dim, b.size(-1))
+        q = per_group[:, :-2].reshape(-1, b.size(-1))
+        return [q, per_group[:, -2].reshape(-1, b.size(-1)), per_group[:, -1].reshape(-1, b.size(-1))]
+    if name.endswith("linear_fc1"):
+        return list(b.chunk(2, dim=0))
+    return [b]
+
+
+def _fuse_rows(name: str, parts: list[torch.Tensor], cfg: GPTModelConfig) -> torch.Tensor:
+    """Inverse of :func:`_split_rows`."""
+    if name.endswith("linear_qkv"):
+        heads, groups = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
+        head_dim = cfg.kv_channels or cfg.hidden_size // heads
+        r = parts[0].size(-1)
+        q = parts[0].view(groups, heads // groups, head_dim, r)
+        k, v = (p.view(groups, 1, head_dim, r) for p in parts[1:])
+        return torch.cat([q, k, v], dim=1).reshape(-1, r)
+    return torch.cat(parts, dim=0)
+
+
+def _layers(model: ModelOrChunks) -> dict[str, tuple[int, str]]:
+    out = {}
+    for path, _ in named_multi_lora_modules(model):
+        m = _LAYER.match(path)
+        if m is None:
+            raise ValueError(f"{path}: not a decoder layer linear; PEFT export covers decoder layers")
+        out[path] = (int(m.group(1)), m.group(2))
+    return out
+
+
+def to_peft_tensors(full: dict[str, torch.Tensor], cfg: GPTModelConfig,
+                    model_type: str) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Full slot tensors (``<layer path>.adapter.linear_in/out.weight``, as from
+    ``gather_slot`` or an adapter folder) -> PEFT keys, and the target module names."""
+    tensors, targets = {}, set()
+    paths = sorted({k.split(".adapter.")[0] for k in full})
+    for path in paths:
+        m = _LAYER.match(path)
+        parts = _hf_parts(m.group(2), model_type) if m else None
+        if parts is None:
+            raise ValueError(f"{path}: no Hugging Face counterpart for this linear")
+        layer, rest = int(m.group(1)), m.group(2)
+        a = full[f"{path}.adapter.linear_in.weight"]
+        b = full[f"{path}.adapter.linear_out.weight"]
+        for e in (range(a.size(0)) if a.dim() == 3 else [None]):
+            a_e, b_e = (a, b) if e is None else (a[e], b[e])
+            for part, b_part in zip(parts, _split_rows(rest, b_e, cfg)):
+                module = f"base_model.model.model.layers.{layer}.{part.format(e=e)}"
+                tensors[f"{module}.lora_A.weight"] = a_e.clone()  # one copy per HF module
+                tensors[f"{module}.lora_B.weight"] = b_part.clone()
+                targets.add(part.rsplit(".", 1)[-1])
+    return tensors, sorted(targets)
+
+
+def peft_config(rank: int, alpha: float, dropout: float, targets: list[str],
+                base_model_name_or_path: str) -> dict[str, Any]:
+    """A PEFT LoRA config that peft and vLLM load (uniform r and alpha, no extras)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+            "target_modules": targets, "lora_dropout": dropout, "bias": "none",
+            "use_rslora": False, "use_dora": False, "modules_to_save": None,
+            "fan_in_fan_out": False, "init_lora_weights": True,
+            "base_model_name_or_path": base_model_name_or_path}
+
+
+def write_peft(out_dir: str | Path, tensors: dict[str, torch.Tensor], config: dict[str, Any],
+               overwrite: bool = False) -> Path:
+    """Write a PEFT folder atomically (call on one process)."""
+    def fill(tmp: Path) -> None:
+        save_file(tensors, str(tmp / TENSORS_FILE))
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    return write_dir_atomic(out_dir, fill, overwrite=overwrite)
+
+
+def export_peft(model: ModelOrChunks, idx: int, out_dir: str | Path, cfg: GPTModelConfig,
+                model_type: str = "llama", base_model_name_or_path: str = "",
+                overwrite: bool = False) -> Path:
+    """Write slot ``idx`` as a PEFT LoRA folder (collective: every rank calls it)."""
+    out_dir = Path(out_dir)
+    rank, alpha = slot_rank_alpha(model, idx)
+    if alpha == 0.0:
+        raise ValueError(f"slot {idx} holds no adapter (alpha 0): nothing to export")
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite to replace it")
+    tensors, targets = to_peft_tensors(gather_slot(model, idx), cfg, model_type)
+    dropout = float(next(layer for _, layer in named_multi_lora_modules(model)).adapters[idx].dropout)
+    if dist.get_rank() == 0:
+        write_peft(out_dir, tensors, peft_config(rank, alpha, dropout, targets,
+                                                 base_model_name_or_path), overwrite)
+    dist.barrier()
+    return out_dir
+
+
+def read_peft(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    folder = Path(folder)
+    if not (folder / CONFIG_FILE).is_file() or not (folder / TENSORS_FILE).is_file():
+        raise FileNotFoundError(f"{folder} is not a PEFT adapter folder (needs {CONFIG_FILE} and "
+                                f"{TENSORS_FILE})")
+    return json.loads((folder / CONFIG_FILE).read_text()), load_file(str(folder / TENSORS_FILE))
+
+
+def import_peft(model: ModelOrChunks, idx: int, folder: str | Path, cfg: GPTModelConfig,
+                model_type: str = "llama") -> dict[str, Any]:
+    """Load a PEFT LoRA folder into slot ``idx`` (any layout); returns its config.
+
+    Refused with a clear error: DoRA, rank/alpha patterns, a rank above the slot's max rank,
+    modules the model does not wrap, fused parts with different A, shape mismatches.
+    """
+    config, peft = read_peft(folder)
+    where = f"{folder}"
+    if config.get("peft_type") != "LORA" or config.get("use_dora"):
+        raise ValueError(f"{where}: only plain LoRA adapters load (peft_type="
+                         f"{config.get('peft_type')}, use_dora={config.get('use_dora')})")
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise ValueError(f"{where}: rank_pattern/alpha_pattern are not supported: a slot has one "
+                         "rank and alpha")
+    r, alpha = int(config["r"]), float(config["lora_alpha"])
+    if config.get("use_rslora"):
+        alpha = alpha * math.sqrt(r)  # rsLoRA scales by alpha/sqrt(r): the same alpha'/r
+    remaining = dict(peft)
+    full = {}
+    for path, (layer, rest) in _layers(model).items():
+        parts = _hf_parts(rest, model_type)
+        layer_module = next(m for p, m in named_multi_lora_modules(model) if p == path)
+        n_experts = (layer_module.num_local_experts * _ep_size()
+                     if hasattr(layer_module, "num_local_experts") else None)
+        a_list, b_list = [], []
+        for e in (range(n_experts) if n_experts else [None]):
+            a_e, b_parts = None, []
+            for part in parts:
+                module = f"base_model.model.model.layers.{layer}.{part.format(e=e)}"
+                a_p = remaining.pop(f"{module}.lora_A.weight", None)
+                b_p = remaining.pop(f"{module}.lora_B.weight", None)
+                if (a_p is None) != (b_p is None):
+                    raise ValueError(f"{where}: {module} has only one of lora_A/lora_B")
+                if a_p is not None and a_e is not None and not torch.equal(a_p, a_e):
+                    raise ValueError(f"{where}: {module}.lora_A differs from the other parts of "
+                                     f"fused {path} ({', '.join(parts)}): cannot fuse")
+                a_e = a_p if a_p is not None else a_e
+                b_parts.append(b_p)
+            if a_e is None:  # the adapter leaves this linear alone
+                a_e = torch.zeros(r, _in_features(layer_module, path))
+            out_rows = _out_rows(rest, cfg, layer_module)
+            b_parts = [b if b is not None else torch.zeros(rows, r)
+                       for b, rows in zip(b_parts, out_rows)]
+            a_list.append(a_e.float())
+            b_list.append(_fuse_rows(rest, [b.float() for b in b_parts], cfg))
+        stacked = n_experts is not None
+        full[f"{path}.adapter.linear_in.weight"] = torch.stack(a_list) if stacked else a_list[0]
+        full[f"{path}.adapter.linear_out.weight"] = torch.stack(b_list) if stacked else b_list[0]
+    if remaining:
+        raise ValueError(f"{where}: the adapter has modules this model does not wrap: "
+                         f"{sorted(remaining)[:4]}{' ...' if len(remaining) > 4 else ''}")
+    try:
+        load_slot(model, idx, full, r, alpha)
+    except (KeyError, ValueError) as err:
+        raise ValueError(f"{where}: cannot load into slot {idx}: {err}") from None
+    return config
+
+
+def _ep_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_world_size()
+
+
+def _in_features(layer, path: str) -> int:
+    """The full input width of a wrapped linear (the base's, unsharded)."""
+    a = layer.adapters[0].linear_in.weight
+    split = layer.sharding.a_split_dim
+    return a.size(-1) * (layer.sharding.tp_size if split is not None else 1)
+
+
+def _out_rows(rest: str, cfg: GPTModelConfig, layer) -> list[int]:
+    """Row counts of the HF parts of a wrapped linear's full output."""
+    b = layer.adapters[0].linear_out.weight
+    full_out = b.size(-2) * (layer.sharding.tp_size if layer.sharding.b_split_dim is not None else 1)
+    if rest.endswith("linear_qkv"):
+        heads, groups = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
+        head_dim = cfg.kv_channels or cfg.hidden_size // heads
+        return [heads * head_dim, groups * head_dim, groups * head_dim]
+    if rest.endswith("linear_fc1"):
+        return [full_out // 2, full_out // 2]
+    return [full_out]
