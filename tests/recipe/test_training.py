@@ -88,3 +88,34 @@ def test_moe_model_trains_expert_adapters(demo_data, tmp_path):
     assert len(losses["rev"]) == 3 and losses["rev"][-1] < losses["rev"][0]
     config = json.loads((tmp_path / "moe" / "adapters" / "add" / "adapter_config.json").read_text())
     assert config["base_model"]["num_moe_experts"] == 4
+
+
+def test_export_peft_cli_from_adapter_folder_and_checkpoint(demo_data, tmp_path):
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import export_peft
+
+    _, recipe = run_in_process(tmp_path / "run", [job("rev", demo_data, "reverse", 4),
+                                                  job("add", demo_data, "add", 8)],
+                               ["checkpoint.save_interval=4"])
+    assert export_peft.main([str(tmp_path / "run" / "adapters" / "rev"), str(tmp_path / "a")]) == 0
+    # at step 4 "add" was still training: export it from that checkpoint
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000004"
+    with pytest.raises(SystemExit, match="was not training"):
+        export_peft.main([str(ckpt), str(tmp_path / "x"), "--job", "rev"])
+    (tmp_path / "run" / "hydra").mkdir(exist_ok=True)  # what a CLI run leaves (Hydra)
+    from omegaconf import OmegaConf
+
+    OmegaConf.save(OmegaConf.structured(recipe.run), tmp_path / "run" / "hydra" / "config.yaml")
+    assert export_peft.main([str(ckpt), str(tmp_path / "b"), "--job", "add"]) == 0
+    a = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and len(a) == 2 * 2 * 7  # 2 layers x 7 HF modules x (A, B)
+    config = json.loads((tmp_path / "b" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (8, 16.0)
+    with pytest.raises(SystemExit, match="--overwrite"):
+        export_peft.main([str(tmp_path / "run" / "adapters" / "rev"), str(tmp_path / "a")])

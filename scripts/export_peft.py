@@ -1,0 +1,84 @@
+"""Export an adapter to a Hugging Face PEFT LoRA folder, from a trainer output.
+
+    python scripts/export_peft.py runs/demo/adapters/reverse out/reverse-peft
+    python scripts/export_peft.py runs/demo/checkpoints/step_00000100 out/rev --job reverse
+
+SOURCE is an adapter folder the trainer exported (``adapter_config.json`` +
+``adapter.safetensors``), or a training checkpoint plus ``--job`` for a job that was still
+training when it was saved (the model config is read from the run's ``hydra/config.yaml``).
+No model is built: the tensors are already full and layout-independent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from megatron_multilora.checkpoint.adapter_files import read_adapter
+from megatron_multilora.checkpoint.peft_format import peft_config, to_peft_tensors, write_peft
+from megatron_multilora.models.gpt import GPTModelConfig
+
+
+def from_adapter_folder(folder: Path):
+    config, tensors = read_adapter(folder)
+    cfg = GPTModelConfig(**config["base_model"])
+    return tensors, cfg, config["rank"], config["alpha"], config.get("dropout", 0.0)
+
+
+def from_checkpoint(folder: Path, job: str):
+    import torch
+    from omegaconf import OmegaConf
+
+    from megatron_multilora.training.config import load_run_config
+
+    state = torch.load(folder / "state.pt", weights_only=False)
+    slots = {s["name"]: s["slot"] for s in state["trainer"]["queue"] if s["status"] == "active"}
+    if job not in slots:
+        names = ", ".join(sorted(slots)) or "none"
+        raise SystemExit(f"job {job!r} was not training in {folder} (training then: {names}); "
+                         "finished jobs are exported under <run_dir>/adapters/")
+    run_config = folder.parent.parent / "hydra" / "config.yaml"
+    if not run_config.is_file():
+        raise SystemExit(f"{run_config} not found: cannot tell the model's shape")
+    cfg = load_run_config(OmegaConf.load(run_config)).model
+    meta = state["slots"][slots[job]]
+    tensors = load_file(str(folder / f"slot{slots[job]}.safetensors"))
+    params = {k[len("param/"):]: v for k, v in tensors.items() if k.startswith("param/")}
+    return params, cfg, meta["rank"], meta["alpha"], meta["dropout"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("source", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--job", help="with a training checkpoint: which job's adapter")
+    parser.add_argument("--model-type", default="llama",
+                        help="Hugging Face model_type naming the modules (llama, qwen2, qwen3, "
+                             "mixtral, qwen3_moe, olmoe, qwen2_moe)")
+    parser.add_argument("--base-model", default="", help="base_model_name_or_path to record")
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+    if (args.source / "state.pt").is_file():
+        if not args.job:
+            parser.error(f"{args.source} is a training checkpoint: name the adapter with --job")
+        tensors, cfg, rank, alpha, dropout = from_checkpoint(args.source, args.job)
+    else:
+        tensors, cfg, rank, alpha, dropout = from_adapter_folder(args.source)
+    peft, targets = to_peft_tensors(tensors, cfg, args.model_type)
+    try:
+        write_peft(args.out, peft, peft_config(rank, alpha, dropout, targets, args.base_model),
+                   overwrite=args.overwrite)
+    except FileExistsError as err:
+        raise SystemExit(f"{err} (use --overwrite)") from None
+    print(f"wrote {args.out}: r={rank}, lora_alpha={alpha}, {len(peft)} tensors, targets "
+          f"{', '.join(targets)}")
+    print(f"load it with: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), "
+          f"'{args.out}')")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
