@@ -80,3 +80,51 @@ class ByteTokenizer:
         ids.append(self.eos_id)
         trained.append(True)
         return ids, trained
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer behind the :class:`Tokenizer` interface.
+
+    Special tokens are added by the dataset code (bos/eos around each sample), so ``encode``
+    adds none. A tokenizer without bos uses eos in its place; without pad, eos.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"{type(tokenizer).__name__} has no eos token: cannot end samples")
+        self.eos_id = int(tokenizer.eos_token_id)
+        self.bos_id = int(tokenizer.bos_token_id if tokenizer.bos_token_id is not None else self.eos_id)
+        self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def encode_chat(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
+        """The tokenizer's chat template; loss on what each assistant turn adds to the text.
+
+        Each message's tokens are found by rendering the conversation up to it and taking
+        what was added, so the mask follows the template's own formatting.
+        """
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"{type(self.tokenizer).__name__} has no chat template: use "
+                             "prompt/completion records")
+        ids: list[int] = []
+        trained: list[bool] = []
+        for i, message in enumerate(messages):
+            if message.get("role") not in CHAT_ROLES:
+                raise ValueError(f"unknown chat role {message.get('role')!r}; use {CHAT_ROLES}")
+            rendered = self.tokenizer.apply_chat_template(messages[:i + 1], tokenize=True)
+            # transformers 5 returns an encoding, 4.x a list of ids
+            upto = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+            added = upto[len(ids):]
+            ids += added
+            trained += [message["role"] == "assistant"] * len(added)
+        return ids + [self.eos_id], trained + [True]

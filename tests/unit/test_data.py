@@ -260,3 +260,36 @@ def test_exact_match():
     assert exact_match(" olleh\n", "olleh")
     assert not exact_match("olle", "olleh")
     assert not exact_match("OLLEH", "olleh")
+
+
+def tiny_hf_tokenizer():
+    """A byte-level BPE tokenizer trained here, wrapped as transformers would load it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(["hello world", "reverse this=siht esrever", "12+7=19"] * 20,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=[
+                                "<pad>", "<s>", "</s>", "<unk>"],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>",
+                                  pad_token="<pad>", unk_token="<unk>")
+    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    return tok
+
+
+def test_hf_tokenizer_wrapper_encodes_records_and_masks_assistant_turns():
+    from megatron_multilora.data.tokenizer import HFTokenizer
+
+    tok = HFTokenizer(tiny_hf_tokenizer())
+    assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
+    assert tok.decode(tok.encode("hello world")) == "hello world"
+    example = tokenize_record({"prompt": "12+7=", "completion": "19"}, tok, 64)
+    trained = [t for t, m in zip(example.tokens[1:], example.loss_mask) if m]
+    assert tok.decode(trained) == "19" and trained[-1] == tok.eos_id
+    ids, mask = tok.encode_chat([{"role": "user", "content": "hello"},
+                                 {"role": "assistant", "content": "world"}])
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "<assistant>world\n"
+    assert tok.decode([i for i, m in zip(ids, mask) if not m]) == "<user>hello\n"
