@@ -41,6 +41,9 @@ class GPTModelConfig:
     add_bias_linear: bool = False
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
+    qk_layernorm_across_heads: bool = False
+    """With qk_layernorm: normalise q and k over the whole projection width (all heads, as
+    OLMoE does) instead of each head on its own (Qwen3); RMSNorm only."""
     kv_channels: Optional[int] = None
     """Head dimension; None means hidden_size // num_attention_heads."""
     tie_word_embeddings: bool = False
@@ -62,6 +65,10 @@ class GPTModelConfig:
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_token_dispatcher_type: str = "alltoall"
     """alltoall or allgather."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared experts' output by sigmoid(x @ gate_weight.T) (Qwen2-MoE)."""
+    moe_router_dtype: Optional[str] = None
+    """None (the model dtype), "fp32" or "fp64": precision of the router logits and softmax."""
     # Activation recompute.
     recompute_granularity: Optional[str] = None
     """"full" recomputes each transformer layer; "selective" the modules listed below."""
@@ -103,6 +110,13 @@ class GPTModelConfig:
                 ("recompute_granularity", self.recompute_granularity, (None, "full", "selective"))):
             if value not in allowed:
                 problems.append(f"{name}={value!r}: choose one of {allowed}")
+        if self.qk_layernorm_across_heads and not (self.qk_layernorm
+                                                   and self.normalization == "RMSNorm"):
+            problems.append("qk_layernorm_across_heads needs qk_layernorm=True and "
+                            "normalization='RMSNorm'")
+        if self.moe_router_dtype not in (None, "fp32", "fp64"):
+            problems.append(f"moe_router_dtype={self.moe_router_dtype!r}: choose one of "
+                            "(None, 'fp32', 'fp64')")
         if self.activation not in _ACTIVATIONS:
             problems.append(f"activation={self.activation!r}: choose one of {sorted(_ACTIVATIONS)}")
         return problems
@@ -176,6 +190,8 @@ def _moe_settings(cfg: GPTModelConfig, ep: int) -> dict:
         moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none",
         moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
         moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
+        moe_shared_expert_gate=cfg.moe_shared_expert_gate,
+        moe_router_dtype=cfg.moe_router_dtype,
         moe_grouped_gemm=True,
         moe_permute_fusion=False,
         expert_model_parallel_size=ep,
@@ -196,7 +212,8 @@ def build_gpt_model(
     model = GPTModel(
         config=config,
         transformer_layer_spec=gpt_block_spec(cfg.num_layers, cfg.qk_layernorm,
-                                              cfg.num_moe_experts),
+                                              cfg.num_moe_experts,
+                                              cfg.qk_layernorm_across_heads),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_sequence_length,
         share_embeddings_and_output_weights=cfg.tie_word_embeddings,

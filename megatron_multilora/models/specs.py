@@ -19,7 +19,12 @@ from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_multilora.models.torch_modules import SDPAttention, TorchGroupedLinear, TorchNorm
+from megatron_multilora.models.torch_modules import (
+    AcrossHeadsRMSNorm,
+    SDPAttention,
+    TorchGroupedLinear,
+    TorchNorm,
+)
 
 
 class TorchSpecProvider(LocalSpecProvider):
@@ -43,17 +48,34 @@ def transformer_engine_usable() -> bool:
 
 
 def gpt_block_spec(num_layers: int, qk_layernorm: bool = False,
-                   num_experts: Optional[int] = None) -> TransformerBlockSubmodules | ModuleSpec:
-    """The decoder-block spec for a GPT of ``num_layers`` layers (MoE MLPs with experts)."""
+                   num_experts: Optional[int] = None,
+                   qk_layernorm_across_heads: bool = False,
+                   ) -> TransformerBlockSubmodules | ModuleSpec:
+    """The decoder-block spec for a GPT of ``num_layers`` layers (MoE MLPs with experts).
+
+    ``qk_layernorm_across_heads`` swaps the per-head q/k norms for :class:`AcrossHeadsRMSNorm`
+    (one RMSNorm over the whole q or k projection, as OLMoE has)."""
     if transformer_engine_usable():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+        layer = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=num_experts is not None,
             qk_layernorm=qk_layernorm)
+        return across_heads_qk_norm_spec(layer) if qk_layernorm_across_heads else layer
     layer = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
-    return TransformerBlockSubmodules(
-        layer_specs=[torch_layer_spec(layer, qk_layernorm, num_experts)] * num_layers,
-        layer_norm=TorchNorm,
-    )
+    layer = torch_layer_spec(layer, qk_layernorm, num_experts)
+    if qk_layernorm_across_heads:
+        layer = across_heads_qk_norm_spec(layer)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=TorchNorm)
+
+
+def across_heads_qk_norm_spec(layer: ModuleSpec) -> ModuleSpec:
+    """``layer`` with its q/k norms replaced by RMSNorms over all heads of the projection."""
+    attn = layer.submodules.self_attention
+    attn_sub = dataclasses.replace(
+        attn.submodules,
+        q_layernorm=ModuleSpec(module=AcrossHeadsRMSNorm, params={"projection": "query"}),
+        k_layernorm=ModuleSpec(module=AcrossHeadsRMSNorm, params={"projection": "key"}))
+    return dataclasses.replace(layer, submodules=dataclasses.replace(
+        layer.submodules, self_attention=dataclasses.replace(attn, submodules=attn_sub)))
 
 
 def torch_layer_spec(layer: ModuleSpec, qk_layernorm: bool,

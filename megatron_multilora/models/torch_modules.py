@@ -193,3 +193,75 @@ class TorchGroupedLinear(torch.nn.Module):
                 f"{prefix}weight", getattr(self, f"weight{i}"), *offsets,
                 replica_id=(0, 0, edp_rank), prepend_axis_num=len(offsets))
         return out
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over a process group in forward and backward.
+
+    Every rank uses the sum, so the gradient of each rank's addend is the sum of all ranks'
+    gradients of the result (megatron's reduce-from-TP region has an identity backward,
+    which is only right when the consumer is replicated)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        x = x.clone()
+        torch.distributed.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class AcrossHeadsRMSNorm(torch.nn.Module):
+    """RMSNorm over every head of a query or key projection (OLMoE's ``q_norm``/``k_norm``).
+
+    Fills megatron's ``q_layernorm``/``k_layernorm`` slots, which are built with
+    ``hidden_size`` = head_dim and normally normalise each head on its own. Input is
+    ``[s, b, local_heads, head_dim]``; ``weight`` is ``[local_heads * head_dim]``, this TP
+    rank's heads in projection-row order (TP-sharded on dim 0 like ``linear_qkv``'s rows).
+    The mean square runs over all heads of all TP ranks: each rank's sum of squares is summed
+    over the tensor-parallel group. ``projection`` is ``"query"`` (attention heads) or
+    ``"key"`` (query groups). Computed in fp32 and cast back before the weight, as
+    Hugging Face's RMSNorm does.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,
+                 projection: str = "query", **_: Any) -> None:
+        super().__init__()
+        if projection not in ("query", "key"):
+            raise ValueError(f"AcrossHeadsRMSNorm: projection={projection!r}, use query or key")
+        if config.normalization != "RMSNorm":
+            raise ValueError("AcrossHeadsRMSNorm needs normalization='RMSNorm', got "
+                             f"{config.normalization!r}")
+        heads = config.num_attention_heads if projection == "query" else config.num_query_groups
+        tp = config.tensor_model_parallel_size
+        self.eps = eps
+        self.width = heads * hidden_size  # the full projection width the mean runs over
+        self.weight = torch.nn.Parameter(
+            torch.ones(heads // tp * hidden_size, dtype=config.params_dtype))
+        tensor_parallel.set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        self.tp_size = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core import parallel_state
+
+        shape, dtype = x.shape, x.dtype
+        flat = x.reshape(*shape[:-2], -1).float()
+        square_sum = flat.pow(2).sum(-1, keepdim=True)
+        if self.tp_size > 1:
+            square_sum = _AllReduceSum.apply(
+                square_sum, parallel_state.get_tensor_model_parallel_group())
+        normed = flat * torch.rsqrt(square_sum / self.width + self.eps)
+        return (self.weight * normed.to(dtype)).view(shape)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
+        """``weight`` as a TP-sharded tensor (split on dim 0), like the qkv rows."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0}, sharded_offsets)

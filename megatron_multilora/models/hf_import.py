@@ -1,0 +1,305 @@
+"""Import Hugging Face causal-LM checkpoints into the Megatron GPT of :func:`build_gpt_model`.
+
+Works on any supported TP/EP layout: each rank reads only the slices it holds. Name and
+layout mapping (``L`` = ``model.layers.{i}``; ``M`` = the layer's MoE block, ``L.mlp`` or,
+for Mixtral, ``L.block_sparse_moe``):
+
+=================================================  ============================================
+Megatron parameter (per rank)                      Hugging Face tensor(s)
+=================================================  ============================================
+embedding.word_embeddings.weight [V/tp, H]         model.embed_tokens.weight, vocab rows
+output_layer.weight [V/tp, H] (absent when tied)   lm_head.weight, vocab rows
+decoder.final_layernorm.weight [H]                 model.norm.weight
+layers.i.input_layernorm.weight [H]                L.input_layernorm.weight
+layers.i.pre_mlp_layernorm.weight [H]              L.post_attention_layernorm.weight
+self_attention.linear_qkv.weight/.bias             L.self_attn.{q,k,v}_proj.weight/.bias, fused
+  [g/tp * (q_per_group + 2) * d, H]                per query group: its q heads, k_g, v_g;
+                                                   TP ranks hold whole groups
+self_attention.linear_proj.weight [H, heads*d/tp]  L.self_attn.o_proj.weight, columns
+self_attention.q_layernorm/k_layernorm.weight      L.self_attn.q_norm/k_norm.weight: [d] per
+                                                   head (Qwen3), or [heads*d] across heads
+                                                   (OLMoE; TP-split by heads)
+mlp.linear_fc1.weight [2F/tp, H]                   [gate_proj shard; up_proj shard]
+mlp.linear_fc2.weight [H, F/tp]                    L.mlp.down_proj.weight, columns
+mlp.router.weight [E, H]                           M.gate.weight
+mlp.experts.linear_fc1.weight{j} [2I, H]           expert e = ep_rank * E/ep + j:
+                                                   [M.experts.e.gate_proj; .up_proj]
+                                                   (Mixtral: [w1; w3]), or the fused
+                                                   M.experts.gate_up_proj[e] [2I, H]
+mlp.experts.linear_fc2.weight{j} [H, I]            M.experts.e.down_proj (Mixtral: w2), or
+                                                   M.experts.down_proj[e] [H, I]
+mlp.shared_experts.linear_fc1/.linear_fc2.weight   M.shared_expert(s).gate_proj/up_proj/down_proj
+mlp.shared_experts.gate_weight [1, H]              M.shared_expert_gate.weight
+=================================================  ============================================
+
+TE layer specs name the norms ``linear_qkv.layer_norm_weight`` and
+``mlp.linear_fc1.layer_norm_weight``; both are mapped too. Megatron's SequentialMLP names
+(``mlp.experts.local_experts.{j}.linear_fc1.weight``) are accepted as well.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+
+from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear
+from megatron_multilora.models.gpt import GPTModelConfig, build_gpt_model
+from megatron_multilora.models.hf_config import hf_to_model_config, read_hf_config
+from megatron_multilora.models.hf_safetensors import SafetensorsFolder
+
+__all__ = ["hf_to_model_config", "load_hf_checkpoint", "load_hf_model", "load_hf_tokenizer"]
+
+# Per-layer parameters that are one HF tensor, sliced like the Megatron parameter.
+_LAYER_DIRECT = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+_EXPERT = re.compile(r"mlp\.experts\.(?:linear_(fc[12])\.weight(\d+)|local_experts\.(\d+)\."
+                     r"linear_(fc[12])\.weight)")
+# HF tensors that carry no weights of the model (old checkpoints stored RoPE tables).
+_IGNORED = re.compile(r".*\.rotary_emb\.inv_freq")
+
+
+class MissingTensorError(ValueError):
+    """The checkpoint lacks a tensor a Megatron parameter needs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shard:
+    """This rank's part of a full tensor: chunk ``rank`` of ``size`` along ``dim``."""
+
+    dim: Optional[int] = None
+    rank: int = 0
+    size: int = 1
+
+
+_WHOLE = _Shard()
+
+
+class _Loader:
+    """Builds each Megatron parameter's local tensor from the checkpoint."""
+
+    def __init__(self, ckpt: SafetensorsFolder, cfg: GPTModelConfig) -> None:
+        self.ckpt, self.cfg = ckpt, cfg
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+        self.etp_size = parallel_state.get_expert_tensor_parallel_world_size()
+        if cfg.num_moe_experts:
+            ep = parallel_state.get_expert_model_parallel_world_size()
+            self.first_expert = (parallel_state.get_expert_model_parallel_rank()
+                                 * (cfg.num_moe_experts // ep))
+
+    def shard(self, param: torch.Tensor, expert: bool = False) -> _Shard:
+        """From megatron's attributes: TP-split params are chunked along ``partition_dim``
+        (experts over the expert-TP group, which is 1 here)."""
+        if not getattr(param, "tensor_model_parallel", False):
+            return _WHOLE
+        if expert:
+            return _Shard(param.partition_dim, self.etp_rank, self.etp_size)
+        return _Shard(param.partition_dim, self.tp_rank, self.tp_size)
+
+    # --- reads -------------------------------------------------------------------------
+    def read(self, name: str, shard: _Shard = _WHOLE) -> torch.Tensor:
+        """``name``, only this rank's chunk of it."""
+        self.require(name)
+        if shard.dim is None or shard.size == 1:
+            return self.ckpt.read(name)
+        full = self.ckpt.shape(name)[shard.dim]
+        if full % shard.size:
+            raise ValueError(f"{name}: dim {shard.dim} of size {full} does not split into "
+                             f"{shard.size} tensor-parallel parts")
+        n = full // shard.size
+        index = [slice(None)] * shard.dim + [slice(shard.rank * n, (shard.rank + 1) * n)]
+        return self.ckpt.read(name, tuple(index))
+
+    def require(self, name: str) -> str:
+        if name not in self.ckpt:
+            raise MissingTensorError(f"{self.ckpt.folder}: the checkpoint has no tensor {name!r}")
+        return name
+
+    def gated(self, gate: str, up: str, shard: _Shard) -> torch.Tensor:
+        """fc1 of a gated MLP: [gate; up], each split over TP on its own, so a rank holds
+        [gate_shard; up_shard] (megatron's layout)."""
+        return torch.cat([self.read(gate, shard), self.read(up, shard)])
+
+    def qkv(self, prefix: str, suffix: str, shard: _Shard) -> torch.Tensor:
+        """Fused q/k/v rows (weight or bias) in megatron's per-group layout
+        ``[groups, (q_per_group + 2) * d, ...]``; this rank's groups only."""
+        cfg = self.cfg
+        heads = cfg.num_attention_heads
+        groups = cfg.num_query_groups or heads
+        d = cfg.kv_channels or cfg.hidden_size // heads
+        q_per_group = heads // groups
+        local = groups // shard.size  # TP holds whole groups (an unsplit param: size 1)
+        first = shard.rank * local
+
+        def rows(name: str, per_group: int) -> torch.Tensor:
+            span = slice(first * per_group, (first + local) * per_group)
+            return self.ckpt.read(self.require(f"{prefix}.{name}.{suffix}"), (span,))
+
+        q = rows("q_proj", q_per_group * d)
+        k, v = rows("k_proj", d), rows("v_proj", d)
+        rest = q.shape[1:]
+        return torch.cat([q.reshape(local, q_per_group * d, *rest),
+                          k.reshape(local, d, *rest), v.reshape(local, d, *rest)],
+                         dim=1).reshape(-1, *rest)
+
+    # --- mapping -----------------------------------------------------------------------
+    def tensor_for(self, key: str, param: torch.Tensor) -> torch.Tensor:
+        """The local tensor for Megatron state-dict ``key`` (whose parameter is ``param``)."""
+        if key == "embedding.word_embeddings.weight":
+            return self.read("model.embed_tokens.weight", self.shard(param))
+        if key == "output_layer.weight":
+            return self.read("lm_head.weight", self.shard(param))
+        if key == "decoder.final_layernorm.weight":
+            return self.read("model.norm.weight")
+        m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", key)
+        if m:
+            return self.layer_tensor(f"model.layers.{m[1]}", m[2], param)
+        raise ValueError(f"no Hugging Face counterpart is known for Megatron parameter {key!r}")
+
+    def layer_tensor(self, hf: str, rest: str, param: torch.Tensor) -> torch.Tensor:
+        shard = self.shard(param)
+        if rest in _LAYER_DIRECT:
+            return self.read(f"{hf}.{_LAYER_DIRECT[rest]}", shard)
+        if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+            return self.qkv(f"{hf}.self_attn", rest.rsplit(".", 1)[1], shard)
+        if rest == "mlp.linear_fc1.weight":
+            return self.gated(f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight", shard)
+        moe = self.moe_prefix(hf)
+        if rest == "mlp.router.weight":
+            return self.read(f"{moe}.gate.weight")
+        m = _EXPERT.fullmatch(rest)
+        if m:
+            fc, local = (m[1], m[2]) if m[1] else (m[4], m[3])
+            return self.expert(moe, self.first_expert + int(local), fc, self.shard(param, True))
+        if rest.startswith("mlp.shared_experts."):
+            return self.shared_expert(moe, rest.removeprefix("mlp.shared_experts."), shard)
+        raise ValueError(f"no Hugging Face counterpart is known for Megatron parameter "
+                         f"'decoder.layers.<i>.{rest}'")
+
+    def moe_prefix(self, hf: str) -> str:
+        """Mixtral keeps its MoE block under ``block_sparse_moe``, the others under ``mlp``."""
+        return f"{hf}.block_sparse_moe" if f"{hf}.block_sparse_moe.gate.weight" in self.ckpt \
+            else f"{hf}.mlp"
+
+    def expert(self, moe: str, e: int, fc: str, shard: _Shard) -> torch.Tensor:
+        """Global expert ``e``'s fc1 ([gate; up]) or fc2 (down), from per-expert tensors or
+        from transformers' fused ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``."""
+        fused = f"{moe}.experts.gate_up_proj" if fc == "fc1" else f"{moe}.experts.down_proj"
+        if fused in self.ckpt:
+            if shard.size > 1:
+                raise ValueError("expert tensor parallelism is not supported with fused experts")
+            return self.ckpt.read(fused, (slice(e, e + 1),))[0]  # only expert e's rows
+        names = ({"fc1": ("w1", "w3"), "fc2": ("w2",)} if moe.endswith("block_sparse_moe")
+                 else {"fc1": ("gate_proj", "up_proj"), "fc2": ("down_proj",)})[fc]
+        names = [f"{moe}.experts.{e}.{n}.weight" for n in names]
+        return self.gated(*names, shard) if fc == "fc1" else self.read(names[0], shard)
+
+    def shared_expert(self, moe: str, rest: str, shard: _Shard) -> torch.Tensor:
+        """Qwen2-MoE calls it ``shared_expert`` (one), DeepSeek-style models
+        ``shared_experts``; its sigmoid gate is ``shared_expert_gate``."""
+        if rest == "gate_weight":
+            return self.read(f"{moe}.shared_expert_gate.weight")
+        name = "shared_expert" if f"{moe}.shared_expert.down_proj.weight" in self.ckpt \
+            else "shared_experts"
+        if rest == "linear_fc1.weight":
+            return self.gated(f"{moe}.{name}.gate_proj.weight", f"{moe}.{name}.up_proj.weight",
+                              shard)
+        if rest == "linear_fc2.weight":
+            return self.read(f"{moe}.{name}.down_proj.weight", shard)
+        raise ValueError(f"no Hugging Face counterpart is known for shared-expert parameter "
+                         f"{rest!r}")
+
+
+def base_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The base model's parameters by state-dict key (a wrapped linear's base under its
+    unwrapped key, thanks to the wrapper's state-dict hook); adapter slots excluded."""
+    adapters = {id(p) for m in model.modules() if isinstance(m, MultiLoRALinear)
+                for p in m.adapters.parameters()}
+    out: dict[str, torch.nn.Parameter] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.nn.Parameter) and id(value) not in adapters:
+            adapters.add(id(value))  # a shared parameter is filled once, under its first key
+            out[key] = value
+    return out
+
+
+def load_hf_checkpoint(model: torch.nn.Module, folder: str, model_config: GPTModelConfig) -> None:
+    """Copy the Hugging Face checkpoint in ``folder`` into ``model`` on the current layout.
+
+    ``model`` is a GPTModel from :func:`build_gpt_model` for ``model_config`` (possibly
+    wrapped by ``apply_multi_lora``, or inside megatron's DDP). The mapping is in this
+    module's docstring. Each rank reads only its slices, cast to the parameter's dtype.
+    Raises :class:`MissingTensorError` when the checkpoint lacks a needed tensor,
+    ``ValueError`` when a Megatron parameter has no known counterpart, a shape disagrees, or
+    the checkpoint holds tensors the model has no place for (they would be silently lost).
+    """
+    while not isinstance(model, GPTModel) and isinstance(getattr(model, "module", None),
+                                                         torch.nn.Module):
+        model = model.module  # DDP / Float16Module wrappers
+    with SafetensorsFolder(folder) as ckpt, torch.no_grad():
+        loader = _Loader(ckpt, model_config)
+        for key, param in base_parameters(model).items():
+            try:
+                tensor = loader.tensor_for(key, param)
+            except MissingTensorError as e:
+                raise MissingTensorError(f"{e}, needed for Megatron parameter {key!r}") from None
+            if tensor.shape != param.shape:
+                raise ValueError(f"{key}: the checkpoint gives shape {tuple(tensor.shape)} for "
+                                 f"this rank, the model holds {tuple(param.shape)} (config.json "
+                                 "and weights disagree?)")
+            param.copy_(tensor.to(param.dtype))
+        _check_all_used(ckpt, model_config)
+
+
+def _check_all_used(ckpt: SafetensorsFolder, cfg: GPTModelConfig) -> None:
+    """Every checkpoint tensor must have gone somewhere. Under EP a rank reads only its
+    experts, so expert indices are compared as wildcards."""
+    def generic(name: str) -> str:
+        return re.sub(r"\.experts\.\d+\.", ".experts.*.", name)
+
+    used = {generic(n) for n in ckpt.used}
+    unused = [n for n in ckpt.names() if generic(n) not in used and not _IGNORED.fullmatch(n)
+              and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if unused:
+        more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
+        raise ValueError(f"{ckpt.folder}: checkpoint tensors with no place in the Megatron model "
+                         f"(config.json and weights disagree?): {unused[:5]}{more}")
+
+
+def load_hf_model(
+    folder: str,
+    sequence_parallel: bool = False,
+    params_dtype: torch.dtype = torch.float32,
+) -> tuple[GPTModel, GPTModelConfig]:
+    """Build the Megatron GPT for ``folder``'s config.json on the current parallel layout
+    (call ``init_parallel`` first) and load its weights; returned in eval mode, like
+    ``from_pretrained``."""
+    cfg = hf_to_model_config(read_hf_config(folder))
+    # Random init is wasted work here, but megatron (0.16.1) only tags parameters as
+    # tensor-parallel (tensor_model_parallel / partition_dim) inside its init functions, so
+    # perform_initialization=False would leave TP-split parameters looking replicated.
+    model = build_gpt_model(cfg, sequence_parallel, params_dtype)
+    load_hf_checkpoint(model, folder, cfg)
+    return model.eval(), cfg
+
+
+def load_hf_tokenizer(folder: str):
+    """``transformers.AutoTokenizer.from_pretrained(folder)`` (transformers imported lazily:
+    it is only a test/extra dependency)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)

@@ -1,0 +1,76 @@
+"""Sliced reads from a Hugging Face safetensors checkpoint folder.
+
+A folder holds either ``model.safetensors`` or shards ``model-0000x-of-0000y.safetensors``
+listed by ``model.safetensors.index.json``. Tensors are read through
+``safe_open(...).get_slice(name)`` and indexed before they are materialised, so a rank only
+reads the rows/columns (and experts) it holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class SafetensorsFolder:
+    """Tensor names, shapes and sliced reads of one checkpoint folder; use as a context
+    manager (files are opened lazily and closed on exit). ``used`` records every name read."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        index = os.path.join(folder, INDEX_FILE)
+        single = os.path.join(folder, SINGLE_FILE)
+        if os.path.isfile(index):
+            with open(index) as f:
+                self._file_of: dict[str, str] = dict(json.load(f)["weight_map"])
+        elif os.path.isfile(single):
+            with safe_open(single, framework="pt") as f:
+                self._file_of = {name: SINGLE_FILE for name in f.keys()}
+        else:
+            raise FileNotFoundError(f"{folder}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+        self._stack = contextlib.ExitStack()
+        self._handles: dict[str, Any] = {}
+        self.used: set[str] = set()
+
+    def __enter__(self) -> "SafetensorsFolder":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def names(self) -> list[str]:
+        return sorted(self._file_of)
+
+    def _slice(self, name: str) -> Any:
+        if name not in self._file_of:
+            raise KeyError(name)
+        file = self._file_of[name]
+        if file not in self._handles:
+            path = os.path.join(self.folder, file)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{self.folder}: {INDEX_FILE} lists {file} for {name!r}, "
+                                        "but that file is missing")
+            self._handles[file] = self._stack.enter_context(safe_open(path, framework="pt"))
+        return self._handles[file].get_slice(name)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...] = ()) -> torch.Tensor:
+        """``name``'s tensor, or only ``tensor[index]`` (one slice per leading dim) read from
+        disk."""
+        self.used.add(name)
+        part = self._slice(name)
+        return part[index] if index else part[:]

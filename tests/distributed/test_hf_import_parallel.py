@@ -1,0 +1,142 @@
+"""Hugging Face import under TP=2 (with and without SP), EP=2 and TP=2 x EP=2: Megatron
+logits equal transformers logits, each rank reads only its slices, and OLMoE's across-heads
+q/k norm passes gradients correctly between TP ranks.
+
+Every rank builds the same seeded tiny HF model (the reference); rank 0 saves it into a
+folder all ranks read.
+"""
+
+import shutil
+import tempfile
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_multilora.models import hf_safetensors
+from megatron_multilora.models.hf_import import load_hf_model
+from tests.distributed.conftest import assert_all_ranks, compare
+from tests.hf_models import FAMILIES, MOE, hf_logits, make_hf_model, megatron_logits, token_batch
+
+pytest.importorskip("transformers")
+
+REL = 1e-5  # of max|logit| (~7): about 7e-5 absolute; observed <= 1e-6 relative
+
+
+@contextmanager
+def saved_checkpoint(hf_model, **save_kwargs):
+    """A folder holding ``hf_model``, saved by rank 0 and visible to every rank."""
+    path = [tempfile.mkdtemp(prefix="hf_import_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    if dist.get_rank() == 0:
+        hf_model.save_pretrained(path[0], **save_kwargs)
+    dist.barrier()
+    try:
+        yield path[0]
+    finally:
+        dist.barrier()  # nobody still reading
+        if dist.get_rank() == 0:
+            shutil.rmtree(path[0], ignore_errors=True)
+
+
+def check_logits(layout, model_type, tp=1, ep=1, sp=False, **save_kwargs):
+    layout(tp=tp, ep=ep, sp=sp)
+    hf_model = make_hf_model(model_type, seed=11)
+    failures: list[str] = []
+    with saved_checkpoint(hf_model, **save_kwargs) as folder:
+        model, _ = load_hf_model(folder, sequence_parallel=sp)
+    for seed in range(3):
+        ids = token_batch(seed)
+        compare(failures, megatron_logits(model, ids), hf_logits(hf_model, ids), REL,
+                f"{model_type} tp={tp} ep={ep} sp={sp} logits (batch {seed})")
+    assert_all_ranks(failures)
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_tp2_logits_match_transformers(layout, model_type):
+    check_logits(layout, model_type, tp=2)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2_moe"])
+def test_tp2_sp_logits_match_transformers(layout, model_type):
+    check_logits(layout, model_type, tp=2, sp=True)
+
+
+@pytest.mark.parametrize("model_type", MOE)
+def test_ep2_logits_match_transformers(layout, model_type):
+    check_logits(layout, model_type, ep=2)
+
+
+def test_tp2_sharded_checkpoint(layout):
+    check_logits(layout, "qwen3", tp=2, max_shard_size="40KB")
+
+
+@pytest.mark.world(4)
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "olmoe"])
+def test_tp2_ep2_logits_match_transformers(layout, model_type):
+    check_logits(layout, model_type, tp=2, ep=2)
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)])
+def test_each_rank_reads_only_its_slices(layout, monkeypatch, tp, ep):
+    """Record every read: under TP a rank reads half of each split tensor; under EP only its
+    own experts' tensors."""
+    layout(tp=tp, ep=ep)
+    hf_model = make_hf_model("mixtral", seed=4)
+    reads: list[tuple[str, tuple[int, ...]]] = []
+    real_read = hf_safetensors.SafetensorsFolder.read
+
+    def recording_read(self, name, index=()):
+        out = real_read(self, name, index)
+        reads.append((name, tuple(out.shape)))
+        return out
+
+    monkeypatch.setattr(hf_safetensors.SafetensorsFolder, "read", recording_read)
+    with saved_checkpoint(hf_model) as folder:
+        load_hf_model(folder)
+    failures = []
+    shapes = dict(reads)
+    if tp == 2:
+        for name, want in (("model.embed_tokens.weight", (64, 64)),
+                           ("model.layers.0.self_attn.q_proj.weight", (32, 64)),
+                           ("model.layers.0.self_attn.k_proj.weight", (16, 64)),
+                           ("model.layers.0.self_attn.o_proj.weight", (64, 32))):
+            if shapes.get(name) != want:
+                failures.append(f"{name}: read {shapes.get(name)}, want this rank's {want}")
+    if ep == 2:
+        first = 2 * parallel_state.get_expert_model_parallel_rank()  # 4 experts, 2 per rank
+        mine = {f".experts.{e}." for e in (first, first + 1)}
+        for name, _ in reads:
+            if ".experts." in name and not any(m in name for m in mine):
+                failures.append(f"read another EP rank's expert tensor {name}")
+        if not any(".experts." in n for n, _ in reads):
+            failures.append("read no expert tensors")
+    assert_all_ranks(failures)
+
+
+def test_olmoe_tp2_gradients_match_transformers(layout):
+    """The across-heads q/k RMSNorm sums squares over TP ranks; its backward must sum the
+    gradient over them too. input_layernorm's gradient (replicated, complete on every rank)
+    depends on it, as does a LoRA on linear_qkv."""
+    layout(tp=2)
+    hf_model = make_hf_model("olmoe", seed=9)
+    with saved_checkpoint(hf_model) as folder:
+        model, _ = load_hf_model(folder)
+    ids = token_batch(0)
+    weights = torch.randn(*ids.shape, 128, generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(ids.size(1))[None].expand_as(ids)
+    (model(ids, positions, None, runtime_gather_output=True) * weights).sum().backward()
+    (hf_model(ids).logits * weights).sum().backward()
+    failures: list[str] = []
+    for layer in range(2):
+        compare(failures, model.decoder.layers[layer].input_layernorm.weight.grad,
+                hf_model.model.layers[layer].input_layernorm.weight.grad, 1e-4,
+                f"layer {layer} input_layernorm grad")
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        compare(failures, model.decoder.layers[layer].self_attention.k_layernorm.weight.grad,
+                hf_model.model.layers[layer].self_attn.k_norm.weight.grad.chunk(2)[rank], 1e-4,
+                f"layer {layer} k_norm grad (this rank's heads)")
+    assert_all_ranks(failures)
+

@@ -1,0 +1,225 @@
+"""Hugging Face checkpoint import (world of one): Megatron logits equal transformers logits
+for every supported family, sharded and fused-expert checkpoints, wrapped models, and clear
+errors for what is not supported."""
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import megatron_multilora as mm
+from megatron_multilora.models.hf_config import hf_to_model_config, read_hf_config
+from megatron_multilora.models.hf_import import (
+    MissingTensorError,
+    load_hf_checkpoint,
+    load_hf_model,
+    load_hf_tokenizer,
+)
+from tests.hf_models import FAMILIES, MOE, hf_logits, make_hf_model, megatron_logits, token_batch
+
+pytest.importorskip("transformers")
+
+# fp32 on both sides; observed <= 5e-6 (MoE: different summation orders) on logits of
+# magnitude ~6, while a mis-mapped tensor gives O(1) errors.
+TOL = 1e-4
+
+
+def max_logit_diff(hf_model, model, seeds=(0, 1, 2)) -> float:
+    return max((megatron_logits(model, token_batch(s)) - hf_logits(hf_model, token_batch(s)))
+               .abs().max().item() for s in seeds)
+
+
+def save(hf_model, folder, **kwargs) -> str:
+    hf_model.save_pretrained(folder, **kwargs)
+    return str(folder)
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_logits_match_transformers(tmp_path, model_type):
+    hf_model = make_hf_model(model_type)
+    model, cfg = load_hf_model(save(hf_model, tmp_path))
+    assert cfg.num_layers == 2 and cfg.vocab_size == 128
+    diff = max_logit_diff(hf_model, model)
+    print(f"{model_type}: max |logit diff| = {diff:.2e}")
+    assert diff <= TOL
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "mixtral", "qwen2_moe"])
+def test_sharded_checkpoint(tmp_path, model_type):
+    hf_model = make_hf_model(model_type, seed=3)
+    folder = save(hf_model, tmp_path, max_shard_size="40KB")
+    shards = [f for f in os.listdir(folder) if f.endswith(".safetensors")]
+    assert "model.safetensors.index.json" in os.listdir(folder) and len(shards) > 1
+    model, _ = load_hf_model(folder)
+    assert max_logit_diff(hf_model, model) <= TOL
+
+
+def test_tied_embeddings(tmp_path):
+    hf_model = make_hf_model("llama", tie_word_embeddings=True)
+    model, cfg = load_hf_model(save(hf_model, tmp_path))
+    assert cfg.tie_word_embeddings and model.output_layer.weight is None
+    assert max_logit_diff(hf_model, model) <= TOL
+
+
+def test_fused_expert_tensors(tmp_path):
+    """transformers 5 keeps experts fused in memory (gate_up_proj [E, 2I, H],
+    down_proj [E, H, I]); a checkpoint written from that state dict loads too."""
+    hf_model = make_hf_model("qwen3_moe", seed=5)
+    hf_model.config.save_pretrained(tmp_path)
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+    assert any(k.endswith("experts.gate_up_proj") for k in state)
+    save_file(state, os.path.join(tmp_path, "model.safetensors"))
+    model, _ = load_hf_model(str(tmp_path))
+    assert max_logit_diff(hf_model, model) <= TOL
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen2_moe"])
+def test_wrapped_model_loads_base_weights(tmp_path, model_type):
+    """After apply_multi_lora the base linears sit at ``<name>.to_wrap``; loading fills them
+    and leaves the adapter slots alone (zero B: logits stay the base model's)."""
+    hf_model = make_hf_model(model_type, seed=7)
+    folder = save(hf_model, tmp_path)
+    cfg = hf_to_model_config(read_hf_config(folder))
+    model = mm.build_gpt_model(cfg)
+    mm.apply_multi_lora(model, 2, 4, 8.0)
+    adapters_before = {k: v.clone() for k, v in model.state_dict().items() if ".adapters." in k}
+    load_hf_checkpoint(model, folder, cfg)
+    qkv = model.decoder.layers[0].self_attention.linear_qkv
+    assert isinstance(qkv, mm.MultiLoRALinear)
+    # Group 0 of the fused layout starts with q heads 0..1 of q_proj.
+    torch.testing.assert_close(qkv.to_wrap.weight[:32],
+                               hf_model.model.layers[0].self_attn.q_proj.weight[:32])
+    for k, v in model.state_dict().items():
+        if k in adapters_before:
+            assert torch.equal(v, adapters_before[k]), k
+    # One adapter slot holds every token of the (3 x 16)-token batches.
+    mm.set_tokens_per_adapter_slot(model, [token_batch(0).numel(), 0])
+    assert max_logit_diff(hf_model, model.eval()) <= TOL
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def test_bf16_load_casts_each_tensor(tmp_path, model_type):
+    hf_model = make_hf_model(model_type, seed=2)
+    model, _ = load_hf_model(save(hf_model, tmp_path), params_dtype=torch.bfloat16)
+    params = dict(model.named_parameters())
+    assert all(p.dtype == torch.bfloat16 for p in params.values())
+    want = hf_model.model.layers[1].self_attn.o_proj.weight.to(torch.bfloat16)
+    assert torch.equal(params["decoder.layers.1.self_attention.linear_proj.weight"], want)
+    ids = token_batch(0)
+    per_token = (megatron_logits(model, ids).float() - hf_logits(hf_model, ids)).abs().amax(-1)
+    p90 = per_token.flatten().quantile(0.9).item()
+    print(f"{model_type} bf16 vs fp32 transformers: per-token max |logit diff| "
+          f"p90 {p90:.2e}, max {per_token.max().item():.2e}")
+    # bf16 rounding (transformers in bf16 is as far off); a rare MoE top-k flip may move one
+    # token by ~1, a mapping error moves nearly all tokens by O(1).
+    assert p90 < 0.3
+
+
+def test_config_mapping():
+    cfg = hf_to_model_config({
+        "model_type": "qwen2_moe", "num_hidden_layers": 3, "hidden_size": 64,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 96,
+        "moe_intermediate_size": 24, "shared_expert_intermediate_size": 40, "num_experts": 6,
+        "num_experts_per_tok": 2, "norm_topk_prob": False, "vocab_size": 100,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "qkv_bias": True})
+    assert (cfg.num_layers, cfg.num_query_groups, cfg.kv_channels) == (3, 2, 8)
+    assert (cfg.rotary_base, cfg.norm_epsilon, cfg.max_sequence_length) == (1000000, 1e-6, 256)
+    assert cfg.add_qkv_bias and not cfg.add_bias_linear and not cfg.qk_layernorm
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size) == (6, 2, 24)
+    assert cfg.moe_router_pre_softmax  # no renormalisation of the top-k probabilities
+    assert cfg.moe_shared_expert_intermediate_size == 40 and cfg.moe_shared_expert_gate
+    mixtral = hf_to_model_config({**_minimal("mixtral"),
+                                  "norm_topk_prob": False})
+    assert not mixtral.moe_router_pre_softmax  # Mixtral always renormalises
+    assert mixtral.moe_ffn_hidden_size == mixtral.ffn_hidden_size
+    olmoe = hf_to_model_config(_minimal("olmoe"))
+    assert olmoe.qk_layernorm and olmoe.qk_layernorm_across_heads
+    qwen3 = hf_to_model_config({**_minimal("qwen3"), "rope_theta": 12345.5})
+    assert qwen3.qk_layernorm and not qwen3.qk_layernorm_across_heads
+    assert qwen3.rotary_base == 12345.5
+
+
+def _minimal(model_type: str) -> dict:
+    d = {"model_type": model_type, "num_hidden_layers": 2, "hidden_size": 64,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+         "vocab_size": 128, "hidden_act": "silu"}
+    if model_type in MOE:
+        d.update(num_experts=4, num_local_experts=4, num_experts_per_tok=2,
+                 moe_intermediate_size=32)
+    return d
+
+
+@pytest.mark.parametrize("model_type,fields,named", [
+    ("gpt2", {}, "model_type 'gpt2'"),
+    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+     "rope_parameters"),
+    ("qwen3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ("llama", {"attention_bias": True}, "attention_bias=True"),
+    ("llama", {"mlp_bias": True}, "mlp_bias=True"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window"),
+    ("qwen3", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+    ("mixtral", {"sliding_window": 64, "max_position_embeddings": 4096}, "sliding_window=64"),
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
+    ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
+    ("qwen2_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ("olmoe", {"clip_qkv": 8.0}, "clip_qkv=8.0"),
+])
+def test_unsupported_config_raises(model_type, fields, named):
+    with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("(", r"\(")) as e:
+        hf_to_model_config({**_minimal(model_type), **fields})
+    assert model_type in str(e.value)
+
+
+def test_mixtral_window_covering_every_position_is_accepted():
+    cfg = hf_to_model_config({**_minimal("mixtral"), "sliding_window": 4096,
+                              "max_position_embeddings": 4096})
+    assert cfg.num_moe_experts == 4
+
+
+def test_missing_tensor_raises_naming_it(tmp_path):
+    folder = save(make_hf_model("llama"), tmp_path)
+    path = os.path.join(folder, "model.safetensors")
+    state = load_file(path)
+    del state["model.layers.1.self_attn.k_proj.weight"]
+    save_file(state, path)
+    with pytest.raises(MissingTensorError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight"
+                       r".*decoder\.layers\.1\.self_attention\.linear_qkv\.weight"):
+        load_hf_model(folder)
+
+
+def test_unexpected_tensor_raises_naming_it(tmp_path):
+    """A tensor the model has no place for (here an o_proj bias) would be silently lost."""
+    folder = save(make_hf_model("llama"), tmp_path)
+    path = os.path.join(folder, "model.safetensors")
+    state = load_file(path)
+    state["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)
+    save_file(state, path)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.o_proj\.bias"):
+        load_hf_model(folder)
+
+
+def test_missing_shard_file_raises(tmp_path):
+    folder = save(make_hf_model("llama"), tmp_path, max_shard_size="40KB")
+    shard = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))[-1]
+    os.remove(os.path.join(folder, shard))
+    with pytest.raises(FileNotFoundError, match=shard):
+        load_hf_model(folder)
+
+
+def test_tokenizer_loads_from_folder(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "</s>", "<s>", "hello", "world"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>",
+                            pad_token="<pad>").save_pretrained(tmp_path)
+    loaded = load_hf_tokenizer(str(tmp_path))
+    assert loaded("hello world")["input_ids"] == [3, 4]
