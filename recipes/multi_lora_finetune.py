@@ -13,6 +13,7 @@ on every job's held-out data.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -40,7 +41,9 @@ from megatron_multilora.checkpoint.training_state import (  # noqa: E402
 from megatron_multilora.data.datasets import Example, load_dataset, read_jsonl_records  # noqa: E402
 from megatron_multilora.data.demo_tasks import exact_match  # noqa: E402
 from megatron_multilora.data.packing import pack_micro_batches, shard_for_data_parallel  # noqa: E402
-from megatron_multilora.data.tokenizer import ByteTokenizer  # noqa: E402
+from megatron_multilora.checkpoint.peft_format import export_peft  # noqa: E402
+from megatron_multilora.data.tokenizer import ByteTokenizer, HFTokenizer  # noqa: E402
+from megatron_multilora.models.hf_import import load_hf_checkpoint, load_hf_tokenizer  # noqa: E402
 from megatron_multilora.training import evaluation, step as train_step  # noqa: E402
 from megatron_multilora.training.config import RunConfig, load_run_config, to_plain, validate  # noqa: E402
 from megatron_multilora.training.jobs import DONE, FAILED, JobQueue, JobState, planned_steps  # noqa: E402
@@ -72,7 +75,8 @@ class MultiLoRAFinetuneRecipe:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.pad_multiple = run.parallel.tp if run.parallel.sp else 1
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = (HFTokenizer(load_hf_tokenizer(run.hf_dir)) if run.hf_dir
+                          else ByteTokenizer())
         self.model = self._build_model()
         self.ddp = DistributedDataParallel(self.model.config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=True), self.model)
@@ -110,6 +114,8 @@ class MultiLoRAFinetuneRecipe:
         # Per-adapter losses are normalised over the global batch: DDP must sum, not average.
         model = mm.build_gpt_model(model_cfg, sequence_parallel=run.parallel.sp, params_dtype=dtype,
                                    calculate_per_token_loss=True)
+        if run.hf_dir:
+            load_hf_checkpoint(model, run.hf_dir, model_cfg)
         return mm.apply_multi_lora(model, run.lora.slots, run.lora.max_rank, alpha=1.0,
                                    target_modules=run.lora.targets,
                                    column_init_method=run.lora.column_init_method,
@@ -152,10 +158,17 @@ class MultiLoRAFinetuneRecipe:
         if status == DONE:
             export_adapter(self.model, slot, self.run_dir / "adapters" / job.name,
                            self._adapter_meta(job, state), overwrite=True)
+            if self.run.hf_dir:
+                export_peft(self.model, slot, self.run_dir / "peft" / job.name, self.run.model,
+                            self._hf_model_type(), str(Path(self.run.hf_dir).resolve()),
+                            overwrite=True)
         self.queue.release(state, status, reason)
         self.optimizers.pop(slot).zero_grad()
         mm.clear_adapter_slot(self.model, slot)  # weights, rank, alpha back to a fresh slot
         self._say(f"step {self.step}: job {job.name} {status} ({reason}); slot {slot} is free")
+
+    def _hf_model_type(self) -> str:
+        return json.loads((Path(self.run.hf_dir) / "config.json").read_text())["model_type"]
 
     def _adapter_meta(self, job, state: JobState) -> dict:
         return {"name": job.name, "dropout": job.dropout, "targets": list(self.run.lora.targets),
@@ -353,6 +366,11 @@ class MultiLoRAFinetuneRecipe:
                 where = self.run_dir / "adapters" / state.name if state.status == DONE else "-"
                 print(f"job {state.name}: {state.status} after {state.steps_done} steps "
                       f"({state.reason}) -> {where}", flush=True)
+            done = [s.name for s in self.queue.states if s.status == DONE]
+            if self.run.hf_dir and done:
+                print(f"PEFT adapters in {self.run_dir / 'peft'}; load one with:\n"
+                      f"  PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("
+                      f"'{self.run.hf_dir}'), '{self.run_dir / 'peft' / done[0]}')", flush=True)
         self.logger.close()
         dist.barrier()
 

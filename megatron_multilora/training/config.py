@@ -122,6 +122,11 @@ class CheckpointSettings:
 @dataclasses.dataclass
 class RunConfig:
     model: GPTModelConfig = dataclasses.field(default_factory=GPTModelConfig)
+    hf_dir: Optional[str] = None
+    """A Hugging Face model folder (config.json, safetensors, tokenizer) to fine-tune: the
+    model's architecture, weights and tokenizer come from it and ``model`` is ignored;
+    adapters are also exported in PEFT format. Without it, ``model`` is built from scratch
+    with the built-in byte tokenizer."""
     lora: LoRASettings = dataclasses.field(default_factory=LoRASettings)
     adapters: list[AdapterJob] = dataclasses.field(default_factory=list)
     parallel: ParallelSettings = dataclasses.field(default_factory=ParallelSettings)
@@ -162,6 +167,11 @@ def validate(run: RunConfig, check_files: bool = True) -> None:
         problems.append("parallel.sp=true needs parallel.tp > 1")
     if run.model.num_moe_experts is None and par.ep > 1:
         problems.append("parallel.ep > 1 needs a MoE model (model.num_moe_experts)")
+    if run.hf_dir is not None:
+        try:
+            run.model = hf_model_config(run.hf_dir)
+        except (OSError, ValueError) as err:
+            problems.append(f"hf_dir: {err}")
     problems += [f"model: {p}" for p in run.model.check(max(par.tp, 1))]
     if run.model.num_moe_experts and run.model.num_moe_experts % par.ep:
         problems.append(f"model.num_moe_experts={run.model.num_moe_experts} is not divisible by "
@@ -216,6 +226,19 @@ def validate(run: RunConfig, check_files: bool = True) -> None:
                 problems.append(f"{where}.init_from: {job.init_from} is not a folder")
     if problems:
         raise ConfigError("the run cannot start:\n  - " + "\n  - ".join(problems))
+
+
+def hf_model_config(folder: str) -> GPTModelConfig:
+    """The model config a Hugging Face folder's ``config.json`` describes."""
+    import json
+
+    from megatron_multilora.models.hf_import import hf_to_model_config
+
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} not found (expected a Hugging Face model folder)")
+    with open(path) as f:
+        return hf_to_model_config(json.load(f))
 
 
 def to_plain(run: RunConfig) -> dict[str, Any]:
