@@ -16,7 +16,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from megatron_multilora.checkpoint.adapter_tensors import gather_slot, load_slot, slot_rank_alpha
-from megatron_multilora.checkpoint.files import write_dir_atomic
+from megatron_multilora.checkpoint.files import refuse_existing, write_dir_atomic
 from megatron_multilora.layers.lifecycle import ModelOrChunks
 
 FORMAT = "megatron-multilora-adapter"
@@ -26,6 +26,7 @@ CONFIG_FILE, TENSORS_FILE = "adapter_config.json", "adapter.safetensors"
 def export_adapter(model: ModelOrChunks, idx: int, out_dir: str | Path, meta: dict[str, Any],
                    overwrite: bool = False) -> Path:
     """Write slot ``idx`` as an adapter folder (collective: every rank calls it)."""
+    refuse_existing(out_dir, overwrite)
     tensors = gather_slot(model, idx)
     rank, alpha = slot_rank_alpha(model, idx)
     if rank < 1 or alpha == 0.0:

@@ -9,6 +9,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 
 def write_json_atomic(path: str | Path, data: Any) -> None:
     path = Path(path)
@@ -19,6 +21,17 @@ def write_json_atomic(path: str | Path, data: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def refuse_existing(path: str | Path, overwrite: bool) -> None:
+    """Raise on every rank, before any of them writes, when ``path`` is a non-empty folder
+    and ``overwrite`` is off (a check on one rank only would leave the others waiting)."""
+    path = Path(path)
+    exists = path.exists() and any(path.iterdir())
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # nobody writes before every rank has looked
+    if exists and not overwrite:
+        raise FileExistsError(f"{path} exists and is not empty; pass overwrite to replace it")
 
 
 def write_dir_atomic(path: str | Path, fill: Callable[[Path], None], overwrite: bool = False) -> Path:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from megatron_multilora.checkpoint.adapter_tensors import gather_slot, load_slot, slot_rank_alpha
-from megatron_multilora.checkpoint.files import write_dir_atomic
+from megatron_multilora.checkpoint.files import refuse_existing, write_dir_atomic
 from megatron_multilora.layers.lifecycle import ModelOrChunks, named_multi_lora_modules
 from megatron_multilora.models.gpt import GPTModelConfig
 
@@ -140,8 +140,7 @@ def export_peft(model: ModelOrChunks, idx: int, out_dir: str | Path, cfg: GPTMod
     rank, alpha = slot_rank_alpha(model, idx)
     if alpha == 0.0:
         raise ValueError(f"slot {idx} holds no adapter (alpha 0): nothing to export")
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite to replace it")
+    refuse_existing(out_dir, overwrite)
     tensors, targets = to_peft_tensors(gather_slot(model, idx), cfg, model_type)
     dropout = float(next(layer for _, layer in named_multi_lora_modules(model)).adapters[idx].dropout)
     if dist.get_rank() == 0:

@@ -1,0 +1,79 @@
+"""A slot exported in PEFT format, loaded with ``peft.PeftModel.from_pretrained`` on the
+transformers model, gives the Megatron model's logits with only that slot active (fp32).
+
+qwen2_moe: PEFT skips its expert LoRA conversion (known gap, see the README), so there the
+reference is transformers with the exported deltas merged by hand.
+"""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import megatron_multilora as mm
+from megatron_multilora.checkpoint.peft_format import export_peft
+from megatron_multilora.models.hf_import import load_hf_model
+from tests.hf_models import DENSE, MOE, hf_logits, make_hf_model, megatron_logits, token_batch
+
+TOL = 1e-4  # max |logit difference|, logits of size ~6
+
+
+def trained_like_slot(model, slot: int) -> None:
+    """Give slot ``slot`` non-trivial factors of rank 4 (others stay fresh)."""
+    gen = torch.Generator().manual_seed(slot)
+    mm.init_adapter_slot(model, slot, 4, 6.0)
+    with torch.no_grad():
+        for layer in mm.multi_lora_modules(model):
+            for factor in (layer.adapters[slot].linear_in, layer.adapters[slot].linear_out):
+                factor.weight.copy_(0.2 * torch.randn(factor.weight.shape, generator=gen))
+            layer._apply_rank_mask(slot)
+
+
+def merge_by_hand(hf_model, folder, model_type: str) -> None:
+    """Add every exported LoRA delta ``(alpha / r) * B @ A`` into the transformers weights."""
+    import json
+
+    config = json.loads((folder / "adapter_config.json").read_text())
+    scale = config["lora_alpha"] / config["r"]
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    params = dict(hf_model.named_parameters())
+    with torch.no_grad():
+        for key in [k for k in tensors if k.endswith("lora_A.weight")]:
+            module = key[len("base_model.model."):-len(".lora_A.weight")]
+            delta = scale * tensors[key.replace("lora_A", "lora_B")] @ tensors[key]
+            if f"{module}.weight" in params:
+                params[f"{module}.weight"].add_(delta)
+                continue
+            # fused experts in memory: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]
+            prefix, expert, name = module.rsplit(".", 2)
+            expert = int(expert)
+            if name == "down_proj":
+                params[f"{prefix}.down_proj"][expert].add_(delta)
+            else:
+                half = params[f"{prefix}.gate_up_proj"].shape[1] // 2
+                rows = slice(0, half) if name == "gate_proj" else slice(half, 2 * half)
+                params[f"{prefix}.gate_up_proj"][expert, rows].add_(delta)
+
+
+@pytest.mark.parametrize("model_type", DENSE + MOE)
+def test_peft_loads_the_exported_slot_with_the_same_logits(model_type, tmp_path):
+    import peft
+
+    hf = make_hf_model(model_type)
+    hf.save_pretrained(tmp_path / "base")
+    model, cfg = load_hf_model(str(tmp_path / "base"))
+    mm.apply_multi_lora(model, 3, 8, 1.0)
+    trained_like_slot(model, 1)
+    ids = token_batch()
+    mm.set_tokens_per_adapter_slot(model, [0, ids.numel(), 0])
+    want = megatron_logits(model, ids)
+    export_peft(model, 1, tmp_path / "peft", cfg, model_type, str(tmp_path / "base"))
+
+    if model_type == "qwen2_moe":
+        merge_by_hand(hf, tmp_path / "peft", model_type)
+        got = hf_logits(hf, ids)
+    else:
+        wrapped = peft.PeftModel.from_pretrained(make_hf_model(model_type), str(tmp_path / "peft"))
+        got = hf_logits(wrapped.eval(), ids)
+    base = hf_logits(make_hf_model(model_type), ids)
+    assert (want - base).abs().max() > 1e-2  # the adapter matters
+    assert (got - want).abs().max() <= TOL, f"{model_type}: {(got - want).abs().max():.2e}"
