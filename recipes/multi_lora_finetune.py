@@ -41,7 +41,7 @@ from megatron_multilora.checkpoint.training_state import (  # noqa: E402
 from megatron_multilora.data.datasets import Example, load_dataset, read_jsonl_records  # noqa: E402
 from megatron_multilora.data.demo_tasks import exact_match  # noqa: E402
 from megatron_multilora.data.packing import pack_micro_batches, shard_for_data_parallel  # noqa: E402
-from megatron_multilora.checkpoint.peft_format import export_peft  # noqa: E402
+from megatron_multilora.checkpoint.peft_format import export_peft, import_peft  # noqa: E402
 from megatron_multilora.data.tokenizer import ByteTokenizer, HFTokenizer  # noqa: E402
 from megatron_multilora.models.hf_import import load_hf_checkpoint, load_hf_tokenizer  # noqa: E402
 from megatron_multilora.training import evaluation, step as train_step  # noqa: E402
@@ -143,7 +143,10 @@ class MultiLoRAFinetuneRecipe:
 
     def _start(self, state: JobState) -> None:
         job = self.run.adapters[state.index]
-        if job.init_from:
+        if job.init_from and (Path(job.init_from) / "adapter_model.safetensors").is_file():
+            import_peft(self.model, state.slot, job.init_from, self.run.model,
+                        self._hf_model_type() if self.run.hf_dir else "llama")
+        elif job.init_from:
             import_adapter(self.model, state.slot, job.init_from)
         else:  # initialised from the job, not the slot: the same adapter in any slot
             mm.clear_adapter_slot(self.model, state.slot, init_key=job.name)
@@ -171,9 +174,12 @@ class MultiLoRAFinetuneRecipe:
         return json.loads((Path(self.run.hf_dir) / "config.json").read_text())["model_type"]
 
     def _adapter_meta(self, job, state: JobState) -> dict:
-        return {"name": job.name, "dropout": job.dropout, "targets": list(self.run.lora.targets),
+        meta = {"name": job.name, "dropout": job.dropout, "targets": list(self.run.lora.targets),
                 "max_rank": self.run.lora.max_rank, "steps": state.steps_done,
                 "base_model": to_plain(self.run)["model"]}
+        if self.run.hf_dir:
+            meta.update(hf_dir=str(Path(self.run.hf_dir).resolve()), hf_model_type=self._hf_model_type())
+        return meta
 
     def _global_batch(self, active: list[JobState]) -> list[list[Example]]:
         slot_examples: list[list[Example]] = [[] for _ in range(self.n_slots)]

@@ -25,7 +25,7 @@ from megatron_multilora.models.gpt import GPTModelConfig
 def from_adapter_folder(folder: Path):
     config, tensors = read_adapter(folder)
     cfg = GPTModelConfig(**config["base_model"])
-    return tensors, cfg, config["rank"], config["alpha"], config.get("dropout", 0.0)
+    return tensors, cfg, config["rank"], config["alpha"], config.get("dropout", 0.0), config
 
 
 def from_checkpoint(folder: Path, job: str):
@@ -47,7 +47,7 @@ def from_checkpoint(folder: Path, job: str):
     meta = state["slots"][slots[job]]
     tensors = load_file(str(folder / f"slot{slots[job]}.safetensors"))
     params = {k[len("param/"):]: v for k, v in tensors.items() if k.startswith("param/")}
-    return params, cfg, meta["rank"], meta["alpha"], meta["dropout"]
+    return params, cfg, meta["rank"], meta["alpha"], meta["dropout"], {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,21 +55,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("source", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--job", help="with a training checkpoint: which job's adapter")
-    parser.add_argument("--model-type", default="llama",
+    parser.add_argument("--model-type", default=None,
                         help="Hugging Face model_type naming the modules (llama, qwen2, qwen3, "
-                             "mixtral, qwen3_moe, olmoe, qwen2_moe)")
-    parser.add_argument("--base-model", default="", help="base_model_name_or_path to record")
+                             "mixtral, qwen3_moe, olmoe, qwen2_moe); default: the adapter's "
+                             "recorded one, else llama")
+    parser.add_argument("--base-model", default=None, help="base_model_name_or_path to record "
+                        "(default: the adapter's recorded hf_dir)")
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
     if (args.source / "state.pt").is_file():
         if not args.job:
             parser.error(f"{args.source} is a training checkpoint: name the adapter with --job")
-        tensors, cfg, rank, alpha, dropout = from_checkpoint(args.source, args.job)
+        tensors, cfg, rank, alpha, dropout, meta = from_checkpoint(args.source, args.job)
     else:
-        tensors, cfg, rank, alpha, dropout = from_adapter_folder(args.source)
-    peft, targets = to_peft_tensors(tensors, cfg, args.model_type)
+        tensors, cfg, rank, alpha, dropout, meta = from_adapter_folder(args.source)
+    model_type = args.model_type or meta.get("hf_model_type", "llama")
+    base = args.base_model if args.base_model is not None else meta.get("hf_dir", "")
+    peft, targets = to_peft_tensors(tensors, cfg, model_type)
     try:
-        write_peft(args.out, peft, peft_config(rank, alpha, dropout, targets, args.base_model),
+        write_peft(args.out, peft, peft_config(rank, alpha, dropout, targets, base),
                    overwrite=args.overwrite)
     except FileExistsError as err:
         raise SystemExit(f"{err} (use --overwrite)") from None

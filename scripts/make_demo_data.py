@@ -1,4 +1,6 @@
-"""Write the demo tasks' train/eval JSONL files (see megatron_multilora.data.demo_tasks).
+"""Write what the main job trains on: the demo tasks' train/eval JSONL files (see
+megatron_multilora.data.demo_tasks) and the tiny random base model, a Hugging Face Llama
+folder with a byte-level tokenizer (see megatron_multilora.models.tiny_hf).
 
     python scripts/make_demo_data.py --out-dir data/demo [--n-train 512] [--n-eval 64] [--seed 0]
 """
@@ -6,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from megatron_multilora.data.demo_tasks import write_demo_datasets
 
@@ -16,12 +19,19 @@ def main() -> None:
     parser.add_argument("--n-train", type=int, default=512, help="train examples per task")
     parser.add_argument("--n-eval", type=int, default=64, help="eval examples per task")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-base-model", action="store_true",
+                        help="skip the tiny base model (<out-dir>/tiny-llama)")
     args = parser.parse_args()
     paths = write_demo_datasets(args.out_dir, n_train=args.n_train, n_eval=args.n_eval,
                                 seed=args.seed)
     for task, split_paths in paths.items():
         print(f"{task}: train {split_paths['train']} ({args.n_train} records), "
               f"eval {split_paths['eval']} ({args.n_eval} records)")
+    if not args.no_base_model:
+        from megatron_multilora.models.tiny_hf import write_tiny_llama
+
+        folder = write_tiny_llama(Path(args.out_dir) / "tiny-llama", seed=args.seed)
+        print(f"base model: {folder} (random tiny Llama, byte-level tokenizer)")
 
 
 if __name__ == "__main__":

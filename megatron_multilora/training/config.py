@@ -53,7 +53,8 @@ class AdapterJob:
     start_step: int = 0
     """Trainer step from which the job may take a slot (it waits in the queue until then)."""
     init_from: Optional[str] = None
-    """An exported adapter folder to start from instead of a fresh initialisation."""
+    """An adapter folder to start from instead of a fresh initialisation: one this trainer
+    exported, or a Hugging Face PEFT LoRA folder (rank padded up to lora.max_rank)."""
 
 
 @dataclasses.dataclass

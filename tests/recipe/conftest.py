@@ -26,7 +26,7 @@ def compose_run(overrides: list[str]):
         return load_run_config(compose("config", overrides=overrides))
 
 
-QUIET = ["logging.wandb_mode=disabled", "logging.plots=false", "trainer.log_interval=1",
+QUIET = ["hf_dir=null", "logging.wandb_mode=disabled", "logging.plots=false", "trainer.log_interval=1",
          "trainer.eval_interval=0", "checkpoint.save_interval=null", "trainer.micro_batch_tokens=512"]
 
 

@@ -26,7 +26,8 @@ STEPS, SAVE_EVERY = 120, 20
 def command(run_dir: Path, demo: Path, extra: list[str] = (), nproc: int = 2) -> list[str]:
     jobs = [job("rev", demo, "reverse", STEPS), job("add", demo, "add", STEPS, schedule="linear")]
     return [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "--local-ranks-filter=0",
-            "recipes/multi_lora_finetune.py", f"run_dir={run_dir}", f"adapters=[{','.join(jobs)}]",
+            "recipes/multi_lora_finetune.py", f"run_dir={run_dir}", "hf_dir=null",
+            f"adapters=[{','.join(jobs)}]",
             "lora.slots=2", "model.hidden_size=64", "model.ffn_hidden_size=128",
             "trainer.log_interval=1", "trainer.eval_interval=0", "trainer.micro_batch_tokens=512",
             f"checkpoint.save_interval={SAVE_EVERY}", "logging.wandb_mode=disabled",

@@ -119,3 +119,34 @@ def test_export_peft_cli_from_adapter_folder_and_checkpoint(demo_data, tmp_path)
     assert (config["r"], config["lora_alpha"]) == (8, 16.0)
     with pytest.raises(SystemExit, match="--overwrite"):
         export_peft.main([str(tmp_path / "run" / "adapters" / "rev"), str(tmp_path / "a")])
+
+
+def test_hf_base_model_run_exports_peft_adapters_peft_can_load(demo_data, tmp_path):
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    import megatron_multilora as mm
+    from megatron_multilora.checkpoint.peft_format import import_peft
+    from megatron_multilora.models.hf_import import load_hf_model
+    from megatron_multilora.models.tiny_hf import write_tiny_llama
+
+    base = write_tiny_llama(tmp_path / "tiny-llama", hidden_size=64)
+    losses, recipe = run_in_process(tmp_path / "run", [job("rev", demo_data, "reverse", 3)],
+                                    [f"hf_dir={base}"])
+    assert recipe.model.config.hidden_size == 64  # the architecture came from config.json
+    folder = tmp_path / "run" / "peft" / "rev"
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(base.resolve()) and config["r"] == 8
+
+    mm.init_parallel()
+    model, cfg = load_hf_model(str(base))
+    mm.apply_multi_lora(model, 2, 8, 1.0)
+    import_peft(model, 1, folder, cfg, "llama")
+    ids = torch.randint(3, 200, (1, 12), generator=torch.Generator().manual_seed(0))
+    mm.set_tokens_per_adapter_slot(model, [0, 12])
+    with torch.no_grad():
+        want = model(ids, torch.arange(12)[None], None)
+        got = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base),
+                                             str(folder)).eval()(ids).logits
+    mm.destroy_parallel()
+    assert (got - want).abs().max() <= 1e-4
