@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
             ids = torch.tensor([[tok.bos_id] + tok.encode(prompt)])
             out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False,
                                  eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
-            outs.append(tok.decode(out[0, ids.size(1):].tolist()).strip())
+            text = tok.decode(out[0, ids.size(1):].tolist()).strip()
+            outs.append(text.replace("\n", "\\n")[:24])  # one table row per prompt
         return outs
 
     columns = {"base": generate(base)}

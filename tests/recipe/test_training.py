@@ -150,3 +150,8 @@ def test_hf_base_model_run_exports_peft_adapters_peft_can_load(demo_data, tmp_pa
                                              str(folder)).eval()(ids).logits
     mm.destroy_parallel()
     assert (got - want).abs().max() <= 1e-4
+
+    # A job can start from that PEFT folder: its first batch sees the trained adapter.
+    again, _ = run_in_process(tmp_path / "again", [job("rev", demo_data, "reverse", 1,
+                                                        init_from=folder)], [f"hf_dir={base}"])
+    assert again["rev"][0] < losses["rev"][0] - 0.05
