@@ -227,6 +227,8 @@ class MultiLoRALinear(torch.nn.Module):
             for i, slot in enumerate(self.adapters):
                 self.scale[i] = slot.alpha / slot.rank
                 self.dropout_p[i] = slot.dropout
+        # Read once here, so forward needs no device-to-host sync to skip dropout.
+        self._any_dropout = any(float(slot.dropout) > 0 for slot in self.adapters)
 
     def _master_shape(self, local: torch.Size, split_dim: Optional[int]) -> tuple[int, int]:
         shape = list(local)
@@ -328,7 +330,7 @@ class MultiLoRALinear(torch.nn.Module):
         Rows whose values differ across TP ranks draw from megatron's tensor-parallel RNG
         stream; replicated rows from the default stream, which TP ranks share.
         """
-        if not self.training or not bool((self.dropout_p > 0).any()):
+        if not self.training or not self._any_dropout:
             return t
         p = self.dropout_p[slot_of_row].unsqueeze(1)
         with tensor_parallel.get_cuda_rng_tracker().fork() if tp_sharded else contextlib.nullcontext():
