@@ -90,8 +90,8 @@ def slot_rank_alpha(model: ModelOrChunks, idx: int) -> tuple[int, float]:
 
 
 def load_slot(model: ModelOrChunks, idx: int, tensors: dict[str, torch.Tensor], rank: int,
-              alpha: float, into: Optional[Callable[[torch.nn.Parameter], torch.Tensor]] = None
-              ) -> None:
+              alpha: float, into: Optional[Callable[[torch.nn.Parameter], torch.Tensor]] = None,
+              dropout: Optional[float] = None) -> None:
     """Put full tensors (as from :func:`gather_slot`) into slot ``idx`` of this layout.
 
     Keys must match the model's layers exactly; ``rank`` must fit the layers' max rank.
@@ -105,7 +105,7 @@ def load_slot(model: ModelOrChunks, idx: int, tensors: dict[str, torch.Tensor], 
                        f"({len(missing)}), unexpected {unexpected[:3]} ({len(unexpected)})")
     if into is None:
         for layer in layers.values():
-            layer.init_adapter_slot(idx, rank, alpha)  # checks 1 <= rank <= dim
+            layer.init_adapter_slot(idx, rank, alpha, dropout)  # checks 1 <= rank <= dim
     with torch.no_grad():
         for path, layer in layers.items():
             for factor, name, param in _factors(layer, idx):

@@ -101,9 +101,8 @@ def restore_training_checkpoint(path: Path, saved: dict[str, Any], model: ModelO
         tensors = load_file(str(path / f"slot{slot}.safetensors"))
         part = {prefix: {k[len(prefix) + 1:]: v for k, v in tensors.items()
                          if k.startswith(prefix + "/")} for prefix in ("param", *MOMENTS)}
-        load_slot(model, slot, part["param"], meta["rank"], meta["alpha"])
-        for layer in multi_lora_modules(model):
-            layer.init_adapter_slot(slot, meta["rank"], meta["alpha"], meta["dropout"])
+        load_slot(model, slot, part["param"], meta["rank"], meta["alpha"],
+                  dropout=meta["dropout"])
         opt = make_optimizer(slot)
         moments = {}
         for m in MOMENTS:

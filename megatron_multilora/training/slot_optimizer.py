@@ -96,9 +96,6 @@ class SlotOptimizer:
                 if master is not param:
                     param.copy_(master)
 
-    def skip(self) -> None:
-        """A step whose gradients are not finite: nothing is applied; the schedule waits."""
-
     def zero_grad(self) -> None:
         for param in self.params:
             grad = _grad(param)
