@@ -107,7 +107,7 @@ def dispatch_slot_ids(model: torch.nn.Module, counts: list[int], hidden: int,
     def capture(module, args):
         routing = module.linear_fc1.routing
         seen["dispatched"] = args[0][:, 0].round().long()
-        seen["routed"] = routing.slot_of_row[routing.inverse_idx]
+        seen["routed"] = routing.segments.label_of_row[routing.inverse_idx]
 
     handle = moe.experts.register_forward_pre_hook(capture)  # runs after the routing hook
     x = torch.randn(sum(counts), 1, hidden, generator=torch.Generator().manual_seed(seed))

@@ -48,14 +48,7 @@ def shard_factor(layer: MultiLoRALinear, factor: str, full: torch.Tensor) -> tor
     if isinstance(layer, MultiLoRAGroupedExpertLinear):
         ep = parallel_state.get_expert_model_parallel_world_size()
         return full.chunk(ep, dim=0)[parallel_state.get_expert_model_parallel_rank()]
-    split = layer.sharding.a_split_dim if factor == "A" else layer.sharding.b_split_dim
-    if split is None:
-        return full
-    tp, rank = layer.sharding.tp_size, layer.sharding.tp_rank
-    if factor == "B" and layer.gated_output:
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp, 0)[rank], up.chunk(tp, 0)[rank]], dim=0)
-    return full.chunk(tp, dim=split)[rank]
+    return layer.local_shard(factor, full)
 
 
 def _factors(layer: MultiLoRALinear, idx: int):
@@ -128,7 +121,4 @@ def _full_shape(layer: MultiLoRALinear, factor: str, param: torch.Tensor) -> tup
     if isinstance(layer, MultiLoRAGroupedExpertLinear):
         shape[0] *= parallel_state.get_expert_model_parallel_world_size()
         return tuple(shape)
-    split = layer.sharding.a_split_dim if factor == "A" else layer.sharding.b_split_dim
-    if split is not None:
-        shape[split] *= layer.sharding.tp_size
-    return tuple(shape)
+    return layer.full_shape(factor)

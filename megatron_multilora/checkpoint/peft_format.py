@@ -225,15 +225,12 @@ def _ep_size() -> int:
 
 def _in_features(layer, path: str) -> int:
     """The full input width of a wrapped linear (the base's, unsharded)."""
-    a = layer.adapters[0].linear_in.weight
-    split = layer.sharding.a_split_dim
-    return a.size(-1) * (layer.sharding.tp_size if split is not None else 1)
+    return layer.full_shape("A")[-1]
 
 
 def _out_rows(rest: str, cfg: GPTModelConfig, layer) -> list[int]:
     """Row counts of the HF parts of a wrapped linear's full output."""
-    b = layer.adapters[0].linear_out.weight
-    full_out = b.size(-2) * (layer.sharding.tp_size if layer.sharding.b_split_dim is not None else 1)
+    full_out = layer.full_shape("B")[-2]
     if rest.endswith("linear_qkv"):
         heads, groups = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
         head_dim = cfg.kv_channels or cfg.hidden_size // heads

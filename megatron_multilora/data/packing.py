@@ -9,7 +9,7 @@ example and blocked across examples, so packing does not change what any example
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, TypeVar
+from typing import Optional, Sequence, TypeVar
 
 import torch
 
@@ -84,12 +84,16 @@ def _build(items: list[tuple[int, Example]], n_slots: int, pad_multiple: int,
 
 
 def pack_micro_batches(slot_examples: Sequence[Sequence[Example]], token_budget: int,
-                       pad_multiple: int = 1, pad_id: int = 0) -> list[MicroBatch]:
-    """Greedily pack every slot's examples, in slot order, into adapter-major micro-batches.
+                       pad_multiple: int = 1, pad_id: int = 0,
+                       slot_order: Optional[Sequence[int]] = None) -> list[MicroBatch]:
+    """Greedily pack every slot's examples into adapter-major micro-batches.
 
-    ``slot_examples[s]`` are adapter slot ``s``'s examples (possibly none). An example of
-    ``L`` tokens takes ``L - 1`` positions; a new micro-batch starts when the next example
-    would take the current one past ``token_budget`` positions. Each micro-batch is then
+    ``slot_examples[s]`` are adapter slot ``s``'s examples (possibly none). Slots are taken
+    in ``slot_order`` (default: slot order); e.g. ordered by LoRA rank, each micro-batch holds
+    slots of similar rank, and the layers compute at the largest rank present in it. Within
+    a micro-batch positions are always in slot order. An example of ``L`` tokens takes
+    ``L - 1`` positions; a new micro-batch starts when the next example would take the
+    current one past ``token_budget`` positions. Each micro-batch is then
     padded to a multiple of ``pad_multiple`` (e.g. the sequence-parallel size), which can
     exceed ``token_budget`` only when the budget is not itself such a multiple.
     Raises ValueError for an example longer than ``token_budget`` positions.
@@ -98,24 +102,31 @@ def pack_micro_batches(slot_examples: Sequence[Sequence[Example]], token_budget:
         raise ValueError(f"token_budget and pad_multiple must be >= 1, "
                          f"got {token_budget} and {pad_multiple}")
     n_slots = len(slot_examples)
+    order = list(range(n_slots)) if slot_order is None else list(slot_order)
+    if sorted(order) != list(range(n_slots)):
+        raise ValueError(f"slot_order={order} must be a permutation of the {n_slots} slots")
     batches: list[MicroBatch] = []
     current: list[tuple[int, Example]] = []
     used = 0
-    for slot, examples in enumerate(slot_examples):
-        for i, example in enumerate(examples):
+    for slot in order:
+        for i, example in enumerate(slot_examples[slot]):
             n = len(example.tokens) - 1
             if n > token_budget:
                 raise ValueError(
                     f"slot {slot} example {i} takes {n} positions, more than token_budget "
                     f"{token_budget}; truncate examples to max_seq_len <= token_budget")
             if used + n > token_budget:
-                batches.append(_build(current, n_slots, pad_multiple, pad_id))
+                batches.append(_build(_slot_major(current), n_slots, pad_multiple, pad_id))
                 current, used = [], 0
             current.append((slot, example))
             used += n
     if current:
-        batches.append(_build(current, n_slots, pad_multiple, pad_id))
+        batches.append(_build(_slot_major(current), n_slots, pad_multiple, pad_id))
     return batches
+
+
+def _slot_major(items: list[tuple[int, Example]]) -> list[tuple[int, Example]]:
+    return sorted(items, key=lambda item: item[0])  # stable: each slot keeps its example order
 
 
 def shard_for_data_parallel(examples: Sequence[T], dp_rank: int, dp_size: int) -> list[T]:

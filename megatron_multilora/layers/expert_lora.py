@@ -75,7 +75,8 @@ class MultiLoRAGroupedExpertLinear(MultiLoRALinear):
             raise ValueError(f"{where}: the base has num_gemms={gemms}, expected "
                              f"num_local_experts={self.num_local_experts}")
 
-    def _sharding(self, to_wrap: torch.nn.Module, sequence_parallel: Optional[bool]) -> Sharding:
+    def _sharding(self, to_wrap: torch.nn.Module, sequence_parallel: Optional[bool],
+                  fully_sharded: bool) -> Sharding:
         return Sharding("replicated", 1, 0, False, None)
 
     def _new_slot(self, alpha: float) -> ExpertLoRASlot:
@@ -111,17 +112,19 @@ class MultiLoRAGroupedExpertLinear(MultiLoRALinear):
                 f"MultiLoRAGroupedExpertLinear({self.full_name}): no slot routing for "
                 f"{x.size(0)} dispatched rows; install_moe_slot_routing(model) must run (it is "
                 "called by apply_multi_lora) and set_tokens_per_adapter_slot before forward")
-        n, e = self.n_adapters, self.num_local_experts
+        slots = routing.slots
+        if not slots:
+            return out, bias
         xs = x.index_select(0, routing.sort_idx)          # rows grouped by (slot, expert)
+        slot_of_row = routing.segments.label_of_row
         if self.dropout_position == "pre":
-            xs = self._dropout(xs, routing.slot_of_row, tp_sharded=True)
-        a = torch.stack([s.linear_in.weight for s in self.adapters]).view(n * e, self.dim, -1)
-        mid = grouped_linear(xs, a, routing.segments)     # [T, dim]
-        mid = (mid.float() * self.scale[routing.slot_of_row].unsqueeze(1)).to(mid.dtype)
-        b = torch.stack([s.linear_out.weight for s in self.adapters]).view(n * e, -1, self.dim)
-        lora = grouped_linear(mid, b, routing.segments)   # [T, out]
+            xs = self._dropout(xs, slot_of_row, tp_sharded=True)
+        a, b = self._stacked_factors(slots, self._compute_rank(slots))
+        mid = grouped_linear(xs, a.flatten(0, 1), routing.segments)     # [T, r]
+        mid = (mid.float() * self.scale[slot_of_row].unsqueeze(1)).to(mid.dtype)
+        lora = grouped_linear(mid, b.flatten(0, 1), routing.segments)   # [T, out]
         if self.dropout_position == "post":
-            lora = self._dropout(lora, routing.slot_of_row, tp_sharded=True)
+            lora = self._dropout(lora, slot_of_row, tp_sharded=True)
         return out + lora.index_select(0, routing.inverse_idx), bias
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),

@@ -8,6 +8,7 @@ an exact per-group loop of ``torch.mm`` elsewhere (the two were bit-identical on
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional, Sequence
 
 import torch
 
@@ -16,30 +17,46 @@ _GROUPED_MM = getattr(torch, "_grouped_mm", None)
 
 @dataclasses.dataclass(frozen=True)
 class Segments:
-    """Contiguous row groups of a 2-D activation: group g owns ``counts[g]`` rows, in order.
+    """Contiguous row groups of a 2-D activation: group g owns the rows up to ``offsets[g]``.
 
-    ``offsets`` are the int32 cumulative group ends ``torch._grouped_mm`` takes;
-    ``group_of_row`` maps each row to its group (for per-row scaling).
+    ``offsets`` are the int32 cumulative group ends ``torch._grouped_mm`` takes, on the
+    compute device; ``label_of_row`` is each row's group label (its adapter slot), for
+    per-row scaling and dropout. ``rows`` is the total. ``counts`` are the group sizes on the
+    host when known; :meth:`host_counts` reads them back from the device otherwise, which only
+    the per-group fallback needs (it syncs on an accelerator; the grouped kernel does not).
     """
 
-    counts: tuple[int, ...]
     offsets: torch.Tensor
-    group_of_row: torch.Tensor
+    label_of_row: torch.Tensor
+    rows: int
+    counts: Optional[tuple[int, ...]] = None
 
     @classmethod
-    def from_counts(cls, counts: list[int] | tuple[int, ...], device: torch.device) -> "Segments":
+    def from_counts(cls, counts: Sequence[int], device: torch.device,
+                    labels: Optional[Sequence[int]] = None) -> "Segments":
+        """Groups of host-known sizes; ``labels[g]`` (default ``g``) labels group g's rows."""
         counts = tuple(int(c) for c in counts)
         host = torch.tensor(counts, dtype=torch.int64)
-        group_of_row = torch.repeat_interleave(torch.arange(len(counts)), host)
-        return cls(
-            counts=counts,
-            offsets=host.cumsum(0).to(dtype=torch.int32, device=device),
-            group_of_row=group_of_row.to(device),
-        )
+        names = torch.arange(len(counts)) if labels is None else torch.tensor(labels, dtype=torch.int64)
+        rows = sum(counts)
+        return cls(offsets=host.cumsum(0).to(dtype=torch.int32, device=device),
+                   label_of_row=torch.repeat_interleave(names, host, output_size=rows).to(device),
+                   rows=rows, counts=counts)
 
-    @property
-    def rows(self) -> int:
-        return sum(self.counts)
+    @classmethod
+    def from_sorted_keys(cls, sorted_keys: torch.Tensor, num_groups: int,
+                         label_of_row: torch.Tensor) -> "Segments":
+        """Groups of rows already sorted by group id ``sorted_keys``, all on the device."""
+        ends = torch.searchsorted(sorted_keys, torch.arange(num_groups, device=sorted_keys.device),
+                                  right=True)
+        return cls(offsets=ends.to(torch.int32), label_of_row=label_of_row,
+                   rows=int(sorted_keys.numel()))
+
+    def host_counts(self) -> tuple[int, ...]:
+        if self.counts is not None:
+            return self.counts
+        ends = [0] + self.offsets.tolist()
+        return tuple(b - a for a, b in zip(ends, ends[1:]))
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -78,5 +95,5 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, seg: Segments) -> torch.Ten
     w = w.to(x.dtype)
     if _grouped_mm_usable(x, w):
         return _ContiguousGrad.apply(_GROUPED_MM(x, w.transpose(1, 2), offs=seg.offsets))
-    parts = torch.split(x, seg.counts)
+    parts = torch.split(x, seg.host_counts())
     return torch.cat([p @ w[g].t() for g, p in enumerate(parts)], dim=0)

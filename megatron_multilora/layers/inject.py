@@ -58,6 +58,7 @@ def apply_multi_lora(
     dropout: float = 0.0,
     dropout_position: str = "pre",
     seed: Optional[int] = None,
+    fully_sharded: bool = False,
 ) -> ModelOrChunks:
     """Wrap every target linear with a :class:`MultiLoRALinear` of ``n_adapters`` slots.
 
@@ -66,7 +67,8 @@ def apply_multi_lora(
     experts and other dense linears a :class:`MultiLoRALinear`; routers are left alone.
     Targets are module names (``"linear_qkv"`` matches every ``...linear_qkv``) or
     wildcard patterns over the full path (``"*.layers.0.*.linear_qkv"``). The base is frozen;
-    only adapter parameters stay trainable. Already-wrapped modules are left alone, so
+    only adapter parameters stay trainable. ``fully_sharded`` selects the S-LoRA layout for
+    TP-split dense linears (see :mod:`.sharding`; expert linears are not TP-split). Already-wrapped modules are left alone, so
     applying twice with the same settings changes nothing. Returns ``model``.
     """
     if seed is None:
@@ -100,7 +102,7 @@ def apply_multi_lora(
                 wrapper = MultiLoRALinear(
                     module, n_adapters, dim, alpha, name, column_init_method, row_init_method,
                     dropout, dropout_position, sequence_parallel=config_sp,
-                    gated_output=gated, seed=seed)
+                    gated_output=gated, seed=seed, fully_sharded=fully_sharded)
             else:
                 continue
             setattr(parent, child, wrapper)

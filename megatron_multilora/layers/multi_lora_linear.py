@@ -11,6 +11,8 @@ stay zero. A packed micro-batch holds each slot's tokens contiguously (adapter-m
 slot segments with one TP collective on the small ``[tokens, dim]`` buffer between them
 (layout per base kind in :mod:`.sharding`). The per-slot scale is applied in fp32 to that
 small buffer, as serving kernels apply it, rather than to the full ``[tokens, out]`` output.
+Only the slots with tokens in the micro-batch take part, at the largest rank among them:
+an idle slot costs no GEMM work and gets no gradient, and a padded rank is not computed.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import zlib
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -33,7 +36,7 @@ from megatron.core.transformer.utils import (
     sharded_state_dict_default,
 )
 
-from megatron_multilora.layers.grouped_gemm import grouped_linear
+from megatron_multilora.layers.grouped_gemm import Segments, grouped_linear
 from megatron_multilora.layers.sharding import Sharding
 from megatron_multilora.layers.slot_tokens import SlotTokens
 
@@ -48,15 +51,18 @@ _TE_KINDS = {
 class LoRASlot(torch.nn.Module):
     """One adapter slot: ``linear_in`` (A, ``[dim, in]``), ``linear_out`` (B, ``[out, dim]``).
 
-    Shapes are this TP rank's shards. ``rank``, ``alpha`` and ``dropout`` are buffers so that
-    a saved slot carries them. The two linears are never called: the layer runs all slots at
+    Shapes are this TP rank's shards (A holds ``dim / rank_shards`` rank rows when the rank
+    dim is split). ``rank``, ``alpha`` and ``dropout`` are buffers so that a saved slot
+    carries them. The two linears are never called: the layer runs all slots at
     once.
     """
 
     def __init__(self, in_features: int, out_features: int, dim: int, alpha: float,
-                 dropout: float, dtype: torch.dtype, device: torch.device) -> None:
+                 dropout: float, dtype: torch.dtype, device: torch.device,
+                 rank_shards: int = 1) -> None:
         super().__init__()
-        self.linear_in = torch.nn.Linear(in_features, dim, bias=False, dtype=dtype, device=device)
+        self.linear_in = torch.nn.Linear(in_features, dim // rank_shards, bias=False, dtype=dtype,
+                                         device=device)
         self.linear_out = torch.nn.Linear(dim, out_features, bias=False, dtype=dtype, device=device)
         register_slot_buffers(self, dim, alpha, dropout)
 
@@ -117,6 +123,10 @@ class MultiLoRALinear(torch.nn.Module):
         gated_output: the base is a gated MLP's fc1, whose output is ``[gate; up]`` within
             each TP rank's shard; B's rows follow that layout in checkpoints.
         seed: base seed of the deterministic, layout-independent slot initialisation.
+        fully_sharded: under TP, shard every factor (S-LoRA; layouts in :mod:`.sharding`):
+            A on its rank dim (column-parallel bases) or B on its output dim (row-parallel
+            bases); needs megatron's own ColumnParallelLinear/RowParallelLinear bases, whose
+            matmul the layer then runs itself.
     """
 
     def __init__(
@@ -134,6 +144,7 @@ class MultiLoRALinear(torch.nn.Module):
         sequence_parallel: Optional[bool] = None,
         gated_output: bool = False,
         seed: int = 1234,
+        fully_sharded: bool = False,
     ) -> None:
         super().__init__()
         where = f"{type(self).__name__}({full_name})"
@@ -154,7 +165,8 @@ class MultiLoRALinear(torch.nn.Module):
         self.column_init_method, self.row_init_method = column_init_method, row_init_method
         self.dropout, self.dropout_position, self.seed = dropout, dropout_position, seed
         self.gated_output = gated_output
-        self.sharding = self._sharding(to_wrap, sequence_parallel)
+        self.sharding = self._sharding(to_wrap, sequence_parallel, fully_sharded)
+        self._check_fully_sharded(to_wrap, where)
         self._returns_ln_output = type(to_wrap).__name__ == "TELayerNormColumnParallelLinear"
         if self._returns_ln_output:
             # LoRA reads the normalised input; TE hands it back next to the output.
@@ -187,16 +199,19 @@ class MultiLoRALinear(torch.nn.Module):
 
     def _new_slot(self, alpha: float) -> LoRASlot:
         """A slot shaped like this rank's shard of the base, its factors tagged for megatron."""
-        weight = self.to_wrap.weight
+        weight, sh = self.to_wrap.weight, self.sharding
         out_local, in_local = weight.shape
+        if sh.kind == "row" and sh.b_split_dim == 0:  # the base's output is not split, B is
+            out_local //= sh.tp_size
         slot = LoRASlot(in_local, out_local, self.dim, alpha, self.dropout, weight.dtype,
-                        weight.device)
+                        weight.device, rank_shards=sh.tp_size if sh.rank_is_split else 1)
         a_partial, b_partial = self.sharding.partial_grad_factors()
         self._tag(slot.linear_in.weight, self.sharding.a_split_dim, a_partial)
         self._tag(slot.linear_out.weight, self.sharding.b_split_dim, b_partial)
         return slot
 
-    def _sharding(self, to_wrap: torch.nn.Module, sequence_parallel: Optional[bool]) -> Sharding:
+    def _sharding(self, to_wrap: torch.nn.Module, sequence_parallel: Optional[bool],
+                  fully_sharded: bool) -> Sharding:
         sp = getattr(to_wrap, "sequence_parallel", None)
         sp = bool(sequence_parallel) if sp is None else sp
         group = getattr(to_wrap, "tp_group", None)
@@ -206,7 +221,25 @@ class MultiLoRALinear(torch.nn.Module):
             return Sharding(base_kind(to_wrap), 1, 0, False, None)
         tp_size = torch.distributed.get_world_size(group)
         tp_rank = torch.distributed.get_rank(group)
-        return Sharding(base_kind(to_wrap), tp_size, tp_rank, sp and tp_size > 1, group)
+        return Sharding(base_kind(to_wrap), tp_size, tp_rank, sp and tp_size > 1, group,
+                        fully_sharded)
+
+    def _check_fully_sharded(self, to_wrap: torch.nn.Module, where: str) -> None:
+        sh = self.sharding
+        if not sh.sharded_lora:
+            return
+        if not isinstance(to_wrap, (ColumnParallelLinear, RowParallelLinear)):
+            raise ValueError(
+                f"{where}: fully_sharded=True needs megatron's ColumnParallelLinear/"
+                f"RowParallelLinear base, got {type(to_wrap).__name__} (TE linears run their "
+                "collectives inside TE): build the model with the local (non-TE) spec or use "
+                "fully_sharded=False")
+        if sh.rank_is_split and self.dim % sh.tp_size:
+            raise ValueError(f"{where}: fully_sharded=True splits the rank dim over "
+                             f"{sh.tp_size} TP ranks; dim={self.dim} must be a multiple of it")
+        if sh.kind == "row" and to_wrap.weight.size(0) % sh.tp_size:
+            raise ValueError(f"{where}: fully_sharded=True splits B's {to_wrap.weight.size(0)} "
+                             f"output rows over {sh.tp_size} TP ranks: they must divide evenly")
 
     @staticmethod
     def _tag(param: torch.nn.Parameter, split_dim: Optional[int], partial_grad: bool) -> None:
@@ -227,19 +260,33 @@ class MultiLoRALinear(torch.nn.Module):
             for i, slot in enumerate(self.adapters):
                 self.scale[i] = slot.alpha / slot.rank
                 self.dropout_p[i] = slot.dropout
-        # Read once here, so forward needs no device-to-host sync to skip dropout.
+        # Read once here, so forward needs no device-to-host sync to skip dropout or to pick
+        # the rank it computes at.
         self._any_dropout = any(float(slot.dropout) > 0 for slot in self.adapters)
+        self._ranks = [int(slot.rank) for slot in self.adapters]
+        self._alphas = [float(slot.alpha) for slot in self.adapters]
 
-    def _master_shape(self, local: torch.Size, split_dim: Optional[int]) -> tuple[int, int]:
-        shape = list(local)
-        if split_dim is not None:
-            shape[split_dim] *= self.sharding.tp_size
+    def full_shape(self, factor: str) -> tuple[int, ...]:
+        """The unsharded shape of factor ``"A"`` or ``"B"`` (slot 0's; all slots agree)."""
+        slot = self.adapters[0]
+        weight = slot.linear_in.weight if factor == "A" else slot.linear_out.weight
+        split = self.sharding.a_split_dim if factor == "A" else self.sharding.b_split_dim
+        shape = list(weight.shape)
+        if split is not None:
+            shape[split] *= self.sharding.tp_size
         return tuple(shape)
 
-    def _local_shard(self, full: torch.Tensor, split_dim: Optional[int]) -> torch.Tensor:
-        if split_dim is None:
+    def local_shard(self, factor: str, full: torch.Tensor) -> torch.Tensor:
+        """This TP rank's shard of an unsharded factor ``"A"`` or ``"B"``."""
+        split = self.sharding.a_split_dim if factor == "A" else self.sharding.b_split_dim
+        if split is None:
             return full
-        return full.chunk(self.sharding.tp_size, dim=split_dim)[self.sharding.tp_rank]
+        tp, rank = self.sharding.tp_size, self.sharding.tp_rank
+        if factor == "B" and self.gated_output:
+            # A gated fc1's output is [gate; up], and each rank holds [gate_r; up_r].
+            gate, up = full.chunk(2, dim=0)
+            return torch.cat([gate.chunk(tp, 0)[rank], up.chunk(tp, 0)[rank]], dim=0)
+        return full.chunk(tp, dim=split)[rank]
 
     def _generator(self, *key: object) -> torch.Generator:
         """A CPU generator seeded by (seed, layer name, key): the same on every rank."""
@@ -258,24 +305,24 @@ class MultiLoRALinear(torch.nn.Module):
         slot = self.adapters[idx]
         gen = self._generator(idx if init_key is None else init_key)
         with torch.no_grad():
-            for linear, method, split in ((slot.linear_in, self.column_init_method,
-                                           self.sharding.a_split_dim),
-                                          (slot.linear_out, self.row_init_method,
-                                           self.sharding.b_split_dim)):
-                full = _init_weight(method, self._master_shape(linear.weight.shape, split), gen)
-                linear.weight.copy_(self._local_shard(full, split))
+            for linear, method, factor in ((slot.linear_in, self.column_init_method, "A"),
+                                           (slot.linear_out, self.row_init_method, "B")):
+                full = _init_weight(method, self.full_shape(factor), gen)
+                linear.weight.copy_(self.local_shard(factor, full))
         self._apply_rank_mask(idx)
 
     def _apply_rank_mask(self, idx: int) -> None:
         """Zero A's rank rows and B's rank columns beyond the slot's rank.
 
-        The rank dim is never split over TP; A is ``[..., dim, in]`` and B ``[..., out, dim]``
-        (with a leading local-expert dim for expert layers).
+        A is ``[..., dim, in]`` and B ``[..., out, dim]`` (with a leading local-expert dim for
+        expert layers); B's rank dim is never split over TP, A's is when fully sharded.
         """
         slot = self.adapters[idx]
         r = int(slot.rank)
+        local = slot.linear_in.weight.size(-2)
+        first = self.sharding.tp_rank * local if self.sharding.rank_is_split else 0
         with torch.no_grad():
-            slot.linear_in.weight[..., r:, :].zero_()
+            slot.linear_in.weight[..., max(0, min(local, r - first)):, :].zero_()
             slot.linear_out.weight[..., r:].zero_()
 
     def init_adapter_slot(self, idx: int, rank: int, alpha: float,
@@ -308,12 +355,9 @@ class MultiLoRALinear(torch.nn.Module):
 
     # ----- forward ----------------------------------------------------------------------
 
-    def _window(self, rows: int, is_shard: bool) -> tuple[int, int]:
-        """(start, rows) of this input/output within the packed micro-batch."""
+    def _segments(self, rows: int, is_shard: bool, device: torch.device) -> Segments:
+        """This input's/output's per-slot row groups within the packed micro-batch."""
         tokens = self.slot_tokens
-        if tokens is None:
-            raise RuntimeError(f"MultiLoRALinear({self.full_name}): no token counts; call "
-                               "set_tokens_per_adapter_slot(model, counts) before forward")
         expected = tokens.total // self.sharding.tp_size if is_shard else tokens.total
         if rows != expected or (is_shard and tokens.total % self.sharding.tp_size):
             what = (f"this rank's sequence shard of {tokens.total} tokens over "
@@ -322,7 +366,29 @@ class MultiLoRALinear(torch.nn.Module):
                 f"MultiLoRALinear({self.full_name}): input has {rows} tokens but "
                 f"tokens_per_adapter={list(tokens.counts)} describes {what}; the counts must "
                 "sum to the micro-batch's tokens (sequence x batch)")
-        return (self.sharding.tp_rank * rows if is_shard else 0), rows
+        return tokens.segments(self.sharding.tp_rank * rows if is_shard else 0, rows, device)
+
+    def _active_slots(self) -> tuple[int, ...]:
+        """The slots with tokens in this micro-batch (the same on every TP rank)."""
+        if self.slot_tokens is None:
+            raise RuntimeError(f"{type(self).__name__}({self.full_name}): no token counts; call "
+                               "set_tokens_per_adapter_slot(model, counts) before forward")
+        return self.slot_tokens.active
+
+    def _compute_rank(self, slots: tuple[int, ...]) -> int:
+        """The rank the GEMMs run at: the largest rank among ``slots`` that have alpha != 0
+        (padded rank rows are zero, so computing fewer changes nothing), rounded up to a
+        multiple of 8 so the ``[tokens, r]`` buffer keeps the grouped kernel's alignment."""
+        if self.sharding.rank_is_split:
+            return self.dim
+        r = max((self._ranks[i] for i in slots if self._alphas[i] != 0.0), default=1)
+        return min(self.dim, -(-r // 8) * 8)
+
+    def _stacked_factors(self, slots: tuple[int, ...], r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A ``[G, ..., r, in]`` and B ``[G, ..., out, r]`` of ``slots``, cut to rank ``r``."""
+        a = torch.stack([self.adapters[i].linear_in.weight[..., :r, :] for i in slots])
+        b = torch.stack([self.adapters[i].linear_out.weight[..., :r] for i in slots])
+        return a, b
 
     def _dropout(self, t: torch.Tensor, slot_of_row: torch.Tensor, tp_sharded: bool) -> torch.Tensor:
         """Inverted dropout of ``t``'s rows, each at its slot's rate.
@@ -337,33 +403,66 @@ class MultiLoRALinear(torch.nn.Module):
             keep = torch.rand(t.shape, device=t.device) >= p
         return t * keep.to(t.dtype) / (1.0 - p).to(t.dtype)
 
+    def _lora(self, x2: torch.Tensor, slots: tuple[int, ...], in_shard: bool,
+              out_shard: bool) -> torch.Tensor:
+        """``s * B @ (A @ x)`` for the rows of ``x2`` (``[rows, in]``) over ``slots``, with
+        the layout's collective on the small ``[rows, r]`` buffer in between."""
+        sh = self.sharding
+        seg_in = self._segments(x2.size(0), in_shard, x2.device)
+        if self.dropout_position == "pre":
+            x2 = self._dropout(x2, seg_in.label_of_row, sh.input_is_tp_sharded)
+        a, b = self._stacked_factors(slots, self._compute_rank(slots))
+        mid = sh.reduce_mid(grouped_linear(x2.contiguous(), a, seg_in))  # [T, r]
+        seg_out = self._segments(mid.size(0), out_shard, mid.device)
+        # Per-token alpha/rank on the small [T, r] buffer, in fp32 (as serving kernels do).
+        mid = (mid.float() * self.scale[seg_out.label_of_row].unsqueeze(1)).to(mid.dtype)
+        lora = grouped_linear(mid, b, seg_out)                             # [T, out]
+        if self.dropout_position == "post":
+            lora = self._dropout(lora, seg_out.label_of_row, sh.output_is_tp_sharded)
+        return lora
+
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        slots = self._active_slots()
+        if self.sharding.sharded_lora:
+            return self._forward_fully_sharded(x, slots, *args, **kwargs)
         result = self.to_wrap(x, *args, **kwargs)
         # Megatron/TE linears return (output, bias); plain torch linears a tensor.
         base_out, bias = result if isinstance(result, tuple) else (result, None)
         if self._returns_ln_output:
             base_out, x = base_out
+        if not slots:
+            return (base_out, bias) if isinstance(result, tuple) else base_out
         sh = self.sharding
-        x2 = x.reshape(-1, x.size(-1))
-        start, rows = self._window(x2.size(0), sh.input_is_sequence_shard)
-        seg_in = self.slot_tokens.segments(start, rows, x2.device)
-        if self.dropout_position == "pre":
-            x2 = self._dropout(x2, seg_in.group_of_row, sh.input_is_tp_sharded)
-
-        a = torch.stack([s.linear_in.weight for s in self.adapters])    # [N, dim, in]
-        mid = sh.reduce_mid(grouped_linear(x2.contiguous(), a, seg_in))  # [T, dim]
-        start, rows = self._window(mid.size(0), sh.output_is_sequence_shard)
-        seg_out = self.slot_tokens.segments(start, rows, mid.device)
-        # Per-token alpha/rank on the small [T, dim] buffer, in fp32 (as serving kernels do).
-        scale = self.scale[seg_out.group_of_row].unsqueeze(1)
-        mid = (mid.float() * scale).to(mid.dtype)
-        b = torch.stack([s.linear_out.weight for s in self.adapters])   # [N, out, dim]
-        lora = grouped_linear(mid, b, seg_out)                           # [T, out]
-        if self.dropout_position == "post":
-            lora = self._dropout(lora, seg_out.group_of_row,
-                                 sh.output_is_sequence_shard or sh.kind == "column")
+        lora = self._lora(x.reshape(-1, x.size(-1)), slots, sh.input_is_sequence_shard,
+                          sh.output_is_sequence_shard)
         out = base_out + lora.view_as(base_out)
         return (out, bias) if isinstance(result, tuple) else out
+
+    def _forward_fully_sharded(self, x: torch.Tensor, slots: tuple[int, ...], *args: Any,
+                               **kwargs: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The base's matmul with its collective run here, so that collective also completes
+        the LoRA term (see :mod:`.sharding`); the base's bias conventions are kept."""
+        if args or kwargs:
+            raise TypeError(f"MultiLoRALinear({self.full_name}): a fully sharded layer takes only "
+                            f"its input, got extra arguments {args} {sorted(kwargs)}")
+        base, sh = self.to_wrap, self.sharding
+        add_bias = None if base.skip_bias_add else base.bias
+        out_bias = base.bias if base.skip_bias_add else None
+        if sh.kind == "column":
+            x_full = sh.base_input(x)  # bwd: one reduction sums the base's and LoRA's dgrad
+            out = F.linear(x_full, base.weight, add_bias)
+            if slots:
+                out = out + self._lora(x_full.reshape(-1, x_full.size(-1)), slots, False,
+                                       False).view_as(out)
+            return out, out_bias
+        x2 = x.reshape(-1, x.size(-1))
+        partial = F.linear(x2, base.weight)  # [T, out]: this rank's partial sum
+        if slots:
+            lora = self._lora(x2, slots, False, False)  # [T, out/tp]: this rank's columns
+            width = lora.size(1)
+            partial[:, sh.tp_rank * width:(sh.tp_rank + 1) * width] += lora
+        out = sh.base_output(partial.view(*x.shape[:-1], partial.size(-1)))
+        return (out if add_bias is None else out + add_bias), out_bias
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: Optional[dict] = None) -> dict:

@@ -31,13 +31,17 @@ def narrow_counts_to_window(counts: Sequence[int], start: int, rows: int) -> lis
 class SlotTokens:
     """Token counts per adapter slot for the next forward, shared by every wrapped layer.
 
-    Segments are built once per distinct (window, device) and reused by all layers, so a
-    forward costs one host-to-device copy of the counts per window, not one per layer.
+    ``active`` are the slots with tokens in this micro-batch: layers run their grouped GEMMs
+    over those slots only, so an idle slot costs no GEMM work and gets no gradient. Segments
+    (one group per active slot, rows labelled with the slot id) are built once per distinct
+    (window, device) and reused by all layers: a forward costs one host-to-device copy of the
+    counts per window, not one per layer, and no device-to-host sync.
     """
 
     def __init__(self, counts: Sequence[int]) -> None:
         self.counts = tuple(int(c) for c in counts)
         self.total = sum(self.counts)
+        self.active = tuple(i for i, c in enumerate(self.counts) if c > 0)
         self._cache: dict[tuple[int, int, torch.device], Segments] = {}
 
     def segments(self, start: int, rows: int, device: torch.device) -> Segments:
@@ -46,7 +50,8 @@ class SlotTokens:
         if seg is None:
             counts = self.counts if (start, rows) == (0, self.total) else narrow_counts_to_window(
                 self.counts, start, rows)
-            seg = self._cache[key] = Segments.from_counts(counts, device)
+            seg = self._cache[key] = Segments.from_counts(
+                [counts[i] for i in self.active], device, labels=self.active)
         return seg
 
 

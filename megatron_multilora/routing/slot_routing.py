@@ -38,16 +38,17 @@ from megatron_multilora.layers.slot_tokens import SlotTokens
 class ExpertSlotRouting:
     """Per-forward mapping from one MoE layer's dispatched rows to (slot, local expert).
 
-    ``sort_idx`` orders rows by group ``slot * E_local + expert``; ``inverse_idx`` restores
-    the experts' order; ``segments`` are the ``N * E_local`` group sizes; ``slot_of_row`` is
-    the slot of each sorted row (for alpha/rank scaling); ``num_tokens`` guards against a base
-    that pads its input.
+    ``slots`` take part in the expert LoRA GEMMs, in this order; ``sort_idx`` orders rows by
+    group ``position of slot in slots * E_local + expert``; ``inverse_idx`` restores the
+    experts' order; ``segments`` are the ``len(slots) * E_local`` groups, each row labelled
+    with its slot (for alpha/rank scaling); ``num_tokens`` guards against a base that pads
+    its input.
     """
 
+    slots: tuple[int, ...]
     sort_idx: torch.Tensor
     inverse_idx: torch.Tensor
     segments: Segments
-    slot_of_row: torch.Tensor
     num_tokens: int
 
 
@@ -62,7 +63,7 @@ def local_slot_ids(tokens: SlotTokens, rows: int, device: torch.device) -> torch
         raise ValueError(f"MoE layer input has {rows} tokens but tokens_per_adapter="
                          f"{list(tokens.counts)} describes {tokens.total}; the counts must sum "
                          "to the micro-batch's tokens (sequence x batch)")
-    return tokens.segments(start, rows, device).group_of_row
+    return tokens.segments(start, rows, device).label_of_row
 
 
 def co_permute_slot_ids(dispatcher: object, slot_ids: torch.Tensor) -> torch.Tensor:
@@ -90,18 +91,25 @@ def co_permute_slot_ids(dispatcher: object, slot_ids: torch.Tensor) -> torch.Ten
 
 
 def build_expert_slot_routing(slot: torch.Tensor, tokens_per_expert: torch.Tensor | list[int],
-                              n_adapters: int, num_local_experts: int) -> ExpertSlotRouting:
-    """Group the dispatched rows (slot ids ``slot``, expert-major) by (slot, local expert)."""
-    counts = torch.as_tensor(tokens_per_expert, dtype=torch.int64).cpu()
-    expert = torch.repeat_interleave(torch.arange(num_local_experts), counts).to(slot.device)
-    key = slot.to(torch.int64) * num_local_experts + expert
+                              slots: tuple[int, ...], n_adapters: int,
+                              num_local_experts: int) -> ExpertSlotRouting:
+    """Group the dispatched rows (slot ids ``slot``, expert-major) by (slot, local expert).
+
+    Every row's slot must be in ``slots``. All on the device, with no device-to-host sync.
+    """
+    device, e = slot.device, num_local_experts
+    counts = torch.as_tensor(tokens_per_expert, dtype=torch.int64).to(device)
+    expert = torch.repeat_interleave(torch.arange(e, device=device), counts,
+                                     output_size=slot.numel())
+    position = torch.zeros(n_adapters, dtype=torch.int64)
+    position[list(slots)] = torch.arange(len(slots))
+    slot = slot.to(torch.int64)
+    key = position.to(device)[slot] * e + expert
     sort_idx = torch.argsort(key, stable=True)
     inverse_idx = torch.empty_like(sort_idx)
-    inverse_idx[sort_idx] = torch.arange(sort_idx.numel(), device=sort_idx.device)
-    group_counts = torch.bincount(key, minlength=n_adapters * num_local_experts).tolist()
-    segments = Segments.from_counts(group_counts, slot.device)
-    return ExpertSlotRouting(sort_idx, inverse_idx, segments,
-                             segments.group_of_row // num_local_experts, int(slot.numel()))
+    inverse_idx[sort_idx] = torch.arange(sort_idx.numel(), device=device)
+    segments = Segments.from_sorted_keys(key[sort_idx], len(slots) * e, slot[sort_idx])
+    return ExpertSlotRouting(tuple(slots), sort_idx, inverse_idx, segments, int(slot.numel()))
 
 
 def _slot_routing_hook(layer: MoELayer, experts: list[MultiLoRAGroupedExpertLinear]):
@@ -114,8 +122,13 @@ def _slot_routing_hook(layer: MoELayer, experts: list[MultiLoRAGroupedExpertLine
         dispatcher = layer.token_dispatcher
         rows = dispatcher.hidden_shape[:-1].numel()
         slot = co_permute_slot_ids(dispatcher, local_slot_ids(tokens, rows, dispatched.device))
-        routing = build_expert_slot_routing(slot, tokens_per_expert, experts[0].n_adapters,
-                                            experts[0].num_local_experts)
+        # Under expert parallelism rows arrive from other ranks' micro-batches, whose slots
+        # this rank does not know: then every slot takes part (an absent one's groups are
+        # empty, so still cost no GEMM work).
+        slots = (tokens.active if dispatcher.ep_size == 1
+                 else tuple(range(experts[0].n_adapters)))
+        routing = build_expert_slot_routing(slot, tokens_per_expert, slots,
+                                            experts[0].n_adapters, experts[0].num_local_experts)
         for expert_linear in experts:
             expert_linear.routing = routing
 

@@ -67,6 +67,10 @@ class LoRASettings:
         default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
     column_init_method: str = "xavier"
     row_init_method: str = "zero"
+    fully_sharded: bool = False
+    """Under tensor parallelism, shard every LoRA factor over the TP ranks (S-LoRA layout:
+    adapter memory, optimizer state and LoRA GEMMs divide by parallel.tp). Needs max_rank
+    divisible by parallel.tp."""
 
 
 @dataclasses.dataclass
@@ -166,6 +170,9 @@ def validate(run: RunConfig, check_files: bool = True) -> None:
                         f"size {world}")
     if par.sp and par.tp == 1:
         problems.append("parallel.sp=true needs parallel.tp > 1")
+    if run.lora.fully_sharded and run.lora.max_rank % max(par.tp, 1):
+        problems.append(f"lora.fully_sharded=true splits the rank over parallel.tp={par.tp} ranks: "
+                        f"lora.max_rank={run.lora.max_rank} must be a multiple of it")
     if run.model.num_moe_experts is None and par.ep > 1:
         problems.append("parallel.ep > 1 needs a MoE model (model.num_moe_experts)")
     if run.hf_dir is not None:

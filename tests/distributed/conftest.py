@@ -55,6 +55,10 @@ def compare(failures: list[str], got, want, rel: float, what: str) -> float:
     """Record a failure when max|got - want| > rel * max|want|; return the relative error."""
     import torch
 
+    if got is None:  # no gradient at all: only right where the reference has none (or zeros)
+        if want is not None and want.abs().max() > 0:
+            failures.append(f"{what}: missing gradient")
+        return 0.0
     want = torch.zeros_like(got) if want is None else want
     err = (got.float() - want.float()).abs().max().item()
     scale = max(want.float().abs().max().item(), 1e-12)

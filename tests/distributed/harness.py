@@ -16,12 +16,12 @@ RANKS, ALPHAS = [8, 3, 1, 5], [16.0, 4.0, 2.0, 10.0]
 SEQ = 16
 
 
-def build(cfg: mm.GPTModelConfig, sp: bool = False, ddp: bool = True):
+def build(cfg: mm.GPTModelConfig, sp: bool = False, ddp: bool = True, fully_sharded: bool = False):
     """The wrapped model (megatron DDP around it unless ``ddp=False``); same weights each call."""
     torch.manual_seed(0)  # base weights are drawn as full tensors: same on every build
     model = mm.build_gpt_model(cfg, sequence_parallel=sp)
     # Non-zero B so that every factor gets a gradient.
-    mm.apply_multi_lora(model, N, DIM, 1.0, row_init_method="normal")
+    mm.apply_multi_lora(model, N, DIM, 1.0, row_init_method="normal", fully_sharded=fully_sharded)
     for i, (r, a) in enumerate(zip(RANKS, ALPHAS)):
         mm.init_adapter_slot(model, i, r, a)
     if not ddp:
@@ -49,10 +49,11 @@ def step(model: torch.nn.Module, batch) -> torch.Tensor:
 
 
 def trainable_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Gradients by state-dict key: DDP's ``main_grad`` when wrapped, else ``.grad``."""
+    """Gradients by state-dict key: DDP's ``main_grad`` when wrapped, else ``.grad`` (zeros
+    for a slot that had no tokens, hence no gradient)."""
     ddp = isinstance(model, DistributedDataParallel)
     inner = model.module if ddp else model
-    return {k: (p.main_grad if ddp else p.grad).clone()
+    return {k: (p.main_grad if ddp else p.grad if p.grad is not None else torch.zeros_like(p)).clone()
             for k, p in inner.state_dict(keep_vars=True).items()
             if isinstance(p, torch.nn.Parameter) and p.requires_grad}
 
@@ -83,7 +84,8 @@ def local_view(key: str, full: dict[str, torch.Tensor], like: torch.Tensor,
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
     dim = like.partition_dim
-    if re.search(r"\.mlp\.(shared_experts\.)?linear_fc1\.", key) and cfg.gated_linear_unit and dim == 0:
+    if (re.search(r"\.mlp\.(shared_experts\.)?linear_fc1\.", key) and cfg.gated_linear_unit
+            and dim == 0 and ".linear_in." not in key):  # A's rank rows are not [gate; up]
         # megatron keeps [gate_shard; up_shard] per rank for a gated fc1.
         return torch.cat([h.chunk(tp, 0)[rank] for h in tensor.chunk(2, 0)])
     return tensor.chunk(tp, dim)[rank]

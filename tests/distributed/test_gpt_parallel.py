@@ -1,4 +1,5 @@
-"""A whole small GPT with all four targets wrapped: TP=2 (SP off/on) and DP=2 against TP=1.
+"""A whole small GPT with all four targets wrapped: TP=2 (SP off/on, default and fully
+sharded) and DP=2 against TP=1.
 
 The reference run is TP=1 on the same weights; gradients go through megatron's
 DistributedDataParallel and finalize_model_grads, the path training uses (it sums the
@@ -34,11 +35,12 @@ def reference(layout):
     return state, losses, grads
 
 
+@pytest.mark.parametrize("fully", [False, True], ids=["default", "fully_sharded"])
 @pytest.mark.parametrize("sp", [False, True], ids=["sp_off", "sp_on"])
-def test_tp2_gpt_matches_tp1(layout, sp):
+def test_tp2_gpt_matches_tp1(layout, sp, fully):
     state, ref_losses, ref_grads = reference(layout)
     layout(tp=2, sp=sp)
-    ddp = build(CFG, sp)
+    ddp = build(CFG, sp, fully_sharded=fully)
     load_full_state(ddp, state, CFG)
     ddp.zero_grad_buffer()
     losses = step(ddp, micro_batch(0, COUNTS, CFG.vocab_size))
@@ -75,11 +77,13 @@ def test_dp2_grads_equal_one_process_on_both_micro_batches(layout):
     assert_all_ranks(failures)
 
 
-def test_dist_checkpoint_saved_at_tp1_loads_at_tp2(layout, tmp_path):
-    """Base and adapter tensors reshard through megatron's dist_checkpointing."""
+@pytest.mark.parametrize("fully", [False, True], ids=["default", "fully_sharded"])
+def test_dist_checkpoint_saved_at_tp1_loads_at_tp2(layout, tmp_path, fully):
+    """Base and adapter tensors reshard through megatron's dist_checkpointing, into either
+    TP mode."""
+    layout(tp=1)
     path = [str(tmp_path)]
     dist.broadcast_object_list(path, src=0)  # one folder for all ranks
-    layout(tp=1)
     model = build(CFG, ddp=False)
     full = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
     dist_checkpointing.save(model.sharded_state_dict(), path[0])
@@ -87,7 +91,7 @@ def test_dist_checkpoint_saved_at_tp1_loads_at_tp2(layout, tmp_path):
 
     layout(tp=2)
     torch.manual_seed(99)  # different weights until the checkpoint loads
-    model = mm.apply_multi_lora(mm.build_gpt_model(CFG), N, DIM, 1.0)
+    model = mm.apply_multi_lora(mm.build_gpt_model(CFG), N, DIM, 1.0, fully_sharded=fully)
     model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), path[0]))
     like = model.state_dict(keep_vars=True)
     failures = [k for k, v in full.items()
@@ -95,4 +99,45 @@ def test_dist_checkpoint_saved_at_tp1_loads_at_tp2(layout, tmp_path):
     want = torch.tensor(ALPHAS) / torch.tensor(RANKS)
     if any(not torch.equal(layer.scale, want) for layer in mm.multi_lora_modules(model)):
         failures.append(f"slot scales not restored: {mm.multi_lora_modules(model)[0].scale}")
+    assert_all_ranks(failures)
+
+
+def test_fully_sharded_checkpoint_and_export_equal_default_mode(layout, tmp_path):
+    """A fully sharded TP=2 model saves a checkpoint the default TP=1 layout loads exactly,
+    exports the same adapters, and masks a newly bound rank on the right global rank rows
+    (A's rank dim is split over TP ranks)."""
+    from megatron_multilora.checkpoint.adapter_tensors import gather_factor, gather_slot
+    from megatron_multilora.layers.lifecycle import named_multi_lora_modules
+
+    layout(tp=1)
+    path = [str(tmp_path)]
+    dist.broadcast_object_list(path, src=0)
+    want = [gather_slot(build(CFG, ddp=False), i) for i in range(N)]
+    mm.destroy_parallel()
+
+    layout(tp=2)
+    model = build(CFG, ddp=False, fully_sharded=True)
+    failures: list[str] = []
+    for i in range(N):
+        got = gather_slot(model, i)
+        failures += [f"slot {i} export {k}" for k in want[i] if not torch.equal(got[k], want[i][k])]
+    mm.clear_adapter_slot(model, 0, init_key="fresh")
+    mm.init_adapter_slot(model, 0, 3, 6.0)
+    for path_name, layer in named_multi_lora_modules(model):
+        a = gather_factor(layer, "A", layer.adapters[0].linear_in.weight.detach())
+        if layer.sharding.rank_is_split and not (a[3:].abs().sum() == 0 and a[:3].abs().sum() > 0):
+            failures.append(f"{path_name}: rank 3 not masked on the global rank rows")
+    rank_split = [layer.sharding.rank_is_split for layer in mm.multi_lora_modules(model)]
+    if not any(rank_split):
+        failures.append("no layer splits A's rank dim: the test does not test fully sharded")
+    exported = gather_slot(model, 0)
+    dist_checkpointing.save(model.sharded_state_dict(), path[0])
+    mm.destroy_parallel()
+
+    layout(tp=1)
+    torch.manual_seed(99)
+    model = mm.apply_multi_lora(mm.build_gpt_model(CFG), N, DIM, 1.0)
+    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), path[0]))
+    loaded = gather_slot(model, 0)
+    failures += [f"checkpoint {k}" for k in exported if not torch.equal(loaded[k], exported[k])]
     assert_all_ranks(failures)

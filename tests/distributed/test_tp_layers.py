@@ -1,4 +1,5 @@
-"""TP=2 (SP off and on) multi-LoRA layers against the unsharded token-by-token reference.
+"""TP=2 (SP off and on, default and fully sharded) multi-LoRA layers against the unsharded
+token-by-token reference.
 
 Every rank computes the full reference from the same full weights and inputs, then checks
 its own shards of the outputs and gradients, for every slot (unequal ranks, a zero-token
@@ -27,13 +28,14 @@ def sum_sequence_parallel_grads(layer: MultiLoRALinear) -> None:
     """What megatron's finalize_model_grads does for ``sequence_parallel`` params."""
     group = parallel_state.get_tensor_model_parallel_group()
     for p in layer.adapters.parameters():
-        if getattr(p, "sequence_parallel", False):
+        if getattr(p, "sequence_parallel", False) and p.grad is not None:
             dist.all_reduce(p.grad, group=group)
 
 
+@pytest.mark.parametrize("fully", [False, True], ids=["default", "fully_sharded"])
 @pytest.mark.parametrize("sp", [False, True], ids=["sp_off", "sp_on"])
 @pytest.mark.parametrize("kind", ["column", "row", "replicated"])
-def test_tp2_layer_matches_unsharded_reference(layout, kind, sp):
+def test_tp2_layer_matches_unsharded_reference(layout, kind, sp, fully):
     layout(tp=2, sp=sp)
     tp, rank = 2, parallel_state.get_tensor_model_parallel_rank()
     gen = torch.Generator().manual_seed(0)
@@ -61,9 +63,12 @@ def test_tp2_layer_matches_unsharded_reference(layout, kind, sp):
     else:
         base = torch.nn.Linear(IN, OUT, bias=False)
         base.weight.data.copy_(w)
-    layer = MultiLoRALinear(base, len(COUNTS), DIM, 1.0, f"tp.{kind}", sequence_parallel=sp)
-    a_dim = 1 if kind == "row" else None
-    b_dim = 0 if kind == "column" else None
+    layer = MultiLoRALinear(base, len(COUNTS), DIM, 1.0, f"tp.{kind}", sequence_parallel=sp,
+                            fully_sharded=fully)
+    # Fully sharded: A split on its rank dim (column) and B on its output dim (row) too.
+    a_dim = {"row": 1, "column": 0 if fully else None}.get(kind)
+    b_dim = {"column": 0, "row": 0 if fully else None}.get(kind)
+    assert (layer.sharding.a_split_dim, layer.sharding.b_split_dim) == (a_dim, b_dim)
     with torch.no_grad():
         for i, f in enumerate(slots):
             layer.init_adapter_slot(i, f.rank, f.alpha)

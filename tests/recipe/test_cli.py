@@ -97,9 +97,10 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(demo_data, tmp_path):
         assert len(got[name]) == STEPS  # logged steps after the checkpoint were dropped, rerun
         assert got[name] == want[name], f"{name}: resumed trajectory differs"
 
-    # The same checkpoint under TP=2 + SP (dp 1): adapters and Adam moments reshard.
-    finish(launch(command(relayout, demo_data, ["parallel=tp2"]), tmp_path / "tp2.log"),
-           tmp_path / "tp2.log")
+    # The same checkpoint under TP=2 + SP (dp 1) in the fully sharded mode: adapters and Adam
+    # moments reshard, A and B split over the TP ranks as well.
+    finish(launch(command(relayout, demo_data, ["parallel=tp2", "lora.fully_sharded=true"]),
+                  tmp_path / "tp2.log"), tmp_path / "tp2.log")
     got = losses_by_adapter(relayout)
     for name in ("rev", "add"):
         assert got[name][:saved] == want[name][:saved]

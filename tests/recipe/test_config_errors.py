@@ -11,7 +11,7 @@ def test_all_problems_reported_at_once(demo_data, tmp_path, monkeypatch):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a=", "completion": "b"}\n\n{"prompt": "a="\n')
     run = compose_run([
-        "hf_dir=null", "lora.max_rank=8", "parallel.tp=2", "model.num_attention_heads=3", "model.num_query_groups=1",
+        "hf_dir=null", "lora.max_rank=7", "lora.fully_sharded=true", "parallel.tp=2", "model.num_attention_heads=3", "model.num_query_groups=1",
         f"adapters=[{job('big', demo_data, 'reverse', 3, rank=16)},"
         f"{job('nofile', demo_data, 'add', 3, dataset='/no/such/file.jsonl')},"
         f"{job('broken', demo_data, 'sort', 3, dataset=bad)}]",
@@ -19,7 +19,8 @@ def test_all_problems_reported_at_once(demo_data, tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as err:
         validate(run)
     msg = str(err.value)
-    assert "adapters.0 (big): rank=16 is outside 1..lora.max_rank=8" in msg
+    assert "adapters.0 (big): rank=16 is outside 1..lora.max_rank=7" in msg
+    assert "lora.max_rank=7 must be a multiple of it" in msg
     assert "num_attention_heads=3 is not divisible by tensor parallel size 2" in msg
     assert "/no/such/file.jsonl" in msg
     assert f"{bad}:3:" in msg  # the malformed line, by number

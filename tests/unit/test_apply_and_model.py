@@ -107,7 +107,8 @@ def test_builder_variants_train_through_adapters(variant):
     model(ids, torch.arange(10)[None], None, labels=ids).mean().backward()
     grads = [p.grad for p in mm.slot_parameters(model, 0)]
     assert all(g is not None for g in grads) and any(g.abs().sum() > 0 for g in grads)
-    assert all(p.grad.abs().sum() == 0 for p in mm.slot_parameters(model, 2))  # no tokens
+    # No tokens: left out of the GEMMs, so no gradient at all.
+    assert all(p.grad is None for p in mm.slot_parameters(model, 2))
 
 
 def test_init_parallel_rejects_unsupported_layouts():

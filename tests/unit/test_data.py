@@ -169,6 +169,16 @@ def test_pack_mixes_slots_in_order_within_a_micro_batch():
     assert b.tokens[0].tolist() == [10, 11, 20, 21, 30, 31]
 
 
+def test_pack_slot_order_groups_slots_but_keeps_positions_slot_major():
+    # Ranks 16, 4, 16, 4: packing in rank order puts slots 0 and 2 together, then 1 and 3.
+    slots = [[example(5, 10)], [example(5, 20)], [example(5, 30)], [example(5, 40)]]
+    batches = pack_micro_batches(slots, token_budget=8, slot_order=[0, 2, 1, 3])
+    assert [b.counts for b in batches] == [[4, 0, 4, 0], [0, 4, 0, 4]]
+    assert batches[0].tokens[0].tolist() == [10, 11, 12, 13, 30, 31, 32, 33]
+    with pytest.raises(ValueError, match="permutation"):
+        pack_micro_batches(slots, token_budget=8, slot_order=[0, 0, 1, 2])
+
+
 def test_pack_attention_is_block_diagonal_causal():
     (b,) = pack_micro_batches([[example(4, 10)], [example(3, 20)]], token_budget=16)
     mask = b.attention_mask

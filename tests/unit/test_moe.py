@@ -58,10 +58,13 @@ def test_moe_layer_matches_token_reference(dispatcher):
         for s, ref in enumerate(refs):
             for factor, leaf in ((linear.adapters[s].linear_in, ref.a),
                                  (linear.adapters[s].linear_out, ref.b)):
+                if factor.weight.grad is None:  # the empty slot takes no part: no gradient
+                    assert s == 1 and leaf.grad is None
+                    continue
                 want = torch.zeros_like(leaf) if leaf.grad is None else leaf.grad
-                # every (slot, expert) pair, including empty experts and the empty slot
+                # every (slot, expert) pair, including empty experts
                 torch.testing.assert_close(factor.weight.grad, want, rtol=1e-5, atol=1e-6)
-    assert fc1.adapters[1].linear_in.weight.grad.abs().sum() == 0
+    assert fc1.adapters[1].linear_in.weight.grad is None
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
@@ -82,10 +85,12 @@ def test_moe_recompute_gives_the_same_gradients(recompute):
         ids = torch.randint(0, 32, (1, 12), generator=torch.Generator().manual_seed(1))
         mm.set_tokens_per_adapter_slot(model, COUNTS)
         model(ids, torch.arange(12)[None], None, labels=ids).mean().backward()
-        grads.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
+        grads.append([p.grad for p in model.parameters() if p.requires_grad])
     assert len(grads[0]) == len(grads[1]) > 0
     for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("router", [

@@ -66,8 +66,11 @@ def run_both(layer, slots, x, dtype=torch.float32, mask=None, seed=3):
 
 
 def assert_close(got, want, rel, what):
+    if got is None:  # a slot without tokens is left out of the GEMMs: no gradient at all
+        assert want is None or want.abs().max() == 0, f"{what}: missing gradient"
+        return
     want = torch.zeros_like(got) if want is None else want  # reference: no tokens, no grad
-    err = (got - want).abs().max().item()
+    err = (got.float() - want).abs().max().item()
     scale = max(want.abs().max().item(), 1e-6)
     assert err <= rel * scale, f"{what}: max abs error {err:.3e} > {rel:g} x {scale:.3e}"
 
@@ -84,10 +87,11 @@ def test_outputs_and_grads_match_reference(kind, in_f, dtype, rel):
     assert_close(gx, gx_ref, rel, "input grad")
     for i, f in enumerate(slots):
         slot = layer.adapters[i]
-        assert_close(slot.linear_in.weight.grad.float(), f.a.grad, rel, f"slot {i} A grad")
-        assert_close(slot.linear_out.weight.grad.float(), f.b.grad, rel, f"slot {i} B grad")
-    # The zero-token slot's factors get exact zero gradients, not None.
-    assert layer.adapters[1].linear_in.weight.grad.abs().sum() == 0
+        assert_close(slot.linear_in.weight.grad, f.a.grad, rel, f"slot {i} A grad")
+        assert_close(slot.linear_out.weight.grad, f.b.grad, rel, f"slot {i} B grad")
+    # The zero-token slot takes no part in the GEMMs: no gradient to compute or communicate.
+    assert layer.adapters[1].linear_in.weight.grad is None
+    assert layer.adapters[1].linear_out.weight.grad is None
 
 
 DROPOUT = [0.25, 0.0, 0.5, 0.1]  # per slot
