@@ -26,11 +26,6 @@ from omegaconf import DictConfig
 
 import megatron_multilora as mm
 from megatron.core import parallel_state  # noqa: E402
-from megatron.core.distributed import (  # noqa: E402
-    DistributedDataParallel,
-    DistributedDataParallelConfig,
-)
-from megatron.core.distributed.finalize_model_grads import finalize_model_grads  # noqa: E402
 from megatron_multilora.checkpoint.adapter_files import export_adapter, import_adapter  # noqa: E402
 from megatron_multilora.checkpoint.training_state import (  # noqa: E402
     find_checkpoint,
@@ -46,6 +41,7 @@ from megatron_multilora.data.tokenizer import ByteTokenizer, HFTokenizer  # noqa
 from megatron_multilora.models.hf_import import load_hf_checkpoint, load_hf_tokenizer  # noqa: E402
 from megatron_multilora.training import evaluation, step as train_step  # noqa: E402
 from megatron_multilora.training.config import RunConfig, load_run_config, to_plain, validate  # noqa: E402
+from megatron_multilora.training.grad_sync import SlotGradSync  # noqa: E402
 from megatron_multilora.training.jobs import DONE, FAILED, JobQueue, JobState, planned_steps  # noqa: E402
 from megatron_multilora.training.metrics import (  # noqa: E402
     METRICS_FILE,
@@ -78,8 +74,7 @@ class MultiLoRAFinetuneRecipe:
         self.tokenizer = (HFTokenizer(load_hf_tokenizer(run.hf_dir)) if run.hf_dir
                           else ByteTokenizer())
         self.model = self._build_model()
-        self.ddp = DistributedDataParallel(self.model.config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True), self.model)
+        self.grad_sync = SlotGradSync(self.model)
         self.n_slots = run.lora.slots
         self.train_data = [load_dataset(j.dataset, self.tokenizer, run.trainer.max_seq_len)
                            for j in run.adapters]
@@ -111,7 +106,8 @@ class MultiLoRAFinetuneRecipe:
             if run.trainer.recompute == "selective":
                 model_cfg.recompute_modules = ["core_attn"] + (["moe"] if model_cfg.num_moe_experts else [])
         dtype = torch.bfloat16 if run.trainer.precision == "bf16" else torch.float32
-        # Per-adapter losses are normalised over the global batch: DDP must sum, not average.
+        # Per-adapter losses are normalised over the global batch: gradients are summed over
+        # data-parallel ranks, not averaged (megatron's per-token-loss convention).
         model = mm.build_gpt_model(model_cfg, sequence_parallel=run.parallel.sp, params_dtype=dtype,
                                    calculate_per_token_loss=True)
         if run.hf_dir:
@@ -119,7 +115,8 @@ class MultiLoRAFinetuneRecipe:
         return mm.apply_multi_lora(model, run.lora.slots, run.lora.max_rank, alpha=1.0,
                                    target_modules=run.lora.targets,
                                    column_init_method=run.lora.column_init_method,
-                                   row_init_method=run.lora.row_init_method, seed=run.seed)
+                                   row_init_method=run.lora.row_init_method, seed=run.seed,
+                                   fully_sharded=run.lora.fully_sharded)
 
     def _optimizer(self, slot: int, state: JobState) -> SlotOptimizer:
         return SlotOptimizer(mm.slot_parameters(self.model, slot), self.run.adapters[state.index],
@@ -193,8 +190,12 @@ class MultiLoRAFinetuneRecipe:
 
     def _micro_batches(self, slot_examples, exclude: set[int]):
         kept = [[] if s in exclude else ex for s, ex in enumerate(slot_examples)]
+        # Packed in rank order, a micro-batch holds jobs of similar rank: the layers compute at
+        # the largest rank present, so low-rank jobs do not pay for a high-rank one.
+        rank = {s.slot: self.run.adapters[s.index].rank for s in self.queue.active()}
+        order = sorted(range(self.n_slots), key=lambda slot: rank.get(slot, 0))
         mbs = pack_micro_batches(kept, self.run.trainer.micro_batch_tokens, self.pad_multiple,
-                                 self.tokenizer.pad_id)
+                                 self.tokenizer.pad_id, slot_order=order)
         return train_step.equalize_micro_batches(mbs, self.filler)
 
     def train_one_step(self, active: list[JobState]) -> dict[int, dict[str, float]]:
@@ -204,12 +205,13 @@ class MultiLoRAFinetuneRecipe:
         denominators = train_step.global_loss_tokens(micro_batches, self.n_slots)
         bad: set[int] = set()
         while True:
-            self.ddp.zero_grad_buffer()
+            # Only the active slots' gradients are reset and reduced: free slots cost nothing.
+            self.grad_sync.zero_grad(s.slot for s in active)
             losses = train_step.reduce_losses(
-                train_step.forward_backward(self.ddp, micro_batches, denominators))
-            finalize_model_grads([self.ddp])
-            norms = {s.slot: slot_grad_norm(self.optimizers[s.slot].params)
-                     for s in active if s.slot not in bad}
+                train_step.forward_backward(self.model, micro_batches, denominators))
+            stepping = [s.slot for s in active if s.slot not in bad]
+            self.grad_sync.sync(stepping)
+            norms = {slot: slot_grad_norm(self.optimizers[slot].params) for slot in stepping}
             failing = {slot for slot, norm in norms.items()
                        if not (math.isfinite(norm) and math.isfinite(float(losses[slot])))}
             if not failing:
@@ -243,7 +245,7 @@ class MultiLoRAFinetuneRecipe:
         for slot in sorted(candidates):
             alone = self._micro_batches(slot_examples, set(range(self.n_slots)) - {slot})
             loss = train_step.reduce_losses(
-                train_step.forward_backward(self.ddp, alone, denominators, backward=False))
+                train_step.forward_backward(self.model, alone, denominators, backward=False))
             if not math.isfinite(float(loss[slot])):
                 culprits.add(slot)
         return culprits or set(candidates)
@@ -309,7 +311,7 @@ class MultiLoRAFinetuneRecipe:
         slot_examples, names = self._eval_slots()
         if not any(slot_examples):
             return
-        losses = evaluation.eval_losses(self.ddp, slot_examples, self.run.trainer.micro_batch_tokens,
+        losses = evaluation.eval_losses(self.model, slot_examples, self.run.trainer.micro_batch_tokens,
                                         self.pad_multiple, self.tokenizer.pad_id)
         adapters = {names[s]: {"loss": float(losses[s])} for s in names if slot_examples[s]}
         accuracy = self._accuracy({s.slot: s.index for s in self.queue.active()})
@@ -334,7 +336,7 @@ class MultiLoRAFinetuneRecipe:
         if not prompts:
             return {}
         outputs = evaluation.greedy_generate(
-            self.ddp, prompts, self.n_slots, self.run.trainer.max_new_tokens, self.tokenizer.eos_id,
+            self.model, prompts, self.n_slots, self.run.trainer.max_new_tokens, self.tokenizer.eos_id,
             self.pad_multiple, self.tokenizer.pad_id)
         hits: dict[int, list[bool]] = {}
         for slot, out, answer in zip(owners, outputs, answers):
@@ -395,7 +397,7 @@ class MultiLoRAFinetuneRecipe:
                 slot_examples = [self.eval_data[task] if s < len(chunk) else []
                                  for s in range(self.n_slots)]
                 task_losses = evaluation.eval_losses(
-                    self.ddp, slot_examples, self.run.trainer.micro_batch_tokens,
+                    self.model, slot_examples, self.run.trainer.micro_batch_tokens,
                     self.pad_multiple, self.tokenizer.pad_id)
                 task_accuracy = self._accuracy({slot: task for slot in range(len(chunk))})
                 for slot in range(len(chunk)):

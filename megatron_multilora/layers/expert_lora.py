@@ -85,7 +85,8 @@ class MultiLoRAGroupedExpertLinear(MultiLoRALinear):
         slot = ExpertLoRASlot(self.num_local_experts, in_f, out_f, self.dim, alpha, self.dropout,
                               weight.dtype, weight.device)
         for p in slot.parameters():
-            # Expert-parallel: megatron DDP reduces it over the expert-data-parallel group.
+            # Expert-parallel: reduced over the expert-data-parallel group (megatron DDP and
+            # training/grad_sync.py both read this tag).
             p.allreduce = False
             self._tag(p, None, False)
         return slot

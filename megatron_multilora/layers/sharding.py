@@ -37,7 +37,8 @@ row-parallel    split on in             split on out           all-reduce of ``m
 Each collective moves only the small ``[tokens, r]`` buffer, once per layer whatever the
 number of slots. Factors whose gradient is a partial sum over this rank's sequence shard
 (replicated ones under SP) are tagged ``sequence_parallel`` like megatron's norm weights, so
-megatron's ``finalize_model_grads`` sums them across TP ranks; fully sharded factors never are.
+megatron's ``finalize_model_grads`` (or :mod:`megatron_multilora.training.grad_sync`) sums
+them across TP ranks; fully sharded factors never are.
 """
 
 from __future__ import annotations

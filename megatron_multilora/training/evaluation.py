@@ -60,10 +60,9 @@ def greedy_generate(model: torch.nn.Module, prompts: Sequence[tuple[int, list[in
     seqs = [(prompts[i][0], list(prompts[i][1])) for i in order]
     generated = [[] for _ in seqs]
     done = [False] * len(seqs)
-    inner = getattr(model, "module", model)
     for _ in range(max_new_tokens):
         mb, ends = _packed_prompts(seqs, n_slots, pad_multiple, pad_id)
-        set_tokens_per_adapter_slot(inner, mb.counts)
+        set_tokens_per_adapter_slot(model, mb.counts)
         logits = model(mb.tokens, mb.position_ids, mb.attention_mask, runtime_gather_output=True)
         next_ids = logits[0, ends].argmax(dim=-1).tolist()
         for k, token in enumerate(next_ids):

@@ -3,7 +3,7 @@ slot's own gradient norm and clipping.
 
 megatron-core's optimizer steps every trainable parameter at once; here each adapter steps,
 clips and is reset on its own, so a plain torch AdamW per slot is used. Gradients come from
-megatron DDP's ``main_grad`` (fp32, already reduced over data-parallel ranks).
+``main_grad`` (fp32, already reduced over data-parallel ranks by ``grad_sync.SlotGradSync``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 An adapter's loss is the mean over *its own* loss tokens in its global batch (all
 micro-batches, all data-parallel ranks): its gradients do not depend on which other adapters
 share the micro-batches. The per-adapter token counts are agreed before the backward passes,
-and megatron DDP sums (does not average) gradients over data-parallel ranks.
+and gradients are summed (not averaged) over data-parallel ranks (see grad_sync.py).
 """
 
 from __future__ import annotations
@@ -42,20 +42,19 @@ def forward_backward(model: torch.nn.Module, micro_batches: list[MicroBatch],
     Token t of slot s weighs ``loss_mask_t / denominators[s]`` (0 where a slot has no loss
     tokens), so summed over ranks each adapter's value is its mean token loss.
     """
-    inner = getattr(model, "module", model)
     n_slots = denominators.numel()
     weight_per_slot = torch.where(denominators > 0, 1.0 / denominators.clamp(min=1).double(),
                                   torch.zeros((), dtype=torch.float64)).float()
     per_slot = torch.zeros(n_slots, dtype=torch.float64)
     with torch.enable_grad() if backward else torch.no_grad():
         for mb in micro_batches:
-            _run_micro_batch(model, inner, mb, n_slots, weight_per_slot, per_slot, backward)
+            _run_micro_batch(model, mb, n_slots, weight_per_slot, per_slot, backward)
     return per_slot
 
 
-def _run_micro_batch(model, inner, mb: MicroBatch, n_slots: int, weight_per_slot: torch.Tensor,
+def _run_micro_batch(model, mb: MicroBatch, n_slots: int, weight_per_slot: torch.Tensor,
                      per_slot: torch.Tensor, backward: bool) -> None:
-    set_tokens_per_adapter_slot(inner, mb.counts)
+    set_tokens_per_adapter_slot(model, mb.counts)
     token_loss = model(mb.tokens, mb.position_ids, mb.attention_mask, labels=mb.labels)
     slot_of_token = torch.repeat_interleave(torch.arange(n_slots), torch.tensor(mb.counts))
     weights = mb.loss_mask[0] * weight_per_slot[slot_of_token]
