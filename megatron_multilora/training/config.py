@@ -232,8 +232,26 @@ def validate(run: RunConfig, check_files: bool = True) -> None:
                     problems.append(f"{where}.{field}: {err}")
             if job.init_from is not None and not os.path.isdir(job.init_from):
                 problems.append(f"{where}.init_from: {job.init_from} is not a folder")
+            elif job.init_from is not None:
+                saved = _saved_adapter_rank(job.init_from)
+                if saved is not None and saved != job.rank:
+                    problems.append(f"{where}: init_from {job.init_from} holds a rank-{saved} "
+                                    f"adapter but rank={job.rank}; set rank={saved} (a "
+                                    "started adapter keeps its rank)")
     if problems:
         raise ConfigError("the run cannot start:\n  - " + "\n  - ".join(problems))
+
+
+def _saved_adapter_rank(folder: str) -> Optional[int]:
+    """The rank in an adapter folder's config (this project's or PEFT's), if readable."""
+    import json
+
+    try:
+        config = json.loads(open(os.path.join(folder, "adapter_config.json")).read())
+    except (OSError, ValueError):
+        return None  # the import names what is wrong with the folder
+    rank = config.get("rank", config.get("r"))
+    return rank if isinstance(rank, int) else None
 
 
 def hf_model_config(folder: str) -> GPTModelConfig:

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from megatron_multilora.training.config import ConfigError
 from tests.recipe.conftest import job, losses_by_adapter, run_in_process
 
 REL = 1e-5
@@ -79,6 +80,10 @@ def test_job_can_start_from_an_exported_adapter(demo_data, tmp_path):
     # The same first batch (data order follows the job's name), seen by the trained adapter
     # instead of a fresh (no-op) one.
     assert again["rev"][0] < first["rev"][0] - 0.05
+    # Continuing it at another rank would silently cut (or pad) it: refused up front.
+    with pytest.raises(ConfigError, match=r"holds a rank-8 adapter but rank=4; set rank=8"):
+        run_in_process(tmp_path / "cut", [job("rev", demo_data, "reverse", 1, rank=4,
+                                              init_from=exported)])
 
 
 def test_moe_model_trains_expert_adapters(demo_data, tmp_path):
