@@ -3,15 +3,20 @@
 A micro-batch is one packed sequence (batch size 1) holding whole examples: all of slot 0's,
 then slot 1's, and so on, so each adapter slot owns one contiguous span of positions (what
 the multi-LoRA layers' per-slot token counts describe). Attention is causal within an
-example and blocked across examples, so packing does not change what any example sees.
+example and never crosses examples, so packing does not change what any example sees: the
+micro-batch carries megatron's ``PackedSeqParams`` (``thd`` format, one sequence per example)
+instead of a ``[S, S]`` mask, and attention runs per example.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence, TypeVar
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_multilora.data.datasets import Example
 
@@ -29,10 +34,27 @@ class MicroBatch:
     tokens: torch.Tensor  # [1, S] int64 inputs
     labels: torch.Tensor  # [1, S] int64 targets
     loss_mask: torch.Tensor  # [1, S] float32, 1.0 where the label counts
-    attention_mask: torch.Tensor  # [1, 1, S, S] bool, True = masked out
     position_ids: torch.Tensor  # [1, S] int64, restarting at 0 for each example
     counts: list[int]  # positions per adapter slot; len == n_slots, sum == S
     examples_per_slot: list[int]
+    seq_lengths: list[int]  # positions per example, then the trailing pads as one sequence
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        """This micro-batch with its tensors on ``device`` (itself when already there)."""
+        if self.tokens.device == torch.device(device):
+            return self
+        return dataclasses.replace(self, tokens=self.tokens.to(device), labels=self.labels.to(device),
+                                   loss_mask=self.loss_mask.to(device),
+                                   position_ids=self.position_ids.to(device))
+
+    def packed_seq_params(self) -> PackedSeqParams:
+        """The ``thd`` packing description megatron's attention and RoPE take."""
+        ends = torch.tensor([0] + self.seq_lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        ends = ends.to(self.tokens.device)
+        longest = max(self.seq_lengths)
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=ends, cu_seqlens_kv=ends,
+                               max_seqlen_q=longest, max_seqlen_kv=longest,
+                               cp_group=parallel_state.get_context_parallel_group(check_initialized=False))
 
     def loss_tokens_per_slot(self) -> torch.Tensor:
         """``[n_slots]`` int64: positions with loss_mask 1 in each slot's span."""
@@ -47,39 +69,35 @@ def _build(items: list[tuple[int, Example]], n_slots: int, pad_multiple: int,
     labels: list[int] = []
     loss: list[bool] = []
     positions: list[int] = []
-    segment: list[int] = []  # which example each position belongs to
+    lengths: list[int] = []
     counts = [0] * n_slots
     examples_per_slot = [0] * n_slots
-    for index, (slot, example) in enumerate(items):
+    for slot, example in items:
         n = len(example.tokens) - 1
         tokens += example.tokens[:-1]
         labels += example.tokens[1:]
         loss += example.loss_mask
         positions += range(n)
-        segment += [index] * n
+        lengths.append(n)
         counts[slot] += n
         examples_per_slot[slot] += 1
     n_pad = -len(tokens) % pad_multiple
     tokens += [pad_id] * n_pad
     labels += [pad_id] * n_pad
     loss += [False] * n_pad
-    positions += [0] * n_pad
-    # Each pad position is its own one-token segment: it attends only to itself, so no
-    # attention row is fully masked (a fully masked row's softmax would be NaN).
-    segment += range(len(items), len(items) + n_pad)
+    positions += range(n_pad)
+    if n_pad:  # the pads form one more sequence: they attend only among themselves
+        lengths.append(n_pad)
     counts[items[-1][0]] += n_pad
-    seg = torch.tensor(segment)
-    pos = torch.arange(len(segment))
-    mask = (pos[None, :] > pos[:, None]) | (seg[None, :] != seg[:, None])
-    size = len(segment)
+    size = len(tokens)
     return MicroBatch(
         tokens=torch.tensor(tokens, dtype=torch.int64).view(1, size),
         labels=torch.tensor(labels, dtype=torch.int64).view(1, size),
         loss_mask=torch.tensor(loss, dtype=torch.float32).view(1, size),
-        attention_mask=mask.view(1, 1, size, size),
         position_ids=torch.tensor(positions, dtype=torch.int64).view(1, size),
         counts=counts,
         examples_per_slot=examples_per_slot,
+        seq_lengths=lengths,
     )
 
 

@@ -6,11 +6,13 @@ the rest of the layer (and checkpoint keys) is unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -22,7 +24,8 @@ class SDPAttention(MegatronModule):
     Replaces megatron's ``DotProductAttention``, which allocates its score buffer on the
     CUDA device. Inputs are ``[s, b, heads, head_dim]`` (key/value with query-group heads,
     repeated for GQA); the output is ``[s, b, heads * head_dim]`` for this TP rank. A given
-    mask is megatron's: bool, True = masked out.
+    mask is megatron's: bool, True = masked out. With ``packed_seq_params`` (``thd``: inputs
+    ``[t, heads, head_dim]``) attention is causal within each packed sequence.
     """
 
     def __init__(
@@ -51,11 +54,15 @@ class SDPAttention(MegatronModule):
         attention_mask: Optional[torch.Tensor],
         attn_mask_type: Optional[AttnMaskType] = None,
         attention_bias: Optional[torch.Tensor] = None,
-        packed_seq_params: Any = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SDPAttention supports neither packed_seq_params nor attention_bias")
+        if attention_bias is not None:
+            raise ValueError("SDPAttention does not support attention_bias")
         mask_type = attn_mask_type or self.attn_mask_type
+        if packed_seq_params is not None:
+            if attention_mask is not None or mask_type != AttnMaskType.causal:
+                raise ValueError("SDPAttention runs packed (thd) sequences causally, without a mask")
+            return self._packed(query, key, value, packed_seq_params)
         groups = query.size(2) // key.size(2)
         if groups > 1:
             key = key.repeat_interleave(groups, dim=2)
@@ -63,16 +70,73 @@ class SDPAttention(MegatronModule):
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         keep = None if attention_mask is None else ~attention_mask
-        causal = keep is None and mask_type == AttnMaskType.causal
+        out = self._attend(q, k, v, keep, keep is None and mask_type == AttnMaskType.causal)
+        s, b = query.size(0), query.size(1)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                keep: Optional[torch.Tensor], causal: bool) -> torch.Tensor:
         dropout_p = self.dropout_p if self.training else 0.0
         # Heads are TP-sharded, so dropout draws from the tensor-parallel stream.
         with tensor_parallel.get_cuda_rng_tracker().fork():
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=keep, dropout_p=dropout_p, is_causal=causal,
-                scale=self.softmax_scale,
-            )
-        s, b = query.size(0), query.size(1)
-        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p,
+                                                  is_causal=causal, scale=self.softmax_scale)
+
+    def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                params: PackedSeqParams) -> torch.Tensor:
+        """``[t, heads, head_dim]`` packed sequences: causal attention within each sequence
+        only, as batches of sequences of similar length right-padded to the longest (a causal
+        row never reads its own sequence's padding; pad rows are dropped)."""
+        layout = _packed_layout(params, query.device)
+        groups = query.size(1) // key.size(1)
+        if groups > 1:
+            key = key.repeat_interleave(groups, dim=1)
+            value = value.repeat_interleave(groups, dim=1)
+        outs = []
+        for rows in layout.buckets:  # rows: [n, longest] indices into the packed tokens
+            q, k, v = (t[rows].permute(0, 2, 1, 3) for t in (query, key, value))  # [n, h, L, d]
+            outs.append(self._attend(q, k, v, None, True).permute(0, 2, 1, 3).flatten(0, 1))
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        return out.index_select(0, layout.unpack).flatten(1)  # [t, heads * head_dim]
+
+
+@dataclasses.dataclass(frozen=True)
+class _PackedLayout:
+    buckets: list[torch.Tensor]
+    unpack: torch.Tensor  # for each packed token, its row in the concatenated bucket outputs
+
+
+def _packed_layout(params: PackedSeqParams, device: torch.device) -> _PackedLayout:
+    """Bucket the packed sequences by length (at most ~1.5x padding per bucket), built once
+    per micro-batch: every layer gets the same ``params`` object, which caches it."""
+    cached = getattr(params, "_sdpa_layout", None)
+    if cached is not None:
+        return cached
+    ends = params.cu_seqlens_q.tolist()
+    starts, lengths = ends[:-1], [b - a for a, b in zip(ends, ends[1:])]
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    buckets: list[list[int]] = []
+    for i in order:  # longest first: a bucket's first sequence is its longest
+        bucket = buckets[-1] if buckets else None
+        if bucket and (len(bucket) + 1) * lengths[bucket[0]] <= 1.5 * (
+                sum(lengths[j] for j in bucket) + lengths[i]):
+            bucket.append(i)
+        else:
+            buckets.append([i])
+    unpack = [0] * ends[-1]
+    rows, offset = [], 0
+    for bucket in buckets:
+        longest = lengths[bucket[0]]
+        index = torch.zeros(len(bucket), longest, dtype=torch.int64)  # pads read token 0
+        for n, i in enumerate(bucket):
+            index[n, :lengths[i]] = torch.arange(starts[i], starts[i] + lengths[i])
+            unpack[starts[i]:starts[i] + lengths[i]] = range(offset + n * longest,
+                                                             offset + n * longest + lengths[i])
+        rows.append(index.to(device))
+        offset += len(bucket) * longest
+    layout = _PackedLayout(rows, torch.tensor(unpack, dtype=torch.int64, device=device))
+    params._sdpa_layout = layout
+    return layout
 
 
 class TorchNorm:

@@ -62,8 +62,10 @@ def greedy_generate(model: torch.nn.Module, prompts: Sequence[tuple[int, list[in
     done = [False] * len(seqs)
     for _ in range(max_new_tokens):
         mb, ends = _packed_prompts(seqs, n_slots, pad_multiple, pad_id)
+        mb = mb.to(next(model.parameters()).device)
         set_tokens_per_adapter_slot(model, mb.counts)
-        logits = model(mb.tokens, mb.position_ids, mb.attention_mask, runtime_gather_output=True)
+        logits = model(mb.tokens, mb.position_ids, None, runtime_gather_output=True,
+                       packed_seq_params=mb.packed_seq_params())
         next_ids = logits[0, ends].argmax(dim=-1).tolist()
         for k, token in enumerate(next_ids):
             if done[k]:

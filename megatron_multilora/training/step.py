@@ -43,26 +43,28 @@ def forward_backward(model: torch.nn.Module, micro_batches: list[MicroBatch],
     tokens), so summed over ranks each adapter's value is its mean token loss.
     """
     n_slots = denominators.numel()
+    device = next(model.parameters()).device
     weight_per_slot = torch.where(denominators > 0, 1.0 / denominators.clamp(min=1).double(),
-                                  torch.zeros((), dtype=torch.float64)).float()
-    per_slot = torch.zeros(n_slots, dtype=torch.float64)
+                                  torch.zeros((), dtype=torch.float64)).float().to(device)
+    per_slot = torch.zeros(n_slots, dtype=torch.float64, device=device)
     with torch.enable_grad() if backward else torch.no_grad():
         for mb in micro_batches:
-            _run_micro_batch(model, mb, n_slots, weight_per_slot, per_slot, backward)
-    return per_slot
+            _run_micro_batch(model, mb.to(device), weight_per_slot, per_slot, backward)
+    return per_slot.cpu()  # read back once per step, not per micro-batch
 
 
-def _run_micro_batch(model, mb: MicroBatch, n_slots: int, weight_per_slot: torch.Tensor,
+def _run_micro_batch(model, mb: MicroBatch, weight_per_slot: torch.Tensor,
                      per_slot: torch.Tensor, backward: bool) -> None:
     set_tokens_per_adapter_slot(model, mb.counts)
-    token_loss = model(mb.tokens, mb.position_ids, mb.attention_mask, labels=mb.labels)
-    slot_of_token = torch.repeat_interleave(torch.arange(n_slots), torch.tensor(mb.counts))
+    token_loss = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
+                       packed_seq_params=mb.packed_seq_params())
+    slot_of_token = torch.repeat_interleave(torch.arange(len(mb.counts)), torch.tensor(mb.counts),
+                                            output_size=sum(mb.counts)).to(mb.tokens.device)
     weights = mb.loss_mask[0] * weight_per_slot[slot_of_token]
     # where(): a token that does not count (padding, prompt) must not carry a non-finite loss
     # into its slot's sum.
-    contrib = torch.where(weights > 0, token_loss[0].float() * weights, torch.zeros(()))
-    per_slot += torch.zeros(n_slots, dtype=torch.float64).index_add_(
-        0, slot_of_token, contrib.detach().double())
+    contrib = torch.where(weights > 0, token_loss[0].float() * weights, torch.zeros((), device=weights.device))
+    per_slot.index_add_(0, slot_of_token, contrib.detach().double())
     if backward:
         contrib.sum().backward()
 
@@ -75,10 +77,10 @@ def reduce_losses(per_slot: torch.Tensor) -> torch.Tensor:
 
 
 def filler_micro_batch(n_slots: int, pad_multiple: int, pad_id: int) -> MicroBatch:
-    """A loss-free micro-batch of ``pad_multiple`` pad tokens, each attending to itself."""
+    """A loss-free micro-batch of ``pad_multiple`` pad tokens."""
     s = max(1, pad_multiple)
     pads = torch.full((1, s), pad_id, dtype=torch.int64)
     return MicroBatch(tokens=pads, labels=pads.clone(), loss_mask=torch.zeros(1, s),
-                      attention_mask=~torch.eye(s, dtype=torch.bool).view(1, 1, s, s),
-                      position_ids=torch.zeros(1, s, dtype=torch.int64),
-                      counts=[s] + [0] * (n_slots - 1), examples_per_slot=[0] * n_slots)
+                      position_ids=torch.arange(s).view(1, s),
+                      counts=[s] + [0] * (n_slots - 1), examples_per_slot=[0] * n_slots,
+                      seq_lengths=[s])

@@ -179,19 +179,13 @@ def test_pack_slot_order_groups_slots_but_keeps_positions_slot_major():
         pack_micro_batches(slots, token_budget=8, slot_order=[0, 0, 1, 2])
 
 
-def test_pack_attention_is_block_diagonal_causal():
+def test_pack_describes_each_example_as_its_own_sequence():
     (b,) = pack_micro_batches([[example(4, 10)], [example(3, 20)]], token_budget=16)
-    mask = b.attention_mask
-    assert mask.shape == (1, 1, 5, 5) and mask.dtype == torch.bool
-    m = mask[0, 0]
-    assert not m[2, 0] and not m[2, 2]  # within example 0, causal: visible
-    assert m[0, 2]  # the future is masked
-    assert m[3, 2] and m[3, 0]  # example 1 cannot see example 0
-    assert not m[4, 3]
-    expected = torch.ones(5, 5, dtype=torch.bool)
-    expected[:3, :3] = torch.ones(3, 3, dtype=torch.bool).triu(1)
-    expected[3:, 3:] = torch.ones(2, 2, dtype=torch.bool).triu(1)
-    assert torch.equal(m, expected)
+    assert b.seq_lengths == [3, 2]
+    params = b.packed_seq_params()
+    assert params.qkv_format == "thd"
+    assert params.cu_seqlens_q.tolist() == [0, 3, 5] and params.cu_seqlens_q.dtype == torch.int32
+    assert params.max_seqlen_q == params.max_seqlen_kv == 3
 
 
 def test_pack_pads_to_multiple_in_last_used_slot():
@@ -202,10 +196,7 @@ def test_pack_pads_to_multiple_in_last_used_slot():
     assert sum(b.counts) == b.tokens.shape[1]
     assert b.tokens[0, 5:].tolist() == [7, 7, 7] and b.labels[0, 5:].tolist() == [7, 7, 7]
     assert b.loss_mask[0].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
-    m = b.attention_mask[0, 0]
-    for p in range(5, 8):
-        assert m[p].tolist() == [q != p for q in range(8)]  # a pad sees only itself
-    assert not m.all(dim=-1).any()  # no fully masked row
+    assert b.seq_lengths == [3, 2, 3]  # the pads are one more sequence: they see only pads
     assert b.loss_tokens_per_slot().tolist() == [3, 0, 0]
     assert b.loss_tokens_per_slot().dtype == torch.int64
 

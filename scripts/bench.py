@@ -1,0 +1,824 @@
+"""Benchmark multi-LoRA training: layers, whole models, jobs together, memory and TP layouts.
+
+    .venv/bin/python scripts/bench.py [--device cpu|cuda] [--out-dir benchmarks] [--quick]
+        [--skip-tp] [--rounds 11] [--slots 8] [--rank 16] ...
+
+Writes ``<out-dir>/{cpu,gpu}.md`` and ``.json``: hardware, versions, dtype, every setting and
+one row per comparison. Every time is a median over rounds measured side by side in this one
+process: each round runs every variant of a group once, in turn, so machine noise hits all of
+them alike; a row shows both medians and the ratio of the medians (A / B).
+
+Rows (A vs B):
+  1a-1d  N slots vs 1 slot holding the same tokens: dense layer, MoE layer, dense model,
+         MoE model (a model "step" is forward+backward over one packed micro-batch)
+  2a-2d  the multi-LoRA step vs the frozen base step alone, same four cases
+  3a-3b  the multi-LoRA layer vs a naive per-slot (per (slot, expert)) loop of two matmuls
+  4      N adapter jobs trained together on one N-slot model vs one after another on a
+         1-slot model: total wall time for the same tokens and optimizer steps per job
+  5      peak memory of fwd+bwd+optimizer with N slots vs 1 slot, above the frozen base alone
+  6a-6b  fully sharded (S-LoRA) vs default adapter layout under TP=2, without and with
+         sequence parallelism (two processes under torchrun)
+
+On CUDA the model is bf16 and built by ``mm.build_gpt_model``, which uses Transformer Engine
+when it is installed; layer rows use megatron's ColumnParallelLinear and the pure-torch
+grouped expert linear on both devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+import megatron_multilora as mm  # first: it quiets megatron's CPU import notices
+from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from megatron_multilora.data.datasets import Example  # noqa: E402
+from megatron_multilora.data.packing import MicroBatch, pack_micro_batches  # noqa: E402
+from megatron_multilora.layers.slot_tokens import SlotTokens  # noqa: E402
+from megatron_multilora.models.specs import transformer_engine_usable  # noqa: E402
+from megatron_multilora.models.torch_modules import TorchGroupedLinear  # noqa: E402
+from megatron_multilora.routing.slot_routing import build_expert_slot_routing  # noqa: E402
+from megatron_multilora.training.config import AdapterJob  # noqa: E402
+from megatron_multilora.training.grad_sync import SlotGradSync  # noqa: E402
+from megatron_multilora.training.slot_optimizer import SlotOptimizer, slot_grad_norm  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+MiB = 2.0 ** 20
+
+# Sizes of the full run (a few minutes on a 2-core CPU) and of --quick (a smoke run).
+FULL = dict(rounds=11, warmup=2, slots=8, rank=16, layer_hidden=1024, layer_tokens=2048,
+            experts=8, model_hidden=256, model_layers=4, examples_per_slot=2, example_tokens=64,
+            job_steps=4, job_rounds=5, memory_probes=3)
+QUICK = dict(rounds=2, warmup=1, slots=8, rank=8, layer_hidden=128, layer_tokens=256,
+             experts=4, model_hidden=64, model_layers=1, examples_per_slot=1, example_tokens=16,
+             job_steps=2, job_rounds=2, memory_probes=1)
+
+
+@dataclasses.dataclass
+class Settings:
+    """Everything a run depends on; children (memory probes, TP workers) get a copy."""
+
+    device: str
+    dtype: str
+    rounds: int
+    warmup: int
+    slots: int
+    rank: int
+    layer_hidden: int
+    layer_tokens: int
+    experts: int
+    model_hidden: int
+    model_layers: int
+    examples_per_slot: int
+    example_tokens: int
+    job_steps: int
+    job_rounds: int
+    memory_probes: int
+    threads: int
+    """torch CPU threads of this process and the memory probes (TP workers run 1 each)."""
+    quick: bool
+    skip_tp: bool
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return {"fp32": torch.float32, "bf16": torch.bfloat16}[self.dtype]
+
+    @property
+    def alpha(self) -> float:
+        return 2.0 * self.rank
+
+
+@dataclasses.dataclass
+class Row:
+    """One comparison: A vs B with both medians and their ratio, or why it was skipped."""
+
+    id: str
+    title: str
+    what: str
+    a: str
+    b: str
+    unit: str  # "ms", "s" or "MiB"
+    a_value: Optional[float] = None
+    b_value: Optional[float] = None
+    ratio: Optional[float] = None
+    skipped: Optional[str] = None
+    note: str = ""
+
+    def fill(self, a_value: float, b_value: float) -> "Row":
+        self.a_value, self.b_value = a_value, b_value
+        self.ratio = a_value / b_value if b_value > 0 else None
+        return self
+
+
+class Clock:
+    """Wall-clock timing that waits for the device; progress lines with elapsed time."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.start = time.perf_counter()
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def now(self) -> float:
+        self.sync()
+        return time.perf_counter()
+
+    def say(self, text: str) -> None:
+        print(f"[{time.perf_counter() - self.start:6.1f}s] {text}", flush=True)
+
+
+def time_side_by_side(clock: Clock, label: str, variants: dict[str, Callable[[], None]],
+                      rounds: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds per call of each variant; every round calls each variant once, in turn."""
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(warmup + rounds):
+        for name, fn in variants.items():
+            start = clock.now()
+            fn()
+            elapsed = clock.now() - start
+            if r >= warmup:
+                samples[name].append(elapsed)
+        if r >= warmup:
+            clock.say(f"{label} round {r - warmup + 1}/{rounds}: " + ", ".join(
+                f"{n} {samples[n][-1] * 1e3:.1f} ms" for n in variants))
+    return samples
+
+
+def medians(samples: dict[str, list[float]]) -> dict[str, float]:
+    return {name: statistics.median(ts) for name, ts in samples.items()}
+
+
+# ----- layers -----------------------------------------------------------------------------
+
+def layer_config(s: Settings) -> TransformerConfig:
+    return TransformerConfig(num_layers=1, hidden_size=s.layer_hidden, num_attention_heads=1,
+                             params_dtype=s.torch_dtype, use_cpu_initialization=True,
+                             gradient_accumulation_fusion=False, bf16=s.dtype == "bf16")
+
+
+def fwd_bwd(fn: Callable[[], object], leaves: list[torch.Tensor], grad: torch.Tensor,
+            params: list[torch.nn.Parameter]) -> Callable[[], None]:
+    """One layer step: clear gradients, forward, backward with a fixed output gradient."""
+    def step() -> None:
+        for t in leaves + params:
+            t.grad = None
+        out = fn()
+        (out[0] if isinstance(out, tuple) else out).backward(grad)
+    return step
+
+
+def dense_layer_variants(s: Settings, device: torch.device) -> dict[str, Callable[[], None]]:
+    """base, N slots, 1 slot and the naive loop over one frozen column-parallel linear."""
+    h, n, tokens = s.layer_hidden, s.slots, s.layer_tokens
+    base = ColumnParallelLinear(h, h, config=layer_config(s),
+                                init_method=torch.nn.init.xavier_normal_, bias=False,
+                                gather_output=False, skip_bias_add=True).to(device)
+    base.weight.requires_grad_(False)
+
+    def multi(slots: int) -> mm.MultiLoRALinear:
+        layer = mm.MultiLoRALinear(base, slots, s.rank, s.alpha, f"bench.dense.{slots}",
+                                   row_init_method="normal")
+        layer.slot_tokens = SlotTokens([tokens // slots + (i < tokens % slots)
+                                        for i in range(slots)])
+        return layer
+
+    multi_n, multi_1 = multi(n), multi(1)
+    counts = list(multi_n.slot_tokens.counts)
+
+    def naive(x: torch.Tensor) -> torch.Tensor:
+        y, _ = base(x)
+        parts = []
+        for slot, seg in zip(multi_n.adapters, torch.split(x.view(-1, h), counts)):
+            scale = float(slot.alpha / slot.rank)
+            parts.append((seg @ slot.linear_in.weight.t()) @ slot.linear_out.weight.t() * scale)
+        return y + torch.cat(parts).view_as(y)
+
+    x = torch.randn(tokens, 1, h, dtype=s.torch_dtype, device=device, requires_grad=True)
+    grad = torch.randn(tokens, 1, h, dtype=s.torch_dtype, device=device)
+    params_n, params_1 = list(multi_n.adapters.parameters()), list(multi_1.adapters.parameters())
+    return {"base": fwd_bwd(lambda: base(x), [x], grad, []),
+            f"lora-{n}": fwd_bwd(lambda: multi_n(x), [x], grad, params_n),
+            "lora-1": fwd_bwd(lambda: multi_1(x), [x], grad, params_1),
+            f"naive-{n}": fwd_bwd(lambda: naive(x), [x], grad, params_n)}
+
+
+def moe_layer_variants(s: Settings, device: torch.device) -> dict[str, Callable[[], None]]:
+    """The same four variants over a grouped expert linear; rows in the dispatcher's
+    expert-major order, each row's slot drawn at random."""
+    h, n, e, tokens = s.layer_hidden, s.slots, s.experts, s.layer_tokens
+    base = TorchGroupedLinear(e, h, h, config=layer_config(s),
+                              init_method=torch.nn.init.xavier_normal_, bias=False,
+                              skip_bias_add=False, is_expert=True).to(device)
+    base.requires_grad_(False)
+    gen = torch.Generator().manual_seed(0)
+    m_splits = torch.bincount(torch.randint(0, e, (tokens,), generator=gen), minlength=e).tolist()
+
+    def multi(slots: int) -> mm.MultiLoRAGroupedExpertLinear:
+        layer = mm.MultiLoRAGroupedExpertLinear(base, slots, s.rank, s.alpha, f"bench.moe.{slots}",
+                                                e, row_init_method="normal")
+        slot = torch.randint(0, slots, (tokens,), generator=torch.Generator().manual_seed(1))
+        layer.routing = build_expert_slot_routing(slot.to(device), m_splits, tuple(range(slots)),
+                                                  slots, e)
+        return layer
+
+    multi_n, multi_1 = multi(n), multi(1)
+    routing = multi_n.routing
+    # One (slot, expert, rows) per group of the N-slot routing: what a per-pair loop visits.
+    pairs = [(routing.slots[g // e], g % e, rows) for g, rows in enumerate(
+        torch.split(routing.sort_idx, list(routing.segments.host_counts())))]
+
+    def naive(x: torch.Tensor) -> torch.Tensor:
+        y, _ = base(x, m_splits)
+        delta = torch.zeros_like(y)
+        for slot_idx, expert, rows in pairs:
+            slot = multi_n.adapters[slot_idx]
+            scale = float(slot.alpha / slot.rank)
+            mid = x.index_select(0, rows) @ slot.linear_in.weight[expert].t()
+            delta = delta.index_add(0, rows, (mid @ slot.linear_out.weight[expert].t()) * scale)
+        return y + delta
+
+    x = torch.randn(tokens, h, dtype=s.torch_dtype, device=device, requires_grad=True)
+    grad = torch.randn(tokens, h, dtype=s.torch_dtype, device=device)
+    params_n, params_1 = list(multi_n.adapters.parameters()), list(multi_1.adapters.parameters())
+    return {"base": fwd_bwd(lambda: base(x, m_splits), [x], grad, []),
+            f"lora-{n}": fwd_bwd(lambda: multi_n(x, m_splits), [x], grad, params_n),
+            "lora-1": fwd_bwd(lambda: multi_1(x, m_splits), [x], grad, params_1),
+            f"naive-{n}": fwd_bwd(lambda: naive(x), [x], grad, params_n)}
+
+
+# ----- whole models -----------------------------------------------------------------------
+
+def model_config(kind: str, s: Settings) -> mm.GPTModelConfig:
+    """conf/model/tiny_{kind}.yaml with hidden size and depth from the settings (FFN widths
+    scaled with the hidden size)."""
+    from omegaconf import OmegaConf
+
+    fields = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / f"tiny_{kind}.yaml"))
+    scale = s.model_hidden / fields["hidden_size"]
+    for key in ("ffn_hidden_size", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+        if fields.get(key):
+            fields[key] = int(fields[key] * scale)
+    fields.update(hidden_size=s.model_hidden, num_layers=s.model_layers)
+    return mm.GPTModelConfig(**fields)
+
+
+def build_model(cfg: mm.GPTModelConfig, s: Settings, slots: Optional[int],
+                sequence_parallel: bool = False, fully_sharded: bool = False) -> torch.nn.Module:
+    """The GPT with ``slots`` adapter slots (recipe defaults: A xavier, B zero), or the frozen
+    base alone when ``slots`` is None. Same base weights on every call."""
+    torch.manual_seed(0)
+    model = mm.build_gpt_model(cfg, sequence_parallel=sequence_parallel, params_dtype=s.torch_dtype)
+    if slots is not None:
+        kwargs = {"fully_sharded": True} if fully_sharded else {}
+        return mm.apply_multi_lora(model, slots, s.rank, s.alpha, seed=0, **kwargs)
+    model.requires_grad_(False)
+    # Backward must still run through the frozen layers (as it does to reach the adapters):
+    # the embedding output requires grad, so every layer's input gradient is computed.
+    model.embedding.register_forward_hook(lambda module, args, out: out.requires_grad_())
+    return model
+
+
+@dataclasses.dataclass
+class Batch:
+    """One packed micro-batch on the device, with each token's loss weight: loss mask over
+    its slot's loss-token count (each adapter's loss is the mean over its own tokens)."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    packed: PackedSeqParams
+    weights: torch.Tensor
+    counts: list[int]
+
+
+def to_batch(mb: MicroBatch, device: torch.device) -> Batch:
+    per_slot = mb.loss_tokens_per_slot().clamp(min=1).float()
+    slot_of_token = torch.repeat_interleave(torch.arange(len(mb.counts)), torch.tensor(mb.counts))
+    weights = mb.loss_mask / per_slot[slot_of_token]
+    mb = mb.to(device)
+    return Batch(mb.tokens, mb.labels, mb.position_ids, mb.packed_seq_params(), weights.to(device),
+                 mb.counts)
+
+
+def random_examples(count: int, length: int, vocab: int, gen: torch.Generator) -> list[Example]:
+    """Examples of ``length`` random tokens, the second half counting in the loss
+    (a prompt and its completion)."""
+    out = []
+    for _ in range(count):
+        tokens = tuple(torch.randint(0, vocab, (length,), generator=gen).tolist())
+        out.append(Example(tokens, tuple(i >= length // 2 for i in range(length - 1))))
+    return out
+
+
+def pack_one(slot_examples: list[list[Example]], device: torch.device,
+             pad_multiple: int = 1) -> Batch:
+    """All examples in one adapter-major micro-batch."""
+    budget = sum(len(ex.tokens) - 1 for exs in slot_examples for ex in exs) + pad_multiple
+    (mb,) = pack_micro_batches(slot_examples, budget, pad_multiple)
+    return to_batch(mb, device)
+
+
+def slot_and_single_batches(s: Settings, vocab: int, device: torch.device,
+                            pad_multiple: int = 1) -> tuple[Batch, Batch]:
+    """The same tokens packed for N slots (``examples_per_slot`` each) and for one slot."""
+    gen = torch.Generator().manual_seed(0)
+    per_slot = [random_examples(s.examples_per_slot, s.example_tokens, vocab, gen)
+                for _ in range(s.slots)]
+    return (pack_one(per_slot, device, pad_multiple),
+            pack_one([[ex for exs in per_slot for ex in exs]], device, pad_multiple))
+
+
+def model_step(model: torch.nn.Module, batch: Batch, lora: bool = True) -> None:
+    """Forward+backward of one packed micro-batch (the recipe's per-micro-batch work)."""
+    if lora:
+        mm.set_tokens_per_adapter_slot(model, batch.counts)
+    token_loss = model(batch.tokens, batch.position_ids, None, labels=batch.labels,
+                       packed_seq_params=batch.packed)
+    (token_loss.float() * batch.weights).sum().backward()
+
+
+def model_variants(kind: str, s: Settings, device: torch.device) -> dict[str, Callable[[], None]]:
+    """base, N slots and 1 slot over the same packed tokens of a whole GPT."""
+    cfg = model_config(kind, s)
+    many, one = slot_and_single_batches(s, cfg.vocab_size, device)
+    base, multi_n, multi_1 = (build_model(cfg, s, None), build_model(cfg, s, s.slots),
+                              build_model(cfg, s, 1))
+
+    def run(model: torch.nn.Module, batch: Batch, lora: bool) -> Callable[[], None]:
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            model_step(model, batch, lora)
+        return step
+
+    return {"base": run(base, many, False), f"lora-{s.slots}": run(multi_n, many, True),
+            "lora-1": run(multi_1, one, True)}
+
+
+# ----- adapter jobs together vs one after another -----------------------------------------
+
+def make_job(j: int, s: Settings) -> AdapterJob:
+    return AdapterJob(name=f"job{j}", dataset="(random tokens)", rank=s.rank, alpha=s.alpha,
+                      lr=1e-4, schedule="constant", max_steps=s.job_steps)
+
+
+def start_job(model: torch.nn.Module, slot: int, job: AdapterJob, steps: int) -> SlotOptimizer:
+    """What the recipe does when a job takes a slot: fresh weights, rank/alpha, optimizer."""
+    mm.clear_adapter_slot(model, slot, init_key=job.name)
+    mm.init_adapter_slot(model, slot, job.rank, job.alpha, job.dropout)
+    return SlotOptimizer(mm.slot_parameters(model, slot), job, steps)
+
+
+def train_step(model: torch.nn.Module, grads: SlotGradSync, batch: Batch,
+               optimizers: dict[int, SlotOptimizer]) -> None:
+    """One trainer step as the recipe runs it: zero the slots' gradients, forward+backward,
+    reduce, then each slot's norm, clipping and AdamW step."""
+    grads.zero_grad(optimizers)
+    model_step(model, batch)
+    grads.sync(list(optimizers))
+    for opt in optimizers.values():
+        opt.step(slot_grad_norm(opt.params))
+
+
+def jobs_variants(s: Settings, device: torch.device) -> dict[str, Callable[[], None]]:
+    """``slots`` jobs, each ``job_steps`` steps of ``examples_per_slot`` examples."""
+    cfg = model_config("dense", s)
+    gen = torch.Generator().manual_seed(1)
+    data = [[random_examples(s.examples_per_slot, s.example_tokens, cfg.vocab_size, gen)
+             for _ in range(s.job_steps)] for _ in range(s.slots)]
+    jobs = [make_job(j, s) for j in range(s.slots)]
+    # Packed beforehand, as a data loader would: only training is timed.
+    together_batches = [pack_one([data[j][t] for j in range(s.slots)], device)
+                        for t in range(s.job_steps)]
+    alone_batches = [[pack_one([data[j][t]], device) for t in range(s.job_steps)]
+                     for j in range(s.slots)]
+    multi_n, multi_1 = build_model(cfg, s, s.slots), build_model(cfg, s, 1)
+    grads_n, grads_1 = SlotGradSync(multi_n), SlotGradSync(multi_1)
+
+    def together() -> None:
+        opts = {j: start_job(multi_n, j, job, s.job_steps) for j, job in enumerate(jobs)}
+        for batch in together_batches:
+            train_step(multi_n, grads_n, batch, opts)
+
+    def one_after_another() -> None:
+        for job, batches in zip(jobs, alone_batches):
+            opts = {0: start_job(multi_1, 0, job, s.job_steps)}
+            for batch in batches:
+                train_step(multi_1, grads_1, batch, opts)
+
+    return {"together": together, "one-after-another": one_after_another}
+
+
+# ----- memory -----------------------------------------------------------------------------
+
+def memory_probe(s: Settings, variant: str) -> dict:
+    """Peak memory of two training steps of the dense model (``variant``: "base", or a slot
+    count); runs in a fresh process so the peak is this variant's alone."""
+    device = torch.device(s.device)
+    mm.init_parallel(seed=0)
+    cfg = model_config("dense", s)
+    many, one = slot_and_single_batches(s, cfg.vocab_size, device)
+    # The first optimizer step imports more modules: do that in every probe, before counting.
+    warm = torch.nn.Parameter(torch.zeros(1, device=device))
+    warm.grad = torch.zeros_like(warm)
+    torch.optim.AdamW([warm]).step()
+    # Imports peak above what a small model's training needs: start counting from here.
+    result: dict = {"variant": variant, "cpu_peak_reset": device.type == "cpu" and reset_cpu_peak()}
+    if variant == "base":
+        model = build_model(cfg, s, None)
+        for _ in range(2):
+            model_step(model, many, lora=False)
+    else:
+        slots = int(variant)
+        model = build_model(cfg, s, slots)
+        grads = SlotGradSync(model)
+        opts = {j: start_job(model, j, make_job(j, s), 2) for j in range(slots)}
+        for _ in range(2):
+            train_step(model, grads, many if slots > 1 else one, opts)
+        params = mm.slot_parameters(model, 0)
+        result.update(params_per_slot=sum(p.numel() for p in params),
+                      param_bytes=params[0].element_size())
+    if device.type == "cuda":
+        result["peak_bytes"] = torch.cuda.max_memory_allocated()
+    else:
+        result["peak_bytes"] = cpu_peak_bytes()
+    mm.destroy_parallel(destroy_process_group=True)
+    return result
+
+
+def cpu_peak_bytes() -> int:
+    """This process's peak RSS (Linux). VmHWM rather than ru_maxrss: a child's ru_maxrss
+    also counts its parent's RSS at fork, which would hide every probe's own peak."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def reset_cpu_peak() -> bool:
+    """Hand freed heap back to the OS, then reset this process's peak RSS (VmHWM) to its
+    current RSS (Linux); False where that is not possible."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+def run_memory_probes(s: Settings, clock: Clock) -> dict[str, list[dict]]:
+    """``memory_probes`` rounds of fresh-process probes, one of each variant per round. A
+    round's probes run concurrently: each process's peak is its own, so only time is shared."""
+    probes: dict[str, list[dict]] = {v: [] for v in ("base", "1", str(s.slots))}
+    for k in range(s.memory_probes):
+        with tempfile.TemporaryDirectory() as tmp:
+            outs = {v: Path(tmp) / f"probe-{v}.json" for v in probes}
+            procs = [subprocess.Popen([sys.executable, __file__, "--memory-probe", v,
+                                       "--settings-json", json.dumps(dataclasses.asdict(s)),
+                                       "--result-file", str(out)], env=child_env())
+                     for v, out in outs.items()]
+            if any(proc.wait() for proc in procs):
+                raise RuntimeError("a memory probe failed (its output is above)")
+            for v, out in outs.items():
+                probes[v].append(json.loads(out.read_text()))
+        clock.say(f"memory probes {k + 1}/{s.memory_probes}: " + ", ".join(
+            f"{v} {ps[-1]['peak_bytes'] / MiB:.1f} MiB" for v, ps in probes.items()))
+    return probes
+
+
+def adapter_state_bytes(probe: dict, slots: int) -> int:
+    """Adapter weights + fp32 gradient buffer + AdamW's two fp32 moments (+ fp32 masters
+    for non-fp32 weights), for ``slots`` slots."""
+    elt = probe["param_bytes"]
+    per_param = elt + 4 + 8 + (0 if elt == 4 else 4)
+    return probe["params_per_slot"] * slots * per_param
+
+
+# ----- tensor parallelism -----------------------------------------------------------------
+
+def tp_worker(s: Settings, result_file: str) -> None:
+    """Run under torchrun with 2 processes: time the dense model's step with the default vs
+    the fully sharded adapter layout, without and with sequence parallelism."""
+    device = torch.device(s.device)
+    mm.init_parallel(tensor_model_parallel_size=2, sequence_parallel=False, seed=0)
+    clock = Clock(device)
+    cfg = model_config("dense", s)
+    batch, _ = slot_and_single_batches(s, cfg.vocab_size, device, pad_multiple=2)
+    groups = {}
+    for sp in (False, True):
+        models = {layout: build_model(cfg, s, s.slots, sequence_parallel=sp,
+                                      fully_sharded=layout == "fully-sharded")
+                  for layout in ("fully-sharded", "default")}
+
+        def run(model: torch.nn.Module) -> Callable[[], None]:
+            def step() -> None:
+                model.zero_grad(set_to_none=True)
+                model_step(model, batch)
+            return step
+
+        groups[f"sp={sp}"] = time_side_by_side(clock, f"TP=2{' +SP' if sp else ''}",
+                                               {k: run(m) for k, m in models.items()},
+                                               s.rounds, s.warmup)
+    if torch.distributed.get_rank() == 0:  # ranks time the same lockstep steps
+        Path(result_file).write_text(json.dumps(groups))
+    mm.destroy_parallel(destroy_process_group=True)
+
+
+def run_tp(s: Settings, clock: Clock) -> tuple[Optional[dict], Optional[str]]:
+    """The TP groups from a 2-process torchrun of this script, or why they were skipped."""
+    if s.skip_tp:
+        return None, "skipped: --skip-tp"
+    if s.device == "cuda" and torch.cuda.device_count() < 2:
+        return None, f"skipped: TP=2 needs 2 GPUs, found {torch.cuda.device_count()}"
+    if s.device == "cuda" and transformer_engine_usable():
+        return None, ("skipped: fully_sharded needs megatron's own parallel linears, and "
+                      "build_gpt_model uses Transformer Engine's here")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        return None, f"skipped: {torchrun} not found"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "tp.json"
+        cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "--local-ranks-filter", "0",
+               __file__, "--tp-worker", "--settings-json", json.dumps(dataclasses.asdict(s)),
+               "--result-file", str(out)]
+        clock.say("launching 2 processes for TP=2: " + " ".join(cmd[:5]) + " ... --tp-worker")
+        env = {**child_env(), "OMP_NUM_THREADS": "1"}  # 2 processes share the cores
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env)
+        tail: list[str] = []
+        for line in proc.stdout:
+            print("    " + line.rstrip(), flush=True)
+            tail = (tail + [line.strip()])[-20:]
+        if proc.wait() != 0 or not out.exists():
+            reason = next((t for t in reversed(tail) if "Error" in t), tail[-1] if tail else "")
+            return None, f"skipped: the TP=2 run failed (exit {proc.returncode}): {reason[:200]}"
+        return json.loads(out.read_text()), None
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+# ----- rows, report -----------------------------------------------------------------------
+
+def timing_rows(group: str, kind: str, s: Settings, med: dict[str, float],
+                naive: bool) -> list[Row]:
+    """Rows 1, 2 (and 3 for layers) of one group of timed variants, in ms."""
+    n = s.slots
+    index = {"layer dense": "a", "layer MoE": "b", "model dense": "c", "model MoE": "d"}[group]
+    lora, rows = f"lora-{n}", []
+    rows.append(Row(f"1{index}", f"{group}: {n} slots vs 1 slot", (
+        f"{kind} step with the same tokens spread over {n} adapter slots vs all in 1 slot "
+        "(what training many adapters at once costs over one)"), f"{n} slots", "1 slot", "ms"))
+    leaf = "the embedding output" if group.startswith("model") else "the layer input"
+    rows.append(Row(f"2{index}", f"{group}: multi-LoRA vs frozen base", (
+        f"{kind} step with {n} slots vs the same step without adapters: all weights frozen "
+        f"and {leaf} requiring grad, so backward computes input gradients through every "
+        "frozen layer but no weight gradients"), f"{n} slots", "base", "ms"))
+    rows[0].fill(med[lora] * 1e3, med["lora-1"] * 1e3)
+    rows[1].fill(med[lora] * 1e3, med["base"] * 1e3)
+    if naive:
+        unit = "(slot, expert) pair" if "MoE" in group else "slot"
+        rows.append(Row(f"3{index}", f"{group}: grouped GEMMs vs naive loop", (
+            f"{kind} step with {n} slots: the grouped LoRA GEMMs vs the base plus a Python loop "
+            f"of two matmuls per {unit} (PEFT-style)"), "grouped", "naive loop", "ms").fill(
+            med[lora] * 1e3, med[f"naive-{n}"] * 1e3))
+    return rows
+
+
+def memory_row(s: Settings, probes: dict[str, list[dict]]) -> Row:
+    peak = {v: statistics.median(p["peak_bytes"] for p in ps) / MiB for v, ps in probes.items()}
+    n = str(s.slots)
+    row = Row("5", f"peak memory: {n} slots vs 1 slot", (
+        f"peak memory of 2 training steps (fwd+bwd+AdamW state) of the dense model, above the "
+        f"frozen base's own fwd+bwd peak (fresh process per probe, median of {s.memory_probes}; "
+        + ("torch.cuda.max_memory_allocated" if s.device == "cuda" else
+           "peak RSS (VmHWM), reset after imports via /proc/self/clear_refs") + ")"),
+        f"{n} slots", "1 slot", "MiB").fill(peak[n] - peak["base"], peak["1"] - peak["base"])
+    ref = probes["1"][0]
+    state = {k: adapter_state_bytes(ref, int(k)) / MiB for k in ("1", n)}
+    row.note = (
+        f"The base alone peaks at {peak['base']:.1f} MiB. Adapter state (weights + fp32 grads + "
+        f"AdamW moments), analytic: {state['1']:.2f} MiB for 1 slot, {state[n]:.2f} MiB for {n}. "
+        f"Of the measured {row.b_value:.2f} MiB for 1 slot, {row.b_value - state['1']:.2f} MiB "
+        f"is beyond the adapter state: the LoRA path's activations and temporaries, which do "
+        f"not grow with the slot count. Going from 1 to {n} slots adds "
+        f"{row.a_value - row.b_value:.2f} MiB measured vs {state[n] - state['1']:.2f} MiB of "
+        "adapter state: there is no per-slot copy of the base.")
+    if s.device == "cpu" and not all(p["cpu_peak_reset"] for ps in probes.values() for p in ps):
+        row.note += " The peak could not be reset after imports: the figures include them."
+    return row
+
+
+def tp_rows(s: Settings, groups: Optional[dict], skipped: Optional[str]) -> list[Row]:
+    rows = []
+    for suffix, sp in (("a", False), ("b", True)):
+        row = Row(f"6{suffix}", f"TP=2{' + SP' if sp else ''}: fully sharded vs default", (
+            f"dense model step with {s.slots} slots on 2 tensor-parallel processes"
+            f"{' (1 thread each)' if s.device == 'cpu' else ''}"
+            f"{' with sequence parallelism' if sp else ''}: fully sharded (S-LoRA) adapter layout "
+            "vs the default one (replicated A or B)"), "fully sharded", "default", "ms")
+        if groups is None:
+            row.skipped = skipped
+        else:
+            med = medians(groups[f"sp={sp}"])
+            row.fill(med["fully-sharded"] * 1e3, med["default"] * 1e3)
+        rows.append(row)
+    return rows
+
+
+def hardware(device: torch.device) -> dict:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        info.update(gpu=torch.cuda.get_device_name(device), gpu_count=torch.cuda.device_count())
+    return info
+
+
+def versions() -> dict:
+    from importlib import metadata
+
+    out = {"python": platform.python_version(), "torch": torch.__version__,
+           "megatron-core": metadata.version("megatron-core")}
+    try:
+        out["transformer-engine"] = metadata.version("transformer-engine")
+    except metadata.PackageNotFoundError:
+        pass
+    git = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True)
+    if git.returncode == 0:
+        status = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain",
+                                 "--untracked-files=no"], capture_output=True, text=True)
+        dirty = " + uncommitted changes" if status.stdout.strip() else ""
+        out["git"] = git.stdout.strip() + dirty
+    return out
+
+
+def fmt(value: Optional[float], unit: str) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f} s" if unit == "s" else f"{value:.2f} {unit}"
+
+
+def markdown(meta: dict, rows: list[Row]) -> str:
+    hw, ver, s = meta["hardware"], meta["versions"], meta["settings"]
+    defaults = dataclasses.asdict(mm.GPTModelConfig())
+    device = hw.get("gpu", hw["cpu"])
+    lines = [
+        f"# multi-LoRA benchmark ({meta['device']})", "",
+        f"- hardware: {device}" + (f" (host CPU {hw['cpu']})" if "gpu" in hw else "")
+        + f"; {hw['cpu_cores']} CPU cores; torch threads: {hw['torch_threads']}",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in ver.items()),
+        f"- dtype {s['dtype']}; load average (1, 5, 15 min) at start {meta['load_start']}, at end "
+        f"{meta['load_end']}; total run time {meta['runtime_s']:.0f} s",
+        "- settings: " + ", ".join(f"{k}={v}" for k, v in s.items()),
+        *(f"- whole model {kind}: GPTModelConfig("
+          + ", ".join(f"{k}={v}" for k, v in cfg.items() if defaults.get(k) != v)
+          + "), other fields at their defaults (full configs in the JSON)"
+          for kind, cfg in meta["models"].items()),
+        "- method: every time is the median over the rounds; each round runs every variant of "
+        "its group once, in turn, in one process, so machine noise hits all alike. A / B is the "
+        "ratio of the medians.", "",
+        "| row | comparison | A | B | median A | median B | A / B |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratio = f"{r.ratio:.2f}x" if r.ratio is not None else (r.skipped or "-")
+        lines.append(f"| {r.id} | {r.title} | {r.a} | {r.b} | {fmt(r.a_value, r.unit)} | "
+                     f"{fmt(r.b_value, r.unit)} | {ratio} |")
+    lines += ["", "What each row measures:", ""]
+    lines += [f"- **{r.id}**: {r.what}." + (f" {r.note}" if r.note else "") for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def run_benchmark(s: Settings, out_dir: Path) -> None:
+    device = torch.device(s.device)
+    clock = Clock(device)
+    load_start = load_average()
+    mm.init_parallel(seed=0)
+    hw, ver = hardware(device), versions()
+    clock.say(f"{hw.get('gpu', hw['cpu'])}, {hw['cpu_cores']} cores, {hw['torch_threads']} "
+              f"threads; " + ", ".join(f"{k} {v}" for k, v in ver.items()))
+    clock.say(f"settings: {dataclasses.asdict(s)}")
+    rows: list[Row] = []
+    samples: dict[str, dict[str, list[float]]] = {}
+    for group, kind, make, naive in (
+            ("layer dense", "one column-parallel linear's", dense_layer_variants, True),
+            ("layer MoE", "one grouped expert linear's", moe_layer_variants, True),
+            ("model dense", "dense GPT", lambda s_, d: model_variants("dense", s_, d), False),
+            ("model MoE", "MoE GPT", lambda s_, d: model_variants("moe", s_, d), False)):
+        clock.say(f"{group}: building")
+        samples[group] = time_side_by_side(clock, group, make(s, device), s.rounds, s.warmup)
+        rows += timing_rows(group, kind, s, medians(samples[group]), naive)
+
+    clock.say(f"jobs: {s.slots} jobs together vs one after another")
+    samples["jobs"] = time_side_by_side(clock, "jobs", jobs_variants(s, device), s.job_rounds, 1)
+    med = medians(samples["jobs"])
+    job_row = Row("4", f"{s.slots} jobs together vs one after another", (
+        f"total wall time to train {s.slots} adapter jobs for {s.job_steps} steps each "
+        f"({s.examples_per_slot} examples of {s.example_tokens} tokens per job per step): "
+        f"together on one {s.slots}-slot model (one packed micro-batch per step, then every "
+        "slot's optimizer step; attention runs per packed example) vs one after another on a 1-slot model (same base); packing "
+        "done beforehand, not timed"), "together", "one after another", "s").fill(
+        med["together"], med["one-after-another"])
+    job_row.note = f"Speedup of training together: {1 / job_row.ratio:.2f}x."
+    rows.append(job_row)
+
+    clock.say("memory probes (fresh processes)")
+    probes = run_memory_probes(s, clock)
+    rows.append(memory_row(s, probes))
+
+    tp_groups, tp_skipped = run_tp(s, clock)
+    if tp_groups:
+        samples.update({f"TP=2 {k}": v for k, v in tp_groups.items()})
+    rows += tp_rows(s, tp_groups, tp_skipped)
+    mm.destroy_parallel(destroy_process_group=True)
+
+    meta = {"device": device.type, "hardware": hw, "versions": ver,
+            "settings": dataclasses.asdict(s),
+            "models": {k: dataclasses.asdict(model_config(k, s)) for k in ("dense", "moe")},
+            "load_start": load_start, "load_end": load_average(),
+            "runtime_s": time.perf_counter() - clock.start}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = "gpu" if device.type == "cuda" else "cpu"
+    text = markdown(meta, rows)
+    (out_dir / f"{name}.md").write_text(text)
+    (out_dir / f"{name}.json").write_text(json.dumps(
+        {"meta": meta, "rows": [dataclasses.asdict(r) for r in rows], "samples_s": samples,
+         "memory_probes": probes}, indent=1))
+    clock.say(f"wrote {out_dir / name}.md and .json\n")
+    print(text, flush=True)
+
+
+def parse_settings(argv: Optional[list[str]] = None) -> tuple[Settings, argparse.Namespace]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"],
+                        help="default: fp32 on cpu, bf16 on cuda")
+    parser.add_argument("--out-dir", type=Path, default=REPO / "benchmarks")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds (smoke run)")
+    parser.add_argument("--skip-tp", action="store_true", help="skip the 2-process TP rows")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                        help="torch CPU threads (default: torch's, %(default)s); 1 is steadier "
+                             "on a machine other jobs load")
+    for key, value in FULL.items():
+        parser.add_argument("--" + key.replace("_", "-"), type=int,
+                            help=f"default {value} ({QUICK[key]} with --quick)")
+    # Internal: how this script runs its own child processes.
+    parser.add_argument("--memory-probe", help=argparse.SUPPRESS)
+    parser.add_argument("--tp-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--settings-json", help=argparse.SUPPRESS)
+    parser.add_argument("--result-file", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.settings_json:
+        return Settings(**json.loads(args.settings_json)), args
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device")
+    sizes = QUICK if args.quick else FULL
+    values = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in sizes.items()}
+    dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    return Settings(device=args.device, dtype=dtype, threads=args.threads, quick=args.quick,
+                    skip_tp=args.skip_tp, **values), args
+
+
+def main() -> None:
+    settings, args = parse_settings()
+    if not args.tp_worker:  # TP workers take OMP_NUM_THREADS=1 from their launcher
+        torch.set_num_threads(settings.threads)
+    if args.memory_probe:
+        Path(args.result_file).write_text(json.dumps(memory_probe(settings, args.memory_probe)))
+    elif args.tp_worker:
+        tp_worker(settings, args.result_file)
+    else:
+        run_benchmark(settings, args.out_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Packed micro-batches: attention runs per example (megatron's thd format), so a packed
+forward equals running each example on its own, and examples cannot see each other."""
+
+import pytest
+import torch
+
+import megatron_multilora as mm
+from megatron_multilora.data.datasets import Example
+from megatron_multilora.data.packing import pack_micro_batches
+
+CFG = mm.GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                        ffn_hidden_size=48, vocab_size=64, gated_linear_unit=True)
+# Lengths spread enough to make several length buckets, plus pads to a multiple of 8.
+SLOTS = [[31, 6], [], [4, 18, 9, 2]]
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    return mm.apply_multi_lora(mm.build_gpt_model(CFG), len(SLOTS), 8, 4.0,
+                               row_init_method="normal")
+
+
+def examples(gen: torch.Generator) -> list[list[Example]]:
+    return [[Example(tuple(torch.randint(0, 64, (n + 1,), generator=gen).tolist()), (True,) * n)
+             for n in lengths] for lengths in SLOTS]
+
+
+def packed_loss(model, mb) -> torch.Tensor:
+    mm.set_tokens_per_adapter_slot(model, mb.counts)
+    return model(mb.tokens, mb.position_ids, None, labels=mb.labels,
+                 packed_seq_params=mb.packed_seq_params())[0]
+
+
+def test_packed_forward_and_backward_equal_each_example_alone(model):
+    (mb,) = pack_micro_batches(examples(torch.Generator().manual_seed(0)), 1000, pad_multiple=8)
+    assert len(set(mb.seq_lengths)) > 3 and sum(mb.seq_lengths) == mb.tokens.size(1)
+    packed = packed_loss(model, mb)
+    packed.sum().backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+
+    alone, start = [], 0
+    slot_of = [s for s, c in enumerate(mb.counts) for _ in range(c)]
+    for length in mb.seq_lengths:
+        counts = [0] * len(SLOTS)
+        counts[slot_of[start]] = length
+        mm.set_tokens_per_adapter_slot(model, counts)
+        span = slice(start, start + length)
+        alone.append(model(mb.tokens[:, span], torch.arange(length)[None], None,
+                           labels=mb.labels[:, span])[0])  # plain causal attention
+        start += length
+    alone = torch.cat(alone)
+    alone.sum().backward()
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-6)
+    for name, p in model.named_parameters():
+        if name in want_grads:
+            torch.testing.assert_close(p.grad, want_grads[name], rtol=1e-4, atol=1e-6)
+
+
+def test_examples_cannot_see_each_other(model):
+    batches = examples(torch.Generator().manual_seed(1))
+    (mb,) = pack_micro_batches(batches, 1000)
+    before = packed_loss(model, mb).detach()
+    first = batches[0][0]
+    batches[0][0] = Example(tuple((t + 7) % 64 for t in first.tokens), first.loss_mask)
+    (changed,) = pack_micro_batches(batches, 1000)
+    after = packed_loss(model, changed).detach()
+    n = mb.seq_lengths[0]
+    assert not torch.allclose(after[:n], before[:n])  # the edited example changed
+    torch.testing.assert_close(after[n:], before[n:], rtol=0, atol=1e-6)  # no other did
