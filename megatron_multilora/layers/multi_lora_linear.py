@@ -262,8 +262,8 @@ class MultiLoRALinear(torch.nn.Module):
                 self.dropout_p[i] = slot.dropout
         # Read once here, so forward needs no device-to-host sync to skip dropout or to pick
         # the rank it computes at.
-        self._any_dropout = any(float(slot.dropout) > 0 for slot in self.adapters)
         self._ranks = [int(slot.rank) for slot in self.adapters]
+        self._rates = [float(slot.dropout) for slot in self.adapters]
         self._alphas = [float(slot.alpha) for slot in self.adapters]
 
     def full_shape(self, factor: str) -> tuple[int, ...]:
@@ -391,17 +391,28 @@ class MultiLoRALinear(torch.nn.Module):
         return a, b
 
     def _dropout(self, t: torch.Tensor, slot_of_row: torch.Tensor, tp_sharded: bool) -> torch.Tensor:
-        """Inverted dropout of ``t``'s rows, each at its slot's rate.
-
-        Rows whose values differ across TP ranks draw from megatron's tensor-parallel RNG
+        """Inverted dropout of ``t``'s rows, in any order (expert layers), each at its slot's
+        rate. Rows whose values differ across TP ranks draw from megatron's tensor-parallel RNG
         stream; replicated rows from the default stream, which TP ranks share.
         """
-        if not self.training or not self._any_dropout:
+        if not self.training or not any(self._rates):
             return t
         p = self.dropout_p[slot_of_row].unsqueeze(1)
         with tensor_parallel.get_cuda_rng_tracker().fork() if tp_sharded else contextlib.nullcontext():
             keep = torch.rand(t.shape, device=t.device) >= p
         return t * keep.to(t.dtype) / (1.0 - p).to(t.dtype)
+
+    def _slot_dropout(self, t: torch.Tensor, seg: Segments, slots: tuple[int, ...],
+                      tp_sharded: bool) -> torch.Tensor:
+        """:meth:`_dropout` for rows grouped by slot with host-known counts: only the slots
+        with a rate above zero draw random numbers and pay the masking passes."""
+        rates = [self._rates[s] for s in slots]
+        if not self.training or not any(rates):
+            return t
+        with tensor_parallel.get_cuda_rng_tracker().fork() if tp_sharded else contextlib.nullcontext():
+            pieces = [piece if rate == 0 else F.dropout(piece, rate)
+                      for rate, piece in zip(rates, t.split(seg.counts))]
+        return torch.cat(pieces)
 
     def _lora(self, x2: torch.Tensor, slots: tuple[int, ...], in_shard: bool,
               out_shard: bool) -> torch.Tensor:
@@ -410,7 +421,7 @@ class MultiLoRALinear(torch.nn.Module):
         sh = self.sharding
         seg_in = self._segments(x2.size(0), in_shard, x2.device)
         if self.dropout_position == "pre":
-            x2 = self._dropout(x2, seg_in.label_of_row, sh.input_is_tp_sharded)
+            x2 = self._slot_dropout(x2, seg_in, slots, sh.input_is_tp_sharded)
         a, b = self._stacked_factors(slots, self._compute_rank(slots))
         mid = sh.reduce_mid(grouped_linear(x2.contiguous(), a, seg_in))  # [T, r]
         seg_out = self._segments(mid.size(0), out_shard, mid.device)
@@ -418,7 +429,7 @@ class MultiLoRALinear(torch.nn.Module):
         mid = (mid.float() * self.scale[seg_out.label_of_row].unsqueeze(1)).to(mid.dtype)
         lora = grouped_linear(mid, b, seg_out)                             # [T, out]
         if self.dropout_position == "post":
-            lora = self._dropout(lora, seg_out.label_of_row, sh.output_is_tp_sharded)
+            lora = self._slot_dropout(lora, seg_out, slots, sh.output_is_tp_sharded)
         return lora
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:

@@ -44,24 +44,33 @@ def slot_grad_norm(params: list[torch.nn.Parameter]) -> float:
     over the EP group. Every rank gets the same value.
     """
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    dense = torch.zeros((), dtype=torch.float32)
-    expert = torch.zeros((), dtype=torch.float32)
+    split, replicated, expert = [], [], []
     for p in params:
         g = _grad(p)
         if g is None:
             continue
-        sq = g.float().pow(2).sum().cpu()
         if not getattr(p, "allreduce", True):
-            expert += sq
+            expert.append(g)
         elif getattr(p, "tensor_model_parallel", False):
-            dense += sq
+            split.append(g)
         else:
-            dense += sq / tp
+            replicated.append(g)
+    grads = split + replicated + expert
+    device = grads[0].device if grads else torch.device("cpu")
+    # Summed and reduced on the device, read back once: no per-parameter device-to-host sync.
+    sq = [_sum_of_squares(g, device) for g in (split, replicated, expert)]
+    dense, experts = sq[0] + sq[1] / tp, sq[2]
     if tp > 1:
         dist.all_reduce(dense, group=parallel_state.get_tensor_model_parallel_group())
     if parallel_state.get_expert_model_parallel_world_size() > 1:
-        dist.all_reduce(expert, group=parallel_state.get_expert_model_parallel_group())
-    return float((dense + expert).sqrt())
+        dist.all_reduce(experts, group=parallel_state.get_expert_model_parallel_group())
+    return float((dense + experts).sqrt())
+
+
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack(torch._foreach_norm([g.float() for g in grads])).pow(2).sum()
 
 
 class SlotOptimizer:
@@ -73,7 +82,9 @@ class SlotOptimizer:
         self.masters = [p if p.dtype == torch.float32 else
                         torch.nn.Parameter(p.detach().float().clone()) for p in params]
         self._master_of = {id(p): m for p, m in zip(params, self.masters)}
-        self.optimizer = torch.optim.AdamW(self.masters, lr=job.lr, weight_decay=job.weight_decay)
+        # fused: one kernel over the slot's tensors instead of a Python loop per tensor.
+        self.optimizer = torch.optim.AdamW(self.masters, lr=job.lr, weight_decay=job.weight_decay,
+                                           fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, job, total_steps))
 

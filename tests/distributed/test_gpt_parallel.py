@@ -13,6 +13,7 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
 import megatron_multilora as mm
+from megatron_multilora.training.slot_optimizer import slot_grad_norm
 from tests.distributed.conftest import assert_all_ranks, compare
 from tests.distributed.harness import (ALPHAS, DIM, N, RANKS, build, load_full_state, local_view,
                                        micro_batch, step, trainable_grads)
@@ -53,6 +54,10 @@ def test_tp2_gpt_matches_tp1(layout, sp, fully):
         failures.append(f"trainable sets differ: {sorted(set(grads) ^ set(ref_grads))[:4]}")
     for k, g in grads.items():
         compare(failures, g, local_view(k, ref_grads, like[k], CFG), REL, k)
+    for i in range(N):  # the clipping norm: every shard counted once, on every rank
+        want = torch.stack([g.norm() for k, g in ref_grads.items() if f".adapters.{i}." in k]).norm()
+        got = torch.tensor(slot_grad_norm(mm.slot_parameters(ddp.module, i)))
+        compare(failures, got, want, REL, f"slot {i} grad norm")
     assert_all_ranks(failures)
 
 

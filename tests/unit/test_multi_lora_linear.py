@@ -108,17 +108,16 @@ def test_dropout_matches_reference_mask(kind, position):
     tracker = get_cuda_rng_tracker()
     cpu_state, tracker_states = torch.get_rng_state(), tracker.get_states()
     y = output(layer(x.view(-1, 1, IN))).view(x.size(0), -1)
-    # Replay the RNG: one uniform draw per element, kept where it is >= the row's slot rate.
-    # Row-parallel inputs and column-parallel outputs are TP-sharded, so their draws come
-    # from megatron's tensor-parallel stream.
+    # Replay the RNG: slot by slot, the slots with tokens and a rate above 0 draw a dropout
+    # mask for their rows (the others draw nothing). Row-parallel inputs and column-parallel
+    # outputs are TP-sharded, so their draws come from megatron's tensor-parallel stream.
     torch.set_rng_state(cpu_state)
     tracker.set_states(tracker_states)
     sharded = kind == "row" if position == "pre" else kind == "column"
-    shape = (x.size(0), IN if position == "pre" else OUT)
+    width = IN if position == "pre" else OUT
     with tracker.fork() if sharded else torch.no_grad():
-        u = torch.rand(shape)
-    p = torch.tensor([DROPOUT[s] for s, c in enumerate(COUNTS) for _ in range(c)]).unsqueeze(1)
-    mask = (u >= p).float() / (1 - p)
+        mask = torch.cat([torch.nn.functional.dropout(torch.ones(c, width), DROPOUT[s])
+                          for s, c in enumerate(COUNTS) if c])
     if position == "pre":
         y_ref = lora_reference(x, layer.to_wrap.weight.detach(), slots, COUNTS, mask)
     else:
