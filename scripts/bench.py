@@ -27,6 +27,7 @@ grouped expert linear on both devices.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -37,7 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -61,7 +62,7 @@ MiB = 2.0 ** 20
 # Sizes of the full run (a few minutes on a 2-core CPU) and of --quick (a smoke run).
 FULL = dict(rounds=11, warmup=2, slots=8, rank=16, layer_hidden=1024, layer_tokens=2048,
             experts=8, model_hidden=256, model_layers=4, examples_per_slot=2, example_tokens=64,
-            job_steps=4, job_rounds=5, memory_probes=3)
+            job_steps=4, job_rounds=5, memory_probes=1)
 QUICK = dict(rounds=2, warmup=1, slots=8, rank=8, layer_hidden=128, layer_tokens=256,
              experts=4, model_hidden=64, model_layers=1, examples_per_slot=1, example_tokens=16,
              job_steps=2, job_rounds=2, memory_probes=1)
@@ -432,53 +433,56 @@ def memory_probe(s: Settings, variant: str) -> dict:
     mm.init_parallel(seed=0)
     cfg = model_config("dense", s)
     many, one = slot_and_single_batches(s, cfg.vocab_size, device)
-    # The first optimizer step imports more modules: do that in every probe, before counting.
-    warm = torch.nn.Parameter(torch.zeros(1, device=device))
-    warm.grad = torch.zeros_like(warm)
-    torch.optim.AdamW([warm]).step()
-    # Imports peak above what a small model's training needs: start counting from here.
-    result: dict = {"variant": variant, "cpu_peak_reset": device.type == "cpu" and reset_cpu_peak()}
-    if variant == "base":
-        model = build_model(cfg, s, None)
-        for _ in range(2):
-            model_step(model, many, lora=False)
-    else:
-        slots = int(variant)
-        model = build_model(cfg, s, slots)
-        grads = SlotGradSync(model)
-        opts = {j: start_job(model, j, make_job(j, s), 2) for j in range(slots)}
-        for _ in range(2):
-            train_step(model, grads, many if slots > 1 else one, opts)
-        params = mm.slot_parameters(model, 0)
-        result.update(params_per_slot=sum(p.numel() for p in params),
-                      param_bytes=params[0].element_size())
-    if device.type == "cuda":
-        result["peak_bytes"] = torch.cuda.max_memory_allocated()
-    else:
-        result["peak_bytes"] = cpu_peak_bytes()
+    result: dict = {"variant": variant}
+    with tensor_memory_peak(device) as peak:
+        if variant == "base":
+            model = build_model(cfg, s, None)
+            for _ in range(2):
+                model_step(model, many, lora=False)
+        else:
+            slots = int(variant)
+            model = build_model(cfg, s, slots)
+            grads = SlotGradSync(model)
+            opts = {j: start_job(model, j, make_job(j, s), 2) for j in range(slots)}
+            for _ in range(2):
+                train_step(model, grads, many if slots > 1 else one, opts)
+            params = mm.slot_parameters(model, 0)
+            result.update(params_per_slot=sum(p.numel() for p in params),
+                          param_bytes=params[0].element_size())
+    result["peak_bytes"] = peak["bytes"]
     mm.destroy_parallel(destroy_process_group=True)
     return result
 
 
-def cpu_peak_bytes() -> int:
-    """This process's peak RSS (Linux). VmHWM rather than ru_maxrss: a child's ru_maxrss
-    also counts its parent's RSS at fork, which would hide every probe's own peak."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+@contextlib.contextmanager
+def tensor_memory_peak(device: torch.device) -> Iterator[dict]:
+    """The peak bytes held by tensors while the block runs (model weights included).
 
+    CUDA: the caching allocator's own peak. CPU has no such counter and a process's peak RSS
+    moves by +-10 MiB with allocator and thread noise, so every tensor allocation and free is
+    recorded with torch's profiler and replayed in order (the timeline behind
+    ``torch.profiler.profile.export_memory_timeline``): exact and repeatable.
+    """
+    out: dict = {}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        yield out
+        out["bytes"] = torch.cuda.max_memory_allocated()
+        return
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action, MemoryProfile
 
-def reset_cpu_peak() -> bool:
-    """Hand freed heap back to the OS, then reset this process's peak RSS (VmHWM) to its
-    current RSS (Linux); False where that is not possible."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except (OSError, AttributeError):
-        return False
-    return True
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:
+        yield out
+    held = peak = 0
+    for _, action, _, size in MemoryProfile(prof.profiler.kineto_results).timeline:
+        if action in (Action.PREEXISTING, Action.CREATE):
+            held += size
+        elif action == Action.DESTROY:
+            held -= size
+        peak = max(peak, held)
+    out["bytes"] = peak
 
 
 def run_memory_probes(s: Settings, clock: Clock) -> dict[str, list[dict]]:
@@ -607,10 +611,11 @@ def memory_row(s: Settings, probes: dict[str, list[dict]]) -> Row:
     peak = {v: statistics.median(p["peak_bytes"] for p in ps) / MiB for v, ps in probes.items()}
     n = str(s.slots)
     row = Row("5", f"peak memory: {n} slots vs 1 slot", (
-        f"peak memory of 2 training steps (fwd+bwd+AdamW state) of the dense model, above the "
-        f"frozen base's own fwd+bwd peak (fresh process per probe, median of {s.memory_probes}; "
+        "peak memory of 2 training steps (fwd+bwd+AdamW state) of the dense model, above the "
+        "frozen base's own fwd+bwd peak (a fresh process per variant"
+        + (f", median of {s.memory_probes}" if s.memory_probes > 1 else "") + "; "
         + ("torch.cuda.max_memory_allocated" if s.device == "cuda" else
-           "peak RSS (VmHWM), reset after imports via /proc/self/clear_refs") + ")"),
+           "peak bytes held by tensors, from torch's profiler memory timeline") + ")"),
         f"{n} slots", "1 slot", "MiB").fill(peak[n] - peak["base"], peak["1"] - peak["base"])
     ref = probes["1"][0]
     state = {k: adapter_state_bytes(ref, int(k)) / MiB for k in ("1", n)}
@@ -618,12 +623,10 @@ def memory_row(s: Settings, probes: dict[str, list[dict]]) -> Row:
         f"The base alone peaks at {peak['base']:.1f} MiB. Adapter state (weights + fp32 grads + "
         f"AdamW moments), analytic: {state['1']:.2f} MiB for 1 slot, {state[n]:.2f} MiB for {n}. "
         f"Of the measured {row.b_value:.2f} MiB for 1 slot, {row.b_value - state['1']:.2f} MiB "
-        f"is beyond the adapter state: the LoRA path's activations and temporaries, which do "
-        f"not grow with the slot count. Going from 1 to {n} slots adds "
+        f"is beyond the adapter state: the LoRA path's activations and temporaries. Going "
+        f"from 1 to {n} slots adds "
         f"{row.a_value - row.b_value:.2f} MiB measured vs {state[n] - state['1']:.2f} MiB of "
         "adapter state: there is no per-slot copy of the base.")
-    if s.device == "cpu" and not all(p["cpu_peak_reset"] for ps in probes.values() for p in ps):
-        row.note += " The peak could not be reset after imports: the figures include them."
     return row
 
 

@@ -120,10 +120,13 @@ class MultiLoRAGroupedExpertLinear(MultiLoRALinear):
         slot_of_row = routing.segments.label_of_row
         if self.dropout_position == "pre":
             xs = self._dropout(xs, slot_of_row, tp_sharded=True)
-        a, b = self._stacked_factors(slots, self._compute_rank(slots))
-        mid = grouped_linear(xs, a.flatten(0, 1), routing.segments)     # [T, r]
+        r, seg = self._compute_rank(slots), routing.segments
+        # [slots * E, ...] stacks, rebuilt for backward rather than kept (see MultiLoRALinear).
+        mid = grouped_linear(xs, self._stack_a(slots, r).flatten(0, 1), seg,
+                             rebuild_w=lambda: self._stack_a(slots, r).flatten(0, 1))   # [T, r]
         mid = (mid.float() * self.scale[slot_of_row].unsqueeze(1)).to(mid.dtype)
-        lora = grouped_linear(mid, b.flatten(0, 1), routing.segments)   # [T, out]
+        lora = grouped_linear(mid, self._stack_b(slots, r).flatten(0, 1), seg,
+                              rebuild_w=lambda: self._stack_b(slots, r).flatten(0, 1))  # [T, out]
         if self.dropout_position == "post":
             lora = self._dropout(lora, slot_of_row, tp_sharded=True)
         return out + lora.index_select(0, routing.inverse_idx), bias

@@ -8,7 +8,7 @@ an exact per-group loop of ``torch.mm`` elsewhere (the two were bit-identical on
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -88,12 +88,44 @@ def _grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.size(1) % per16 == 0 and w.size(1) % per16 == 0
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, seg: Segments) -> torch.Tensor:
-    """``[rows, in] x [G, out, in] -> [rows, out]``, group g's rows times ``w[g].T``."""
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, seg: Segments,
+                   rebuild_w: Optional[Callable[[], torch.Tensor]] = None) -> torch.Tensor:
+    """``[rows, in] x [G, out, in] -> [rows, out]``, group g's rows times ``w[g].T``.
+
+    ``rebuild_w`` recomputes ``w`` (e.g. a stack of per-slot weights): backward then rebuilds
+    it instead of autograd keeping ``w`` alive from forward to backward, so a stacked copy of
+    the weights costs memory only while it is used.
+    """
     if x.size(0) != seg.rows:
         raise ValueError(f"grouped_linear: {x.size(0)} rows but segments cover {seg.rows}")
     w = w.to(x.dtype)
+    if rebuild_w is None:
+        return _grouped_linear(x, w, seg)
+    with torch.autograd.graph.saved_tensors_hooks(*_rebuilt_in_backward(w, rebuild_w)):
+        return _grouped_linear(x, w, seg)
+
+
+def _grouped_linear(x: torch.Tensor, w: torch.Tensor, seg: Segments) -> torch.Tensor:
     if _grouped_mm_usable(x, w):
         return _ContiguousGrad.apply(_GROUPED_MM(x, w.transpose(1, 2), offs=seg.offsets))
     parts = torch.split(x, seg.host_counts())
     return torch.cat([p @ w[g].t() for g, p in enumerate(parts)], dim=0)
+
+
+def _rebuilt_in_backward(w: torch.Tensor, rebuild: Callable[[], torch.Tensor]):
+    """Saved-tensor hooks that save views of ``w`` as (size, stride, offset) only. They hold
+    no reference to ``w`` itself, which is what lets it be freed after forward."""
+    storage, dtype = w.untyped_storage().data_ptr(), w.dtype
+
+    def pack(t: torch.Tensor):
+        if t.untyped_storage().data_ptr() == storage and t.dtype == dtype:
+            return (t.size(), t.stride(), t.storage_offset())
+        return t
+
+    def unpack(saved):
+        if isinstance(saved, tuple):
+            with torch.no_grad():
+                return rebuild().to(dtype).as_strided(*saved)
+        return saved
+
+    return pack, unpack

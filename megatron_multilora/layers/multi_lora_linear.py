@@ -384,11 +384,13 @@ class MultiLoRALinear(torch.nn.Module):
         r = max((self._ranks[i] for i in slots if self._alphas[i] != 0.0), default=1)
         return min(self.dim, -(-r // 8) * 8)
 
-    def _stacked_factors(self, slots: tuple[int, ...], r: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A ``[G, ..., r, in]`` and B ``[G, ..., out, r]`` of ``slots``, cut to rank ``r``."""
-        a = torch.stack([self.adapters[i].linear_in.weight[..., :r, :] for i in slots])
-        b = torch.stack([self.adapters[i].linear_out.weight[..., :r] for i in slots])
-        return a, b
+    def _stack_a(self, slots: tuple[int, ...], r: int) -> torch.Tensor:
+        """A ``[G, ..., r, in]`` of ``slots``, cut to rank ``r``."""
+        return torch.stack([self.adapters[i].linear_in.weight[..., :r, :] for i in slots])
+
+    def _stack_b(self, slots: tuple[int, ...], r: int) -> torch.Tensor:
+        """B ``[G, ..., out, r]`` of ``slots``, cut to rank ``r``."""
+        return torch.stack([self.adapters[i].linear_out.weight[..., :r] for i in slots])
 
     def _dropout(self, t: torch.Tensor, slot_of_row: torch.Tensor, tp_sharded: bool) -> torch.Tensor:
         """Inverted dropout of ``t``'s rows, in any order (expert layers), each at its slot's
@@ -422,12 +424,17 @@ class MultiLoRALinear(torch.nn.Module):
         seg_in = self._segments(x2.size(0), in_shard, x2.device)
         if self.dropout_position == "pre":
             x2 = self._slot_dropout(x2, seg_in, slots, sh.input_is_tp_sharded)
-        a, b = self._stacked_factors(slots, self._compute_rank(slots))
-        mid = sh.reduce_mid(grouped_linear(x2.contiguous(), a, seg_in))  # [T, r]
+        r = self._compute_rank(slots)
+        # The stacked factors are rebuilt for backward rather than kept: nothing but the slots'
+        # own parameters grows with the number of slots.
+        mid = grouped_linear(x2.contiguous(), self._stack_a(slots, r), seg_in,
+                             rebuild_w=lambda: self._stack_a(slots, r))
+        mid = sh.reduce_mid(mid)                                           # [T, r]
         seg_out = self._segments(mid.size(0), out_shard, mid.device)
         # Per-token alpha/rank on the small [T, r] buffer, in fp32 (as serving kernels do).
         mid = (mid.float() * self.scale[seg_out.label_of_row].unsqueeze(1)).to(mid.dtype)
-        lora = grouped_linear(mid, b, seg_out)                             # [T, out]
+        lora = grouped_linear(mid, self._stack_b(slots, r), seg_out,
+                              rebuild_w=lambda: self._stack_b(slots, r))  # [T, out]
         if self.dropout_position == "post":
             lora = self._slot_dropout(lora, seg_out, slots, sh.output_is_tp_sharded)
         return lora

@@ -89,9 +89,9 @@ def test_expert_routing_forward_backward_has_no_host_sync():
 def test_idle_slots_and_padded_rank_are_not_computed(monkeypatch):
     shapes = []
 
-    def recording(x, w, seg):
+    def recording(x, w, seg, **kwargs):
         shapes.append(tuple(w.shape))
-        return real(x, w, seg)
+        return real(x, w, seg, **kwargs)
 
     real = multi_lora_linear.grouped_linear
     monkeypatch.setattr(multi_lora_linear, "grouped_linear", recording)
@@ -122,8 +122,34 @@ def test_a_freed_slot_does_not_raise_the_computed_rank(monkeypatch, alpha_of_idl
     shapes = []
     real = multi_lora_linear.grouped_linear
     monkeypatch.setattr(multi_lora_linear, "grouped_linear",
-                        lambda x, w, seg: shapes.append(tuple(w.shape)) or real(x, w, seg))
+                        lambda x, w, seg, **kw: shapes.append(tuple(w.shape)) or real(x, w, seg, **kw))
     layer, _ = wrapped([3, 4, 0, 0])
     layer.init_adapter_slot(1, 32, alpha_of_idle)
     layer(torch.randn(7, 1, IN))
     assert shapes[0] == (2, 8 if alpha_of_idle == 0.0 else 32, IN)
+
+
+def test_stacked_factors_are_not_kept_for_backward():
+    """Only the slots' own parameters grow with the slot count: the per-forward stacks of A
+    and B are freed after forward and rebuilt in backward."""
+    import gc
+    import weakref
+
+    layer, _ = wrapped([3, 4, 5, 2])
+    stacks = []
+    for name in ("_stack_a", "_stack_b"):
+        build = getattr(layer, name)
+
+        def recording(slots, r, build=build):
+            stacked = build(slots, r)
+            stacks.append(weakref.ref(stacked))
+            return stacked
+
+        setattr(layer, name, recording)
+    x = torch.randn(14, 1, IN, requires_grad=True)
+    y = layer(x)
+    gc.collect()
+    assert len(stacks) == 2 and all(ref() is None for ref in stacks), "a stacked copy is kept"
+    y.sum().backward()  # backward rebuilds them and still gives every slot's gradient
+    assert len(stacks) == 4
+    assert all(layer.adapters[i].linear_in.weight.grad is not None for i in range(4))
