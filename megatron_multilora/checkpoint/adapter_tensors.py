@@ -43,14 +43,6 @@ def gather_factor(layer: MultiLoRALinear, factor: str, local: torch.Tensor) -> t
     return torch.cat(parts, dim=split)
 
 
-def shard_factor(layer: MultiLoRALinear, factor: str, full: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a full factor tensor (inverse of :func:`gather_factor`)."""
-    if isinstance(layer, MultiLoRAGroupedExpertLinear):
-        ep = parallel_state.get_expert_model_parallel_world_size()
-        return full.chunk(ep, dim=0)[parallel_state.get_expert_model_parallel_rank()]
-    return layer.local_shard(factor, full)
-
-
 def _factors(layer: MultiLoRALinear, idx: int):
     slot = layer.adapters[idx]
     return (("A", "linear_in.weight", slot.linear_in.weight),
@@ -103,22 +95,14 @@ def load_slot(model: ModelOrChunks, idx: int, tensors: dict[str, torch.Tensor], 
         for path, layer in layers.items():
             for factor, name, param in _factors(layer, idx):
                 full = tensors[f"{path}.adapter.{name}"]
-                padded = torch.zeros(_full_shape(layer, factor, param), dtype=torch.float32)
+                padded = torch.zeros(layer.full_shape(factor), dtype=torch.float32)
                 target = _cut(factor, padded, rank)
                 if target.shape != full.shape:
                     raise ValueError(f"{path}.adapter.{name}: shape {tuple(full.shape)} does not "
                                      f"fit this model (expected {tuple(target.shape)})")
                 target.copy_(full)
                 dest = param if into is None else into(param)
-                dest.copy_(shard_factor(layer, factor, padded).to(dest.dtype))
+                dest.copy_(layer.local_shard(factor, padded).to(dest.dtype))
         if into is None:
             for layer in layers.values():
                 layer._apply_rank_mask(idx)
-
-
-def _full_shape(layer: MultiLoRALinear, factor: str, param: torch.Tensor) -> tuple[int, ...]:
-    shape = list(param.shape)
-    if isinstance(layer, MultiLoRAGroupedExpertLinear):
-        shape[0] *= parallel_state.get_expert_model_parallel_world_size()
-        return tuple(shape)
-    return layer.full_shape(factor)

@@ -15,9 +15,11 @@ expert-parallel: they are tagged ``allreduce=False`` like megatron's expert weig
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
+from megatron.core import parallel_state, tensor_parallel
 
 from megatron_multilora.layers.grouped_gemm import grouped_linear
 from megatron_multilora.layers.multi_lora_linear import (
@@ -105,6 +107,29 @@ class MultiLoRAGroupedExpertLinear(MultiLoRALinear):
                     factor.weight[e].copy_(_init_weight(method, tuple(factor.weight.shape[1:]), gen))
         self._apply_rank_mask(idx)
 
+    def full_shape(self, factor: str) -> tuple[int, ...]:
+        """The shape of factor ``"A"`` or ``"B"`` over all experts of every EP rank."""
+        slot = self.adapters[0]
+        shape = list((slot.linear_in if factor == "A" else slot.linear_out).weight.shape)
+        shape[0] *= parallel_state.get_expert_model_parallel_world_size()
+        return tuple(shape)
+
+    def local_shard(self, factor: str, full: torch.Tensor) -> torch.Tensor:
+        """This EP rank's local experts of a factor over all experts."""
+        ep = parallel_state.get_expert_model_parallel_world_size()
+        return full.chunk(ep, dim=0)[parallel_state.get_expert_model_parallel_rank()]
+
+    def _dropout(self, t: torch.Tensor, slot_of_row: torch.Tensor, tp_sharded: bool) -> torch.Tensor:
+        """Inverted dropout of ``t``'s rows, in the dispatcher's order, each at its slot's
+        rate (``slot_of_row`` is on the device: the counts per slot are not known on the host).
+        Expert rows differ across ranks, so they draw from megatron's tensor-parallel stream."""
+        if not self.training or not any(self._rates):
+            return t
+        p = self.dropout_p[slot_of_row].unsqueeze(1)
+        with tensor_parallel.get_cuda_rng_tracker().fork() if tp_sharded else contextlib.nullcontext():
+            keep = torch.rand(t.shape, device=t.device) >= p
+        return t * keep.to(t.dtype) / (1.0 - p).to(t.dtype)
+
     def forward(self, x: torch.Tensor, m_splits: Any, *args: Any, **kwargs: Any) -> Any:
         out, bias = self.to_wrap(x, m_splits, *args, **kwargs)
         routing = self.routing
@@ -135,7 +160,6 @@ class MultiLoRAGroupedExpertLinear(MultiLoRALinear):
                            metadata: Optional[dict] = None) -> dict:
         """The base's expert weights as the base lays them out, plus each adapter tensor as
         this EP rank's slice (local experts) of one tensor over all experts."""
-        from megatron.core import parallel_state
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
         from megatron.core.transformer.utils import sharded_state_dict_default
 

@@ -392,22 +392,13 @@ class MultiLoRALinear(torch.nn.Module):
         """B ``[G, ..., out, r]`` of ``slots``, cut to rank ``r``."""
         return torch.stack([self.adapters[i].linear_out.weight[..., :r] for i in slots])
 
-    def _dropout(self, t: torch.Tensor, slot_of_row: torch.Tensor, tp_sharded: bool) -> torch.Tensor:
-        """Inverted dropout of ``t``'s rows, in any order (expert layers), each at its slot's
-        rate. Rows whose values differ across TP ranks draw from megatron's tensor-parallel RNG
-        stream; replicated rows from the default stream, which TP ranks share.
-        """
-        if not self.training or not any(self._rates):
-            return t
-        p = self.dropout_p[slot_of_row].unsqueeze(1)
-        with tensor_parallel.get_cuda_rng_tracker().fork() if tp_sharded else contextlib.nullcontext():
-            keep = torch.rand(t.shape, device=t.device) >= p
-        return t * keep.to(t.dtype) / (1.0 - p).to(t.dtype)
-
     def _slot_dropout(self, t: torch.Tensor, seg: Segments, slots: tuple[int, ...],
                       tp_sharded: bool) -> torch.Tensor:
-        """:meth:`_dropout` for rows grouped by slot with host-known counts: only the slots
-        with a rate above zero draw random numbers and pay the masking passes."""
+        """Inverted dropout of ``t``'s rows, grouped by slot with host-known counts, each at
+        its slot's rate: only the slots with a rate above zero draw random numbers and pay
+        the masking passes. Rows whose values differ across TP ranks draw from megatron's
+        tensor-parallel RNG stream; replicated rows from the default stream, which TP ranks
+        share."""
         rates = [self._rates[s] for s in slots]
         if not self.training or not any(rates):
             return t
