@@ -16,8 +16,9 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from megatron_multilora.checkpoint.adapter_tensors import gather_slot, load_slot, slot_rank_alpha
-from megatron_multilora.checkpoint.files import refuse_existing, write_dir_atomic
+from megatron_multilora.checkpoint.files import refuse_existing
 from megatron_multilora.layers.lifecycle import ModelOrChunks
+from megatron_multilora.platform.atomic_files import write_dir_atomic
 
 FORMAT = "megatron-multilora-adapter"
 CONFIG_FILE, TENSORS_FILE = "adapter_config.json", "adapter.safetensors"

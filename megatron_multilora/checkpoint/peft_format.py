@@ -28,9 +28,10 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from megatron_multilora.checkpoint.adapter_tensors import gather_slot, load_slot, slot_rank_alpha
-from megatron_multilora.checkpoint.files import refuse_existing, write_dir_atomic
+from megatron_multilora.checkpoint.files import refuse_existing
 from megatron_multilora.layers.lifecycle import ModelOrChunks, named_multi_lora_modules
 from megatron_multilora.models.gpt import GPTModelConfig
+from megatron_multilora.platform.atomic_files import write_dir_atomic
 
 CONFIG_FILE, TENSORS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")

@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from safetensors.torch import load_file, save_file
 
 from megatron_multilora.checkpoint.adapter_tensors import gather_slot, load_slot
-from megatron_multilora.checkpoint.files import write_dir_atomic, write_json_atomic
+from megatron_multilora.platform.atomic_files import write_dir_atomic, write_json_atomic
 from megatron_multilora.layers.lifecycle import ModelOrChunks, multi_lora_modules
 from megatron_multilora.training.slot_optimizer import SlotOptimizer
 

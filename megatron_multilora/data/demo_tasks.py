@@ -8,12 +8,12 @@ that learned it.
 from __future__ import annotations
 
 import json
-import os
 import random
 import string
-import tempfile
 from pathlib import Path
 from typing import Callable
+
+from megatron_multilora.platform.atomic_files import atomic_file
 
 
 def _word(rng: random.Random) -> str:
@@ -77,17 +77,11 @@ def make_examples(task: str, n: int, seed: int) -> list[dict]:
     return _draw(task, _rng(task, seed, "train"), n, exclude=set())
 
 
-def _write_jsonl_atomic(path: Path, records: list[dict]) -> None:
+def _write_jsonl(path: Path, records: list[dict]) -> None:
     """Write records one JSON object per line; readers never see a half-written file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    with atomic_file(path) as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
 def write_demo_datasets(out_dir: str | Path, n_train: int = 512, n_eval: int = 64,
@@ -108,8 +102,8 @@ def write_demo_datasets(out_dir: str | Path, n_train: int = 512, n_eval: int = 6
         held_out = _draw(task, _rng(task, seed, "eval"), n_eval,
                          exclude={r["prompt"] for r in train})
         paths[task] = {"train": out / f"{task}.train.jsonl", "eval": out / f"{task}.eval.jsonl"}
-        _write_jsonl_atomic(paths[task]["train"], train)
-        _write_jsonl_atomic(paths[task]["eval"], held_out)
+        _write_jsonl(paths[task]["train"], train)
+        _write_jsonl(paths[task]["eval"], held_out)
     return paths
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_multilora.platform.atomic_files import write_dir_atomic
+
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>\n{{ m['content'] }}\n{% endfor %}"
 
 
@@ -41,8 +43,6 @@ def write_tiny_llama(folder: str | Path, hidden_size: int = 128, num_layers: int
     tokenizer to ``folder`` (atomically)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from megatron_multilora.checkpoint.files import write_dir_atomic
 
     config = LlamaConfig(vocab_size=264, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                          num_hidden_layers=num_layers, num_attention_heads=4,

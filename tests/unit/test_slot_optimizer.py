@@ -46,7 +46,7 @@ def test_bf16_slot_steps_fp32_masters_and_clips():
 
 
 def test_atomic_folder_write_keeps_the_previous_folder_on_failure(tmp_path):
-    from megatron_multilora.checkpoint.files import write_dir_atomic
+    from megatron_multilora.platform.atomic_files import write_dir_atomic
 
     target = tmp_path / "ckpt"
     write_dir_atomic(target, lambda d: (d / "a.txt").write_text("old"))

@@ -1,0 +1,67 @@
+"""Atomic writes: a reader sees the previous complete file or folder, or the new one.
+
+Every writer in the package goes through these (checkpoints, adapter and PEFT folders, the
+demo data and model, metrics, plots). Temporary names start with ``.<name>.`` beside the
+target, so a rename stays on one filesystem and leftovers of a killed write are easy to spot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import IO, Any, Callable, Iterator
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | Path, binary: bool = False) -> Iterator[IO]:
+    """Open a temporary file beside ``path`` for writing (text is UTF-8); on a clean exit it
+    is synced and renamed to ``path``, on an error removed, leaving ``path`` as it was."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Opened normally (not mkstemp) so the file gets the usual umask permissions, not 0600.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "xb" if binary else "x", encoding=None if binary else "utf-8") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: str | Path, data: Any) -> None:
+    with atomic_file(path) as f:
+        json.dump(data, f, indent=2)
+
+
+def write_dir_atomic(path: str | Path, fill: Callable[[Path], None], overwrite: bool = False) -> Path:
+    """Create folder ``path`` by ``fill(tmp_folder)`` then a rename; a crash in between
+    leaves ``path`` as it was. An existing non-empty ``path`` needs ``overwrite``."""
+    path = Path(path)
+    if path.exists() and any(path.iterdir()) and not overwrite:
+        raise FileExistsError(f"{path} exists and is not empty; pass overwrite to replace it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    try:
+        fill(tmp)
+        for f in tmp.iterdir():
+            with open(f, "rb") as handle:
+                os.fsync(handle.fileno())
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return path
