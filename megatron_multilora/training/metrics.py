@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from megatron_multilora.platform.atomic_files import atomic_file
+
 METRICS_FILE = "metrics.jsonl"
 KINDS = ("train", "eval")
 _RESERVED_KEYS = frozenset({"step", "kind", "adapters", "time"})
@@ -263,6 +265,5 @@ def drop_records_after(path: str | Path, step: int) -> None:
     if not path.is_file():
         return
     kept = [r for r in read_metrics(path) if r["step"] <= step]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    os.replace(tmp, path)
+    with atomic_file(path) as f:
+        f.write("".join(json.dumps(r) + "\n" for r in kept))

@@ -7,8 +7,6 @@ written atomically, so a reader never sees a half-written PNG.
 from __future__ import annotations
 
 import math
-import os
-import uuid
 from pathlib import Path
 from typing import Sequence
 
@@ -20,27 +18,20 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from megatron_multilora.platform.atomic_files import atomic_file  # noqa: E402
+
 # Below this many points a curve gets markers, so a single eval point is still visible.
 _MARKER_MAX_POINTS = 30
 
 
 def _save_atomic(fig: Figure, out_png: str | Path) -> Path:
-    """Save ``fig`` as PNG to a temp file beside ``out_png``, then rename it into place."""
-    out = Path(out_png)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Same directory so os.replace is a rename on one filesystem; opened normally (not
-    # mkstemp) so the PNG gets the usual umask permissions rather than 0600.
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    """Save ``fig`` as PNG to ``out_png`` atomically, and close it."""
     try:
-        with open(tmp, "xb") as f:
+        with atomic_file(out_png, binary=True) as f:
             fig.savefig(f, format="png", dpi=120)
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     finally:
         plt.close(fig)
-    return out
+    return Path(out_png)
 
 
 def plot_loss_curves(records: list[dict], out_png: str | Path, kind: str = "train") -> Path:
