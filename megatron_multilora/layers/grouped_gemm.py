@@ -1,8 +1,8 @@
 """One GEMM over contiguous row segments, each with its own weight.
 
 ``grouped_linear(x, w, seg)`` computes, for every group g, ``x[rows of g] @ w[g].T``.
-It runs as one ``torch._grouped_mm`` call where dtype, alignment and device allow it, and as
-an exact per-group loop of ``torch.mm`` elsewhere (the two were bit-identical on CPU).
+The matmul itself is :func:`megatron_multilora.ops.grouped_mm.grouped_mm`; this module adds
+the slot segments and rebuilding the stacked weights in backward.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-_GROUPED_MM = getattr(torch, "_grouped_mm", None)
+from megatron_multilora.ops.grouped_mm import group_offsets, group_sizes, grouped_mm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Segments:
         host = torch.tensor(counts, dtype=torch.int64)
         names = torch.arange(len(counts)) if labels is None else torch.tensor(labels, dtype=torch.int64)
         rows = sum(counts)
-        return cls(offsets=host.cumsum(0).to(dtype=torch.int32, device=device),
+        return cls(offsets=group_offsets(counts, device),
                    label_of_row=torch.repeat_interleave(names, host, output_size=rows).to(device),
                    rows=rows, counts=counts)
 
@@ -53,39 +53,7 @@ class Segments:
                    rows=int(sorted_keys.numel()))
 
     def host_counts(self) -> tuple[int, ...]:
-        if self.counts is not None:
-            return self.counts
-        ends = [0] + self.offsets.tolist()
-        return tuple(b - a for a, b in zip(ends, ends[1:]))
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous.
-
-    ``_grouped_mm``'s backward rejects stride-0 gradients such as those of ``y.sum()``.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return grad.contiguous()
-
-
-def _grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
-    if _GROUPED_MM is None or x.dtype != w.dtype or not x.is_contiguous():
-        return False
-    if x.is_cuda:
-        # The CUDA kernel is bf16-only and needs Hopper or newer.
-        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] < 9:
-            return False
-    elif x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False
-    # Every stride must be a multiple of 16 bytes.
-    per16 = 16 // x.element_size()
-    return x.size(1) % per16 == 0 and w.size(1) % per16 == 0
+        return self.counts if self.counts is not None else group_sizes(self.offsets)
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, seg: Segments,
@@ -100,16 +68,9 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, seg: Segments,
         raise ValueError(f"grouped_linear: {x.size(0)} rows but segments cover {seg.rows}")
     w = w.to(x.dtype)
     if rebuild_w is None:
-        return _grouped_linear(x, w, seg)
+        return grouped_mm(x, w, seg.offsets, seg.counts)
     with torch.autograd.graph.saved_tensors_hooks(*_rebuilt_in_backward(w, rebuild_w)):
-        return _grouped_linear(x, w, seg)
-
-
-def _grouped_linear(x: torch.Tensor, w: torch.Tensor, seg: Segments) -> torch.Tensor:
-    if _grouped_mm_usable(x, w):
-        return _ContiguousGrad.apply(_GROUPED_MM(x, w.transpose(1, 2), offs=seg.offsets))
-    parts = torch.split(x, seg.host_counts())
-    return torch.cat([p @ w[g].t() for g, p in enumerate(parts)], dim=0)
+        return grouped_mm(x, w, seg.offsets, seg.counts)
 
 
 def _rebuilt_in_backward(w: torch.Tensor, rebuild: Callable[[], torch.Tensor]):

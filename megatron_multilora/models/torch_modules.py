@@ -17,6 +17,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_multilora.ops.grouped_mm import group_offsets, grouped_mm
+
 
 class SDPAttention(MegatronModule):
     """Core attention on ``torch.nn.functional.scaled_dot_product_attention``.
@@ -235,10 +237,9 @@ class TorchGroupedLinear(torch.nn.Module):
         return weights
 
     def forward(self, x: torch.Tensor, m_splits: list[int]) -> tuple[torch.Tensor, None]:
-        from megatron_multilora.layers.grouped_gemm import Segments, grouped_linear
-
+        counts = [int(c) for c in m_splits]
         w = torch.stack([getattr(self, f"weight{i}") for i in range(self.num_gemms)])
-        return grouped_linear(x, w, Segments.from_counts(m_splits, x.device)), None
+        return grouped_mm(x, w.to(x.dtype), group_offsets(counts, x.device), counts), None
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: Optional[dict] = None) -> dict:
