@@ -31,6 +31,7 @@ from megatron_multilora.checkpoint.adapter_tensors import gather_slot, load_slot
 from megatron_multilora.checkpoint.files import refuse_existing
 from megatron_multilora.layers.lifecycle import ModelOrChunks, named_multi_lora_modules
 from megatron_multilora.models.gpt import GPTModelConfig
+from megatron_multilora.ops.fused_rows import QKVLayout, fuse_gate_up, split_gate_up
 from megatron_multilora.platform.atomic_files import write_dir_atomic
 
 CONFIG_FILE, TENSORS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -58,26 +59,19 @@ def _hf_parts(megatron_rest: str, model_type: str) -> Optional[list[str]]:
 def _split_rows(name: str, b: torch.Tensor, cfg: GPTModelConfig) -> list[torch.Tensor]:
     """Split a fused B ``[out, r]`` into the HF parts' B matrices."""
     if name.endswith("linear_qkv"):
-        heads, groups = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
-        head_dim = cfg.kv_channels or cfg.hidden_size // heads
-        per_group = b.view(groups, heads // groups + 2, head_dim, b.size(-1))
-        q = per_group[:, :-2].reshape(-1, b.size(-1))
-        return [q, per_group[:, -2].reshape(-1, b.size(-1)), per_group[:, -1].reshape(-1, b.size(-1))]
+        return list(QKVLayout.of(cfg).split(b))
     if name.endswith("linear_fc1"):
-        return list(b.chunk(2, dim=0))
+        return list(split_gate_up(b))
     return [b]
 
 
 def _fuse_rows(name: str, parts: list[torch.Tensor], cfg: GPTModelConfig) -> torch.Tensor:
     """Inverse of :func:`_split_rows`."""
     if name.endswith("linear_qkv"):
-        heads, groups = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
-        head_dim = cfg.kv_channels or cfg.hidden_size // heads
-        r = parts[0].size(-1)
-        q = parts[0].view(groups, heads // groups, head_dim, r)
-        k, v = (p.view(groups, 1, head_dim, r) for p in parts[1:])
-        return torch.cat([q, k, v], dim=1).reshape(-1, r)
-    return torch.cat(parts, dim=0)
+        return QKVLayout.of(cfg).fuse(*parts)
+    if name.endswith("linear_fc1"):
+        return fuse_gate_up(*parts)
+    return parts[0]
 
 
 def _layers(model: ModelOrChunks) -> dict[str, tuple[int, str]]:
@@ -233,9 +227,7 @@ def _out_rows(rest: str, cfg: GPTModelConfig, layer) -> list[int]:
     """Row counts of the HF parts of a wrapped linear's full output."""
     full_out = layer.full_shape("B")[-2]
     if rest.endswith("linear_qkv"):
-        heads, groups = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
-        head_dim = cfg.kv_channels or cfg.hidden_size // heads
-        return [heads * head_dim, groups * head_dim, groups * head_dim]
+        return list(QKVLayout.of(cfg).part_rows())
     if rest.endswith("linear_fc1"):
         return [full_out // 2, full_out // 2]
     return [full_out]

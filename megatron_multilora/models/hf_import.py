@@ -39,6 +39,7 @@ TE layer specs name the norms ``linear_qkv.layer_norm_weight`` and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from typing import Optional
@@ -47,10 +48,11 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
-from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear
+from megatron_multilora.layers.lifecycle import hide_adapters, named_multi_lora_modules
 from megatron_multilora.models.gpt import GPTModelConfig, build_gpt_model
 from megatron_multilora.models.hf_config import hf_to_model_config, read_hf_config
 from megatron_multilora.models.hf_safetensors import SafetensorsFolder
+from megatron_multilora.ops.fused_rows import QKVLayout, fuse_gate_up
 
 __all__ = ["hf_to_model_config", "load_hf_checkpoint", "load_hf_model", "load_hf_tokenizer"]
 
@@ -132,29 +134,22 @@ class _Loader:
     def gated(self, gate: str, up: str, shard: _Shard) -> torch.Tensor:
         """fc1 of a gated MLP: [gate; up], each split over TP on its own, so a rank holds
         [gate_shard; up_shard] (megatron's layout)."""
-        return torch.cat([self.read(gate, shard), self.read(up, shard)])
+        return fuse_gate_up(self.read(gate, shard), self.read(up, shard))
 
     def qkv(self, prefix: str, suffix: str, shard: _Shard) -> torch.Tensor:
-        """Fused q/k/v rows (weight or bias) in megatron's per-group layout
-        ``[groups, (q_per_group + 2) * d, ...]``; this rank's groups only."""
-        cfg = self.cfg
-        heads = cfg.num_attention_heads
-        groups = cfg.num_query_groups or heads
-        d = cfg.kv_channels or cfg.hidden_size // heads
-        q_per_group = heads // groups
-        local = groups // shard.size  # TP holds whole groups (an unsplit param: size 1)
+        """Fused q/k/v rows (weight or bias) in megatron's per-group layout; this rank's
+        groups only."""
+        layout = QKVLayout.of(self.cfg)
+        local = layout.groups // shard.size  # TP holds whole groups (an unsplit param: size 1)
         first = shard.rank * local
 
         def rows(name: str, per_group: int) -> torch.Tensor:
             span = slice(first * per_group, (first + local) * per_group)
             return self.ckpt.read(self.require(f"{prefix}.{name}.{suffix}"), (span,))
 
-        q = rows("q_proj", q_per_group * d)
-        k, v = rows("k_proj", d), rows("v_proj", d)
-        rest = q.shape[1:]
-        return torch.cat([q.reshape(local, q_per_group * d, *rest),
-                          k.reshape(local, d, *rest), v.reshape(local, d, *rest)],
-                         dim=1).reshape(-1, *rest)
+        d = layout.head_dim
+        return layout.fuse(rows("q_proj", layout.q_per_group * d), rows("k_proj", d),
+                           rows("v_proj", d))
 
     # --- mapping -----------------------------------------------------------------------
     def tensor_for(self, key: str, param: torch.Tensor) -> torch.Tensor:
@@ -227,12 +222,14 @@ class _Loader:
 def base_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """The base model's parameters by state-dict key (a wrapped linear's base under its
     unwrapped key, thanks to the wrapper's state-dict hook); adapter slots excluded."""
-    adapters = {id(p) for m in model.modules() if isinstance(m, MultiLoRALinear)
-                for p in m.adapters.parameters()}
+    wrapped = next(named_multi_lora_modules(model), None) is not None
+    with hide_adapters(model) if wrapped else contextlib.nullcontext():
+        state = model.state_dict(keep_vars=True)
     out: dict[str, torch.nn.Parameter] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
-        if isinstance(value, torch.nn.Parameter) and id(value) not in adapters:
-            adapters.add(id(value))  # a shared parameter is filled once, under its first key
+    seen: set[int] = set()
+    for key, value in state.items():
+        if isinstance(value, torch.nn.Parameter) and id(value) not in seen:
+            seen.add(id(value))  # a shared parameter is filled once, under its first key
             out[key] = value
     return out
 
