@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 from megatron_multilora.layers.expert_lora import MultiLoRAGroupedExpertLinear
 from megatron_multilora.layers.lifecycle import ModelOrChunks, named_multi_lora_modules
 from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear
+from megatron_multilora.ops.fused_rows import unshard_gate_up
 
 
 def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
@@ -37,9 +38,7 @@ def gather_factor(layer: MultiLoRALinear, factor: str, local: torch.Tensor) -> t
         return local
     parts = _all_gather(local, layer.sharding.group)
     if factor == "B" and layer.gated_output:
-        # Each rank holds [gate_r; up_r]; the full layout is [gate; up].
-        halves = [p.chunk(2, dim=0) for p in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+        return unshard_gate_up(parts)  # each rank holds [gate_r; up_r]
     return torch.cat(parts, dim=split)
 
 

@@ -39,6 +39,7 @@ from megatron.core.transformer.utils import (
 from megatron_multilora.layers.grouped_gemm import Segments, grouped_linear
 from megatron_multilora.layers.sharding import Sharding
 from megatron_multilora.layers.slot_tokens import SlotTokens
+from megatron_multilora.ops.fused_rows import shard_gate_up
 
 _INIT_METHODS = ("xavier", "kaiming", "normal", "zero")
 _TE_KINDS = {
@@ -283,9 +284,7 @@ class MultiLoRALinear(torch.nn.Module):
             return full
         tp, rank = self.sharding.tp_size, self.sharding.tp_rank
         if factor == "B" and self.gated_output:
-            # A gated fc1's output is [gate; up], and each rank holds [gate_r; up_r].
-            gate, up = full.chunk(2, dim=0)
-            return torch.cat([gate.chunk(tp, 0)[rank], up.chunk(tp, 0)[rank]], dim=0)
+            return shard_gate_up(full, rank, tp)  # a gated fc1's rows: [gate_r; up_r]
         return full.chunk(tp, dim=split)[rank]
 
     def _generator(self, *key: object) -> torch.Generator:
