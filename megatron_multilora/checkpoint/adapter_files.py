@@ -15,13 +15,18 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from megatron_multilora.checkpoint.adapter_folders import (
+    ADAPTER_FORMAT,
+    ADAPTER_TENSORS,
+    CONFIG_FILE,
+    FolderFormat,
+    expect_format,
+)
 from megatron_multilora.checkpoint.adapter_tensors import gather_slot, load_slot, slot_rank_alpha
 from megatron_multilora.checkpoint.files import refuse_existing
 from megatron_multilora.layers.lifecycle import ModelOrChunks
 from megatron_multilora.platform.atomic_files import write_dir_atomic
 
-FORMAT = "megatron-multilora-adapter"
-CONFIG_FILE, TENSORS_FILE = "adapter_config.json", "adapter.safetensors"
 
 
 def export_adapter(model: ModelOrChunks, idx: int, out_dir: str | Path, meta: dict[str, Any],
@@ -32,10 +37,10 @@ def export_adapter(model: ModelOrChunks, idx: int, out_dir: str | Path, meta: di
     rank, alpha = slot_rank_alpha(model, idx)
     if rank < 1 or alpha == 0.0:
         raise ValueError(f"slot {idx} holds no adapter (alpha={alpha}): nothing to export")
-    config = {"format": FORMAT, "version": 1, "rank": rank, "alpha": alpha, **meta}
+    config = {"format": ADAPTER_FORMAT, "version": 1, "rank": rank, "alpha": alpha, **meta}
     if dist.get_rank() == 0:
         def fill(tmp: Path) -> None:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / TENSORS_FILE))
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / ADAPTER_TENSORS))
             (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
         write_dir_atomic(out_dir, fill, overwrite=overwrite)
     dist.barrier()
@@ -44,15 +49,9 @@ def export_adapter(model: ModelOrChunks, idx: int, out_dir: str | Path, meta: di
 
 def read_adapter(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """An adapter folder's config and tensors, with a clear error for anything else."""
+    expect_format(folder, FolderFormat.ADAPTER)
     folder = Path(folder)
-    config_path = folder / CONFIG_FILE
-    if not config_path.is_file() or not (folder / TENSORS_FILE).is_file():
-        raise FileNotFoundError(f"{folder} is not an adapter folder (needs {CONFIG_FILE} and "
-                                f"{TENSORS_FILE})")
-    config = json.loads(config_path.read_text())
-    if config.get("format") != FORMAT:
-        raise ValueError(f"{config_path}: format {config.get('format')!r} is not {FORMAT!r}")
-    return config, load_file(str(folder / TENSORS_FILE))
+    return json.loads((folder / CONFIG_FILE).read_text()), load_file(str(folder / ADAPTER_TENSORS))
 
 
 def import_adapter(model: ModelOrChunks, idx: int, folder: str | Path) -> dict[str, Any]:

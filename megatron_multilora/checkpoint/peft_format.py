@@ -27,6 +27,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from megatron_multilora.checkpoint.adapter_folders import (
+    CONFIG_FILE,
+    PEFT_TENSORS,
+    FolderFormat,
+    expect_format,
+)
 from megatron_multilora.checkpoint.adapter_tensors import gather_slot, load_slot, slot_rank_alpha
 from megatron_multilora.checkpoint.files import refuse_existing
 from megatron_multilora.layers.lifecycle import ModelOrChunks, named_multi_lora_modules
@@ -34,7 +40,6 @@ from megatron_multilora.models.gpt import GPTModelConfig
 from megatron_multilora.ops.fused_rows import QKVLayout, fuse_gate_up, split_gate_up
 from megatron_multilora.platform.atomic_files import write_dir_atomic
 
-CONFIG_FILE, TENSORS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
@@ -122,7 +127,7 @@ def write_peft(out_dir: str | Path, tensors: dict[str, torch.Tensor], config: di
                overwrite: bool = False) -> Path:
     """Write a PEFT folder atomically (call on one process)."""
     def fill(tmp: Path) -> None:
-        save_file(tensors, str(tmp / TENSORS_FILE))
+        save_file(tensors, str(tmp / PEFT_TENSORS))
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     return write_dir_atomic(out_dir, fill, overwrite=overwrite)
 
@@ -146,11 +151,9 @@ def export_peft(model: ModelOrChunks, idx: int, out_dir: str | Path, cfg: GPTMod
 
 
 def read_peft(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    expect_format(folder, FolderFormat.PEFT)
     folder = Path(folder)
-    if not (folder / CONFIG_FILE).is_file() or not (folder / TENSORS_FILE).is_file():
-        raise FileNotFoundError(f"{folder} is not a PEFT adapter folder (needs {CONFIG_FILE} and "
-                                f"{TENSORS_FILE})")
-    return json.loads((folder / CONFIG_FILE).read_text()), load_file(str(folder / TENSORS_FILE))
+    return json.loads((folder / CONFIG_FILE).read_text()), load_file(str(folder / PEFT_TENSORS))
 
 
 def import_peft(model: ModelOrChunks, idx: int, folder: str | Path, cfg: GPTModelConfig,
