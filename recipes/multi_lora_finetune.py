@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 import megatron_multilora as mm
 from megatron.core import parallel_state  # noqa: E402
 from megatron_multilora.checkpoint.adapter_files import export_adapter, import_adapter  # noqa: E402
+from megatron_multilora.checkpoint.adapter_folders import FolderFormat, folder_format
 from megatron_multilora.checkpoint.training_state import (  # noqa: E402
     find_checkpoint,
     read_training_state,
@@ -140,7 +141,7 @@ class MultiLoRAFinetuneRecipe:
 
     def _start(self, state: JobState) -> None:
         job = self.run.adapters[state.index]
-        if job.init_from and (Path(job.init_from) / "adapter_model.safetensors").is_file():
+        if job.init_from and folder_format(job.init_from) is FolderFormat.PEFT:
             import_peft(self.model, state.slot, job.init_from, self.run.model,
                         self._hf_model_type() if self.run.hf_dir else "llama")
         elif job.init_from:

@@ -18,6 +18,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from megatron_multilora.checkpoint.adapter_files import read_adapter
+from megatron_multilora.checkpoint.adapter_folders import FolderFormat, folder_format
 from megatron_multilora.checkpoint.peft_format import peft_config, to_peft_tensors, write_peft
 from megatron_multilora.models.gpt import GPTModelConfig
 
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: the adapter's recorded hf_dir)")
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
-    if (args.source / "state.pt").is_file():
+    if folder_format(args.source) is FolderFormat.TRAINING_CHECKPOINT:
         if not args.job:
             parser.error(f"{args.source} is a training checkpoint: name the adapter with --job")
         tensors, cfg, rank, alpha, dropout, meta = from_checkpoint(args.source, args.job)
