@@ -22,13 +22,20 @@ _QK_NORM_PER_HEAD = ("qwen3", "qwen3_moe")
 _QK_NORM_ACROSS_HEADS = ("olmoe",)
 
 
-def read_hf_config(folder: str) -> dict:
-    """The ``config.json`` of a Hugging Face checkpoint folder, as a dict."""
+def read_hf_config(folder: str | os.PathLike) -> dict:
+    """The ``config.json`` of a Hugging Face checkpoint folder, as a dict (the one place it
+    is read); errors name the file."""
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{folder}: no config.json (not a Hugging Face model folder)")
+        raise FileNotFoundError(f"{path} not found (expected a Hugging Face model folder)")
     with open(path) as f:
-        return json.load(f)
+        try:
+            config = json.load(f)
+        except ValueError as err:
+            raise ValueError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return config
 
 
 def hf_to_model_config(hf_config: dict) -> GPTModelConfig:

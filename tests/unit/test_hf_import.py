@@ -223,3 +223,14 @@ def test_tokenizer_loads_from_folder(tmp_path):
                             pad_token="<pad>").save_pretrained(tmp_path)
     loaded = load_hf_tokenizer(str(tmp_path))
     assert loaded("hello world")["input_ids"] == [3, 4]
+
+
+def test_reading_config_json_names_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"config\.json not found \(expected a Hugging Face"):
+        read_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": ')
+    with pytest.raises(ValueError, match=r"config\.json: not valid JSON"):
+        read_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text('["llama"]')
+    with pytest.raises(ValueError, match=r"config\.json: not a JSON object"):
+        read_hf_config(tmp_path)
