@@ -13,7 +13,6 @@ on every job's held-out data.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from megatron_multilora.data.demo_tasks import exact_match  # noqa: E402
 from megatron_multilora.data.packing import pack_micro_batches, shard_for_data_parallel  # noqa: E402
 from megatron_multilora.checkpoint.peft_format import export_peft, import_peft  # noqa: E402
 from megatron_multilora.data.tokenizer import ByteTokenizer, HFTokenizer  # noqa: E402
+from megatron_multilora.models.hf_config import read_hf_config
 from megatron_multilora.models.hf_import import load_hf_checkpoint, load_hf_tokenizer  # noqa: E402
 from megatron_multilora.training import evaluation, step as train_step  # noqa: E402
 from megatron_multilora.training.config import RunConfig, load_run_config, to_plain, validate  # noqa: E402
@@ -169,7 +169,7 @@ class MultiLoRAFinetuneRecipe:
         self._say(f"step {self.step}: job {job.name} {status} ({reason}); slot {slot} is free")
 
     def _hf_model_type(self) -> str:
-        return json.loads((Path(self.run.hf_dir) / "config.json").read_text())["model_type"]
+        return read_hf_config(self.run.hf_dir)["model_type"]
 
     def _adapter_meta(self, job, state: JobState) -> dict:
         meta = {"name": job.name, "dropout": job.dropout, "targets": list(self.run.lora.targets),

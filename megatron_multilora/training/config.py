@@ -256,15 +256,9 @@ def _saved_adapter_rank(folder: str) -> Optional[int]:
 
 def hf_model_config(folder: str) -> GPTModelConfig:
     """The model config a Hugging Face folder's ``config.json`` describes."""
-    import json
+    from megatron_multilora.models.hf_config import hf_to_model_config, read_hf_config
 
-    from megatron_multilora.models.hf_import import hf_to_model_config
-
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found (expected a Hugging Face model folder)")
-    with open(path) as f:
-        return hf_to_model_config(json.load(f))
+    return hf_to_model_config(read_hf_config(folder))
 
 
 def to_plain(run: RunConfig) -> dict[str, Any]:
