@@ -23,7 +23,7 @@ import sys
 import torch
 
 import megatron_multilora as mm  # first: it quiets megatron's CPU import notices
-from megatron_multilora.models.hf_import import load_hf_model, load_hf_tokenizer  # noqa: E402
+from megatron_multilora.models.hf_import import load_hf_model, load_hf_tokenizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]

@@ -21,11 +21,6 @@ _log = logging.getLogger(__name__)
 _active = False
 
 
-def cpu_support_active() -> bool:
-    """True once :func:`activate_cpu_support` has installed the shims."""
-    return _active
-
-
 class CPURNGStatesTracker:
     """Megatron's RNG-states tracker on the CPU generator.
 
