@@ -20,7 +20,7 @@ from megatron_multilora.layers.lifecycle import (
 from megatron_multilora.layers.multi_lora_linear import LoRASlot, MultiLoRALinear
 from megatron_multilora.models.gpt import GPTModelConfig, build_gpt_model
 from megatron_multilora.parallel import destroy_parallel, init_parallel
-from megatron_multilora.routing.slot_routing import ExpertSlotRouting, install_moe_slot_routing
+from megatron_multilora.layers.slot_routing import ExpertSlotRouting, install_moe_slot_routing
 
 __all__ = [
     "ExpertSlotRouting",

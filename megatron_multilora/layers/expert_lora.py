@@ -7,7 +7,7 @@ slot. For a dispatched row t of slot s routed to local expert e::
 
 Rows reach the experts in the dispatcher's expert-major order, mixed across EP ranks, so the
 slot token counts cannot segment them; the MoE layer's routing hook
-(:mod:`megatron_multilora.routing.slot_routing`) supplies, per forward, the permutation that
+(:mod:`megatron_multilora.layers.slot_routing`) supplies, per forward, the permutation that
 sorts rows by (slot, expert). The LoRA term is then two grouped GEMMs over ``N * E`` groups.
 Expert weights are never tensor-split (expert tensor parallel size 1), so factors are only
 expert-parallel: they are tagged ``allreduce=False`` like megatron's expert weights.

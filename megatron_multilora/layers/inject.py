@@ -13,7 +13,7 @@ from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron_multilora.layers.expert_lora import MultiLoRAGroupedExpertLinear
 from megatron_multilora.layers.lifecycle import ModelOrChunks, _chunks
 from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear, base_kind
-from megatron_multilora.routing.slot_routing import install_moe_slot_routing
+from megatron_multilora.layers.slot_routing import install_moe_slot_routing
 
 DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 

@@ -84,7 +84,7 @@ def co_permute_slot_ids(dispatcher: object, slot_ids: torch.Tensor) -> torch.Ten
         group = dispatcher.tp_ep_group
         if dist.get_world_size(group) > 1:
             gathered = slot_ids.new_empty(slot_ids.numel() * dist.get_world_size(group))
-            dist.all_gather_into_tensor(gathered, slot_ids.contiguous(), group=group)
+            dist.all_gather_single(gathered, slot_ids.contiguous(), group=group)
             slot_ids = gathered
         return slot_ids.index_select(0, dispatcher.reversed_local_input_permutation_mapping)
     raise TypeError(f"no slot routing for {type(dispatcher).__name__}")
