@@ -157,9 +157,11 @@ def check_moe_config(layer: MoELayer) -> None:
 
 
 def install_moe_slot_routing(model: torch.nn.Module | list[torch.nn.Module]) -> int:
-    """Hook every MoE layer whose expert linears carry adapters; return how many were hooked.
+    """Hook every MoE layer whose expert linears carry adapters and are not hooked yet;
+    return how many were hooked by this call.
 
-    Idempotent, and a no-op on models without adapted experts.
+    Idempotent (a second call hooks nothing and returns 0), and a no-op on models without
+    adapted experts.
     """
     hooked = 0
     for chunk in model if isinstance(model, (list, tuple)) else [model]:
@@ -168,11 +170,10 @@ def install_moe_slot_routing(model: torch.nn.Module | list[torch.nn.Module]) -> 
                 continue
             experts = [m for m in layer.experts.children()
                        if isinstance(m, MultiLoRAGroupedExpertLinear)]
-            if not experts:
+            if not experts or getattr(layer.experts, "_slot_routing_handle", None) is not None:
                 continue
             check_moe_config(layer)
-            if getattr(layer.experts, "_slot_routing_handle", None) is None:
-                layer.experts._slot_routing_handle = layer.experts.register_forward_pre_hook(
-                    _slot_routing_hook(layer, experts))
+            layer.experts._slot_routing_handle = layer.experts.register_forward_pre_hook(
+                _slot_routing_hook(layer, experts))
             hooked += 1
     return hooked
