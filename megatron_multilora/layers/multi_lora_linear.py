@@ -74,6 +74,13 @@ def register_slot_buffers(slot: torch.nn.Module, dim: int, alpha: float, dropout
     slot.register_buffer("dropout", torch.tensor(float(dropout), dtype=torch.float32))
 
 
+def all_gather_list(t: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every rank's ``t`` (the same shape on every rank of ``group``), in rank order."""
+    parts = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, t.contiguous(), group=group)
+    return parts
+
+
 def _init_weight(method: str, shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
     w = torch.empty(shape)
     if method == "xavier":
@@ -287,6 +294,19 @@ class MultiLoRALinear(torch.nn.Module):
             gate, up = full.chunk(2, dim=0)
             return torch.cat([gate.chunk(tp, 0)[rank], up.chunk(tp, 0)[rank]], dim=0)
         return full.chunk(tp, dim=split)[rank]
+
+    def gather_full(self, factor: str, local: torch.Tensor) -> torch.Tensor:
+        """The unsharded factor ``"A"`` or ``"B"`` from this rank's shard ``local`` (the
+        inverse of :meth:`local_shard`). Collective over the TP group when the factor is split."""
+        split = self.sharding.a_split_dim if factor == "A" else self.sharding.b_split_dim
+        if split is None:
+            return local
+        parts = all_gather_list(local, self.sharding.group)
+        if factor == "B" and self.gated_output:
+            # Each rank holds [gate_r; up_r]; the full layout is [gate; up].
+            halves = [p.chunk(2, dim=0) for p in parts]
+            return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+        return torch.cat(parts, dim=split)
 
     def _generator(self, *key: object) -> torch.Generator:
         """A CPU generator seeded by (seed, layer name, key): the same on every rank."""
