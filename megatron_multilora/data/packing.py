@@ -28,7 +28,10 @@ class MicroBatch:
     """One packed sequence of ``S`` positions (``S`` a multiple of the pad multiple).
 
     ``counts[s]`` positions of slot ``s`` follow slot ``s - 1``'s; trailing pad positions
-    are counted in the last slot that has positions here.
+    are counted in the last slot that has positions here (they carry no loss).
+    ``ep_slots``: under expert parallelism, the slots with positions in this micro-batch or
+    in those the other expert-parallel ranks run alongside it, whose rows can reach this
+    rank's experts (set by the training step; None: not known).
     """
 
     tokens: torch.Tensor  # [1, S] int64 inputs
@@ -38,6 +41,7 @@ class MicroBatch:
     counts: list[int]  # positions per adapter slot; len == n_slots, sum == S
     examples_per_slot: list[int]
     seq_lengths: list[int]  # positions per example, then the trailing pads as one sequence
+    ep_slots: Optional[tuple[int, ...]] = None
 
     def to(self, device: torch.device) -> "MicroBatch":
         """This micro-batch with its tensors on ``device`` (itself when already there)."""
@@ -60,6 +64,25 @@ class MicroBatch:
         """``[n_slots]`` int64: positions with loss_mask 1 in each slot's span."""
         spans = torch.split(self.loss_mask[0], self.counts)
         return torch.stack([span.sum() for span in spans]).to(torch.int64)
+
+
+def pad_micro_batch(mb: MicroBatch, length: int, pad_id: int) -> MicroBatch:
+    """``mb`` lengthened to ``length`` positions by loss-free pads, as one more sequence (they
+    attend only among themselves) counted in the last slot with positions."""
+    extra = length - mb.tokens.size(1)
+    if extra < 0:
+        raise ValueError(f"cannot pad a micro-batch of {mb.tokens.size(1)} positions to {length}")
+    if extra == 0:
+        return mb
+    pads = torch.full((1, extra), pad_id, dtype=mb.tokens.dtype, device=mb.tokens.device)
+    counts = list(mb.counts)
+    counts[max(i for i, c in enumerate(counts) if c)] += extra
+    return dataclasses.replace(
+        mb, tokens=torch.cat([mb.tokens, pads], 1), labels=torch.cat([mb.labels, pads], 1),
+        loss_mask=torch.cat([mb.loss_mask, mb.loss_mask.new_zeros(1, extra)], 1),
+        position_ids=torch.cat([mb.position_ids, torch.arange(
+            extra, dtype=mb.position_ids.dtype, device=mb.position_ids.device).view(1, extra)], 1),
+        counts=counts, seq_lengths=[*mb.seq_lengths, extra])
 
 
 def _build(items: list[tuple[int, Example]], n_slots: int, pad_multiple: int,

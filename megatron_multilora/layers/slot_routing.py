@@ -122,11 +122,9 @@ def _slot_routing_hook(layer: MoELayer, experts: list[MultiLoRAGroupedExpertLine
         dispatcher = layer.token_dispatcher
         rows = dispatcher.hidden_shape[:-1].numel()
         slot = co_permute_slot_ids(dispatcher, local_slot_ids(tokens, rows, dispatched.device))
-        # Under expert parallelism rows arrive from other ranks' micro-batches, whose slots
-        # this rank does not know: then every slot takes part (an absent one's groups are
-        # empty, so still cost no GEMM work).
-        slots = (tokens.active if dispatcher.ep_size == 1
-                 else tuple(range(experts[0].n_adapters)))
+        # Under expert parallelism rows also arrive from the other ranks' micro-batches: the
+        # slots with tokens on any of them take part (see set_tokens_per_adapter_slot).
+        slots = tokens.active if dispatcher.ep_size == 1 else tokens.ep_slots
         routing = build_expert_slot_routing(slot, tokens_per_expert, slots,
                                             experts[0].n_adapters, experts[0].num_local_experts)
         for expert_linear in experts:

@@ -8,11 +8,13 @@ and gradients are summed (not averaged) over data-parallel ranks (see grad_sync.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_multilora.data.packing import MicroBatch
+from megatron_multilora.data.packing import MicroBatch, pad_micro_batch
 from megatron_multilora.layers.lifecycle import set_tokens_per_adapter_slot
 
 
@@ -28,11 +30,37 @@ def global_loss_tokens(micro_batches: list[MicroBatch], n_slots: int) -> torch.T
 
 def equalize_micro_batches(micro_batches: list[MicroBatch], filler: MicroBatch) -> list[MicroBatch]:
     """Pad every data-parallel rank to the same number of micro-batches with a loss-free
-    filler: expert-parallel collectives run once per forward on every rank."""
+    filler (expert-parallel collectives run once per forward on every rank), then align
+    them with the expert-parallel peers (:func:`align_with_expert_peers`, padding with the
+    filler's pad token)."""
     count = torch.tensor([len(micro_batches)])
     if parallel_state.get_data_parallel_world_size() > 1:
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
-    return micro_batches + [filler] * (int(count) - len(micro_batches))
+    padded = micro_batches + [filler] * (int(count) - len(micro_batches))
+    return align_with_expert_peers(padded, pad_id=int(filler.tokens[0, 0]))
+
+
+def align_with_expert_peers(micro_batches: list[MicroBatch], pad_id: int) -> list[MicroBatch]:
+    """Under expert parallelism, pad each micro-batch to the length of the longest one the
+    other expert-parallel ranks run alongside it, and record in ``ep_slots`` the slots with
+    positions in any of them; one collective per call. Every expert-parallel rank must pass
+    the same number of micro-batches.
+
+    The allgather dispatcher needs equal token counts on every rank. The pads carry no loss
+    and attend only among themselves, so they change no adapter's gradient; ``ep_slots``
+    lets the expert layers run their GEMMs over the slots whose rows can reach them only.
+    """
+    group = parallel_state.get_expert_model_parallel_group()
+    if dist.get_world_size(group) == 1 or not micro_batches:
+        return micro_batches
+    table = torch.zeros(len(micro_batches), 1 + len(micro_batches[0].counts), dtype=torch.int64)
+    for row, mb in zip(table, micro_batches):
+        row[0] = mb.tokens.size(1)
+        row[1:] = torch.tensor(mb.counts) > 0
+    dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
+    return [dataclasses.replace(pad_micro_batch(mb, int(row[0]), pad_id),
+                                ep_slots=tuple(row[1:].nonzero().flatten().tolist()))
+            for mb, row in zip(micro_batches, table)]
 
 
 def forward_backward(model: torch.nn.Module, micro_batches: list[MicroBatch],
@@ -55,7 +83,7 @@ def forward_backward(model: torch.nn.Module, micro_batches: list[MicroBatch],
 
 def _run_micro_batch(model, mb: MicroBatch, weight_per_slot: torch.Tensor,
                      per_slot: torch.Tensor, backward: bool) -> None:
-    set_tokens_per_adapter_slot(model, mb.counts)
+    set_tokens_per_adapter_slot(model, mb.counts, ep_slots=mb.ep_slots)
     token_loss = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
                        packed_seq_params=mb.packed_seq_params())
     slot_of_token = torch.repeat_interleave(torch.arange(len(mb.counts)), torch.tensor(mb.counts),
