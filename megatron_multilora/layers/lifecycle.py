@@ -51,8 +51,10 @@ def set_tokens_per_adapter_slot(model: ModelOrChunks,
     Tokens are the ``[s, b]`` positions flattened sequence-major; the counts must sum to
     ``s * b`` (checked in each layer's forward, naming the layer). Under expert parallelism
     a rank's experts also get rows of the other expert-parallel ranks' micro-batches:
-    ``ep_slots`` are the slots with tokens on any of them (it must include this rank's), and
-    only those take part in the expert GEMMs; without it every slot does.
+    ``ep_slots`` are the slots with tokens on any of them (it must include this rank's, and
+    no rank's rows may belong to a slot outside it), and only those take part in the expert
+    GEMMs; without it every slot does. The training step agrees it in one collective
+    (``training.step.align_with_expert_peers``).
     """
     layers = multi_lora_modules(model)
     counts = check_token_counts(tokens_per_adapter, layers[0].n_adapters)
