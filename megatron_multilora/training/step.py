@@ -8,11 +8,14 @@ and gradients are summed (not averaged) over data-parallel ranks (see grad_sync.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_multilora.data.packing import MicroBatch, pad_micro_batch
 from megatron_multilora.layers.lifecycle import set_tokens_per_adapter_slot
@@ -84,8 +87,14 @@ def forward_backward(model: torch.nn.Module, micro_batches: list[MicroBatch],
 def _run_micro_batch(model, mb: MicroBatch, weight_per_slot: torch.Tensor,
                      per_slot: torch.Tensor, backward: bool) -> None:
     set_tokens_per_adapter_slot(model, mb.counts, ep_slots=mb.ep_slots)
+    # Pads carry no loss, and megatron's padding mask keeps them out of MoE routers'
+    # auxiliary losses, through which they would otherwise change adapters' gradients. A
+    # micro-batch of pads only (a filler) cannot be masked (the aux loss would be 0/0): its
+    # aux-loss gradient is scaled to zero instead, so it trains nothing.
+    only_pads = mb.n_pad == mb.tokens.size(1)
     token_loss = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
-                       packed_seq_params=mb.packed_seq_params())
+                       packed_seq_params=mb.packed_seq_params(),
+                       padding_mask=None if only_pads else mb.padding_mask())
     slot_of_token = torch.repeat_interleave(torch.arange(len(mb.counts)), torch.tensor(mb.counts),
                                             output_size=sum(mb.counts)).to(mb.tokens.device)
     weights = mb.loss_mask[0] * weight_per_slot[slot_of_token]
@@ -94,7 +103,22 @@ def _run_micro_batch(model, mb: MicroBatch, weight_per_slot: torch.Tensor,
     contrib = torch.where(weights > 0, token_loss[0].float() * weights, torch.zeros((), device=weights.device))
     per_slot.index_add_(0, slot_of_token, contrib.detach().double())
     if backward:
-        contrib.sum().backward()
+        with _aux_loss_gradient_scaled(0.0 if only_pads else None):
+            contrib.sum().backward()
+
+
+@contextlib.contextmanager
+def _aux_loss_gradient_scaled(scale: Optional[float]) -> Iterator[None]:
+    """Within, megatron's MoE auxiliary losses back-propagate times ``scale`` (None: as set)."""
+    if scale is None:
+        yield
+        return
+    saved = MoEAuxLossAutoScaler.main_loss_backward_scale
+    MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor(float(scale))
+    try:
+        yield
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = saved
 
 
 def reduce_losses(per_slot: torch.Tensor) -> torch.Tensor:
@@ -111,4 +135,4 @@ def filler_micro_batch(n_slots: int, pad_multiple: int, pad_id: int) -> MicroBat
     return MicroBatch(tokens=pads, labels=pads.clone(), loss_mask=torch.zeros(1, s),
                       position_ids=torch.arange(s).view(1, s),
                       counts=[s] + [0] * (n_slots - 1), examples_per_slot=[0] * n_slots,
-                      seq_lengths=[s])
+                      seq_lengths=[s], n_pad=s)
