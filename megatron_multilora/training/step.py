@@ -49,8 +49,9 @@ def align_with_expert_peers(micro_batches: list[MicroBatch], pad_id: int) -> lis
     positions in any of them; one collective per call. Every expert-parallel rank must pass
     the same number of micro-batches.
 
-    The allgather dispatcher needs equal token counts on every rank. The pads carry no loss
-    and attend only among themselves, so they change no adapter's gradient; ``ep_slots``
+    The allgather dispatcher needs equal token counts on every rank of its TP x EP group;
+    tensor-parallel peers already share their micro-batches, so the EP group is the one to
+    align. The pads change no adapter's gradient (see :func:`_run_micro_batch`); ``ep_slots``
     lets the expert layers run their GEMMs over the slots whose rows can reach them only.
     """
     group = parallel_state.get_expert_model_parallel_group()
