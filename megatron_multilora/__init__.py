@@ -18,9 +18,10 @@ from megatron_multilora.layers.lifecycle import (
     slot_parameters,
 )
 from megatron_multilora.layers.multi_lora_linear import LoRASlot, MultiLoRALinear
+from megatron_multilora.layers.slot_routing import ExpertSlotRouting, install_moe_slot_routing
+from megatron_multilora.layers.slot_tensors import get_slot_tensors, set_slot_tensors
 from megatron_multilora.models.gpt import GPTModelConfig, build_gpt_model
 from megatron_multilora.parallel import destroy_parallel, init_parallel
-from megatron_multilora.routing.slot_routing import ExpertSlotRouting, install_moe_slot_routing
 
 __all__ = [
     "ExpertSlotRouting",
@@ -34,6 +35,7 @@ __all__ = [
     "clear_adapter_slot",
     "destroy_parallel",
     "expose_adapter_slot",
+    "get_slot_tensors",
     "hide_adapters",
     "init_adapter_slot",
     "init_parallel",
@@ -41,6 +43,7 @@ __all__ = [
     "load_adapter",
     "multi_lora_modules",
     "set_adapter_trainability",
+    "set_slot_tensors",
     "set_tokens_per_adapter_slot",
     "slot_parameters",
 ]

@@ -51,7 +51,7 @@ from megatron_multilora.data.packing import MicroBatch, pack_micro_batches  # no
 from megatron_multilora.layers.slot_tokens import SlotTokens  # noqa: E402
 from megatron_multilora.models.specs import transformer_engine_usable  # noqa: E402
 from megatron_multilora.models.torch_modules import TorchGroupedLinear  # noqa: E402
-from megatron_multilora.routing.slot_routing import build_expert_slot_routing  # noqa: E402
+from megatron_multilora.layers.slot_routing import build_expert_slot_routing  # noqa: E402
 from megatron_multilora.training.config import AdapterJob  # noqa: E402
 from megatron_multilora.training.grad_sync import SlotGradSync  # noqa: E402
 from megatron_multilora.training.slot_optimizer import SlotOptimizer, slot_grad_norm  # noqa: E402

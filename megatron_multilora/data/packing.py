@@ -27,8 +27,11 @@ T = TypeVar("T")
 class MicroBatch:
     """One packed sequence of ``S`` positions (``S`` a multiple of the pad multiple).
 
-    ``counts[s]`` positions of slot ``s`` follow slot ``s - 1``'s; trailing pad positions
-    are counted in the last slot that has positions here.
+    ``counts[s]`` positions of slot ``s`` follow slot ``s - 1``'s; the ``n_pad`` trailing
+    pad positions are counted in the last slot that has positions here (they carry no loss).
+    ``ep_slots``: under expert parallelism, the slots with positions in this micro-batch or
+    in those the other expert-parallel ranks run alongside it, whose rows can reach this
+    rank's experts (set by the training step; None: not known).
     """
 
     tokens: torch.Tensor  # [1, S] int64 inputs
@@ -37,7 +40,9 @@ class MicroBatch:
     position_ids: torch.Tensor  # [1, S] int64, restarting at 0 for each example
     counts: list[int]  # positions per adapter slot; len == n_slots, sum == S
     examples_per_slot: list[int]
-    seq_lengths: list[int]  # positions per example, then the trailing pads as one sequence
+    seq_lengths: list[int]  # positions per example, then the trailing pads as sequence(s)
+    n_pad: int = 0  # trailing positions that hold no example
+    ep_slots: Optional[tuple[int, ...]] = None
 
     def to(self, device: torch.device) -> "MicroBatch":
         """This micro-batch with its tensors on ``device`` (itself when already there)."""
@@ -56,10 +61,35 @@ class MicroBatch:
                                max_seqlen_q=longest, max_seqlen_kv=longest,
                                cp_group=parallel_state.get_context_parallel_group(check_initialized=False))
 
+    def padding_mask(self) -> torch.Tensor:
+        """``[1, S]`` bool, True at the pad positions (megatron's MoE ``padding_mask``, which
+        keeps them out of the routers' auxiliary losses)."""
+        size = self.tokens.size(1)
+        return (torch.arange(size, device=self.tokens.device) >= size - self.n_pad).view(1, size)
+
     def loss_tokens_per_slot(self) -> torch.Tensor:
         """``[n_slots]`` int64: positions with loss_mask 1 in each slot's span."""
         spans = torch.split(self.loss_mask[0], self.counts)
         return torch.stack([span.sum() for span in spans]).to(torch.int64)
+
+
+def pad_micro_batch(mb: MicroBatch, length: int, pad_id: int) -> MicroBatch:
+    """``mb`` lengthened to ``length`` positions by loss-free pads, as one more sequence (they
+    attend only among themselves) counted in the last slot with positions."""
+    extra = length - mb.tokens.size(1)
+    if extra < 0:
+        raise ValueError(f"cannot pad a micro-batch of {mb.tokens.size(1)} positions to {length}")
+    if extra == 0:
+        return mb
+    pads = torch.full((1, extra), pad_id, dtype=mb.tokens.dtype, device=mb.tokens.device)
+    counts = list(mb.counts)
+    counts[max(i for i, c in enumerate(counts) if c)] += extra
+    return dataclasses.replace(
+        mb, tokens=torch.cat([mb.tokens, pads], 1), labels=torch.cat([mb.labels, pads], 1),
+        loss_mask=torch.cat([mb.loss_mask, mb.loss_mask.new_zeros(1, extra)], 1),
+        position_ids=torch.cat([mb.position_ids, torch.arange(
+            extra, dtype=mb.position_ids.dtype, device=mb.position_ids.device).view(1, extra)], 1),
+        counts=counts, seq_lengths=[*mb.seq_lengths, extra], n_pad=mb.n_pad + extra)
 
 
 def _build(items: list[tuple[int, Example]], n_slots: int, pad_multiple: int,
@@ -98,6 +128,7 @@ def _build(items: list[tuple[int, Example]], n_slots: int, pad_multiple: int,
         counts=counts,
         examples_per_slot=examples_per_slot,
         seq_lengths=lengths,
+        n_pad=n_pad,
     )
 
 

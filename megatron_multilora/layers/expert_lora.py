@@ -7,7 +7,7 @@ slot. For a dispatched row t of slot s routed to local expert e::
 
 Rows reach the experts in the dispatcher's expert-major order, mixed across EP ranks, so the
 slot token counts cannot segment them; the MoE layer's routing hook
-(:mod:`megatron_multilora.routing.slot_routing`) supplies, per forward, the permutation that
+(:mod:`megatron_multilora.layers.slot_routing`) supplies, per forward, the permutation that
 sorts rows by (slot, expert). The LoRA term is then two grouped GEMMs over ``N * E`` groups.
 Expert weights are never tensor-split (expert tensor parallel size 1), so factors are only
 expert-parallel: they are tagged ``allreduce=False`` like megatron's expert weights.
@@ -25,6 +25,7 @@ from megatron_multilora.layers.grouped_gemm import grouped_linear
 from megatron_multilora.layers.multi_lora_linear import (
     MultiLoRALinear,
     _init_weight,
+    all_gather_list,
     register_slot_buffers,
 )
 from megatron_multilora.layers.sharding import Sharding
@@ -118,6 +119,14 @@ class MultiLoRAGroupedExpertLinear(MultiLoRALinear):
         """This EP rank's local experts of a factor over all experts."""
         ep = parallel_state.get_expert_model_parallel_world_size()
         return full.chunk(ep, dim=0)[parallel_state.get_expert_model_parallel_rank()]
+
+    def gather_full(self, factor: str, local: torch.Tensor) -> torch.Tensor:
+        """A factor over all experts from this EP rank's local experts (inverse of
+        :meth:`local_shard`); collective over the expert-parallel group."""
+        group = parallel_state.get_expert_model_parallel_group()
+        if torch.distributed.get_world_size(group) == 1:
+            return local
+        return torch.cat(all_gather_list(local, group))
 
     def _dropout(self, t: torch.Tensor, slot_of_row: torch.Tensor, tp_sharded: bool) -> torch.Tensor:
         """Inverted dropout of ``t``'s rows, in the dispatcher's order, each at its slot's

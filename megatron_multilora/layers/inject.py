@@ -8,12 +8,13 @@ from typing import Optional, Sequence
 import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.mlp import MLP
-from megatron.core.transformer.moe.experts import TEGroupedMLP
+from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_multilora.layers.expert_lora import MultiLoRAGroupedExpertLinear
 from megatron_multilora.layers.lifecycle import ModelOrChunks, _chunks
 from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear, base_kind
-from megatron_multilora.routing.slot_routing import install_moe_slot_routing
+from megatron_multilora.layers.slot_routing import check_moe_config, install_moe_slot_routing
 
 DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
@@ -68,15 +69,20 @@ def apply_multi_lora(
     Targets are module names (``"linear_qkv"`` matches every ``...linear_qkv``) or
     wildcard patterns over the full path (``"*.layers.0.*.linear_qkv"``). The base is frozen;
     only adapter parameters stay trainable. ``fully_sharded`` selects the S-LoRA layout for
-    TP-split dense linears (see :mod:`.sharding`; expert linears are not TP-split). Already-wrapped modules are left alone, so
-    applying twice with the same settings changes nothing. Returns ``model``.
+    TP-split dense linears (see :mod:`.sharding`; expert linears are not TP-split).
+    Already-wrapped modules are left alone, so applying twice with the same settings changes
+    nothing. Every check (settings, bases, MoE configuration) runs before the model is
+    changed, so on error the model is left as it was. Returns ``model``.
     """
     if seed is None:
         seed = torch.initial_seed() % (2**31)
+    # Every wrapper is built and every check runs before the model is touched: an error
+    # leaves it exactly as it was (not half-wrapped, its base not frozen).
+    planned: list[tuple[torch.nn.Module, str, MultiLoRALinear]] = []  # (parent, child, wrapper)
     wrapped = 0
     for chunk in _chunks(model):
         config_sp = getattr(getattr(chunk, "config", None), "sequence_parallel", False)
-        for name, module in list(chunk.named_modules()):
+        for name, module in chunk.named_modules():
             if isinstance(module, MultiLoRALinear):
                 if (module.n_adapters, module.dim) != (n_adapters, dim):
                     raise ValueError(f"{name} is already wrapped with n_adapters="
@@ -86,8 +92,15 @@ def apply_multi_lora(
                 continue
             if not name or not _matches(name, target_modules):
                 continue
-            if any(isinstance(m, MultiLoRALinear) for m in _ancestors(chunk, name)):
+            ancestors = _ancestors(chunk, name)
+            if any(isinstance(m, MultiLoRALinear) for m in ancestors):
                 continue  # the base inside a wrapper
+            if any(isinstance(m, SequentialMLP) for m in ancestors):
+                raise ValueError(
+                    f"{name} is an expert of a SequentialMLP (megatron's moe_grouped_gemm=False "
+                    "experts): multi-LoRA adapts grouped experts (TEGroupedMLP) only; build the "
+                    "model with moe_grouped_gemm=True, or leave the experts out of "
+                    "target_modules (e.g. '*.self_attention.*' patterns)")
             parent_name, _, child = name.rpartition(".")
             parent = chunk.get_submodule(parent_name) if parent_name else chunk
             gated = _is_gated_fc1(parent, child)
@@ -105,10 +118,18 @@ def apply_multi_lora(
                     gated_output=gated, seed=seed, fully_sharded=fully_sharded)
             else:
                 continue
-            setattr(parent, child, wrapper)
+            planned.append((parent, child, wrapper))
             wrapped += 1
     if wrapped == 0:
         raise ValueError(f"apply_multi_lora: no linear matched target_modules={list(target_modules)}")
+    adapted_experts = {id(parent) for parent, _, w in planned
+                       if isinstance(w, MultiLoRAGroupedExpertLinear)}
+    for chunk in _chunks(model):
+        for layer in chunk.modules():
+            if isinstance(layer, MoELayer) and id(layer.experts) in adapted_experts:
+                check_moe_config(layer)
+    for parent, child, wrapper in planned:
+        setattr(parent, child, wrapper)
     install_moe_slot_routing(model)
     for chunk in _chunks(model):
         _keep_graph_through_recompute(chunk)

@@ -12,7 +12,7 @@ from typing import Iterable, Iterator, Optional, Sequence, Union
 import torch
 
 from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear
-from megatron_multilora.layers.slot_tokens import SlotTokens, check_token_counts
+from megatron_multilora.layers.slot_tokens import SlotTokens, check_ep_slots, check_token_counts
 
 ModelOrChunks = Union[torch.nn.Module, Sequence[torch.nn.Module]]
 
@@ -44,14 +44,22 @@ def num_adapter_slots(model: ModelOrChunks) -> int:
 
 
 def set_tokens_per_adapter_slot(model: ModelOrChunks,
-                                tokens_per_adapter: Union[torch.Tensor, Sequence[int]]) -> None:
+                                tokens_per_adapter: Union[torch.Tensor, Sequence[int]],
+                                ep_slots: Optional[Sequence[int]] = None) -> None:
     """Route the next packed micro-batch: slot i owns the next ``tokens_per_adapter[i]`` tokens.
 
     Tokens are the ``[s, b]`` positions flattened sequence-major; the counts must sum to
-    ``s * b`` (checked in each layer's forward, naming the layer).
+    ``s * b`` (checked in each layer's forward, naming the layer). Under expert parallelism
+    a rank's experts also get rows of the other expert-parallel ranks' micro-batches:
+    ``ep_slots`` are the slots with tokens on any of them (it must include this rank's, and
+    no rank's rows may belong to a slot outside it), and only those take part in the expert
+    GEMMs; without it every slot does. The training step agrees it in one collective
+    (``training.step.align_with_expert_peers``).
     """
     layers = multi_lora_modules(model)
-    tokens = SlotTokens(check_token_counts(tokens_per_adapter, layers[0].n_adapters))
+    counts = check_token_counts(tokens_per_adapter, layers[0].n_adapters)
+    check_ep_slots(ep_slots, counts)
+    tokens = SlotTokens(counts, ep_slots)
     for layer in layers:
         layer.slot_tokens = tokens
 

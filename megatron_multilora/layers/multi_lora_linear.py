@@ -39,7 +39,7 @@ from megatron.core.transformer.utils import (
 from megatron_multilora.layers.grouped_gemm import Segments, grouped_linear
 from megatron_multilora.layers.sharding import Sharding
 from megatron_multilora.layers.slot_tokens import SlotTokens
-from megatron_multilora.ops.fused_rows import shard_gate_up
+from megatron_multilora.ops.fused_rows import shard_gate_up, unshard_gate_up
 
 _INIT_METHODS = ("xavier", "kaiming", "normal", "zero")
 _TE_KINDS = {
@@ -73,6 +73,13 @@ def register_slot_buffers(slot: torch.nn.Module, dim: int, alpha: float, dropout
     slot.register_buffer("rank", torch.tensor(dim, dtype=torch.int64))
     slot.register_buffer("alpha", torch.tensor(float(alpha), dtype=torch.float32))
     slot.register_buffer("dropout", torch.tensor(float(dropout), dtype=torch.float32))
+
+
+def all_gather_list(t: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every rank's ``t`` (the same shape on every rank of ``group``), in rank order."""
+    parts = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, t.contiguous(), group=group)
+    return parts
 
 
 def _init_weight(method: str, shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
@@ -286,6 +293,17 @@ class MultiLoRALinear(torch.nn.Module):
         if factor == "B" and self.gated_output:
             return shard_gate_up(full, rank, tp)  # a gated fc1's rows: [gate_r; up_r]
         return full.chunk(tp, dim=split)[rank]
+
+    def gather_full(self, factor: str, local: torch.Tensor) -> torch.Tensor:
+        """The unsharded factor ``"A"`` or ``"B"`` from this rank's shard ``local`` (the
+        inverse of :meth:`local_shard`). Collective over the TP group when the factor is split."""
+        split = self.sharding.a_split_dim if factor == "A" else self.sharding.b_split_dim
+        if split is None:
+            return local
+        parts = all_gather_list(local, self.sharding.group)
+        if factor == "B" and self.gated_output:
+            return unshard_gate_up(parts)  # each rank holds [gate_r; up_r]
+        return torch.cat(parts, dim=split)
 
     def _generator(self, *key: object) -> torch.Generator:
         """A CPU generator seeded by (seed, layer name, key): the same on every rank."""

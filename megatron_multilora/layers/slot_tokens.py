@@ -8,7 +8,7 @@ overlap with that window.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -36,12 +36,18 @@ class SlotTokens:
     (one group per active slot, rows labelled with the slot id) are built once per distinct
     (window, device) and reused by all layers: a forward costs one host-to-device copy of the
     counts per window, not one per layer, and no device-to-host sync.
+
+    ``ep_slots`` are the slots whose rows can reach this rank's experts under expert
+    parallelism (the active slots of every expert-parallel rank's micro-batch): the expert
+    layers' GEMMs run over these. Default: every slot, since other ranks' slots are unknown.
     """
 
-    def __init__(self, counts: Sequence[int]) -> None:
+    def __init__(self, counts: Sequence[int], ep_slots: Optional[Sequence[int]] = None) -> None:
         self.counts = tuple(int(c) for c in counts)
         self.total = sum(self.counts)
         self.active = tuple(i for i, c in enumerate(self.counts) if c > 0)
+        self.ep_slots = (tuple(range(len(self.counts))) if ep_slots is None
+                         else tuple(sorted(set(ep_slots))))
         self._cache: dict[tuple[int, int, torch.device], Segments] = {}
 
     def segments(self, start: int, rows: int, device: torch.device) -> Segments:
@@ -73,3 +79,18 @@ def check_token_counts(tokens_per_adapter: Sequence[int] | torch.Tensor, n_adapt
         raise ValueError(f"tokens_per_adapter must be non-negative integers; bad entries "
                          f"(slot, value): {bad}")
     return counts
+
+
+def check_ep_slots(ep_slots: Optional[Sequence[int]], counts: Sequence[int]) -> None:
+    """``ep_slots`` must be slot indices and include every slot with tokens here."""
+    if ep_slots is None:
+        return
+    n = len(counts)
+    bad = [s for s in ep_slots if not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < n]
+    if bad:
+        raise ValueError(f"ep_slots must be slot indices in 0..{n - 1}; bad entries: {bad}")
+    missing = [i for i, c in enumerate(counts) if c > 0 and i not in set(ep_slots)]
+    if missing:
+        raise ValueError(f"ep_slots={list(ep_slots)} leaves out slots {missing}, which have tokens "
+                         "in this micro-batch: give the union of every expert-parallel rank's "
+                         "slots with tokens")

@@ -13,7 +13,7 @@ import torch
 
 from megatron_multilora.data.datasets import Example
 from megatron_multilora.data.packing import MicroBatch, pack_micro_batches
-from megatron_multilora.training.step import forward_backward
+from megatron_multilora.training.step import align_with_expert_peers, forward_backward
 
 
 @torch.no_grad()
@@ -22,7 +22,8 @@ def eval_losses(model: torch.nn.Module, slot_examples: Sequence[Sequence[Example
     """``[n_slots]`` mean loss over each slot's examples' loss tokens (nan: no examples)."""
     was_training = model.training
     model.eval()
-    micro_batches = pack_micro_batches(slot_examples, token_budget, pad_multiple, pad_id)
+    micro_batches = align_with_expert_peers(
+        pack_micro_batches(slot_examples, token_budget, pad_multiple, pad_id), pad_id)
     denominators = torch.zeros(len(slot_examples), dtype=torch.int64)
     for mb in micro_batches:
         denominators += mb.loss_tokens_per_slot()
@@ -62,8 +63,9 @@ def greedy_generate(model: torch.nn.Module, prompts: Sequence[tuple[int, list[in
     done = [False] * len(seqs)
     for _ in range(max_new_tokens):
         mb, ends = _packed_prompts(seqs, n_slots, pad_multiple, pad_id)
+        (mb,) = align_with_expert_peers([mb], pad_id)  # pads after every prompt's last token
         mb = mb.to(next(model.parameters()).device)
-        set_tokens_per_adapter_slot(model, mb.counts)
+        set_tokens_per_adapter_slot(model, mb.counts, ep_slots=mb.ep_slots)
         logits = model(mb.tokens, mb.position_ids, None, runtime_gather_output=True,
                        packed_seq_params=mb.packed_seq_params())
         next_ids = logits[0, ends].argmax(dim=-1).tolist()

@@ -8,11 +8,16 @@ and gradients are summed (not averaged) over data-parallel ranks (see grad_sync.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from typing import Iterator, Optional
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-from megatron_multilora.data.packing import MicroBatch
+from megatron_multilora.data.packing import MicroBatch, pad_micro_batch
 from megatron_multilora.layers.lifecycle import set_tokens_per_adapter_slot
 
 
@@ -28,11 +33,38 @@ def global_loss_tokens(micro_batches: list[MicroBatch], n_slots: int) -> torch.T
 
 def equalize_micro_batches(micro_batches: list[MicroBatch], filler: MicroBatch) -> list[MicroBatch]:
     """Pad every data-parallel rank to the same number of micro-batches with a loss-free
-    filler: expert-parallel collectives run once per forward on every rank."""
+    filler (expert-parallel collectives run once per forward on every rank), then align
+    them with the expert-parallel peers (:func:`align_with_expert_peers`, padding with the
+    filler's pad token)."""
     count = torch.tensor([len(micro_batches)])
     if parallel_state.get_data_parallel_world_size() > 1:
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
-    return micro_batches + [filler] * (int(count) - len(micro_batches))
+    padded = micro_batches + [filler] * (int(count) - len(micro_batches))
+    return align_with_expert_peers(padded, pad_id=int(filler.tokens[0, 0]))
+
+
+def align_with_expert_peers(micro_batches: list[MicroBatch], pad_id: int) -> list[MicroBatch]:
+    """Under expert parallelism, pad each micro-batch to the length of the longest one the
+    other expert-parallel ranks run alongside it, and record in ``ep_slots`` the slots with
+    positions in any of them; one collective per call. Every expert-parallel rank must pass
+    the same number of micro-batches.
+
+    The allgather dispatcher needs equal token counts on every rank of its TP x EP group;
+    tensor-parallel peers already share their micro-batches, so the EP group is the one to
+    align. The pads change no adapter's gradient (see :func:`_run_micro_batch`); ``ep_slots``
+    lets the expert layers run their GEMMs over the slots whose rows can reach them only.
+    """
+    group = parallel_state.get_expert_model_parallel_group()
+    if dist.get_world_size(group) == 1 or not micro_batches:
+        return micro_batches
+    table = torch.zeros(len(micro_batches), 1 + len(micro_batches[0].counts), dtype=torch.int64)
+    for row, mb in zip(table, micro_batches):
+        row[0] = mb.tokens.size(1)
+        row[1:] = torch.tensor(mb.counts) > 0
+    dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
+    return [dataclasses.replace(pad_micro_batch(mb, int(row[0]), pad_id),
+                                ep_slots=tuple(row[1:].nonzero().flatten().tolist()))
+            for mb, row in zip(micro_batches, table)]
 
 
 def forward_backward(model: torch.nn.Module, micro_batches: list[MicroBatch],
@@ -55,9 +87,15 @@ def forward_backward(model: torch.nn.Module, micro_batches: list[MicroBatch],
 
 def _run_micro_batch(model, mb: MicroBatch, weight_per_slot: torch.Tensor,
                      per_slot: torch.Tensor, backward: bool) -> None:
-    set_tokens_per_adapter_slot(model, mb.counts)
+    set_tokens_per_adapter_slot(model, mb.counts, ep_slots=mb.ep_slots)
+    # Pads carry no loss, and megatron's padding mask keeps them out of MoE routers'
+    # auxiliary losses, through which they would otherwise change adapters' gradients. A
+    # micro-batch of pads only (a filler) cannot be masked (the aux loss would be 0/0): its
+    # aux-loss gradient is scaled to zero instead, so it trains nothing.
+    only_pads = mb.n_pad == mb.tokens.size(1)
     token_loss = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
-                       packed_seq_params=mb.packed_seq_params())
+                       packed_seq_params=mb.packed_seq_params(),
+                       padding_mask=None if only_pads else mb.padding_mask())
     slot_of_token = torch.repeat_interleave(torch.arange(len(mb.counts)), torch.tensor(mb.counts),
                                             output_size=sum(mb.counts)).to(mb.tokens.device)
     weights = mb.loss_mask[0] * weight_per_slot[slot_of_token]
@@ -66,7 +104,22 @@ def _run_micro_batch(model, mb: MicroBatch, weight_per_slot: torch.Tensor,
     contrib = torch.where(weights > 0, token_loss[0].float() * weights, torch.zeros((), device=weights.device))
     per_slot.index_add_(0, slot_of_token, contrib.detach().double())
     if backward:
-        contrib.sum().backward()
+        with _aux_loss_gradient_scaled(0.0 if only_pads else None):
+            contrib.sum().backward()
+
+
+@contextlib.contextmanager
+def _aux_loss_gradient_scaled(scale: Optional[float]) -> Iterator[None]:
+    """Within, megatron's MoE auxiliary losses back-propagate times ``scale`` (None: as set)."""
+    if scale is None:
+        yield
+        return
+    saved = MoEAuxLossAutoScaler.main_loss_backward_scale
+    MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor(float(scale))
+    try:
+        yield
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = saved
 
 
 def reduce_losses(per_slot: torch.Tensor) -> torch.Tensor:
@@ -83,4 +136,4 @@ def filler_micro_batch(n_slots: int, pad_multiple: int, pad_id: int) -> MicroBat
     return MicroBatch(tokens=pads, labels=pads.clone(), loss_mask=torch.zeros(1, s),
                       position_ids=torch.arange(s).view(1, s),
                       counts=[s] + [0] * (n_slots - 1), examples_per_slot=[0] * n_slots,
-                      seq_lengths=[s])
+                      seq_lengths=[s], n_pad=s)

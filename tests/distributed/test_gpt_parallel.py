@@ -111,7 +111,7 @@ def test_fully_sharded_checkpoint_and_export_equal_default_mode(layout, tmp_path
     """A fully sharded TP=2 model saves a checkpoint the default TP=1 layout loads exactly,
     exports the same adapters, and masks a newly bound rank on the right global rank rows
     (A's rank dim is split over TP ranks)."""
-    from megatron_multilora.checkpoint.adapter_tensors import gather_factor, gather_slot
+    from megatron_multilora.checkpoint.adapter_tensors import gather_slot
     from megatron_multilora.layers.lifecycle import named_multi_lora_modules
 
     layout(tp=1)
@@ -129,7 +129,7 @@ def test_fully_sharded_checkpoint_and_export_equal_default_mode(layout, tmp_path
     mm.clear_adapter_slot(model, 0, init_key="fresh")
     mm.init_adapter_slot(model, 0, 3, 6.0)
     for path_name, layer in named_multi_lora_modules(model):
-        a = gather_factor(layer, "A", layer.adapters[0].linear_in.weight.detach())
+        a = layer.gather_full("A", layer.adapters[0].linear_in.weight.detach())
         if layer.sharding.rank_is_split and not (a[3:].abs().sum() == 0 and a[:3].abs().sum() > 0):
             failures.append(f"{path_name}: rank 3 not masked on the global rank rows")
     rank_split = [layer.sharding.rank_is_split for layer in mm.multi_lora_modules(model)]

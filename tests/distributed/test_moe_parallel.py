@@ -12,7 +12,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
 import megatron_multilora as mm
-from tests.distributed.conftest import assert_all_ranks, compare
+from tests.distributed.conftest import WORLD, assert_all_ranks, compare
 from tests.distributed.harness import (
     build,
     load_full_state,
@@ -143,3 +143,8 @@ def test_expert_adapters_reshard_between_ep1_and_ep2(layout):
     back = gather_slot(model, 2)
     failures += [k for k, v in full.items() if not torch.equal(back[k], v)]
     assert_all_ranks(failures)
+
+
+def test_layout_fixture_skips_an_expert_parallel_size_the_world_cannot_hold(layout):
+    with pytest.raises(pytest.skip.Exception, match=f"ep={2 * WORLD}"):
+        layout(tp=1, ep=2 * WORLD)

@@ -10,7 +10,7 @@ from megatron_multilora.layers import multi_lora_linear
 from megatron_multilora.layers.expert_lora import MultiLoRAGroupedExpertLinear
 from megatron_multilora.layers.slot_tokens import SlotTokens
 from megatron_multilora.models.torch_modules import TorchGroupedLinear
-from megatron_multilora.routing.slot_routing import build_expert_slot_routing
+from megatron_multilora.layers.slot_routing import build_expert_slot_routing
 from tests.reference import linear_config, lora_reference, random_slots
 
 IN, OUT, DIM = 16, 24, 32

@@ -37,6 +37,12 @@ def test_token_count_errors_name_the_problem():
     mm.set_tokens_per_adapter_slot(model, torch.tensor([4, 4, 4, 4]))  # sums to 16
     with pytest.raises(ValueError, match=r"MultiLoRALinear\(test.column\): input has 10 tokens"):
         model(torch.randn(10, 1, IN))
+    with pytest.raises(ValueError, match=r"ep_slots=\[0, 2\] leaves out slots \[3\]"):
+        mm.set_tokens_per_adapter_slot(model, [4, 0, 4, 8], ep_slots=[0, 2])
+    with pytest.raises(ValueError, match=r"slot indices in 0..3; bad entries: \[4\]"):
+        mm.set_tokens_per_adapter_slot(model, [4, 0, 4, 8], ep_slots=[0, 2, 3, 4])
+    mm.set_tokens_per_adapter_slot(model, [4, 0, 4, 8], ep_slots=[3, 1, 0, 2])
+    assert model.q.slot_tokens.ep_slots == (0, 1, 2, 3)
     fresh = mm.MultiLoRALinear(torch.nn.Linear(4, 4), 2, 2, 1.0, "lonely")
     with pytest.raises(RuntimeError, match="set_tokens_per_adapter_slot"):
         fresh(torch.randn(3, 1, 4))

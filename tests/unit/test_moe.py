@@ -110,21 +110,60 @@ def test_router_variants_train_expert_adapters(router):
         assert moe.shared_experts.linear_fc1.adapters[2].linear_out.weight.grad.abs().sum() > 0
 
 
-def test_install_is_idempotent_and_unsupported_moe_settings_are_rejected():
-    model = moe_model()
-    assert mm.install_moe_slot_routing(model) == 1
-    assert mm.install_moe_slot_routing(model) == 1
-    assert len(model.decoder.layers[0].mlp.experts._forward_pre_hooks) == 1
+def plain_moe(dispatcher="alltoall"):
     cfg = mm.GPTModelConfig(num_layers=1, hidden_size=HID, num_attention_heads=4,
-                            ffn_hidden_size=FFN, vocab_size=32, num_moe_experts=E)
-    plain = mm.build_gpt_model(cfg)
-    plain.config.moe_expert_capacity_factor = 1.0
-    plain.config.moe_permute_fusion = True
-    with pytest.raises(ValueError, match="token dropping.*moe_permute_fusion=True"):
-        mm.apply_multi_lora(plain, N, DIM, 1.0)
+                            ffn_hidden_size=FFN, vocab_size=32, num_moe_experts=E,
+                            moe_token_dispatcher_type=dispatcher)
+    torch.manual_seed(0)
+    return mm.build_gpt_model(cfg)
+
+
+def test_install_hooks_once_and_counts_only_new_hooks():
+    model = moe_model()  # apply_multi_lora installed the hook
+    assert len(model.decoder.layers[0].mlp.experts._forward_pre_hooks) == 1
+    assert mm.install_moe_slot_routing(model) == 0  # nothing new to hook
+    assert len(model.decoder.layers[0].mlp.experts._forward_pre_hooks) == 1
+    experts = model.decoder.layers[0].mlp.experts
+    experts._slot_routing_handle.remove()
+    experts._slot_routing_handle = None
+    assert mm.install_moe_slot_routing(model) == 1
     dense = mm.build_gpt_model(mm.GPTModelConfig(num_layers=1, hidden_size=HID,
                                                  num_attention_heads=4, vocab_size=32))
     assert mm.install_moe_slot_routing(mm.apply_multi_lora(dense, N, DIM, 1.0)) == 0
+
+
+def test_refused_moe_setting_leaves_the_model_untouched():
+    """The MoE check runs before any linear is wrapped or the base frozen."""
+    plain = plain_moe()
+    plain.config.moe_expert_capacity_factor = 1.0
+    plain.config.moe_permute_fusion = True
+    before = {n: p.requires_grad for n, p in plain.named_parameters()}
+    types = [type(m) for m in plain.modules()]
+    with pytest.raises(ValueError, match="token dropping.*moe_permute_fusion=True"):
+        mm.apply_multi_lora(plain, N, DIM, 1.0)
+    assert [type(m) for m in plain.modules()] == types  # nothing wrapped
+    assert {n: p.requires_grad for n, p in plain.named_parameters()} == before
+    assert all(before.values())  # the base was trainable and still is
+
+
+def test_sequential_experts_are_refused_naming_the_cause():
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import get_default_pg_collection
+
+    model = plain_moe()
+    moe = model.decoder.layers[0].mlp
+    moe.experts = SequentialMLP(moe.num_local_experts, model.config,
+                                MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                              linear_fc2=RowParallelLinear),
+                                pg_collection=get_default_pg_collection())
+    with pytest.raises(ValueError, match=r"local_experts\.0\.linear_fc1 is an expert of a "
+                                         r"SequentialMLP.*moe_grouped_gemm=True"):
+        mm.apply_multi_lora(model, N, DIM, 1.0)
+    assert not any(isinstance(m, mm.MultiLoRALinear) for m in model.modules())
+    # Leaving the experts out works.
+    mm.apply_multi_lora(model, N, DIM, 1.0, target_modules=["*.self_attention.*"])
 
 
 def test_expert_adapters_follow_the_slot_api():

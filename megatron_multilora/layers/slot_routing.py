@@ -84,7 +84,7 @@ def co_permute_slot_ids(dispatcher: object, slot_ids: torch.Tensor) -> torch.Ten
         group = dispatcher.tp_ep_group
         if dist.get_world_size(group) > 1:
             gathered = slot_ids.new_empty(slot_ids.numel() * dist.get_world_size(group))
-            dist.all_gather_into_tensor(gathered, slot_ids.contiguous(), group=group)
+            dist.all_gather_single(gathered, slot_ids.contiguous(), group=group)
             slot_ids = gathered
         return slot_ids.index_select(0, dispatcher.reversed_local_input_permutation_mapping)
     raise TypeError(f"no slot routing for {type(dispatcher).__name__}")
@@ -122,11 +122,9 @@ def _slot_routing_hook(layer: MoELayer, experts: list[MultiLoRAGroupedExpertLine
         dispatcher = layer.token_dispatcher
         rows = dispatcher.hidden_shape[:-1].numel()
         slot = co_permute_slot_ids(dispatcher, local_slot_ids(tokens, rows, dispatched.device))
-        # Under expert parallelism rows arrive from other ranks' micro-batches, whose slots
-        # this rank does not know: then every slot takes part (an absent one's groups are
-        # empty, so still cost no GEMM work).
-        slots = (tokens.active if dispatcher.ep_size == 1
-                 else tuple(range(experts[0].n_adapters)))
+        # Under expert parallelism rows also arrive from the other ranks' micro-batches: the
+        # slots with tokens on any of them take part (see set_tokens_per_adapter_slot).
+        slots = tokens.active if dispatcher.ep_size == 1 else tokens.ep_slots
         routing = build_expert_slot_routing(slot, tokens_per_expert, slots,
                                             experts[0].n_adapters, experts[0].num_local_experts)
         for expert_linear in experts:
@@ -157,9 +155,11 @@ def check_moe_config(layer: MoELayer) -> None:
 
 
 def install_moe_slot_routing(model: torch.nn.Module | list[torch.nn.Module]) -> int:
-    """Hook every MoE layer whose expert linears carry adapters; return how many were hooked.
+    """Hook every MoE layer whose expert linears carry adapters and are not hooked yet;
+    return how many were hooked by this call.
 
-    Idempotent, and a no-op on models without adapted experts.
+    Idempotent (a second call hooks nothing and returns 0), and a no-op on models without
+    adapted experts.
     """
     hooked = 0
     for chunk in model if isinstance(model, (list, tuple)) else [model]:
@@ -168,11 +168,10 @@ def install_moe_slot_routing(model: torch.nn.Module | list[torch.nn.Module]) -> 
                 continue
             experts = [m for m in layer.experts.children()
                        if isinstance(m, MultiLoRAGroupedExpertLinear)]
-            if not experts:
+            if not experts or getattr(layer.experts, "_slot_routing_handle", None) is not None:
                 continue
             check_moe_config(layer)
-            if getattr(layer.experts, "_slot_routing_handle", None) is None:
-                layer.experts._slot_routing_handle = layer.experts.register_forward_pre_hook(
-                    _slot_routing_hook(layer, experts))
+            layer.experts._slot_routing_handle = layer.experts.register_forward_pre_hook(
+                _slot_routing_hook(layer, experts))
             hooked += 1
     return hooked

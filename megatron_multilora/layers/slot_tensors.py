@@ -1,0 +1,95 @@
+"""One slot's adapter as full, layout-independent tensors, and back into any layout.
+
+:func:`get_slot_tensors` assembles every factor of slot ``idx`` from its tensor-parallel and
+expert-parallel shards into the tensor a TP=1/EP=1 model would hold, cut to the slot's
+rank; :func:`set_slot_tensors` does the inverse for the current layout (padding the rank
+back to the layers' max rank), so callers need not know any shard layout (expert chunks,
+gated fc1's per-rank ``[gate; up]``). Keys are ``<layer path>.adapter.linear_in.weight`` /
+``...linear_out.weight``: A ``[r, in]`` and B ``[out, r]``, with a leading expert dim for
+expert layers. The same functions move optimizer state shaped like the parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from megatron_multilora.layers.lifecycle import ModelOrChunks, multi_lora_modules, named_multi_lora_modules
+from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear
+
+ParamView = Callable[[torch.nn.Parameter], torch.Tensor]
+
+
+def _factors(layer: MultiLoRALinear, idx: int):
+    slot = layer.adapters[idx]
+    return (("A", "linear_in.weight", slot.linear_in.weight),
+            ("B", "linear_out.weight", slot.linear_out.weight))
+
+
+def _cut(factor: str, t: torch.Tensor, rank: int) -> torch.Tensor:
+    return t[..., :rank, :] if factor == "A" else t[..., :rank]
+
+
+def get_slot_tensors(model: ModelOrChunks, idx: int,
+                     value: Optional[ParamView] = None) -> dict[str, torch.Tensor]:
+    """Slot ``idx``'s factors as full fp32 CPU tensors cut to its rank (``value(param)``
+    instead of the parameter, e.g. a gradient or an optimizer moment). Collective: every
+    rank must call it."""
+    multi_lora_modules(model)[0]._check_idx(idx)
+    out = {}
+    for path, layer in named_multi_lora_modules(model):
+        rank = int(layer.adapters[idx].rank)
+        for factor, name, param in _factors(layer, idx):
+            local = (param if value is None else value(param)).detach().float()
+            out[f"{path}.adapter.{name}"] = _cut(factor, layer.gather_full(factor, local), rank).cpu()
+    return out
+
+
+def slot_rank_alpha(model: ModelOrChunks, idx: int) -> tuple[int, float]:
+    """The slot's rank and alpha (the same in every layer)."""
+    slot = multi_lora_modules(model)[0].adapters[idx]
+    return int(slot.rank), float(slot.alpha)
+
+
+def set_slot_tensors(model: ModelOrChunks, idx: int, tensors: dict[str, torch.Tensor], rank: int,
+                     alpha: float, dropout: Optional[float] = None, *,
+                     into: Optional[ParamView] = None) -> None:
+    """Claim slot ``idx`` with ``rank``/``alpha`` (and ``dropout``; None keeps the slot's
+    rate) and load full tensors (as from :func:`get_slot_tensors`) as this rank's shards.
+
+    Keys must match the model's layers exactly and shapes the layers cut to ``rank``
+    (1..max rank); nothing changes unless everything fits. With ``into``, the tensors go into
+    ``into(param)`` (e.g. optimizer state) and the slot itself is left alone.
+    """
+    layers = dict(named_multi_lora_modules(model))
+    next(iter(layers.values()))._check_idx(idx)
+    expected = {f"{p}.adapter.{n}" for p, layer in layers.items() for _, n, _ in _factors(layer, idx)}
+    missing, unexpected = sorted(expected - tensors.keys()), sorted(tensors.keys() - expected)
+    if missing or unexpected:
+        raise KeyError(f"adapter tensors do not match the model's layers: missing {missing[:3]} "
+                       f"({len(missing)}), unexpected {unexpected[:3]} ({len(unexpected)})")
+    dim = next(iter(layers.values())).dim
+    if not isinstance(rank, int) or not 1 <= rank <= dim:
+        raise ValueError(f"rank={rank} is outside 1..{dim} (the layers' max rank)")
+    shards = {}
+    for path, layer in layers.items():
+        for factor, name, param in _factors(layer, idx):
+            full = tensors[f"{path}.adapter.{name}"]
+            padded = torch.zeros(layer.full_shape(factor), dtype=torch.float32)
+            target = _cut(factor, padded, rank)
+            if target.shape != full.shape:
+                raise ValueError(f"{path}.adapter.{name}: shape {tuple(full.shape)} does not "
+                                 f"fit this model (expected {tuple(target.shape)})")
+            target.copy_(full)
+            shards[param] = layer.local_shard(factor, padded)
+    if into is None:
+        for layer in layers.values():
+            layer.init_adapter_slot(idx, rank, alpha, dropout)
+    with torch.no_grad():
+        for param, shard in shards.items():
+            dest = param if into is None else into(param)
+            dest.copy_(shard.to(dest.dtype))
+    if into is None:
+        for layer in layers.values():
+            layer._apply_rank_mask(idx)

@@ -1,1 +1,0 @@
-"""MoE slot routing: which adapter slot each dispatched expert row belongs to."""
