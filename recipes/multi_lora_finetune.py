@@ -1,14 +1,15 @@
 """Fine-tune N LoRA adapter jobs at once on one frozen Megatron-core model.
 
     torchrun --standalone --nproc-per-node 2 recipes/multi_lora_finetune.py \
-        [adapters.0.lr=3e-4 trainer.max_steps=50 parallel.tp=2 ...]
+        [adapters.0.lr=3e-4 trainer.steps_per_job=50 parallel.tp=2 ...]
 
 The story: check the config, start the parallel layout, build the model and wrap it with
 adapter slots, load every job's data, then train. Each trainer step packs every active job's
 global batch into adapter-major micro-batches, runs them with per-adapter loss
 normalisation, and steps each adapter's own optimizer. A job that reaches its budget is
-exported and its slot handed to the next queued job. At the end every adapter is evaluated
-on every job's held-out data.
+exported and its slot handed to the next queued job. At the end jobs that trainer.max_steps
+cut short are exported as they are, every exported adapter is evaluated on every job's
+held-out data, and the run exits with status 1 if a job failed.
 """
 
 from __future__ import annotations
