@@ -194,6 +194,10 @@ def test_steps_per_job_shortens_every_job_with_a_complete_schedule(demo_data, tm
     assert [(s.steps_done, s.status) for s in recipe.queue.states] == [(3, "done"), (3, "done")]
     lrs = losses_by_adapter(tmp_path / "run", "lr")["rev"]
     assert lrs == pytest.approx([3e-3, 2e-3, 1e-3])  # the linear decay ran over 3 steps
+    # Throughput counts every token processed; completion (loss) tokens are a part of them.
+    rates = losses_by_adapter(tmp_path / "run", "tokens_per_s")["add"]
+    loss_rates = losses_by_adapter(tmp_path / "run", "loss_tokens_per_s")["add"]
+    assert all(r > 2 * lr > 0 for r, lr in zip(rates, loss_rates))
 
 
 def test_init_from_keeps_the_adapters_alpha_project_and_rslora_peft(demo_data, tmp_path):
