@@ -40,25 +40,4 @@ def __getattr__(name: str):
     return value
 
 
-__all__ = [
-    "ExpertSlotRouting",
-    "GPTModelConfig",
-    "LoRASlot",
-    "MultiLoRAGroupedExpertLinear",
-    "MultiLoRALinear",
-    "adapter_state_dict",
-    "apply_multi_lora",
-    "build_gpt_model",
-    "clear_adapter_slot",
-    "destroy_parallel",
-    "expose_adapter_slot",
-    "hide_adapters",
-    "init_adapter_slot",
-    "init_parallel",
-    "install_moe_slot_routing",
-    "load_adapter",
-    "multi_lora_modules",
-    "set_adapter_trainability",
-    "set_tokens_per_adapter_slot",
-    "slot_parameters",
-]
+__all__ = sorted(_EXPORTS)
