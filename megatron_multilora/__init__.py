@@ -1,49 +1,45 @@
 """megatron-multilora: train many LoRA adapters at once on one frozen Megatron-core model."""
 
+import importlib
+
 from megatron_multilora.platform.cpu_support import quiet_missing_accelerator_warnings
 
-quiet_missing_accelerator_warnings()  # before megatron is imported below
+quiet_missing_accelerator_warnings()  # before megatron is first imported
 
-from megatron_multilora.layers.expert_lora import MultiLoRAGroupedExpertLinear
-from megatron_multilora.layers.inject import apply_multi_lora, set_adapter_trainability
-from megatron_multilora.layers.lifecycle import (
-    adapter_state_dict,
-    clear_adapter_slot,
-    expose_adapter_slot,
-    hide_adapters,
-    init_adapter_slot,
-    load_adapter,
-    multi_lora_modules,
-    set_tokens_per_adapter_slot,
-    slot_parameters,
-)
-from megatron_multilora.layers.multi_lora_linear import LoRASlot, MultiLoRALinear
-from megatron_multilora.layers.slot_routing import ExpertSlotRouting, install_moe_slot_routing
-from megatron_multilora.layers.slot_tensors import get_slot_tensors, set_slot_tensors
-from megatron_multilora.models.gpt import GPTModelConfig, build_gpt_model
-from megatron_multilora.parallel import destroy_parallel, init_parallel
+# Public names -> their modules, imported on first use (PEP 562): importing megatron takes
+# seconds, and light users (config checks, scripts) must not pay for it.
+_EXPORTS = {
+    "MultiLoRAGroupedExpertLinear": "layers.expert_lora",
+    "apply_multi_lora": "layers.inject",
+    "set_adapter_trainability": "layers.inject",
+    "adapter_state_dict": "layers.lifecycle",
+    "clear_adapter_slot": "layers.lifecycle",
+    "expose_adapter_slot": "layers.lifecycle",
+    "hide_adapters": "layers.lifecycle",
+    "init_adapter_slot": "layers.lifecycle",
+    "load_adapter": "layers.lifecycle",
+    "multi_lora_modules": "layers.lifecycle",
+    "set_tokens_per_adapter_slot": "layers.lifecycle",
+    "slot_parameters": "layers.lifecycle",
+    "LoRASlot": "layers.multi_lora_linear",
+    "MultiLoRALinear": "layers.multi_lora_linear",
+    "get_slot_tensors": "layers.slot_tensors",
+    "set_slot_tensors": "layers.slot_tensors",
+    "GPTModelConfig": "models.gpt",
+    "build_gpt_model": "models.gpt",
+    "destroy_parallel": "parallel",
+    "init_parallel": "parallel",
+    "ExpertSlotRouting": "layers.slot_routing",
+    "install_moe_slot_routing": "layers.slot_routing",
+}
 
-__all__ = [
-    "ExpertSlotRouting",
-    "GPTModelConfig",
-    "LoRASlot",
-    "MultiLoRAGroupedExpertLinear",
-    "MultiLoRALinear",
-    "adapter_state_dict",
-    "apply_multi_lora",
-    "build_gpt_model",
-    "clear_adapter_slot",
-    "destroy_parallel",
-    "expose_adapter_slot",
-    "get_slot_tensors",
-    "hide_adapters",
-    "init_adapter_slot",
-    "init_parallel",
-    "install_moe_slot_routing",
-    "load_adapter",
-    "multi_lora_modules",
-    "set_adapter_trainability",
-    "set_slot_tensors",
-    "set_tokens_per_adapter_slot",
-    "slot_parameters",
-]
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+__all__ = sorted(_EXPORTS)

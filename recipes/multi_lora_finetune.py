@@ -1,50 +1,58 @@
 """Fine-tune N LoRA adapter jobs at once on one frozen Megatron-core model.
 
     torchrun --standalone --nproc-per-node 2 recipes/multi_lora_finetune.py \
-        [adapters.0.lr=3e-4 trainer.max_steps=50 parallel.tp=2 ...]
+        [adapters.0.lr=3e-4 trainer.steps_per_job=50 parallel.tp=2 ...]
 
 The story: check the config, start the parallel layout, build the model and wrap it with
 adapter slots, load every job's data, then train. Each trainer step packs every active job's
 global batch into adapter-major micro-batches, runs them with per-adapter loss
 normalisation, and steps each adapter's own optimizer. A job that reaches its budget is
-exported and its slot handed to the next queued job. At the end every adapter is evaluated
-on every job's held-out data.
+exported and its slot handed to the next queued job. At the end jobs that trainer.max_steps
+cut short are exported as they are, every exported adapter is evaluated on every job's
+held-out data, and the run exits with status 1 if a job failed.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import os
+import sys
 import time
 from pathlib import Path
 
 import hydra
 import torch
-from hydra.core.hydra_config import HydraConfig
 import torch.distributed as dist
-from omegaconf import DictConfig
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
 
-import megatron_multilora as mm
-from megatron.core import parallel_state  # noqa: E402
-from megatron_multilora.checkpoint.adapter_files import export_adapter, import_adapter  # noqa: E402
+import megatron_multilora as mm  # light: its names load megatron on first use
 from megatron_multilora.checkpoint.adapter_folders import FolderFormat, folder_format
-from megatron_multilora.checkpoint.training_state import (  # noqa: E402
-    find_checkpoint,
-    read_training_state,
-    restore_training_checkpoint,
-    save_training_checkpoint,
-)
-from megatron_multilora.data.datasets import Example, load_dataset, read_jsonl_records  # noqa: E402
-from megatron_multilora.data.demo_tasks import exact_match  # noqa: E402
-from megatron_multilora.data.packing import pack_micro_batches, shard_for_data_parallel  # noqa: E402
-from megatron_multilora.checkpoint.peft_format import export_peft, import_peft  # noqa: E402
-from megatron_multilora.data.tokenizer import ByteTokenizer, HFTokenizer  # noqa: E402
+from megatron_multilora.data.datasets import Example, load_dataset, read_jsonl_records
+from megatron_multilora.data.demo_tasks import exact_match
+from megatron_multilora.data.tokenizer import ByteTokenizer, HFTokenizer
 from megatron_multilora.models.hf_config import read_hf_config
-from megatron_multilora.models.hf_import import load_hf_checkpoint, load_hf_tokenizer  # noqa: E402
-from megatron_multilora.training import evaluation, step as train_step  # noqa: E402
-from megatron_multilora.training.config import RunConfig, load_run_config, to_plain, validate  # noqa: E402
-from megatron_multilora.training.grad_sync import SlotGradSync  # noqa: E402
-from megatron_multilora.training.jobs import DONE, FAILED, JobQueue, JobState, planned_steps  # noqa: E402
-from megatron_multilora.training.metrics import (  # noqa: E402
+from megatron_multilora.training.config import (
+    ConfigError,
+    RunConfig,
+    base_model_config,
+    job_alpha,
+    load_run_config,
+    to_plain,
+    validate,
+)
+from megatron_multilora.training.jobs import (
+    ACTIVE,
+    DONE,
+    FAILED,
+    QUEUED,
+    JobQueue,
+    JobState,
+    planned_steps,
+)
+from megatron_multilora.training.metrics import (
     METRICS_FILE,
     MetricsLogger,
     Progress,
@@ -52,14 +60,38 @@ from megatron_multilora.training.metrics import (  # noqa: E402
     format_adapter_line,
     read_metrics,
 )
-from megatron_multilora.training.slot_optimizer import SlotOptimizer, slot_grad_norm  # noqa: E402
+
+
+def _import_training_stack() -> None:
+    """Import the modules that load megatron (seconds) as this module's globals. Called once
+    the config is valid, so that a bad config is reported without waiting for them."""
+    global parallel_state, export_adapter, import_adapter, find_checkpoint, read_training_state
+    global restore_training_checkpoint, save_training_checkpoint, pack_micro_batches
+    global shard_for_data_parallel, export_peft, import_peft, load_hf_checkpoint
+    global load_hf_tokenizer, evaluation, train_step, SlotGradSync, SlotOptimizer, slot_grad_norm
+    from megatron.core import parallel_state
+    from megatron_multilora.checkpoint.adapter_files import export_adapter, import_adapter
+    from megatron_multilora.checkpoint.peft_format import export_peft, import_peft
+    from megatron_multilora.checkpoint.training_state import (
+        find_checkpoint,
+        read_training_state,
+        restore_training_checkpoint,
+        save_training_checkpoint,
+    )
+    from megatron_multilora.data.packing import pack_micro_batches, shard_for_data_parallel
+    from megatron_multilora.models.hf_import import load_hf_checkpoint, load_hf_tokenizer
+    from megatron_multilora.training import evaluation, step as train_step
+    from megatron_multilora.training.grad_sync import SlotGradSync
+    from megatron_multilora.training.slot_optimizer import SlotOptimizer, slot_grad_norm
 
 
 class MultiLoRAFinetuneRecipe:
     def __init__(self, run: RunConfig) -> None:
-        validate(run)  # every config problem, before any process-group work
+        validate(run)  # every config problem, before any process-group work or slow import
+        _import_training_stack()
         self.run = run
         self.run_dir = Path(run.run_dir)
+        self.model_config = base_model_config(run)  # hf_dir's architecture, or run.model
 
     # ----- setup, in order ----------------------------------------------------------------
 
@@ -84,12 +116,14 @@ class MultiLoRAFinetuneRecipe:
         self.eval_data = [load_dataset(j.eval_dataset, self.tokenizer, run.trainer.max_seq_len)
                           [:run.trainer.eval_samples] if j.eval_dataset else []
                           for j in run.adapters]
-        self.queue = JobQueue(run.adapters, [len(d) for d in self.train_data], self.n_slots)
+        self.queue = JobQueue(run.adapters, [len(d) for d in self.train_data], self.n_slots,
+                              run.trainer.steps_per_job)
         self.optimizers: dict[int, SlotOptimizer] = {}
         self.step = 0
         self._resume()
         self.logger = MetricsLogger(self.run_dir, self.is_main, run.logging.wandb_mode,
-                                    run.logging.wandb_project, self.run_dir.name, to_plain(run))
+                                    run.logging.wandb_project, self.run_dir.name,
+                                    {**to_plain(run), "model": dataclasses.asdict(self.model_config)})
         self.filler = train_step.filler_micro_batch(self.n_slots, self.pad_multiple,
                                                     self.tokenizer.pad_id)
         if self.is_main:
@@ -101,7 +135,7 @@ class MultiLoRAFinetuneRecipe:
 
     def _build_model(self) -> torch.nn.Module:
         run = self.run
-        model_cfg = run.model
+        model_cfg = dataclasses.replace(self.model_config)  # recompute is a run setting
         if run.trainer.recompute is not None:
             model_cfg.recompute_granularity = run.trainer.recompute
             if run.trainer.recompute == "selective":
@@ -142,13 +176,14 @@ class MultiLoRAFinetuneRecipe:
     def _start(self, state: JobState) -> None:
         job = self.run.adapters[state.index]
         if job.init_from and folder_format(job.init_from) is FolderFormat.PEFT:
-            import_peft(self.model, state.slot, job.init_from, self.run.model,
+            import_peft(self.model, state.slot, job.init_from, self.model_config,
                         self._hf_model_type() if self.run.hf_dir else "llama")
         elif job.init_from:
             import_adapter(self.model, state.slot, job.init_from)
         else:  # initialised from the job, not the slot: the same adapter in any slot
             mm.clear_adapter_slot(self.model, state.slot, init_key=job.name)
-        mm.init_adapter_slot(self.model, state.slot, job.rank, job.alpha, job.dropout)
+        # An imported adapter keeps its own alpha (validate refused a differing job alpha).
+        mm.init_adapter_slot(self.model, state.slot, job.rank, job_alpha(job), job.dropout)
         self.optimizers[state.slot] = self._optimizer(state.slot, state)
         self._say(f"step {self.step}: job {job.name} starts on slot {state.slot} "
                   f"({state.total_steps} steps)")
@@ -157,37 +192,49 @@ class MultiLoRAFinetuneRecipe:
         job = self.run.adapters[state.index]
         slot = state.slot
         if status == DONE:
-            export_adapter(self.model, slot, self.run_dir / "adapters" / job.name,
-                           self._adapter_meta(job, state), overwrite=True)
-            if self.run.hf_dir:
-                export_peft(self.model, slot, self.run_dir / "peft" / job.name, self.run.model,
-                            self._hf_model_type(), str(Path(self.run.hf_dir).resolve()),
-                            overwrite=True)
+            self._export(state)
         self.queue.release(state, status, reason)
         self.optimizers.pop(slot).zero_grad()
         mm.clear_adapter_slot(self.model, slot)  # weights, rank, alpha back to a fresh slot
         self._say(f"step {self.step}: job {job.name} {status} ({reason}); slot {slot} is free")
 
+    def _export(self, state: JobState) -> None:
+        """Write the job's slot as an adapter folder (and a PEFT folder on an HF base)."""
+        job = self.run.adapters[state.index]
+        export_adapter(self.model, state.slot, self.run_dir / "adapters" / job.name,
+                       self._adapter_meta(job, state), overwrite=True)
+        if self.run.hf_dir:
+            export_peft(self.model, state.slot, self.run_dir / "peft" / job.name,
+                        self.model_config, self._hf_model_type(),
+                        str(Path(self.run.hf_dir).resolve()), overwrite=True,
+                        dropout=job.dropout)
+
     def _hf_model_type(self) -> str:
         return read_hf_config(self.run.hf_dir)["model_type"]
 
     def _adapter_meta(self, job, state: JobState) -> dict:
+        """What an exported adapter (and a checkpoint, for its training jobs) records beside
+        the tensors: enough to rebuild the base's shapes and name its modules."""
         meta = {"name": job.name, "dropout": job.dropout, "targets": list(self.run.lora.targets),
                 "max_rank": self.run.lora.max_rank, "steps": state.steps_done,
-                "base_model": to_plain(self.run)["model"]}
+                "total_steps": state.total_steps, "finished": state.steps_done >= state.total_steps,
+                "base_model": dataclasses.asdict(self.model_config)}
         if self.run.hf_dir:
             meta.update(hf_dir=str(Path(self.run.hf_dir).resolve()), hf_model_type=self._hf_model_type())
         return meta
 
-    def _global_batch(self, active: list[JobState]) -> list[list[Example]]:
+    def _global_batch(self, active: list[JobState]) -> tuple[list[list[Example]], dict[int, int]]:
+        """This rank's examples per slot, and each slot's tokens over all ranks."""
         slot_examples: list[list[Example]] = [[] for _ in range(self.n_slots)]
+        tokens = {}
         for state in active:
             job = self.run.adapters[state.index]
             data = self.train_data[state.index]
             picked = self.queue.next_samples(state, job.global_batch_size, len(data), self.run.seed)
             slot_examples[state.slot] = [data[i] for i in
                                          shard_for_data_parallel(picked, self.dp_rank, self.dp_size)]
-        return slot_examples
+            tokens[state.slot] = sum(len(data[i].tokens) for i in picked)
+        return slot_examples, tokens
 
     def _micro_batches(self, slot_examples, exclude: set[int]):
         kept = [[] if s in exclude else ex for s, ex in enumerate(slot_examples)]
@@ -201,7 +248,7 @@ class MultiLoRAFinetuneRecipe:
 
     def train_one_step(self, active: list[JobState]) -> dict[int, dict[str, float]]:
         """One trainer step; returns per-slot metrics of the slots that stepped."""
-        slot_examples = self._global_batch(active)
+        slot_examples, tokens = self._global_batch(active)
         micro_batches = self._micro_batches(slot_examples, set())
         denominators = train_step.global_loss_tokens(micro_batches, self.n_slots)
         bad: set[int] = set()
@@ -235,8 +282,8 @@ class MultiLoRAFinetuneRecipe:
             opt.step(norms[state.slot])
             state.steps_done += 1
             stats[state.slot] = {"loss": float(losses[state.slot]), "lr": lr,
-                                 "grad_norm": norms[state.slot],
-                                 "tokens": float(denominators[state.slot])}
+                                 "grad_norm": norms[state.slot], "tokens": tokens[state.slot],
+                                 "loss_tokens": float(denominators[state.slot])}
         return stats
 
     def _failing_alone(self, slot_examples, denominators, candidates: set[int]) -> set[int]:
@@ -285,14 +332,18 @@ class MultiLoRAFinetuneRecipe:
                 self._save()
         progress.close()
         self._save()
+        for state in self.queue.active():  # cut short by trainer.max_steps: export as is
+            self._export(state)
 
     def _log_train(self, window, seconds: float, progress: Progress) -> None:
         adapters = {}
         for name, items in window.items():
-            tokens = sum(i["tokens"] for i in items)
+            # Every token processed (prompt and completion); loss tokens separately.
             adapters[name] = {"loss": sum(i["loss"] for i in items) / len(items),
                               "lr": items[-1]["lr"], "grad_norm": items[-1]["grad_norm"],
-                              "tokens_per_s": tokens / max(seconds, 1e-9)}
+                              "tokens_per_s": sum(i["tokens"] for i in items) / max(seconds, 1e-9),
+                              "loss_tokens_per_s": (sum(i["loss_tokens"] for i in items)
+                                                    / max(seconds, 1e-9))}
         if not adapters:
             return
         self.logger.log(self.step, "train", adapters)
@@ -346,52 +397,80 @@ class MultiLoRAFinetuneRecipe:
 
     def _save(self) -> None:
         save_training_checkpoint(self.run_dir, self.step, self.model, self.optimizers,
-                                 {"queue": self.queue.state_dict()}, self.run.checkpoint.keep_last)
+                                 {"queue": self.queue.state_dict(), "adapters": self._training_meta()},
+                                 self.run.checkpoint.keep_last)
+
+    def _training_meta(self) -> dict[str, dict]:
+        """Each training job's adapter meta, for exports from a checkpoint."""
+        return {s.name: self._adapter_meta(self.run.adapters[s.index], s) for s in self.queue.active()}
 
     # ----- the end: every adapter on every task -------------------------------------------
 
-    def finish(self) -> None:
+    def finish(self) -> list[str]:
+        """Evaluate every exported adapter on every task, print the tables and how each job
+        ended; returns the names of the jobs that failed."""
         names, tasks, losses, accuracy = self._adapter_task_tables()
-        if self.is_main and names:
+        if self.is_main:
             from megatron_multilora.training.plots import format_table, plot_heatmap, plot_loss_curves
 
-            print("held-out loss of each adapter (row) on each job's data (column), * = best:")
-            print(format_table(losses, names, tasks, higher_is_better=False))
-            if any(v == v for row in accuracy for v in row):  # some tasks have prompts
-                print("exact-match accuracy of greedy generations:")
-                print(format_table(accuracy, names, tasks), flush=True)
-            self.logger.log(self.step, "eval", {
-                n: {**{f"loss_on_{t}": v for t, v in zip(tasks, lrow)},
-                    **{f"accuracy_on_{t}": v for t, v in zip(tasks, arow)}}
-                for n, lrow, arow in zip(names, losses, accuracy)})
-            if self.run.logging.plots:
-                plot_loss_curves(read_metrics(self.run_dir / METRICS_FILE), self.run_dir / "loss_curves.png")
-                plot_heatmap(losses, names, tasks, self.run_dir / "adapter_task_loss.png",
-                             "held-out loss: adapter (row) x task (column), lower is better")
-                print(f"plots: {self.run_dir / 'loss_curves.png'}, "
-                      f"{self.run_dir / 'adapter_task_loss.png'}")
-        if self.is_main:
-            for state in self.queue.states:
-                where = self.run_dir / "adapters" / state.name if state.status == DONE else "-"
-                print(f"job {state.name}: {state.status} after {state.steps_done} steps "
-                      f"({state.reason}) -> {where}", flush=True)
-            done = [s.name for s in self.queue.states if s.status == DONE]
-            if self.run.hf_dir and done:
-                print(f"PEFT adapters in {self.run_dir / 'peft'}; load one with:\n"
-                      f"  PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("
-                      f"'{self.run.hf_dir}'), '{self.run_dir / 'peft' / done[0]}')", flush=True)
+            if names and tasks:
+                print("held-out loss of each adapter (row) on each job's data (column), * = best:")
+                print(format_table(losses, names, tasks, higher_is_better=False))
+                if any(v == v for row in accuracy for v in row):  # some tasks have prompts
+                    print("exact-match accuracy of greedy generations:")
+                    print(format_table(accuracy, names, tasks), flush=True)
+                self.logger.log(self.step, "eval", {
+                    n: {**{f"loss_on_{t}": v for t, v in zip(tasks, lrow)},
+                        **{f"accuracy_on_{t}": v for t, v in zip(tasks, arow)}}
+                    for n, lrow, arow in zip(names, losses, accuracy)})
+            elif names:
+                print("no job has an eval_dataset: no adapter x task table")
+            records = read_metrics(self.run_dir / METRICS_FILE) if (
+                self.run_dir / METRICS_FILE).is_file() else []
+            if self.run.logging.plots and any(r["kind"] == "train" for r in records):
+                plot_loss_curves(records, self.run_dir / "loss_curves.png")
+                plots = [self.run_dir / "loss_curves.png"]
+                if names and tasks:
+                    plot_heatmap(losses, names, tasks, self.run_dir / "adapter_task_loss.png",
+                                 "held-out loss: adapter (row) x task (column), lower is better")
+                    plots.append(self.run_dir / "adapter_task_loss.png")
+                print(f"plots: {', '.join(map(str, plots))}")
+            self._print_outcome(names)
         self.logger.close()
         dist.barrier()
+        return [s.name for s in self.queue.states if s.status == FAILED]
+
+    def _print_outcome(self, exported: list[str]) -> None:
+        """The last lines of a run: how each job ended and where its adapter is."""
+        limit = f"trainer.max_steps={self.run.trainer.max_steps} reached"
+        for state in self.queue.states:
+            where = self.run_dir / "adapters" / state.name if state.name in exported else "-"
+            how = {DONE: f"done after {state.steps_done} steps",
+                   FAILED: f"FAILED after {state.steps_done} steps ({state.reason}), not exported",
+                   ACTIVE: f"UNFINISHED: {state.steps_done} of {state.total_steps} steps ({limit}), "
+                           "exported as is",
+                   QUEUED: f"not started ({limit})"}[state.status]
+            print(f"job {state.name}: {how} -> {where}", flush=True)
+        if self.run.hf_dir and exported:
+            print(f"PEFT adapters in {self.run_dir / 'peft'}; load one with:\n"
+                  f"  PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("
+                  f"'{self.run.hf_dir}'), '{self.run_dir / 'peft' / exported[0]}')", flush=True)
+        if not self.queue.finished():
+            print(f"the run stopped at {limit} before every job finished: unfinished adapters "
+                  "are marked \"finished\": false in their adapter_config.json; to shorten "
+                  "every job with complete schedules, set trainer.steps_per_job instead",
+                  flush=True)
 
     def _adapter_task_tables(self):
         """Every exported adapter on every job's held-out data, ``n_slots`` adapters at a time:
         (adapter names, task names, loss table, accuracy table)."""
-        finished = [s for s in self.queue.states if s.status == DONE]
+        # Done jobs, and jobs trainer.max_steps cut short (exported at the end of train).
+        exported = [s for s in self.queue.states if s.status in (DONE, ACTIVE)]
         tasks = [i for i, data in enumerate(self.eval_data) if data]
-        losses = [[float("nan")] * len(tasks) for _ in finished]
-        accuracy = [[float("nan")] * len(tasks) for _ in finished]
-        for start in range(0, len(finished), self.n_slots):
-            chunk = finished[start:start + self.n_slots]
+        losses = [[float("nan")] * len(tasks) for _ in exported]
+        accuracy = [[float("nan")] * len(tasks) for _ in exported]
+        for start in range(0, len(exported), self.n_slots) if tasks else []:
+            chunk = exported[start:start + self.n_slots]
             for slot, state in enumerate(chunk):
                 import_adapter(self.model, slot, self.run_dir / "adapters" / state.name)
             for col, task in enumerate(tasks):
@@ -406,7 +485,7 @@ class MultiLoRAFinetuneRecipe:
                     accuracy[start + slot][col] = task_accuracy.get(slot, float("nan"))
             for slot in range(len(chunk)):
                 mm.clear_adapter_slot(self.model, slot)
-        return ([s.name for s in finished], [self.run.adapters[t].name for t in tasks],
+        return ([s.name for s in exported], [self.run.adapters[t].name for t in tasks],
                 losses, accuracy)
 
     def _say(self, line: str) -> None:
@@ -414,16 +493,48 @@ class MultiLoRAFinetuneRecipe:
             print(line, flush=True)
 
 
+def _report_and_exit(message: str, code: int) -> None:
+    """End this process with ``message`` as the launch's one visible error: printed once (by
+    the first process) and, under torchrun, written to the error file its failure summary
+    shows as the root cause, so the message is also the last thing a user reads."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, file=sys.stderr, flush=True)
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if error_file:  # torchelastic's error-file format
+            with open(error_file, "w") as f:
+                json.dump({"message": {"message": message, "extraInfo": {
+                    "py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
+    sys.exit(code)
+
+
+def _record_config(cfg: DictConfig, run_dir: Path) -> None:
+    """What Hydra would write at startup (conf/config.yaml sets hydra.output_subdir=null so
+    that a launch that fails validation leaves an existing run_dir untouched)."""
+    out = run_dir / "hydra"
+    out.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, out / "config.yaml")
+    OmegaConf.save(OmegaConf.create(list(HydraConfig.get().overrides.task)), out / "overrides.yaml")
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run = load_run_config(cfg)
-    # Hydra's output folder is run_dir for a single run and run_dir-multirun/<n> per sweep job.
-    run.run_dir = HydraConfig.get().runtime.output_dir
-    recipe = MultiLoRAFinetuneRecipe(run)
+    try:
+        run = load_run_config(cfg)
+        # Hydra's output folder is run_dir for a single run and run_dir-multirun/<n> per sweep job.
+        run.run_dir = HydraConfig.get().runtime.output_dir
+        recipe = MultiLoRAFinetuneRecipe(run)
+    except ConfigError as err:
+        _report_and_exit(str(err), 2)
+    if int(os.environ.get("RANK", "0")) == 0:
+        _record_config(cfg, Path(run.run_dir))
     recipe.setup()
     recipe.train()
-    recipe.finish()
+    failed = recipe.finish()
     mm.destroy_parallel()
+    if failed:
+        _report_and_exit(f"{len(failed)} of {len(run.adapters)} adapter jobs FAILED: "
+                         f"{', '.join(failed)} (see the job lines above); the others were "
+                         "exported", 1)
 
 
 if __name__ == "__main__":

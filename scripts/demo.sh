@@ -2,7 +2,7 @@
 # The main job: set up (scripts/setup.sh), write the demo datasets and tiny base model if
 # missing, then train 4 adapters on 4 demo tasks at once with the default recipe config on 2
 # CPU processes; adapters are exported in the project's format and as PEFT folders.
-# Extra arguments are Hydra overrides, e.g. `bash scripts/demo.sh trainer.max_steps=20`.
+# Extra arguments are Hydra overrides, e.g. `bash scripts/demo.sh trainer.steps_per_job=20`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

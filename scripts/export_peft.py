@@ -5,8 +5,9 @@
 
 SOURCE is an adapter folder the trainer exported (``adapter_config.json`` +
 ``adapter.safetensors``), or a training checkpoint plus ``--job`` for a job that was still
-training when it was saved (the model config is read from the run's ``hydra/config.yaml``).
-No model is built: the tensors are already full and layout-independent.
+training when it was saved. Either records the base model's resolved architecture (an
+``hf_dir`` run's is its config.json's), the HF model type and the job's dropout. No model is
+built: the tensors are already full and layout-independent.
 """
 
 from __future__ import annotations
@@ -31,9 +32,6 @@ def from_adapter_folder(folder: Path):
 
 def from_checkpoint(folder: Path, job: str):
     import torch
-    from omegaconf import OmegaConf
-
-    from megatron_multilora.training.config import load_run_config
 
     state = torch.load(folder / "state.pt", weights_only=False)
     slots = {s["name"]: s["slot"] for s in state["trainer"]["queue"] if s["status"] == "active"}
@@ -41,14 +39,15 @@ def from_checkpoint(folder: Path, job: str):
         names = ", ".join(sorted(slots)) or "none"
         raise SystemExit(f"job {job!r} was not training in {folder} (training then: {names}); "
                          "finished jobs are exported under <run_dir>/adapters/")
-    run_config = folder.parent.parent / "hydra" / "config.yaml"
-    if not run_config.is_file():
-        raise SystemExit(f"{run_config} not found: cannot tell the model's shape")
-    cfg = load_run_config(OmegaConf.load(run_config)).model
-    meta = state["slots"][slots[job]]
+    if job not in state["trainer"].get("adapters", {}):
+        raise SystemExit(f"{folder} does not record its jobs' base model (a checkpoint from an "
+                         "older version): export the job from a newer checkpoint")
+    meta = state["trainer"]["adapters"][job]
+    slot = state["slots"][slots[job]]
     tensors = load_file(str(folder / f"slot{slots[job]}.safetensors"))
     params = {k[len("param/"):]: v for k, v in tensors.items() if k.startswith("param/")}
-    return params, cfg, meta["rank"], meta["alpha"], meta["dropout"], {}
+    return (params, GPTModelConfig(**meta["base_model"]), slot["rank"], slot["alpha"],
+            meta["dropout"], meta)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,6 @@ adapter leaves out get B = 0; rank is padded to the slot's max rank).
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -33,6 +32,7 @@ from megatron_multilora.checkpoint.adapter_folders import (
     FolderFormat,
     expect_format,
 )
+from megatron_multilora.checkpoint.adapter_scale import peft_alpha
 from megatron_multilora.checkpoint.adapter_tensors import gather_slot, load_slot, slot_rank_alpha
 from megatron_multilora.checkpoint.files import refuse_existing
 from megatron_multilora.layers.lifecycle import ModelOrChunks, named_multi_lora_modules
@@ -134,15 +134,17 @@ def write_peft(out_dir: str | Path, tensors: dict[str, torch.Tensor], config: di
 
 def export_peft(model: ModelOrChunks, idx: int, out_dir: str | Path, cfg: GPTModelConfig,
                 model_type: str = "llama", base_model_name_or_path: str = "",
-                overwrite: bool = False) -> Path:
-    """Write slot ``idx`` as a PEFT LoRA folder (collective: every rank calls it)."""
+                overwrite: bool = False, dropout: Optional[float] = None) -> Path:
+    """Write slot ``idx`` as a PEFT LoRA folder (collective: every rank calls it).
+    ``dropout``: the rate to record (the job's exact value; default: the slot's float32 one)."""
     out_dir = Path(out_dir)
     rank, alpha = slot_rank_alpha(model, idx)
     if alpha == 0.0:
         raise ValueError(f"slot {idx} holds no adapter (alpha 0): nothing to export")
     refuse_existing(out_dir, overwrite)
     tensors, targets = to_peft_tensors(gather_slot(model, idx), cfg, model_type)
-    dropout = float(next(layer for _, layer in named_multi_lora_modules(model)).adapters[idx].dropout)
+    if dropout is None:
+        dropout = float(next(layer for _, layer in named_multi_lora_modules(model)).adapters[idx].dropout)
     if dist.get_rank() == 0:
         write_peft(out_dir, tensors, peft_config(rank, alpha, dropout, targets,
                                                  base_model_name_or_path), overwrite)
@@ -171,9 +173,7 @@ def import_peft(model: ModelOrChunks, idx: int, folder: str | Path, cfg: GPTMode
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise ValueError(f"{where}: rank_pattern/alpha_pattern are not supported: a slot has one "
                          "rank and alpha")
-    r, alpha = int(config["r"]), float(config["lora_alpha"])
-    if config.get("use_rslora"):
-        alpha = alpha * math.sqrt(r)  # rsLoRA scales by alpha/sqrt(r): the same alpha'/r
+    r, alpha = int(config["r"]), peft_alpha(config)
     remaining = dict(peft)
     full = {}
     for path, (layer, rest) in _layers(model).items():

@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
-from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_multilora.models.specs import gpt_block_spec
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
@@ -129,6 +130,11 @@ def transformer_config(
     **overrides: object,
 ) -> TransformerConfig:
     """megatron's TransformerConfig for ``cfg`` under the current parallel layout."""
+    # Imported here, not at the top: config checks read GPTModelConfig and must not wait
+    # seconds for megatron.
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
     tp = parallel_state.get_tensor_model_parallel_world_size()
     ep = parallel_state.get_expert_model_parallel_world_size()
     problems = cfg.check(tp)
@@ -208,6 +214,10 @@ def build_gpt_model(
     """A GPTModel for ``cfg`` on the current parallel layout (call ``init_parallel`` first).
 
     ``config_overrides`` set further megatron TransformerConfig fields."""
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_multilora.models.specs import gpt_block_spec
+
     config = transformer_config(cfg, sequence_parallel, params_dtype, **config_overrides)
     model = GPTModel(
         config=config,

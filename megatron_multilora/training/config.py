@@ -1,20 +1,26 @@
 """The training run's configuration schema and its validation.
 
 Hydra composes YAML from ``conf/``; :func:`load_run_config` merges it onto these dataclasses
-(unknown keys and wrong types fail there) and :func:`validate` collects every remaining
-problem, including dataset files, and raises once — before any process-group work.
-Each field is documented once, here.
+(unknown keys and wrong types fail there, named by their full key) and :func:`validate`
+collects every remaining problem, including dataset files, and raises once — before any
+process-group work. Each field is documented once, here; its default value is given once, in
+``conf/`` (the run-wide settings have none here), except per-job fields (``AdapterJob``) and
+model fields, whose defaults are here and which ``conf/`` files set as they choose.
+
+This module does not import megatron (seconds to load), so a bad config is reported at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megatron_multilora.checkpoint.adapter_scale import declared_rank_alpha
 from megatron_multilora.models.gpt import GPTModelConfig
 
 SCHEDULES = ("constant", "linear", "cosine")
@@ -32,9 +38,13 @@ class AdapterJob:
     dataset: str = MISSING
     """Training JSONL: {"prompt", "completion"} or {"messages": [...]} per line."""
     eval_dataset: Optional[str] = None
-    """Held-out JSONL for eval loss (and accuracy of greedy generations)."""
+    """Held-out JSONL for eval loss (and accuracy of greedy generations); without it the job
+    is left out of evaluations and of the end-of-run adapter x task table."""
     rank: int = 16
-    alpha: float = 32.0
+    alpha: Optional[float] = None
+    """LoRA alpha (scale alpha / rank). null: the init_from adapter's own alpha (a PEFT rsLoRA
+    alpha converted to the same scale), else 2 * rank. A value that differs from the
+    init_from adapter's is refused."""
     dropout: float = 0.0
     """Dropout on this adapter's LoRA input."""
     lr: float = 1e-3
@@ -48,26 +58,28 @@ class AdapterJob:
     global_batch_size: int = 8
     """Samples per optimizer step, over all data-parallel ranks."""
     max_steps: Optional[int] = None
-    """Optimizer steps to train; or give epochs."""
+    """Optimizer steps to train; or give epochs (trainer.steps_per_job overrides both)."""
     epochs: Optional[float] = None
     start_step: int = 0
     """Trainer step from which the job may take a slot (it waits in the queue until then)."""
     init_from: Optional[str] = None
     """An adapter folder to start from instead of a fresh initialisation: one this trainer
-    exported, or a Hugging Face PEFT LoRA folder (rank padded up to lora.max_rank)."""
+    exported, or a Hugging Face PEFT LoRA folder (rank padded up to lora.max_rank). The job's
+    rank must be the adapter's; its alpha is the adapter's (see alpha)."""
 
 
 @dataclasses.dataclass
 class LoRASettings:
-    slots: int = 4
+    slots: int = MISSING
     """Adapter slots trained at once; more jobs than slots wait in a queue."""
-    max_rank: int = 16
+    max_rank: int = MISSING
     """Every slot is allocated at this rank; a job's rank may be lower."""
-    targets: list[str] = dataclasses.field(
-        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
-    column_init_method: str = "xavier"
-    row_init_method: str = "zero"
-    fully_sharded: bool = False
+    targets: list[str] = MISSING
+    """Linears to wrap: names or wildcards (linear_qkv, linear_proj, linear_fc1, linear_fc2)."""
+    column_init_method: str = MISSING
+    row_init_method: str = MISSING
+    """zero (default) leaves the base model unchanged until the adapter trains."""
+    fully_sharded: bool = MISSING
     """Under tensor parallelism, shard every LoRA factor over the TP ranks (S-LoRA layout:
     adapter memory, optimizer state and LoRA GEMMs divide by parallel.tp). Needs max_rank
     divisible by parallel.tp."""
@@ -75,83 +87,110 @@ class LoRASettings:
 
 @dataclasses.dataclass
 class ParallelSettings:
-    tp: int = 1
+    tp: int = MISSING
     """Tensor parallel size."""
-    sp: bool = False
+    sp: bool = MISSING
     """Sequence parallelism (needs tp > 1)."""
-    ep: int = 1
+    ep: int = MISSING
     """Expert parallel size (MoE models). Data parallel size is world / tp."""
 
 
 @dataclasses.dataclass
 class TrainerSettings:
-    max_steps: Optional[int] = None
-    """Stop after this many trainer steps even if jobs remain (null: when all jobs finish)."""
-    micro_batch_tokens: int = 1024
+    max_steps: Optional[int] = MISSING
+    """Stop after this many trainer steps even if jobs remain (null: when all jobs finish).
+    Jobs cut short are exported as they are, marked unfinished; to shorten every job with
+    complete schedules, use steps_per_job."""
+    steps_per_job: Optional[int] = MISSING
+    """Every job's step budget, replacing each job's max_steps/epochs (null: each job's own):
+    a quick run whose learning-rate schedules still complete."""
+    micro_batch_tokens: int = MISSING
     """Token budget of one packed micro-batch (sequence x batch) per data-parallel rank."""
-    max_seq_len: int = 256
+    max_seq_len: int = MISSING
     """Longer samples are truncated (prompt first)."""
-    precision: str = "fp32"
+    precision: str = MISSING
     """fp32, or bf16 (bf16 model and adapters, fp32 adapter master weights and optimizer)."""
-    recompute: Optional[str] = None
+    recompute: Optional[str] = MISSING
     """Activation recompute: null, "full" (every layer) or "selective" (core attention/MoE)."""
-    max_bad_steps: int = 3
+    max_bad_steps: int = MISSING
     """A job whose loss or gradients are non-finite this many steps in a row is stopped."""
-    log_interval: int = 10
-    eval_interval: int = 50
-    eval_samples: int = 32
+    log_interval: int = MISSING
+    eval_interval: int = MISSING
+    """Trainer steps between evaluations of the active jobs; 0: none during training."""
+    eval_samples: int = MISSING
     """Held-out samples per job for eval loss and generation accuracy."""
-    max_new_tokens: int = 16
-    queue_jobs: bool = True
+    max_new_tokens: int = MISSING
+    """Generation length for the exact-match accuracy."""
+    queue_jobs: bool = MISSING
     """False: refuse configs with more jobs than slots instead of queueing them."""
 
 
 @dataclasses.dataclass
 class LoggingSettings:
-    wandb_mode: str = "offline"
-    """offline (default: no account or network), online, or disabled."""
-    wandb_project: str = "megatron-multilora"
-    plots: bool = True
+    wandb_mode: str = MISSING
+    """offline (no account or network), online, or disabled."""
+    wandb_project: str = MISSING
+    plots: bool = MISSING
     """PNG loss curves and the adapter x task heat map at the end of the run."""
 
 
 @dataclasses.dataclass
 class CheckpointSettings:
-    save_interval: Optional[int] = 100
+    save_interval: Optional[int] = MISSING
     """Save every this many trainer steps (and at the end); null: only at the end."""
-    keep_last: int = 2
-    resume: str = "auto"
+    keep_last: int = MISSING
+    resume: str = MISSING
     """auto (latest checkpoint in run_dir if any), never, or a checkpoint folder."""
 
 
 @dataclasses.dataclass
 class RunConfig:
     model: GPTModelConfig = dataclasses.field(default_factory=GPTModelConfig)
-    hf_dir: Optional[str] = None
+    hf_dir: Optional[str] = MISSING
     """A Hugging Face model folder (config.json, safetensors, tokenizer) to fine-tune: the
     model's architecture, weights and tokenizer come from it and ``model`` is ignored;
-    adapters are also exported in PEFT format. Without it, ``model`` is built from scratch
-    with the built-in byte tokenizer."""
+    adapters are also exported in PEFT format. null: ``model`` is built from scratch with the
+    built-in byte tokenizer."""
     lora: LoRASettings = dataclasses.field(default_factory=LoRASettings)
     adapters: list[AdapterJob] = dataclasses.field(default_factory=list)
     parallel: ParallelSettings = dataclasses.field(default_factory=ParallelSettings)
     trainer: TrainerSettings = dataclasses.field(default_factory=TrainerSettings)
     logging: LoggingSettings = dataclasses.field(default_factory=LoggingSettings)
     checkpoint: CheckpointSettings = dataclasses.field(default_factory=CheckpointSettings)
-    run_dir: str = "runs/default"
+    run_dir: str = MISSING
     """Where metrics, checkpoints, exported adapters and plots go."""
-    data_dir: str = "data/demo"
+    data_dir: str = MISSING
     """Folder the default adapter jobs read (scripts/make_demo_data.py writes it)."""
-    seed: int = 1234
+    seed: int = MISSING
 
 
 def load_run_config(cfg: DictConfig | dict) -> RunConfig:
-    """Merge a composed config onto the schema; unknown keys and bad types raise ConfigError."""
+    """Merge a composed config onto the schema; unknown keys, bad types and missing values
+    raise ConfigError naming the full key (e.g. ``adapters.0.rank``)."""
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
-        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+        plain = OmegaConf.to_container(OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg,
+                                       resolve=True)
     except OmegaConfBaseException as err:
-        raise ConfigError(f"invalid configuration: {err}") from None
+        raise ConfigError(f"invalid configuration: {_key(err)}{err.msg}") from None
+    jobs = plain.pop("adapters", []) or []
+    if not isinstance(jobs, list):
+        raise ConfigError(f"invalid configuration: adapters: expected a list of jobs, got {jobs!r}")
+    run = _merge(RunConfig, plain, "")
+    # Merged one by one so that an error names the job (OmegaConf names only the field).
+    run.adapters = [_merge(AdapterJob, job, f"adapters.{i}") for i, job in enumerate(jobs)]
+    return run
+
+
+def _merge(schema: type, values: Any, where: str) -> Any:
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"invalid configuration: {_key(err, where)}{err.msg}") from None
+
+
+def _key(err: OmegaConfBaseException, where: str = "") -> str:
+    key = ".".join(k for k in (where, str(err.full_key or "")) if k)
+    return f"{key}: " if key else ""
 
 
 def world_size() -> int:
@@ -173,16 +212,16 @@ def validate(run: RunConfig, check_files: bool = True) -> None:
     if run.lora.fully_sharded and run.lora.max_rank % max(par.tp, 1):
         problems.append(f"lora.fully_sharded=true splits the rank over parallel.tp={par.tp} ranks: "
                         f"lora.max_rank={run.lora.max_rank} must be a multiple of it")
-    if run.model.num_moe_experts is None and par.ep > 1:
+    model = run.model
+    try:
+        model = base_model_config(run)
+    except (OSError, ValueError) as err:
+        problems.append(f"hf_dir: {err}")
+    problems += [f"model: {p}" for p in model.check(max(par.tp, 1))]
+    if model.num_moe_experts is None and par.ep > 1:
         problems.append("parallel.ep > 1 needs a MoE model (model.num_moe_experts)")
-    if run.hf_dir is not None:
-        try:
-            run.model = hf_model_config(run.hf_dir)
-        except (OSError, ValueError) as err:
-            problems.append(f"hf_dir: {err}")
-    problems += [f"model: {p}" for p in run.model.check(max(par.tp, 1))]
-    if run.model.num_moe_experts and run.model.num_moe_experts % par.ep:
-        problems.append(f"model.num_moe_experts={run.model.num_moe_experts} is not divisible by "
+    if model.num_moe_experts and model.num_moe_experts % par.ep:
+        problems.append(f"model.num_moe_experts={model.num_moe_experts} is not divisible by "
                         f"parallel.ep={par.ep}")
     if tr.precision not in ("fp32", "bf16"):
         problems.append(f"trainer.precision={tr.precision!r}: use fp32 or bf16")
@@ -191,9 +230,11 @@ def validate(run: RunConfig, check_files: bool = True) -> None:
     if tr.max_seq_len > tr.micro_batch_tokens:
         problems.append(f"trainer.max_seq_len={tr.max_seq_len} exceeds trainer.micro_batch_tokens="
                         f"{tr.micro_batch_tokens}")
-    if tr.max_seq_len > run.model.max_sequence_length:
+    if tr.max_seq_len > model.max_sequence_length:
         problems.append(f"trainer.max_seq_len={tr.max_seq_len} exceeds model.max_sequence_length="
-                        f"{run.model.max_sequence_length}")
+                        f"{model.max_sequence_length}")
+    if tr.steps_per_job is not None and tr.steps_per_job < 1:
+        problems.append(f"trainer.steps_per_job={tr.steps_per_job} must be at least 1 (or null)")
     if run.logging.wandb_mode not in ("offline", "online", "disabled"):
         problems.append(f"logging.wandb_mode={run.logging.wandb_mode!r}: use offline, online or "
                         "disabled")
@@ -210,7 +251,7 @@ def validate(run: RunConfig, check_files: bool = True) -> None:
         where = f"adapters.{i} ({job.name})"
         if not 1 <= job.rank <= run.lora.max_rank:
             problems.append(f"{where}: rank={job.rank} is outside 1..lora.max_rank={run.lora.max_rank}")
-        if job.alpha <= 0 or job.lr <= 0:
+        if (job.alpha is not None and job.alpha <= 0) or job.lr <= 0:
             problems.append(f"{where}: alpha and lr must be positive")
         if not 0.0 <= job.dropout < 1.0:
             problems.append(f"{where}: dropout={job.dropout} must be in [0, 1)")
@@ -233,32 +274,44 @@ def validate(run: RunConfig, check_files: bool = True) -> None:
             if job.init_from is not None and not os.path.isdir(job.init_from):
                 problems.append(f"{where}.init_from: {job.init_from} is not a folder")
             elif job.init_from is not None:
-                saved = _saved_adapter_rank(job.init_from)
-                if saved is not None and saved != job.rank:
-                    problems.append(f"{where}: init_from {job.init_from} holds a rank-{saved} "
-                                    f"adapter but rank={job.rank}; set rank={saved} (a "
-                                    "started adapter keeps its rank)")
+                problems += [f"{where}: {p}" for p in _init_from_problems(job)]
     if problems:
         raise ConfigError("the run cannot start:\n  - " + "\n  - ".join(problems))
 
 
-def _saved_adapter_rank(folder: str) -> Optional[int]:
-    """The rank in an adapter folder's config (this project's or PEFT's), if readable."""
-    import json
+def _init_from_problems(job: AdapterJob) -> list[str]:
+    """A started adapter keeps its rank and alpha: the job must not state others."""
+    saved = declared_rank_alpha(job.init_from)
+    if saved is None:
+        return []  # the import names what is wrong with the folder
+    rank, alpha = saved
+    problems = []
+    if rank != job.rank:
+        problems.append(f"init_from {job.init_from} holds a rank-{rank} adapter but rank="
+                        f"{job.rank}; set rank={rank} (a started adapter keeps its rank)")
+    # The saved alpha went through float32: equal up to that precision is the same alpha.
+    if job.alpha is not None and not math.isclose(job.alpha, alpha, rel_tol=1e-6):
+        problems.append(f"init_from {job.init_from} holds an adapter with alpha={alpha:.7g} but "
+                        f"alpha={job.alpha:g}; set alpha={alpha:.7g} or leave alpha unset (a "
+                        "started adapter keeps its scale)")
+    return problems
 
-    try:
-        config = json.loads(open(os.path.join(folder, "adapter_config.json")).read())
-    except (OSError, ValueError):
-        return None  # the import names what is wrong with the folder
-    rank = config.get("rank", config.get("r"))
-    return rank if isinstance(rank, int) else None
+
+def job_alpha(job: AdapterJob) -> float:
+    """The alpha a job trains with (see ``AdapterJob.alpha``)."""
+    if job.alpha is not None:
+        return job.alpha
+    saved = declared_rank_alpha(job.init_from) if job.init_from else None
+    return saved[1] if saved is not None else 2.0 * job.rank
 
 
-def hf_model_config(folder: str) -> GPTModelConfig:
-    """The model config a Hugging Face folder's ``config.json`` describes."""
+def base_model_config(run: RunConfig) -> GPTModelConfig:
+    """The base model's architecture: ``hf_dir``'s config.json, else ``run.model``."""
+    if run.hf_dir is None:
+        return run.model
     from megatron_multilora.models.hf_config import hf_to_model_config, read_hf_config
 
-    return hf_to_model_config(read_hf_config(folder))
+    return hf_to_model_config(read_hf_config(run.hf_dir))
 
 
 def to_plain(run: RunConfig) -> dict[str, Any]:

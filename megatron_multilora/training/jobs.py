@@ -34,8 +34,11 @@ class JobState:
     reason: str = ""
 
 
-def total_steps(job: AdapterJob, dataset_size: int) -> int:
-    """The job's step budget: ``max_steps``, or ``epochs`` over its dataset."""
+def total_steps(job: AdapterJob, dataset_size: int, steps_per_job: Optional[int] = None) -> int:
+    """The job's step budget: ``steps_per_job`` (the trainer-wide override) when given, else
+    its ``max_steps``, or ``epochs`` over its dataset."""
+    if steps_per_job is not None:
+        return steps_per_job
     if job.max_steps is not None:
         return job.max_steps
     return max(1, math.ceil(job.epochs * dataset_size / job.global_batch_size))
@@ -62,10 +65,11 @@ def planned_steps(jobs: list[AdapterJob], states: list[JobState], slots: int) ->
 class JobQueue:
     """Jobs waiting for, holding and leaving adapter slots."""
 
-    def __init__(self, jobs: list[AdapterJob], dataset_sizes: list[int], slots: int) -> None:
+    def __init__(self, jobs: list[AdapterJob], dataset_sizes: list[int], slots: int,
+                 steps_per_job: Optional[int] = None) -> None:
         self.jobs = jobs
         self.slots = slots
-        self.states = [JobState(i, job.name, total_steps(job, n))
+        self.states = [JobState(i, job.name, total_steps(job, n, steps_per_job))
                        for i, (job, n) in enumerate(zip(jobs, dataset_sizes))]
 
     def active(self) -> list[JobState]:

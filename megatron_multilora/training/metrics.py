@@ -187,9 +187,10 @@ def format_adapter_line(step: int, name: str, metrics: Mapping[str, float | None
         return math.nan if v is None else float(v)
 
     fields = [f"{label} {fmt.format(value(key))}" for key, label, fmt in _COLUMNS if key in metrics]
-    if "tokens_per_s" in metrics:
-        fields.append(f"{value('tokens_per_s'):6.0f} tok/s")
-    known = {key for key, _, _ in _COLUMNS} | {"tokens_per_s"}
+    # tok/s: every token processed (prompt and completion); loss tok/s: completion tokens only.
+    rates = (("tokens_per_s", "tok/s"), ("loss_tokens_per_s", "loss tok/s"))
+    fields += [f"{value(key):6.0f} {label}" for key, label in rates if key in metrics]
+    known = {key for key, _, _ in _COLUMNS} | {key for key, _ in rates}
     fields += [f"{key} {value(key):.4g}" for key in metrics if key not in known]
     head = f"step {step:>4d} | {name:<{name_width}}"
     return " | ".join([head + " " + fields[0], *fields[1:]]) if fields else head.rstrip()

@@ -109,21 +109,27 @@ def format_table(matrix: list[list[float]], row_labels: list[str], col_labels: l
                  higher_is_better: bool = True) -> str:
     """A plain-text aligned table; the best value of each column gets a ``*`` suffix.
 
-    Best is the largest value, or the smallest with ``higher_is_better=False``; ties are all
-    marked and NaN/None cells are never best.
+    Best is the largest value, or the smallest with ``higher_is_better=False``, compared as
+    shown (``value_format``): every cell that shows the best value is marked, unless all of
+    the column's values show the same (nothing stands out). NaN/None cells are never best.
     """
     values = _as_array(matrix, row_labels, col_labels)
+    shown = [[value_format.format(v) for v in row] for row in values]
     best = np.zeros(values.shape, dtype=bool)
     if highlight_best_in_column:
         for j in range(values.shape[1]):
-            column = values[:, j]
-            finite = column[np.isfinite(column)]
-            if finite.size:
-                best[:, j] = column == (finite.max() if higher_is_better else finite.min())
+            finite = [i for i in range(values.shape[0]) if np.isfinite(values[i, j])]
+            if not finite:
+                continue
+            pick = max if higher_is_better else min
+            winner = shown[pick(finite, key=lambda i: values[i, j])][j]
+            marked = [i for i in finite if shown[i][j] == winner]
+            if len(marked) < len(finite):
+                best[marked, j] = True
     # A trailing space on unmarked cells keeps the digits of marked and unmarked cells aligned.
     suffix = {True: "*", False: " " if highlight_best_in_column else ""}
-    cells = [[value_format.format(v) + suffix[bool(b)] for v, b in zip(row, best_row)]
-             for row, best_row in zip(values, best)]
+    cells = [[text + suffix[bool(b)] for text, b in zip(row, best_row)]
+             for row, best_row in zip(shown, best)]
     label_width = max(len(label) for label in row_labels)
     widths = [max(len(col_labels[j]), *(len(row[j]) for row in cells))
               for j in range(len(col_labels))]

@@ -2,12 +2,18 @@
 alone), isolation of a diverging job, the job queue, precision and recompute."""
 
 import json
+import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_multilora.training.config import ConfigError
-from tests.recipe.conftest import job, losses_by_adapter, run_in_process
+from tests.recipe.conftest import compose_run, job, losses_by_adapter, run_in_process
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import export_peft  # noqa: E402  (scripts/ is not a package)
 
 REL = 1e-5
 
@@ -96,13 +102,7 @@ def test_moe_model_trains_expert_adapters(demo_data, tmp_path):
 
 
 def test_export_peft_cli_from_adapter_folder_and_checkpoint(demo_data, tmp_path):
-    import sys
-    from pathlib import Path
-
     from safetensors.torch import load_file
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    import export_peft
 
     _, recipe = run_in_process(tmp_path / "run", [job("rev", demo_data, "reverse", 4),
                                                   job("add", demo_data, "add", 8)],
@@ -112,10 +112,6 @@ def test_export_peft_cli_from_adapter_folder_and_checkpoint(demo_data, tmp_path)
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000004"
     with pytest.raises(SystemExit, match="was not training"):
         export_peft.main([str(ckpt), str(tmp_path / "x"), "--job", "rev"])
-    (tmp_path / "run" / "hydra").mkdir(exist_ok=True)  # what a CLI run leaves (Hydra)
-    from omegaconf import OmegaConf
-
-    OmegaConf.save(OmegaConf.structured(recipe.run), tmp_path / "run" / "hydra" / "config.yaml")
     assert export_peft.main([str(ckpt), str(tmp_path / "b"), "--job", "add"]) == 0
     a = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "b" / "adapter_model.safetensors"))
@@ -160,3 +156,99 @@ def test_hf_base_model_run_exports_peft_adapters_peft_can_load(demo_data, tmp_pa
     again, _ = run_in_process(tmp_path / "again", [job("rev", demo_data, "reverse", 1,
                                                         init_from=folder)], [f"hf_dir={base}"])
     assert again["rev"][0] < losses["rev"][0] - 0.05
+
+
+def test_a_run_without_eval_datasets_finishes_and_plots_its_loss_curves(demo_data, tmp_path, capsys):
+    run_in_process(tmp_path / "run", [job("rev", demo_data, "reverse", 2, eval_dataset="null")],
+                   ["logging.plots=true"])
+    out = capsys.readouterr().out
+    assert "no job has an eval_dataset: no adapter x task table" in out
+    assert "job rev: done after 2 steps" in out
+    assert (tmp_path / "run" / "loss_curves.png").is_file()
+    assert not (tmp_path / "run" / "adapter_task_loss.png").exists()
+
+
+def test_a_run_cut_short_by_max_steps_exports_what_it_trained(demo_data, tmp_path, capsys):
+    jobs = [job("rev", demo_data, "reverse", 6), job("add", demo_data, "add", 2),
+            job("sort", demo_data, "sort", 3), job("late", demo_data, "sort", 3, start_step=9)]
+    _, recipe = run_in_process(tmp_path / "run", jobs, ["trainer.max_steps=4"])
+    assert recipe.step == 4  # the run really stopped early, with rev and sort mid-budget
+    out = capsys.readouterr().out
+    adapters = tmp_path / "run" / "adapters"
+    for name, steps, total, finished in (("rev", 4, 6, False), ("add", 2, 2, True),
+                                         ("sort", 2, 3, False)):
+        config = json.loads((adapters / name / "adapter_config.json").read_text())
+        assert (config["steps"], config["total_steps"], config["finished"]) == (steps, total, finished)
+    assert not (adapters / "late").exists()
+    assert (f"job rev: UNFINISHED: 4 of 6 steps (trainer.max_steps=4 reached), exported as is "
+            f"-> {adapters / 'rev'}") in out
+    assert "job late: not started (trainer.max_steps=4 reached) -> -" in out
+    assert "set trainer.steps_per_job instead" in out
+    assert "held-out loss of each adapter" in out  # unfinished adapters are evaluated too
+
+
+def test_steps_per_job_shortens_every_job_with_a_complete_schedule(demo_data, tmp_path):
+    jobs = [job("rev", demo_data, "reverse", 50, schedule="linear", warmup_steps=0),
+            job("add", demo_data, "add", "null", epochs=3)]
+    _, recipe = run_in_process(tmp_path / "run", jobs, ["trainer.steps_per_job=3"])
+    assert [(s.steps_done, s.status) for s in recipe.queue.states] == [(3, "done"), (3, "done")]
+    lrs = losses_by_adapter(tmp_path / "run", "lr")["rev"]
+    assert lrs == pytest.approx([3e-3, 2e-3, 1e-3])  # the linear decay ran over 3 steps
+    # Throughput counts every token processed; completion (loss) tokens are a part of them.
+    rates = losses_by_adapter(tmp_path / "run", "tokens_per_s")["add"]
+    loss_rates = losses_by_adapter(tmp_path / "run", "loss_tokens_per_s")["add"]
+    assert all(r > 2 * lr > 0 for r, lr in zip(rates, loss_rates))
+
+
+def test_init_from_keeps_the_adapters_alpha_project_and_rslora_peft(demo_data, tmp_path):
+    first, _ = run_in_process(tmp_path / "first", [job("rev", demo_data, "reverse", 3, alpha=4)])
+    exported = tmp_path / "first" / "adapters" / "rev"
+    # The same adapter as a PEFT rsLoRA folder: lora_alpha / sqrt(r) is the same scale 4 / 8.
+    peft_dir = tmp_path / "peft"
+    assert export_peft.main([str(exported), str(peft_dir)]) == 0
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
+    config.update(use_rslora=True, lora_alpha=4 / math.sqrt(8))
+    (peft_dir / "adapter_config.json").write_text(json.dumps(config))
+
+    again = {}
+    for name, folder in (("project", exported), ("peft", peft_dir)):
+        again[name], _ = run_in_process(tmp_path / name, [job("rev", demo_data, "reverse", 1,
+                                                               alpha="null", init_from=folder)])
+        saved = json.loads((tmp_path / name / "adapters" / "rev" / "adapter_config.json").read_text())
+        assert saved["alpha"] == pytest.approx(4.0, rel=1e-6), name
+    # Both continue the trained adapter at its own scale: the same first loss.
+    assert again["peft"]["rev"][0] == pytest.approx(again["project"]["rev"][0], rel=1e-5)
+    assert again["project"]["rev"][0] < first["rev"][0] - 0.05
+    # A job alpha that differs from the adapter's is refused, naming the alpha to use.
+    for folder in (exported, peft_dir):
+        with pytest.raises(ConfigError, match=r"alpha=4 but alpha=16; set alpha=4 or leave"):
+            run_in_process(tmp_path / "clash", [job("rev", demo_data, "reverse", 1,
+                                                    init_from=folder)])
+
+
+def test_export_peft_from_a_checkpoint_of_an_hf_run_uses_the_hf_architecture(demo_data, tmp_path):
+    """The HF base (hidden 64) differs from the `model` group (tiny_dense, hidden 128)."""
+    import peft
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM
+
+    from megatron_multilora.models.tiny_hf import write_tiny_llama
+
+    base = write_tiny_llama(tmp_path / "tiny-llama", hidden_size=64)
+    overrides = [f"hf_dir={base}", "checkpoint.save_interval=2"]
+    jobs = [job("rev", demo_data, "reverse", 2), job("add", demo_data, "add", 4, dropout=0.05)]
+    run_in_process(tmp_path / "run", jobs, overrides)
+    # What a CLI run also leaves: the composed config (model group tiny_dense, hf_dir set).
+    (tmp_path / "run" / "hydra").mkdir()
+    OmegaConf.save(OmegaConf.structured(compose_run(overrides)), tmp_path / "run" / "hydra" / "config.yaml")
+    out = tmp_path / "add-peft"
+    assert export_peft.main([str(tmp_path / "run" / "checkpoints" / "step_00000002"), str(out),
+                             "--job", "add"]) == 0
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(base.resolve())
+    assert config["lora_dropout"] == 0.05  # the job's value, not its float32 copy
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(out))
+    assert model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight.shape == (8, 64)
+    # The run's own PEFT export records the job's exact dropout too.
+    run_config = json.loads((tmp_path / "run" / "peft" / "add" / "adapter_config.json").read_text())
+    assert run_config["lora_dropout"] == 0.05

@@ -38,3 +38,9 @@ def test_sample_order_is_reproducible_per_job_and_wraps_epochs():
     assert restored.states[2].status == QUEUED
     with pytest.raises(ValueError, match="differ"):
         JobQueue(jobs()[:2], [10, 10], 2).load_state_dict(q.state_dict())
+
+
+def test_steps_per_job_replaces_every_jobs_budget():
+    q = JobQueue(jobs(), [10, 10, 10], slots=2, steps_per_job=4)
+    assert [s.total_steps for s in q.states] == [4, 4, 4]  # max_steps and epochs alike
+    assert planned_steps(jobs(), q.states, 2) == 8  # c starts at step 4 on the slot a frees

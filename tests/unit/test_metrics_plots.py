@@ -216,3 +216,19 @@ def test_format_table_marks_best_per_column():
     assert [line.split()[1:] for line in lower.splitlines()[2:]] == [
         ["0.9", "0.1*", "nan"], ["0.2*", "0.8", "0.5*"], ["0.9", "0.3", "0.7"]]
     assert "*" not in format_table(matrix, rows, cols, highlight_best_in_column=False)
+
+
+def test_format_table_stars_nothing_when_a_column_shows_one_value():
+    """Ties as shown: all-zero accuracies, and values equal at the shown precision, have no
+    best; a tie for best above a worse value marks every tied cell."""
+    matrix = [[0.0, 0.501, 0.9], [0.0, 0.499, 0.9], [math.nan, 0.5, 0.2]]
+    lines = format_table(matrix, ["a", "b", "c"], ["x", "y", "z"]).splitlines()
+    cells = {line.split()[0]: line.split()[1:] for line in lines[2:]}
+    assert cells == {"a": ["0.00", "0.50", "0.90*"], "b": ["0.00", "0.50", "0.90*"],
+                     "c": ["nan", "0.50", "0.20"]}
+
+
+def test_format_adapter_line_shows_all_tokens_and_loss_tokens_rates():
+    line = format_adapter_line(3, "rev", {"loss": 1.0, "tokens_per_s": 812.0,
+                                          "loss_tokens_per_s": 96.0})
+    assert line.endswith("|    812 tok/s |     96 loss tok/s")

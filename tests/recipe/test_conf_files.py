@@ -1,0 +1,50 @@
+"""Every YAML file in conf/ composes, loads onto the schema and validates: run-wide defaults
+live only in conf/ (the schema has none), so each file must stay complete and consistent."""
+
+import dataclasses
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+from megatron_multilora.data.demo_tasks import write_demo_datasets
+from megatron_multilora.models.tiny_hf import write_tiny_llama
+from megatron_multilora.training import config as schema
+from megatron_multilora.training.config import load_run_config, validate
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+# Group options that only work beside another choice: expert parallelism needs a MoE model.
+PARTNERS = {"parallel=ep2": ["model=tiny_moe", "hf_dir=null"]}
+
+
+def test_every_yaml_file_in_conf_composes_loads_and_validates(tmp_path, monkeypatch):
+    data = tmp_path / "data"
+    write_demo_datasets(data, n_train=16, n_eval=4, seed=0)
+    write_tiny_llama(data / "tiny-llama")  # the default hf_dir, ${data_dir}/tiny-llama
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the 2-process layouts (tp2, ep2) need it
+    files = sorted(p.relative_to(CONF) for p in CONF.rglob("*.yaml"))
+    top = [f.stem for f in files if len(f.parts) == 1]
+    options = [f"{f.parts[0]}={f.stem}" for f in files if len(f.parts) == 2]
+    assert len(files) == 12 and top == ["config", "smollm2"], files
+    runs = [(name, [f"data_dir={data}", f"hf_dir={data / 'tiny-llama'}"]) for name in top]
+    for option in options:
+        # A model option is used when no HF base overrides it.
+        extra = ["hf_dir=null"] if option.startswith("model=") else []
+        runs.append(("config", [f"data_dir={data}", option, *extra, *PARTNERS.get(option, [])]))
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for name, overrides in runs:
+            run = load_run_config(compose(name, overrides=overrides))
+            validate(run)
+            chosen = dict(o.split("=", 1) for o in overrides if "=" in o)
+            if chosen.get("model") == "tiny_moe":
+                assert run.model.num_moe_experts == 4
+            if chosen.get("parallel") == "tp2":
+                assert (run.parallel.tp, run.parallel.sp) == (2, True)
+    assert len(runs) == 2 + 10
+
+
+def test_run_wide_settings_have_their_defaults_only_in_conf():
+    for settings in (schema.LoRASettings, schema.ParallelSettings, schema.TrainerSettings,
+                     schema.LoggingSettings, schema.CheckpointSettings):
+        assert all(f.default == "???" for f in dataclasses.fields(settings)), settings
+    top = {f.name: f.default for f in dataclasses.fields(schema.RunConfig)}
+    assert {top[k] for k in ("hf_dir", "run_dir", "data_dir", "seed")} == {"???"}
