@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -28,7 +29,8 @@ import megatron_multilora as mm
 from megatron.core import parallel_state  # noqa: E402
 from megatron_multilora.checkpoint.adapter_files import export_adapter, import_adapter  # noqa: E402
 from megatron_multilora.checkpoint.training_state import (  # noqa: E402
-    find_checkpoint,
+    find_resume_point,
+    prepare_checkpoint_folder,
     read_training_state,
     restore_training_checkpoint,
     save_training_checkpoint,
@@ -47,11 +49,16 @@ from megatron_multilora.training.metrics import (  # noqa: E402
     METRICS_FILE,
     MetricsLogger,
     Progress,
-    drop_records_after,
     format_adapter_line,
+    keep_first_records,
     read_metrics,
 )
 from megatron_multilora.training.slot_optimizer import SlotOptimizer, slot_grad_norm  # noqa: E402
+
+# What a run writes into run_dir (Hydra's own .hydra/ and log file aside): moved to
+# run_dir/previous/<n> when a run starts over there, so nothing is overwritten or mixed.
+RUN_OUTPUTS = (METRICS_FILE, "checkpoints", "adapters", "peft", "wandb", "loss_curves.png",
+               "adapter_task_loss.png")
 
 
 class MultiLoRAFinetuneRecipe:
@@ -123,18 +130,48 @@ class MultiLoRAFinetuneRecipe:
                              state.total_steps)
 
     def _resume(self) -> None:
-        path = find_checkpoint(self.run_dir, self.run.checkpoint.resume)
-        if path is None:
+        """Continue from the newest intact checkpoint (``checkpoint.resume=auto``; damaged newer
+        ones are set aside) or the one given; or start at step 0 (``never``, or nothing saved
+        yet), moving an earlier run's outputs aside so nothing is overwritten or logged twice."""
+        self._saved: tuple[int, Path] | None = None  # (step, folder) of the last checkpoint
+        point = find_resume_point(self.run_dir, self.run.checkpoint.resume)
+        for note in point.notes:
+            self._say(note)
+        if point.path is None:
+            if self.is_main:
+                self._move_previous_run_aside()
+            dist.barrier()
             return
-        saved = read_training_state(path)
+        if self.is_main:
+            for line in prepare_checkpoint_folder(self.run_dir, point):
+                print(line, flush=True)
+        dist.barrier()
+        saved = read_training_state(point.path)
         self.queue.load_state_dict(saved["trainer"]["queue"])
         by_slot = {s.slot: s for s in self.queue.active()}
         self.optimizers = restore_training_checkpoint(
-            path, saved, self.model, lambda slot: self._optimizer(slot, by_slot[slot]))
+            point.path, saved, self.model, lambda slot: self._optimizer(slot, by_slot[slot]))
         self.step = saved["step"]
-        if dist.get_rank() == 0:
-            drop_records_after(self.run_dir / METRICS_FILE, self.step)
-            print(f"resumed from {path} at step {self.step}", flush=True)
+        self._saved = (self.step, point.path)
+        if self.is_main:
+            keep_first_records(self.run_dir / METRICS_FILE, saved["trainer"]["metrics_records"])
+            print(f"resumed from {point.path} at step {self.step}", flush=True)
+
+    def _move_previous_run_aside(self) -> None:
+        found = [name for name in RUN_OUTPUTS if (self.run_dir / name).exists()]
+        if not found:
+            return
+        n = 1
+        while (self.run_dir / "previous" / str(n)).exists():
+            n += 1
+        dest = self.run_dir / "previous" / str(n)
+        dest.mkdir(parents=True)
+        for name in found:
+            os.replace(self.run_dir / name, dest / name)
+        why = ("checkpoint.resume=never" if self.run.checkpoint.resume == "never"
+               else "no checkpoint to resume")
+        print(f"{self.run_dir} holds an earlier run ({why}): starting at step 0, its outputs "
+              f"({', '.join(found)}) moved to {dest}", flush=True)
 
     # ----- training -----------------------------------------------------------------------
 
@@ -343,9 +380,16 @@ class MultiLoRAFinetuneRecipe:
             hits.setdefault(slot, []).append(exact_match(self.tokenizer.decode(out), answer))
         return {slot: sum(h) / len(h) for slot, h in hits.items()}
 
-    def _save(self) -> None:
-        save_training_checkpoint(self.run_dir, self.step, self.model, self.optimizers,
-                                 {"queue": self.queue.state_dict()}, self.run.checkpoint.keep_last)
+    def _save(self) -> Path:
+        """Checkpoint the current step, once: a step already saved (or resumed from) is not
+        written again."""
+        if self._saved is None or self._saved[0] != self.step:
+            path = save_training_checkpoint(
+                self.run_dir, self.step, self.model, self.optimizers,
+                {"queue": self.queue.state_dict(), "metrics_records": self.logger.records},
+                self.run.checkpoint.keep_last)
+            self._saved = (self.step, path)
+        return self._saved[1]
 
     # ----- the end: every adapter on every task -------------------------------------------
 
