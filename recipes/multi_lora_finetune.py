@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -54,6 +55,7 @@ from megatron_multilora.training.metrics import (  # noqa: E402
     read_metrics,
 )
 from megatron_multilora.training.slot_optimizer import SlotOptimizer, slot_grad_norm  # noqa: E402
+from megatron_multilora.training.stop import RunStopped, agreed_stop, stop_on_signals  # noqa: E402
 
 # What a run writes into run_dir (Hydra's own .hydra/ and log file aside): moved to
 # run_dir/previous/<n> when a run starts over there, so nothing is overwritten or mixed.
@@ -294,6 +296,7 @@ class MultiLoRAFinetuneRecipe:
         window: dict[str, list[float]] = {}
         window_start = time.perf_counter()
         while not self.queue.finished() and (tr.max_steps is None or self.step < tr.max_steps):
+            self._stop_if_signalled()
             for state in self.queue.admit(self.step):
                 self._start(state)
             active = self.queue.active()
@@ -391,6 +394,19 @@ class MultiLoRAFinetuneRecipe:
             self._saved = (self.step, path)
         return self._saved[1]
 
+    def _stop_if_signalled(self) -> None:
+        """At a step boundary: if any rank got SIGTERM/SIGINT, every rank saves and stops here."""
+        signum = agreed_stop(next(self.model.parameters()).device)
+        if signum:
+            raise RunStopped(signum, self.step, self._save())
+
+    def stopped(self, stop: RunStopped) -> None:
+        """Say where a stopped run can be resumed; release the logger and process group."""
+        self._say(f"{stop}. Resume it with the same command (checkpoint.resume=auto, the "
+                  f"default) or with checkpoint.resume={stop.checkpoint}.")
+        self.logger.close()
+        mm.destroy_parallel()
+
     # ----- the end: every adapter on every task -------------------------------------------
 
     def finish(self) -> None:
@@ -463,8 +479,13 @@ def main(cfg: DictConfig) -> None:
     # Hydra's output folder is run_dir for a single run and run_dir-multirun/<n> per sweep job.
     run.run_dir = HydraConfig.get().runtime.output_dir
     recipe = MultiLoRAFinetuneRecipe(run)
-    recipe.setup()
-    recipe.train()
+    try:
+        with stop_on_signals():  # SIGTERM / Ctrl-C: finish the step, save, stop (training/stop.py)
+            recipe.setup()
+            recipe.train()
+    except RunStopped as stop:
+        recipe.stopped(stop)
+        sys.exit(128 + stop.signum)  # the shell convention for "ended by this signal"
     recipe.finish()
     mm.destroy_parallel()
 

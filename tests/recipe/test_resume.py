@@ -1,9 +1,11 @@
 """Resuming in-process (world of one): damaged checkpoints, leftovers of killed writes, a missing
-``latest.json``, starting over in a used run_dir, and an explicit older checkpoint. Every resumed run must log exactly the uninterrupted run's records, once."""
+``latest.json``, starting over in a used run_dir, an explicit older checkpoint, and a stop
+signal. Every resumed run must log exactly the uninterrupted run's records, once."""
 
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,8 @@ import megatron_multilora as mm
 from megatron_multilora.checkpoint.files import verify_manifest
 from megatron_multilora.checkpoint.training_state import CheckpointError
 from megatron_multilora.training.metrics import read_metrics
-from tests.recipe.conftest import job, losses_by_adapter, run_in_process
+from megatron_multilora.training.stop import RunStopped, stop_on_signals
+from tests.recipe.conftest import compose_run, job, losses_by_adapter, run_in_process, QUIET
 
 # Jobs of 8 steps stopped at trainer step 6: the last checkpoint still holds both slots.
 SAVES = ["checkpoint.save_interval=2", "checkpoint.keep_last=3", "trainer.max_steps=6"]
@@ -165,3 +168,36 @@ def test_explicit_older_checkpoint_sets_the_newer_ones_aside(finished, demo_data
         assert (aside / "manifest.json").read_bytes() == \
             (step_dir(finished, step) / "manifest.json").read_bytes()
         verify_manifest(step_dir(run_dir, step))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_stop_signal_saves_at_the_step_boundary_and_resumes_identically(signum, finished, demo_data,
+                                                                         tmp_path, capsys):
+    from recipes.multi_lora_finetune import MultiLoRAFinetuneRecipe
+
+    run_dir = tmp_path / "run"
+    recipe = MultiLoRAFinetuneRecipe(compose_run([*QUIET, f"run_dir={run_dir}", "lora.slots=2",
+                                                  f"adapters=[{','.join(jobs(demo_data))}]", *SAVES]))
+    step = recipe.train_one_step
+
+    def signalled_during_step_3(active):
+        if recipe.step == 2:
+            os.kill(os.getpid(), signum)  # arrives mid-step; the step still completes
+        return step(active)
+
+    recipe.train_one_step = signalled_during_step_3
+    handler = signal.getsignal(signum)
+    try:
+        with stop_on_signals(), pytest.raises(RunStopped) as stop:
+            recipe.setup()
+            recipe.train()
+    finally:
+        mm.destroy_parallel()
+    assert (stop.value.signum, stop.value.step, stop.value.checkpoint) == (signum, 3, step_dir(run_dir, 3))
+    assert signal.getsignal(signum) is handler  # put back
+    verify_manifest(step_dir(run_dir, 3))  # between the save interval's steps 2 and 4
+    assert losses_by_adapter(run_dir)["rev"] == losses_by_adapter(finished)["rev"][:3]
+
+    out = resume(run_dir, demo_data, capsys)
+    assert f"resumed from {step_dir(run_dir, 3)} at step 3" in out
+    assert records(run_dir) == records(finished)
