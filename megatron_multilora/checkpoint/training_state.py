@@ -218,7 +218,7 @@ def prepare_checkpoint_folder(run_dir: str | Path, point: ResumePoint) -> list[s
         write_json_atomic(root / LATEST, {"step": _step_of(remaining[0]), "path": remaining[0].name})
     elif (root / LATEST).exists():
         (root / LATEST).unlink()
-    return done + point.notes
+    return done
 
 
 def _read(path: Path, load: Callable[[str], Any]) -> Any:
