@@ -401,7 +401,7 @@ class MultiLoRAFinetuneRecipe:
             raise RunStopped(signum, self.step, self._save())
 
     def stopped(self, stop: RunStopped) -> None:
-        """Say where a stopped run can be resumed; release the logger and process group."""
+        """Say where a stopped run can be resumed; close the logger, tear down the layout."""
         self._say(f"{stop}. Resume it with the same command (checkpoint.resume=auto, the "
                   f"default) or with checkpoint.resume={stop.checkpoint}.")
         self.logger.close()
