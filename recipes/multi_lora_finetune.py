@@ -56,16 +56,18 @@ from megatron_multilora.training.metrics import (
     METRICS_FILE,
     MetricsLogger,
     Progress,
-    drop_records_after,
     format_adapter_line,
+    keep_first_records,
     read_metrics,
 )
+from megatron_multilora.training.stop import RunStopped, agreed_stop, stop_on_signals
 
 
 def _import_training_stack() -> None:
     """Import the modules that load megatron (seconds) as this module's globals. Called once
     the config is valid, so that a bad config is reported without waiting for them."""
-    global parallel_state, export_adapter, import_adapter, find_checkpoint, read_training_state
+    global parallel_state, export_adapter, import_adapter, find_resume_point, prepare_checkpoint_folder
+    global read_training_state
     global restore_training_checkpoint, save_training_checkpoint, pack_micro_batches
     global shard_for_data_parallel, export_peft, import_peft, load_hf_checkpoint
     global load_hf_tokenizer, evaluation, train_step, SlotGradSync, SlotOptimizer, slot_grad_norm
@@ -73,7 +75,8 @@ def _import_training_stack() -> None:
     from megatron_multilora.checkpoint.adapter_files import export_adapter, import_adapter
     from megatron_multilora.checkpoint.peft_format import export_peft, import_peft
     from megatron_multilora.checkpoint.training_state import (
-        find_checkpoint,
+        find_resume_point,
+        prepare_checkpoint_folder,
         read_training_state,
         restore_training_checkpoint,
         save_training_checkpoint,
@@ -83,6 +86,12 @@ def _import_training_stack() -> None:
     from megatron_multilora.training import evaluation, step as train_step
     from megatron_multilora.training.grad_sync import SlotGradSync
     from megatron_multilora.training.slot_optimizer import SlotOptimizer, slot_grad_norm
+
+
+# What a run writes into run_dir (its recorded hydra/ config aside): moved to
+# run_dir/previous/<n> when a run starts over there, so nothing is overwritten or mixed.
+RUN_OUTPUTS = (METRICS_FILE, "checkpoints", "adapters", "peft", "wandb", "loss_curves.png",
+               "adapter_task_loss.png")
 
 
 class MultiLoRAFinetuneRecipe:
@@ -158,18 +167,48 @@ class MultiLoRAFinetuneRecipe:
                              state.total_steps)
 
     def _resume(self) -> None:
-        path = find_checkpoint(self.run_dir, self.run.checkpoint.resume)
-        if path is None:
+        """Continue from the newest intact checkpoint (``checkpoint.resume=auto``; damaged newer
+        ones are set aside) or the one given; or start at step 0 (``never``, or nothing saved
+        yet), moving an earlier run's outputs aside so nothing is overwritten or logged twice."""
+        self._saved: tuple[int, Path] | None = None  # (step, folder) of the last checkpoint
+        point = find_resume_point(self.run_dir, self.run.checkpoint.resume)
+        for note in point.notes:
+            self._say(note)
+        if point.path is None:
+            if self.is_main:
+                self._move_previous_run_aside()
+            dist.barrier()
             return
-        saved = read_training_state(path)
+        if self.is_main:
+            for line in prepare_checkpoint_folder(self.run_dir, point):
+                print(line, flush=True)
+        dist.barrier()
+        saved = read_training_state(point.path)
         self.queue.load_state_dict(saved["trainer"]["queue"])
         by_slot = {s.slot: s for s in self.queue.active()}
         self.optimizers = restore_training_checkpoint(
-            path, saved, self.model, lambda slot: self._optimizer(slot, by_slot[slot]))
+            point.path, saved, self.model, lambda slot: self._optimizer(slot, by_slot[slot]))
         self.step = saved["step"]
-        if dist.get_rank() == 0:
-            drop_records_after(self.run_dir / METRICS_FILE, self.step)
-            print(f"resumed from {path} at step {self.step}", flush=True)
+        self._saved = (self.step, point.path)
+        if self.is_main:
+            keep_first_records(self.run_dir / METRICS_FILE, saved["trainer"]["metrics_records"])
+            print(f"resumed from {point.path} at step {self.step}", flush=True)
+
+    def _move_previous_run_aside(self) -> None:
+        found = [name for name in RUN_OUTPUTS if (self.run_dir / name).exists()]
+        if not found:
+            return
+        n = 1
+        while (self.run_dir / "previous" / str(n)).exists():
+            n += 1
+        dest = self.run_dir / "previous" / str(n)
+        dest.mkdir(parents=True)
+        for name in found:
+            os.replace(self.run_dir / name, dest / name)
+        why = ("checkpoint.resume=never" if self.run.checkpoint.resume == "never"
+               else "no checkpoint to resume")
+        print(f"{self.run_dir} holds an earlier run ({why}): starting at step 0, its outputs "
+              f"({', '.join(found)}) moved to {dest}", flush=True)
 
     # ----- training -----------------------------------------------------------------------
 
@@ -305,6 +344,7 @@ class MultiLoRAFinetuneRecipe:
         window: dict[str, list[float]] = {}
         window_start = time.perf_counter()
         while not self.queue.finished() and (tr.max_steps is None or self.step < tr.max_steps):
+            self._stop_if_signalled()
             for state in self.queue.admit(self.step):
                 self._start(state)
             active = self.queue.active()
@@ -395,10 +435,30 @@ class MultiLoRAFinetuneRecipe:
             hits.setdefault(slot, []).append(exact_match(self.tokenizer.decode(out), answer))
         return {slot: sum(h) / len(h) for slot, h in hits.items()}
 
-    def _save(self) -> None:
-        save_training_checkpoint(self.run_dir, self.step, self.model, self.optimizers,
-                                 {"queue": self.queue.state_dict(), "adapters": self._training_meta()},
-                                 self.run.checkpoint.keep_last)
+    def _save(self) -> Path:
+        """Checkpoint the current step, once: a step already saved (or resumed from) is not
+        written again."""
+        if self._saved is None or self._saved[0] != self.step:
+            path = save_training_checkpoint(
+                self.run_dir, self.step, self.model, self.optimizers,
+                {"queue": self.queue.state_dict(), "metrics_records": self.logger.records,
+                 "adapters": self._training_meta()},
+                self.run.checkpoint.keep_last)
+            self._saved = (self.step, path)
+        return self._saved[1]
+
+    def _stop_if_signalled(self) -> None:
+        """At a step boundary: if any rank got SIGTERM/SIGINT, every rank saves and stops here."""
+        signum = agreed_stop(next(self.model.parameters()).device)
+        if signum:
+            raise RunStopped(signum, self.step, self._save())
+
+    def stopped(self, stop: RunStopped) -> None:
+        """Say where a stopped run can be resumed; close the logger, tear down the layout."""
+        self._say(f"{stop}. Resume it with the same command (checkpoint.resume=auto, the "
+                  f"default) or with checkpoint.resume={stop.checkpoint}.")
+        self.logger.close()
+        mm.destroy_parallel()
 
     def _training_meta(self) -> dict[str, dict]:
         """Each training job's adapter meta, for exports from a checkpoint."""
@@ -527,8 +587,13 @@ def main(cfg: DictConfig) -> None:
         _report_and_exit(str(err), 2)
     if int(os.environ.get("RANK", "0")) == 0:
         _record_config(cfg, Path(run.run_dir))
-    recipe.setup()
-    recipe.train()
+    try:
+        with stop_on_signals():  # SIGTERM / Ctrl-C: finish the step, save, stop (training/stop.py)
+            recipe.setup()
+            recipe.train()
+    except RunStopped as stop:
+        recipe.stopped(stop)
+        sys.exit(128 + stop.signum)  # the shell convention for "ended by this signal"
     failed = recipe.finish()
     mm.destroy_parallel()
     if failed:

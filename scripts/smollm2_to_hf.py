@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_multilora.platform.atomic_files import write_dir_atomic
+    from megatron_multilora.atomic_files import write_dir_atomic
 
     source = gguf_path()
     start = time.perf_counter()

@@ -25,7 +25,7 @@ from megatron_multilora.checkpoint.adapter_folders import (
 from megatron_multilora.checkpoint.adapter_tensors import gather_slot, load_slot, slot_rank_alpha
 from megatron_multilora.checkpoint.files import refuse_existing
 from megatron_multilora.layers.lifecycle import ModelOrChunks
-from megatron_multilora.platform.atomic_files import write_dir_atomic
+from megatron_multilora.atomic_files import write_dir_atomic
 
 
 

@@ -1,5 +1,5 @@
 """Training checkpoints: adapters, per-slot optimizer and schedule, the job queue (with each
-job's data position) and RNG, written atomically.
+job's data position) and RNG, written atomically and checked on load.
 
 Adapter weights and Adam moments are stored as full, layout-independent tensors (gathered
 from every TP/EP shard), so a run resumes under another TP/EP layout too; RNG streams are
@@ -7,12 +7,18 @@ per rank and are restored only when the world size matches.
 
 Layout of ``<run_dir>/checkpoints/``: ``step_00000040/`` folders (``state.pt`` with the queue,
 slots and scalar optimizer state, ``slot<k>.safetensors`` with ``param/``, ``exp_avg/``,
-``exp_avg_sq/`` tensors, ``rng.pt``), and ``latest.json`` naming the newest complete one.
+``exp_avg_sq/`` tensors, ``rng.pt``, and ``manifest.json`` with every file's size and sha256,
+written last), ``latest.json`` naming the newest, and ``set_aside/`` holding the folders a
+resume skipped (damaged, or newer than the checkpoint resumed): those are never overwritten or
+pruned.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -23,11 +29,22 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from safetensors.torch import load_file, save_file
 
 from megatron_multilora.checkpoint.adapter_tensors import gather_slot, load_slot
-from megatron_multilora.platform.atomic_files import write_dir_atomic, write_json_atomic
+from megatron_multilora.atomic_files import (
+    remove_write_leftovers,
+    write_dir_atomic,
+    write_json_atomic,
+)
+from megatron_multilora.checkpoint.files import DamagedFolderError, verify_manifest, write_manifest
 from megatron_multilora.layers.lifecycle import ModelOrChunks, multi_lora_modules
 from megatron_multilora.training.slot_optimizer import SlotOptimizer
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+LATEST, SET_ASIDE = "latest.json", "set_aside"
+_STEP_FOLDER = re.compile(r"step_(\d{8})")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed; the message names the file and what to do."""
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -62,33 +79,158 @@ def save_training_checkpoint(run_dir: str | Path, step: int, model: ModelOrChunk
                 save_file({n: t.contiguous() for n, t in s["tensors"].items()},
                           str(tmp / f"slot{k}.safetensors"))
             torch.save(rng, tmp / "rng.pt")
-        write_dir_atomic(path, fill, overwrite=True)
-        write_json_atomic(root / "latest.json", {"step": step, "path": path.name})
-        for old in sorted(root.glob("step_*"))[:-keep_last] if keep_last > 0 else []:
+            write_manifest(tmp)  # last: a folder whose manifest verifies is complete
+        # Never overwritten: a step is saved once, and a resume sets newer folders aside.
+        write_dir_atomic(path, fill)
+        write_json_atomic(root / LATEST, {"step": step, "path": path.name})
+        for old in step_folders(root)[keep_last:] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return path
 
 
-def find_checkpoint(run_dir: str | Path, resume: str) -> Optional[Path]:
-    """The checkpoint to resume from: ``auto`` = the latest in run_dir (if any), ``never``,
-    or an explicit checkpoint folder."""
+def step_folders(root: Path) -> list[Path]:
+    """The ``step_*`` checkpoint folders in ``root``, newest first."""
+    found = [p for p in root.iterdir() if _STEP_FOLDER.fullmatch(p.name) and p.is_dir()] \
+        if root.is_dir() else []
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def _step_of(folder: Path) -> int:
+    return int(_STEP_FOLDER.fullmatch(folder.name)[1])
+
+
+@dataclasses.dataclass
+class ResumePoint:
+    """Where a run starts: ``path``, the checkpoint to resume (None: step 0); ``skipped``, the
+    run's step folders newer than it, each with why it is not resumed (they are set aside);
+    ``notes``, what else the user should hear (e.g. a missing ``latest.json``)."""
+
+    path: Optional[Path]
+    skipped: dict[Path, str] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+def find_resume_point(run_dir: str | Path, resume: str) -> ResumePoint:
+    """The checkpoint to resume (collective: rank 0 removes what killed writes left in the
+    checkpoint folder, reads and checks; every rank gets its answer or raises the same
+    :class:`CheckpointError`).
+
+    ``resume``: ``auto``, the newest intact checkpoint in ``run_dir`` (newer damaged ones are
+    skipped; none at all: step 0; only damaged ones: an error), ``never`` (step 0), or an
+    explicit checkpoint folder, which must be intact.
+    """
+    answer: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            removed = remove_write_leftovers(checkpoint_root(run_dir))
+            answer[0] = _find_resume_point(Path(run_dir), resume)
+            answer[0].notes[:0] = [f"{checkpoint_root(run_dir) / name}: removed (left by an "
+                                   f"interrupted write)" for name in removed]
+        except CheckpointError as e:
+            answer[0] = e
+        except Exception as e:  # the other ranks must not wait for an answer that never comes
+            dist.broadcast_object_list([CheckpointError(f"rank 0 failed: {e}")], src=0)
+            raise
+    dist.broadcast_object_list(answer, src=0)
+    if isinstance(answer[0], CheckpointError):
+        raise answer[0]
+    return answer[0]
+
+
+def _find_resume_point(run_dir: Path, resume: str) -> ResumePoint:
+    folders = step_folders(checkpoint_root(run_dir))
     if resume == "never":
-        return None
+        return ResumePoint(None)
     if resume != "auto":
         path = Path(resume)
-        if not (path / "state.pt").is_file():
-            raise FileNotFoundError(f"checkpoint.resume={resume}: not a checkpoint folder")
-        return path
-    latest = checkpoint_root(run_dir) / "latest.json"
+        if not path.is_dir():
+            raise CheckpointError(
+                f"checkpoint.resume={resume}: no such folder; use auto, never, or a checkpoint "
+                f"folder like {checkpoint_root(run_dir)}/step_00000040")
+        check_checkpoint(path)
+        step = read_training_state(path)["step"]
+        newer = [f for f in folders if _step_of(f) > step and f.resolve() != path.resolve()]
+        return ResumePoint(path, {f: f"newer than the checkpoint resumed ({path})" for f in newer})
+    damaged: dict[Path, str] = {}
+    for folder in folders:
+        try:
+            check_checkpoint(folder)
+        except CheckpointError as e:
+            damaged[folder] = str(e)
+            continue
+        return ResumePoint(folder, damaged, _latest_notes(run_dir, folder))
+    latest = checkpoint_root(run_dir) / LATEST
+    if not damaged and not latest.exists():
+        return ResumePoint(None)
+    lines = "".join(f"\n  {why}" for why in damaged.values()) or \
+        f"\n  {latest} exists but no step_* folder does"
+    raise CheckpointError(
+        f"no intact checkpoint to resume in {checkpoint_root(run_dir)}:{lines}\n"
+        f"Restore the damaged files, pass checkpoint.resume=<an intact checkpoint folder>, start "
+        f"over with checkpoint.resume=never (this run's outputs are moved to "
+        f"{run_dir}/previous/<n>, nothing is deleted), or use a new run_dir.")
+
+
+def _latest_notes(run_dir: Path, chosen: Path) -> list[str]:
+    """What is wrong with ``latest.json`` when it does not name ``chosen``."""
+    latest = checkpoint_root(run_dir) / LATEST
     if not latest.is_file():
-        return None
-    return checkpoint_root(run_dir) / json.loads(latest.read_text())["path"]
+        return [f"{latest} is missing"]
+    try:
+        named = json.loads(latest.read_text())["path"]
+    except (ValueError, KeyError, TypeError) as e:
+        return [f"{latest} is damaged ({type(e).__name__}: {e})"]
+    if named != chosen.name:
+        return [f"{latest} names {named}, not the newest intact checkpoint {chosen.name}"]
+    return []
+
+
+def check_checkpoint(folder: Path) -> None:
+    """Raise :class:`CheckpointError` naming the file unless ``folder`` is a complete checkpoint
+    whose files match their sizes and sha256 in its manifest."""
+    try:
+        verify_manifest(folder)
+    except DamagedFolderError as e:
+        raise CheckpointError(str(e)) from e
+    if not (folder / "state.pt").is_file():
+        raise CheckpointError(f"{folder / 'state.pt'} is missing: {folder} is not a training checkpoint")
+
+
+def prepare_checkpoint_folder(run_dir: str | Path, point: ResumePoint) -> list[str]:
+    """Before a resume from ``point`` (rank 0 only): move the skipped step folders to
+    ``set_aside/`` (so they are never overwritten, pruned or deleted) and point
+    ``latest.json`` at the newest remaining folder. Returns what was done, to print."""
+    root = checkpoint_root(run_dir)
+    done = []
+    for folder, why in point.skipped.items():
+        dest = root / SET_ASIDE / folder.name
+        n = 1
+        while dest.exists():
+            dest, n = root / SET_ASIDE / f"{folder.name}.{n}", n + 1
+        dest.parent.mkdir(exist_ok=True)
+        os.replace(folder, dest)
+        done.append(f"checkpoint {folder} not resumed: {why}; moved to {dest}")
+    remaining = step_folders(root)
+    if remaining:
+        write_json_atomic(root / LATEST, {"step": _step_of(remaining[0]), "path": remaining[0].name})
+    elif (root / LATEST).exists():
+        (root / LATEST).unlink()
+    return done
+
+
+def _read(path: Path, load: Callable[[str], Any]) -> Any:
+    """``load(path)``, with any failure reported as a :class:`CheckpointError` naming the file."""
+    try:
+        return load(str(path))
+    except Exception as e:
+        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); "
+                              f"resume from another checkpoint (checkpoint.resume=<folder>)") from e
 
 
 def read_training_state(path: Path) -> dict[str, Any]:
     """A checkpoint's ``state.pt``: step, trainer state (e.g. the job queue), slot metadata."""
-    return torch.load(path / "state.pt", weights_only=False)
+    return _read(path / "state.pt", lambda f: torch.load(f, weights_only=False))
 
 
 def restore_training_checkpoint(path: Path, saved: dict[str, Any], model: ModelOrChunks,
@@ -98,7 +240,7 @@ def restore_training_checkpoint(path: Path, saved: dict[str, Any], model: ModelO
     with the same world size, RNG; returns the optimizers by slot."""
     optimizers = {}
     for slot, meta in saved["slots"].items():
-        tensors = load_file(str(path / f"slot{slot}.safetensors"))
+        tensors = _read(path / f"slot{slot}.safetensors", load_file)
         part = {prefix: {k[len(prefix) + 1:]: v for k, v in tensors.items()
                          if k.startswith(prefix + "/")} for prefix in ("param", *MOMENTS)}
         load_slot(model, slot, part["param"], meta["rank"], meta["alpha"],
@@ -114,7 +256,7 @@ def restore_training_checkpoint(path: Path, saved: dict[str, Any], model: ModelO
         opt.load(meta["optimizer"], moments)
         optimizers[slot] = opt
     if saved["world_size"] == dist.get_world_size():
-        rng = torch.load(path / "rng.pt", weights_only=False)[dist.get_rank()]
+        rng = _read(path / "rng.pt", lambda f: torch.load(f, weights_only=False))[dist.get_rank()]
         torch.set_rng_state(rng["cpu"])
         get_cuda_rng_tracker().set_states(rng["tracker"])
     return optimizers

@@ -13,7 +13,7 @@ import string
 from pathlib import Path
 from typing import Callable
 
-from megatron_multilora.platform.atomic_files import atomic_file
+from megatron_multilora.atomic_files import atomic_file
 
 
 def _word(rng: random.Random) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_multilora.platform.atomic_files import write_dir_atomic
+from megatron_multilora.atomic_files import write_dir_atomic
 
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>\n{{ m['content'] }}\n{% endfor %}"
 

@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from megatron_multilora.platform.atomic_files import atomic_file
 
 METRICS_FILE = "metrics.jsonl"
 KINDS = ("train", "eval")
@@ -78,10 +77,15 @@ class MetricsLogger:
         self.path = self.run_dir / METRICS_FILE
         self._file = None
         self._run = None
+        # Records in the file so far (main process): a checkpoint stores it, so a resume keeps
+        # exactly the records logged before that checkpoint (keep_first_records).
+        self.records = 0
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         _drop_partial_last_line(self.path)
+        if self.path.exists():
+            self.records = self.path.read_bytes().count(b"\n")
         # Append mode: a resumed run continues the same file.
         self._file = open(self.path, "a", encoding="utf-8")
         if wandb_mode == "disabled":
@@ -130,6 +134,7 @@ class MetricsLogger:
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         # Flushed per record so a killed run keeps everything it logged.
         self._file.flush()
+        self.records += 1
         if self._run is not None:
             payload = {f"{kind}/{name}/{metric}": value
                        for name, metrics in adapters.items() for metric, value in metrics.items()}
@@ -260,11 +265,18 @@ class Progress:
             self._bar = None
 
 
-def drop_records_after(path: str | Path, step: int) -> None:
-    """Keep only records up to ``step``: a run resumed from that step logs the rest again."""
+def keep_first_records(path: str | Path, count: int) -> None:
+    """Keep only the first ``count`` records (those logged before the checkpoint a run resumes
+    from): the resumed run logs the rest again, so no step is recorded twice."""
     path = Path(path)
     if not path.is_file():
         return
-    kept = [r for r in read_metrics(path) if r["step"] <= step]
-    with atomic_file(path) as f:
-        f.write("".join(json.dumps(r) + "\n" for r in kept))
+    data = path.read_bytes()
+    end = 0
+    for _ in range(count):
+        newline = data.find(b"\n", end)
+        if newline < 0:
+            return  # fewer records than that: nothing to drop
+        end = newline + 1
+    with open(path, "rb+") as f:
+        f.truncate(end)

@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from megatron_multilora.platform.atomic_files import atomic_file  # noqa: E402
+from megatron_multilora.atomic_files import atomic_file  # noqa: E402
 
 # Below this many points a curve gets markers, so a single eval point is still visible.
 _MARKER_MAX_POINTS = 30

@@ -137,3 +137,7 @@ class SlotOptimizer:
                     "exp_avg_sq": moments["exp_avg_sq"][param].to(torch.float32).clone(),
                 }
         self.scheduler.load_state_dict(scalar["scheduler"])
+        # The scheduler's state holds the lr it last set; the optimizer still has the step-0
+        # value from construction, which the next step would use.
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr

@@ -1,8 +1,9 @@
 """The recipe as users run it: torchrun from the command line with Hydra overrides.
 
-One uninterrupted run (which also checks every output a run leaves), one killed with
-SIGKILL mid-way and resumed (identical loss trajectory), one resumed from the killed run's
-checkpoint under another TP layout, and a Hydra multirun.
+One uninterrupted run (which also checks every output a run leaves); one whose torchrun and
+workers are SIGKILLed mid-way, which is resumed, stopped with SIGTERM (it saves where it
+stops) and resumed again to the end (identical loss trajectory), and also resumed under
+another TP layout; and a Hydra multirun.
 """
 
 import json
@@ -14,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+import pytest
 
 from megatron_multilora.training.metrics import read_metrics
 from tests.recipe.conftest import job, losses_by_adapter
@@ -23,8 +26,11 @@ TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 STEPS, SAVE_EVERY = 120, 20
 
 
-def command(run_dir: Path, demo: Path, extra: list[str] = (), nproc: int = 2) -> list[str]:
-    jobs = [job("rev", demo, "reverse", STEPS), job("add", demo, "add", STEPS, schedule="linear")]
+def command(run_dir: Path, demo: Path, extra: list[str] = (), nproc: int = 2,
+            steps: int = STEPS) -> list[str]:
+    # warmup then decay: a resume that restored the wrong learning rate changes the trajectory
+    jobs = [job("rev", demo, "reverse", steps, warmup_steps=10),
+            job("add", demo, "add", steps, schedule="linear", warmup_steps=5)]
     return [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "--local-ranks-filter=0",
             "recipes/multi_lora_finetune.py", f"run_dir={run_dir}", "hf_dir=null",
             f"adapters=[{','.join(jobs)}]",
@@ -55,53 +61,104 @@ def last_train_step(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
-def test_kill_and_resume_reproduces_the_uninterrupted_run(demo_data, tmp_path):
-    whole = tmp_path / "whole"
-    out = finish(launch(command(whole, demo_data, ["logging.plots=true",
-                                                   "logging.wandb_mode=offline",
-                                                   "trainer.eval_interval=60"]),
-                        tmp_path / "whole.log"), tmp_path / "whole.log")
-    # What a run leaves behind.
-    assert "held-out loss of each adapter" in out and "job rev: done after 120 steps" in out
-    for name in ("rev", "add"):
-        config = json.loads((whole / "adapters" / name / "adapter_config.json").read_text())
-        assert config["format"] == "megatron-multilora-adapter" and config["steps"] == STEPS
-        assert (whole / "adapters" / name / "adapter.safetensors").stat().st_size > 0
-    assert (whole / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (whole / "adapter_task_loss.png").is_file()
-    assert list((whole / "wandb").glob("offline-run-*"))
-    records = read_metrics(whole / "metrics.jsonl")
-    assert {r["kind"] for r in records} == {"train", "eval"}
-    assert json.loads((whole / "checkpoints" / "latest.json").read_text())["step"] == STEPS
-
-    killed = tmp_path / "killed"
-    proc = launch(command(killed, demo_data), tmp_path / "killed.log")
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, log: Path) -> list[psutil.Process]:
+    """Wait until the run has logged ``step``; returns its worker processes."""
     deadline = time.time() + 240
-    while last_train_step(killed) < 2 * SAVE_EVERY + 5:
-        assert proc.poll() is None, f"run ended early:\n{(tmp_path / 'killed.log').read_text()[-2000:]}"
+    while last_train_step(run_dir) < step:
+        assert proc.poll() is None, f"run ended early:\n{log.read_text()[-2000:]}"
         assert time.time() < deadline, "the run did not progress"
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    stopped_at = last_train_step(killed)
-    assert stopped_at < STEPS, "the run finished before it could be killed"
-    saved = json.loads((killed / "checkpoints" / "latest.json").read_text())["step"]
-    assert SAVE_EVERY <= saved < stopped_at
-    relayout = tmp_path / "relayout"
-    shutil.copytree(killed, relayout)
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    assert len([w for w in workers if "multi_lora_finetune.py" in " ".join(w.cmdline())]) == 2
+    return workers
 
-    out = finish(launch(command(killed, demo_data), tmp_path / "resume.log"), tmp_path / "resume.log")
-    assert f"resumed from {killed / 'checkpoints'}" in out
-    want, got = losses_by_adapter(whole), losses_by_adapter(killed)
+
+def latest_step(run_dir: Path) -> int:
+    return json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"]
+
+
+@pytest.fixture(scope="module")
+def whole(demo_data, tmp_path_factory) -> tuple[Path, str]:
+    """The uninterrupted run, every output on: (run_dir, console output)."""
+    tmp = tmp_path_factory.mktemp("whole")
+    out = finish(launch(command(tmp / "run", demo_data, ["logging.plots=true",
+                                                         "logging.wandb_mode=offline",
+                                                         "trainer.eval_interval=60"]),
+                        tmp / "run.log"), tmp / "run.log")
+    return tmp / "run", out
+
+
+@pytest.fixture(scope="module")
+def killed(demo_data, tmp_path_factory) -> tuple[Path, int, int]:
+    """A run whose torchrun and workers (they run in sessions of their own) were SIGKILLed
+    mid-way, as a crash would: (run_dir, its last checkpoint's step, its last logged step).
+    Tests resume copies of it."""
+    tmp = tmp_path_factory.mktemp("killed")
+    proc = launch(command(tmp / "run", demo_data), tmp / "run.log")
+    processes = [psutil.Process(proc.pid),
+                 *wait_for_step(proc, tmp / "run", 2 * SAVE_EVERY + 5, tmp / "run.log")]
+    for p in processes:
+        p.send_signal(signal.SIGKILL)
+    proc.wait()
+    _, alive = psutil.wait_procs(processes, timeout=30)
+    assert not alive, f"still running after SIGKILL: {alive}"
+    stopped_at, saved = last_train_step(tmp / "run"), latest_step(tmp / "run")
+    assert SAVE_EVERY <= saved < stopped_at < STEPS, (saved, stopped_at)
+    return tmp / "run", saved, stopped_at
+
+
+def test_uninterrupted_run_leaves_every_output(whole):
+    run_dir, out = whole
+    assert "held-out loss of each adapter" in out and "job rev: done after 120 steps" in out
     for name in ("rev", "add"):
-        assert len(got[name]) == STEPS  # logged steps after the checkpoint were dropped, rerun
+        config = json.loads((run_dir / "adapters" / name / "adapter_config.json").read_text())
+        assert config["format"] == "megatron-multilora-adapter" and config["steps"] == STEPS
+        assert (run_dir / "adapters" / name / "adapter.safetensors").stat().st_size > 0
+    assert (run_dir / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run_dir / "adapter_task_loss.png").is_file()
+    assert list((run_dir / "wandb").glob("offline-run-*"))
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert {r["kind"] for r in records} == {"train", "eval"}
+    assert latest_step(run_dir) == STEPS
+
+
+def test_killed_run_resumes_stops_on_sigterm_and_resumes_again_identically(whole, killed, demo_data,
+                                                                          tmp_path):
+    run_dir, saved, stopped_at = tmp_path / "run", *killed[1:]
+    shutil.copytree(killed[0], run_dir)
+    # Resume, then stop it with SIGTERM to torchrun (what a scheduler or `kill` sends; Ctrl-C's
+    # SIGINT takes the same path): the workers finish the step, save it and exit.
+    log = tmp_path / "resume.log"
+    proc = launch(command(run_dir, demo_data), log)
+    workers = wait_for_step(proc, run_dir, stopped_at + 10, log)
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=120) != 0  # torchrun SIGKILLs workers 30 s after its signal
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive, f"workers still running after torchrun ended: {alive}"
+    out = log.read_text()
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{saved:08d}'} at step {saved}" in out
+    stop = latest_step(run_dir)
+    assert stopped_at + 10 <= stop < STEPS and last_train_step(run_dir) == stop
+    assert f"stopped by SIGTERM after step {stop}; checkpoint {run_dir / 'checkpoints'}" in out, \
+        out[-3000:]
+
+    log = tmp_path / "resume2.log"
+    out = finish(launch(command(run_dir, demo_data), log), log)
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{stop:08d}'} at step {stop}" in out
+    want, got = losses_by_adapter(whole[0]), losses_by_adapter(run_dir)
+    for name in ("rev", "add"):
+        assert len(got[name]) == STEPS  # logged steps after each checkpoint were dropped, rerun
         assert got[name] == want[name], f"{name}: resumed trajectory differs"
 
-    # The same checkpoint under TP=2 + SP (dp 1) in the fully sharded mode: adapters and Adam
-    # moments reshard, A and B split over the TP ranks as well.
-    finish(launch(command(relayout, demo_data, ["parallel=tp2", "lora.fully_sharded=true"]),
+
+def test_killed_run_resumes_under_another_tp_layout(whole, killed, demo_data, tmp_path):
+    """The checkpoint under TP=2 + SP (dp 1) in the fully sharded mode: adapters and Adam
+    moments reshard, A and B split over the TP ranks as well."""
+    run_dir, saved = tmp_path / "run", killed[1]
+    shutil.copytree(killed[0], run_dir)
+    finish(launch(command(run_dir, demo_data, ["parallel=tp2", "lora.fully_sharded=true"]),
                   tmp_path / "tp2.log"), tmp_path / "tp2.log")
-    got = losses_by_adapter(relayout)
+    want, got = losses_by_adapter(whole[0]), losses_by_adapter(run_dir)
     for name in ("rev", "add"):
         assert got[name][:saved] == want[name][:saved]
         # The first step after resuming sees exactly the saved adapters; later steps drift
@@ -114,8 +171,7 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(demo_data, tmp_path):
 
 def test_multirun_sweeps_into_separate_run_dirs(demo_data, tmp_path):
     cmd = [sys.executable, "recipes/multi_lora_finetune.py", "-m", "seed=1,2",
-           *command(tmp_path / "sweep", demo_data)[5:]]
-    cmd = [c.replace(f"{STEPS}", "3") if c.startswith("adapters=") else c for c in cmd]
+           *command(tmp_path / "sweep", demo_data, steps=3)[5:]]
     out = finish(launch(cmd, tmp_path / "multirun.log"), tmp_path / "multirun.log")
     for n in ("0", "1"):
         run = tmp_path / "sweep-multirun" / n

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from megatron_multilora.platform.atomic_files import atomic_file, write_json_atomic
+from megatron_multilora.atomic_files import atomic_file, write_json_atomic
 
 
 def test_atomic_file_replaces_whole_or_not_at_all(tmp_path):

@@ -46,7 +46,7 @@ def test_bf16_slot_steps_fp32_masters_and_clips():
 
 
 def test_atomic_folder_write_keeps_the_previous_folder_on_failure(tmp_path):
-    from megatron_multilora.platform.atomic_files import write_dir_atomic
+    from megatron_multilora.atomic_files import write_dir_atomic
 
     target = tmp_path / "ckpt"
     write_dir_atomic(target, lambda d: (d / "a.txt").write_text("old"))
@@ -61,3 +61,27 @@ def test_atomic_folder_write_keeps_the_previous_folder_on_failure(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temp folder left
     with pytest.raises(FileExistsError, match="not empty"):
         write_dir_atomic(target, lambda d: None)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+def test_reloaded_optimizer_takes_the_same_next_step(schedule):
+    """Stepped k times, saved, loaded into a fresh optimizer: the next lr and step are identical
+    (the lr used to be the step-0 warmup value after a load)."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 3, generator=gen))]
+    j = job(warmup_steps=3, schedule=schedule, min_lr_ratio=0.1)
+    opt = SlotOptimizer(params, j, 10)
+    for _ in range(4):
+        params[0].grad = torch.randn(4, 3, generator=gen)
+        opt.step(slot_grad_norm(params))
+    copies = [torch.nn.Parameter(params[0].detach().clone())]
+    again = SlotOptimizer(copies, j, 10)
+    again.load(opt.scalar_state(), {m: {copies[0]: opt.state_of(params[0], m)}
+                                    for m in ("exp_avg", "exp_avg_sq")})
+    assert again.lr == opt.lr == pytest.approx(0.1 * lr_factor(4, j, 10))
+    grad = torch.randn(4, 3, generator=gen)
+    params[0].grad, copies[0].grad = grad.clone(), grad.clone()
+    opt.step(slot_grad_norm(params))
+    again.step(slot_grad_norm(copies))
+    assert torch.equal(copies[0], params[0])
+    assert again.lr == opt.lr

@@ -10,11 +10,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import uuid
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
+
+# Names of a write's temporary entries beside its target: ".<name>.tmp-<random>" while
+# written, ".<name>.old-<pid>" for the folder being replaced.
+_TMP, _OLD = ".tmp-", ".old-"
+_LEFTOVER = re.compile(rf"\.(?P<target>.+?)(?P<kind>{re.escape(_TMP)}|{re.escape(_OLD)}).+")
+
+
+def _temp_prefix(path: Path) -> str:
+    return f".{path.name}{_TMP}"
 
 
 @contextlib.contextmanager
@@ -24,7 +34,7 @@ def atomic_file(path: str | Path, binary: bool = False) -> Iterator[IO]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Opened normally (not mkstemp) so the file gets the usual umask permissions, not 0600.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = path.with_name(f"{_temp_prefix(path)}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         with open(tmp, "xb" if binary else "x", encoding=None if binary else "utf-8") as f:
             yield f
@@ -48,14 +58,14 @@ def write_dir_atomic(path: str | Path, fill: Callable[[Path], None], overwrite: 
     if path.exists() and any(path.iterdir()) and not overwrite:
         raise FileExistsError(f"{path} exists and is not empty; pass overwrite to replace it")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=_temp_prefix(path)))
     try:
         fill(tmp)
         for f in tmp.iterdir():
             with open(f, "rb") as handle:
                 os.fsync(handle.fileno())
         if path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            old = path.with_name(f".{path.name}{_OLD}{os.getpid()}")
             os.replace(path, old)
             os.replace(tmp, path)
             shutil.rmtree(old)
@@ -65,3 +75,22 @@ def write_dir_atomic(path: str | Path, fill: Callable[[Path], None], overwrite: 
         if tmp.exists():
             shutil.rmtree(tmp)
     return path
+
+
+def remove_write_leftovers(folder: str | Path) -> list[str]:
+    """Delete the temporary files and folders that killed atomic writes left in ``folder``;
+    returns their names. A replaced folder whose replacement never arrived (killed between
+    the two renames) is put back instead."""
+    folder = Path(folder)
+    removed = []
+    for entry in sorted(folder.iterdir()) if folder.is_dir() else []:
+        match = _LEFTOVER.fullmatch(entry.name)
+        if match is None:
+            continue
+        target = folder / match["target"]
+        if match["kind"] == _OLD and not target.exists():
+            os.replace(entry, target)
+            continue
+        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        removed.append(entry.name)
+    return removed
