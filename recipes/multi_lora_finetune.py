@@ -74,7 +74,7 @@ def _import_training_stack() -> None:
     from megatron.core import parallel_state
     from megatron_multilora.checkpoint.adapter_files import export_adapter, import_adapter
     from megatron_multilora.checkpoint.peft_format import export_peft, import_peft
-    from megatron_multilora.checkpoint.training_state import (
+    from megatron_multilora.training.checkpoints import (
         find_resume_point,
         prepare_checkpoint_folder,
         read_training_state,

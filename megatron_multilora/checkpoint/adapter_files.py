@@ -1,7 +1,7 @@
 """The project's adapter folder: ``adapter_config.json`` + ``adapter.safetensors``.
 
 Tensors are the full (unsharded) factors cut to the adapter's rank, keyed by layer path
-(:mod:`.adapter_tensors`), so an adapter saved under one TP/EP layout loads under any other
+(:mod:`megatron_multilora.layers.slot_tensors`), so an adapter saved under one TP/EP layout loads under any other
 and into a slot of any max rank >= its rank. Only global rank 0 writes.
 """
 
@@ -22,7 +22,7 @@ from megatron_multilora.checkpoint.adapter_folders import (
     FolderFormat,
     expect_format,
 )
-from megatron_multilora.checkpoint.adapter_tensors import gather_slot, load_slot, slot_rank_alpha
+from megatron_multilora.layers.slot_tensors import get_slot_tensors, set_slot_tensors, slot_rank_alpha
 from megatron_multilora.checkpoint.files import refuse_existing
 from megatron_multilora.layers.lifecycle import ModelOrChunks
 from megatron_multilora.atomic_files import write_dir_atomic
@@ -33,7 +33,7 @@ def export_adapter(model: ModelOrChunks, idx: int, out_dir: str | Path, meta: di
                    overwrite: bool = False) -> Path:
     """Write slot ``idx`` as an adapter folder (collective: every rank calls it)."""
     refuse_existing(out_dir, overwrite)
-    tensors = gather_slot(model, idx)
+    tensors = get_slot_tensors(model, idx)
     rank, alpha = slot_rank_alpha(model, idx)
     if rank < 1 or alpha == 0.0:
         raise ValueError(f"slot {idx} holds no adapter (alpha={alpha}): nothing to export")
@@ -58,7 +58,7 @@ def import_adapter(model: ModelOrChunks, idx: int, folder: str | Path) -> dict[s
     """Load an adapter folder into slot ``idx`` of this layout; returns its config."""
     config, tensors = read_adapter(folder)
     try:
-        load_slot(model, idx, tensors, int(config["rank"]), float(config["alpha"]))
+        set_slot_tensors(model, idx, tensors, int(config["rank"]), float(config["alpha"]))
     except (KeyError, ValueError) as err:
         raise ValueError(f"{folder}: cannot load into this model: {err}") from None
     return config

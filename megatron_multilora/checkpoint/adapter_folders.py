@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 from pathlib import Path
+from typing import Any, Optional
 
 CONFIG_FILE = "adapter_config.json"  # both adapter formats
 ADAPTER_TENSORS = "adapter.safetensors"
 PEFT_TENSORS = "adapter_model.safetensors"
 ADAPTER_FORMAT = "megatron-multilora-adapter"  # the "format" field of this project's config
-CHECKPOINT_STATE = "state.pt"  # a training checkpoint folder's state (checkpoint.training_state)
+CHECKPOINT_STATE = "state.pt"  # a training checkpoint folder's state (training.checkpoints)
 
 
 class FolderFormat(enum.Enum):
@@ -62,3 +64,26 @@ def expect_format(folder: str | Path, expected: FolderFormat) -> None:
     found = folder_format(folder)
     if found is not expected:
         raise ValueError(f"{folder} is {found.value}, not {expected.value}")
+
+
+def peft_alpha(config: dict[str, Any]) -> float:
+    """The alpha of a PEFT LoRA config under this project's scale alpha / r: rsLoRA scales by
+    lora_alpha / sqrt(r), which equals (lora_alpha * sqrt(r)) / r."""
+    alpha = float(config["lora_alpha"])
+    return alpha * math.sqrt(int(config["r"])) if config.get("use_rslora") else alpha
+
+
+def declared_rank_alpha(folder: str | Path) -> Optional[tuple[int, float]]:
+    """(rank, alpha) an adapter folder of either format declares (reading only its config, for
+    config checks), or None when the folder is not a readable adapter folder (loading it then
+    names the problem)."""
+    try:
+        found = folder_format(folder)
+        if found is FolderFormat.TRAINING_CHECKPOINT:
+            return None
+        config = json.loads((Path(folder) / CONFIG_FILE).read_text())
+        if found is FolderFormat.PEFT:
+            return int(config["r"]), peft_alpha(config)
+        return int(config["rank"]), float(config["alpha"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

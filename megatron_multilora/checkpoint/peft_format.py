@@ -31,9 +31,9 @@ from megatron_multilora.checkpoint.adapter_folders import (
     PEFT_TENSORS,
     FolderFormat,
     expect_format,
+    peft_alpha,
 )
-from megatron_multilora.checkpoint.adapter_scale import peft_alpha
-from megatron_multilora.checkpoint.adapter_tensors import gather_slot, load_slot, slot_rank_alpha
+from megatron_multilora.layers.slot_tensors import get_slot_tensors, set_slot_tensors, slot_rank_alpha
 from megatron_multilora.checkpoint.files import refuse_existing
 from megatron_multilora.layers.lifecycle import ModelOrChunks, named_multi_lora_modules
 from megatron_multilora.models.gpt import GPTModelConfig
@@ -92,7 +92,7 @@ def _layers(model: ModelOrChunks) -> dict[str, tuple[int, str]]:
 def to_peft_tensors(full: dict[str, torch.Tensor], cfg: GPTModelConfig,
                     model_type: str) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Full slot tensors (``<layer path>.adapter.linear_in/out.weight``, as from
-    ``gather_slot`` or an adapter folder) -> PEFT keys, and the target module names."""
+    ``get_slot_tensors`` or an adapter folder) -> PEFT keys, and the target module names."""
     tensors, targets = {}, set()
     paths = sorted({k.split(".adapter.")[0] for k in full})
     for path in paths:
@@ -142,7 +142,7 @@ def export_peft(model: ModelOrChunks, idx: int, out_dir: str | Path, cfg: GPTMod
     if alpha == 0.0:
         raise ValueError(f"slot {idx} holds no adapter (alpha 0): nothing to export")
     refuse_existing(out_dir, overwrite)
-    tensors, targets = to_peft_tensors(gather_slot(model, idx), cfg, model_type)
+    tensors, targets = to_peft_tensors(get_slot_tensors(model, idx), cfg, model_type)
     if dropout is None:
         dropout = float(next(layer for _, layer in named_multi_lora_modules(model)).adapters[idx].dropout)
     if dist.get_rank() == 0:
@@ -209,7 +209,7 @@ def import_peft(model: ModelOrChunks, idx: int, folder: str | Path, cfg: GPTMode
         raise ValueError(f"{where}: the adapter has modules this model does not wrap: "
                          f"{sorted(remaining)[:4]}{' ...' if len(remaining) > 4 else ''}")
     try:
-        load_slot(model, idx, full, r, alpha)
+        set_slot_tensors(model, idx, full, r, alpha)
     except (KeyError, ValueError) as err:
         raise ValueError(f"{where}: cannot load into slot {idx}: {err}") from None
     return config

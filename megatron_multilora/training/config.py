@@ -20,7 +20,7 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megatron_multilora.checkpoint.adapter_scale import declared_rank_alpha
+from megatron_multilora.checkpoint.adapter_folders import declared_rank_alpha
 from megatron_multilora.models.gpt import GPTModelConfig
 
 SCHEDULES = ("constant", "linear", "cosine")

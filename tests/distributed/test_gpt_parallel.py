@@ -111,20 +111,20 @@ def test_fully_sharded_checkpoint_and_export_equal_default_mode(layout, tmp_path
     """A fully sharded TP=2 model saves a checkpoint the default TP=1 layout loads exactly,
     exports the same adapters, and masks a newly bound rank on the right global rank rows
     (A's rank dim is split over TP ranks)."""
-    from megatron_multilora.checkpoint.adapter_tensors import gather_slot
+    from megatron_multilora.layers.slot_tensors import get_slot_tensors
     from megatron_multilora.layers.lifecycle import named_multi_lora_modules
 
     layout(tp=1)
     path = [str(tmp_path)]
     dist.broadcast_object_list(path, src=0)
-    want = [gather_slot(build(CFG, ddp=False), i) for i in range(N)]
+    want = [get_slot_tensors(build(CFG, ddp=False), i) for i in range(N)]
     mm.destroy_parallel()
 
     layout(tp=2)
     model = build(CFG, ddp=False, fully_sharded=True)
     failures: list[str] = []
     for i in range(N):
-        got = gather_slot(model, i)
+        got = get_slot_tensors(model, i)
         failures += [f"slot {i} export {k}" for k in want[i] if not torch.equal(got[k], want[i][k])]
     mm.clear_adapter_slot(model, 0, init_key="fresh")
     mm.init_adapter_slot(model, 0, 3, 6.0)
@@ -135,7 +135,7 @@ def test_fully_sharded_checkpoint_and_export_equal_default_mode(layout, tmp_path
     rank_split = [layer.sharding.rank_is_split for layer in mm.multi_lora_modules(model)]
     if not any(rank_split):
         failures.append("no layer splits A's rank dim: the test does not test fully sharded")
-    exported = gather_slot(model, 0)
+    exported = get_slot_tensors(model, 0)
     dist_checkpointing.save(model.sharded_state_dict(), path[0])
     mm.destroy_parallel()
 
@@ -143,6 +143,6 @@ def test_fully_sharded_checkpoint_and_export_equal_default_mode(layout, tmp_path
     torch.manual_seed(99)
     model = mm.apply_multi_lora(mm.build_gpt_model(CFG), N, DIM, 1.0)
     model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), path[0]))
-    loaded = gather_slot(model, 0)
+    loaded = get_slot_tensors(model, 0)
     failures += [f"checkpoint {k}" for k in exported if not torch.equal(loaded[k], exported[k])]
     assert_all_ranks(failures)

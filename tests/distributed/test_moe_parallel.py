@@ -124,23 +124,23 @@ def test_ep2_co_permuted_slot_ids_match_dispatched_rows(layout, dispatcher):
 def test_expert_adapters_reshard_between_ep1_and_ep2(layout):
     """Full adapter tensors gathered at EP=1 load at EP=2 as each rank's experts, and gather
     back to the same tensors (what checkpoints and exports rely on)."""
-    from megatron_multilora.checkpoint.adapter_tensors import gather_slot, load_slot
+    from megatron_multilora.layers.slot_tensors import get_slot_tensors, set_slot_tensors
 
     layout(tp=1)
-    full = gather_slot(build(moe_cfg("alltoall"), ddp=False), 2)
+    full = get_slot_tensors(build(moe_cfg("alltoall"), ddp=False), 2)
     mm.destroy_parallel()
     layout(tp=1, ep=2)
     torch.manual_seed(5)
     model = build(moe_cfg("alltoall"), ddp=False)
     mm.clear_adapter_slot(model, 2, init_key="other")
-    load_slot(model, 2, full, rank=1, alpha=2.0)
+    set_slot_tensors(model, 2, full, rank=1, alpha=2.0)
     rank = parallel_state.get_expert_model_parallel_rank()
     failures = []
     fc1 = model.decoder.layers[0].mlp.experts.linear_fc1
     want = full["decoder.layers.0.mlp.experts.linear_fc1.adapter.linear_in.weight"].chunk(2)[rank]
     if not torch.equal(fc1.adapters[2].linear_in.weight[:, :1], want):
         failures.append("local experts do not hold their slice of the full tensor")
-    back = gather_slot(model, 2)
+    back = get_slot_tensors(model, 2)
     failures += [k for k, v in full.items() if not torch.equal(back[k], v)]
     assert_all_ranks(failures)
 

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 import megatron_multilora as mm
-from megatron_multilora.checkpoint.adapter_tensors import gather_slot, load_slot
+from megatron_multilora.layers.slot_tensors import get_slot_tensors, set_slot_tensors
 from megatron_multilora.checkpoint.peft_format import export_peft
 from megatron_multilora.models.hf_import import load_hf_model
 from tests.distributed.conftest import assert_all_ranks
@@ -30,14 +30,14 @@ def test_export_from_a_sharded_layout(layout, tmp_path, model_type, tp, ep):
     model, cfg = load_hf_model(f"{root}/base")
     mm.apply_multi_lora(model, 3, 8, 1.0)
     trained_like_slot(model, 1)
-    full = gather_slot(model, 1)
+    full = get_slot_tensors(model, 1)
     export_peft(model, 1, f"{root}/one", cfg, model_type, f"{root}/base")
     mm.destroy_parallel()
 
     layout(tp=tp, ep=ep)
     model, cfg = load_hf_model(f"{root}/base")
     mm.apply_multi_lora(model, 3, 8, 1.0)
-    load_slot(model, 1, full, rank=4, alpha=6.0)
+    set_slot_tensors(model, 1, full, rank=4, alpha=6.0)
     ids = token_batch()
     mm.set_tokens_per_adapter_slot(model, [0, ids.numel(), 0])
     want = megatron_logits(model, ids)

@@ -12,7 +12,7 @@ import pytest
 
 import megatron_multilora as mm
 from megatron_multilora.checkpoint.files import verify_manifest
-from megatron_multilora.checkpoint.training_state import CheckpointError
+from megatron_multilora.training.checkpoints import CheckpointError
 from megatron_multilora.training.metrics import read_metrics
 from megatron_multilora.training.stop import RunStopped, stop_on_signals
 from tests.recipe.conftest import compose_run, job, losses_by_adapter, run_in_process, QUIET

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import megatron_multilora as mm
-from megatron_multilora.checkpoint.adapter_tensors import gather_slot
+from megatron_multilora.layers.slot_tensors import get_slot_tensors
 from megatron_multilora.checkpoint.peft_format import export_peft, import_peft
 
 DENSE = mm.GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
@@ -42,7 +42,7 @@ def test_round_trip_is_exact(cfg, model_type, tmp_path):
         expert = "block_sparse_moe.experts.3.w3" if model_type == "mixtral" else "mlp.experts.3.up_proj"
         assert tensors[f"base_model.model.model.layers.0.{expert}.lora_B.weight"].shape == (24, 4)
     import_peft(model, 2, tmp_path / "a", cfg, model_type)
-    first, second = gather_slot(model, 0), gather_slot(model, 2)
+    first, second = get_slot_tensors(model, 0), get_slot_tensors(model, 2)
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
     export_peft(model, 2, tmp_path / "b", cfg, model_type, base_model_name_or_path="tiny")
     again = load_file(str(tmp_path / "b" / "adapter_model.safetensors"))

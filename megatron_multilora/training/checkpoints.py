@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from safetensors.torch import load_file, save_file
 
-from megatron_multilora.checkpoint.adapter_tensors import gather_slot, load_slot
+from megatron_multilora.layers.slot_tensors import get_slot_tensors, set_slot_tensors
 from megatron_multilora.atomic_files import (
     remove_write_leftovers,
     write_dir_atomic,
@@ -58,9 +58,9 @@ def save_training_checkpoint(run_dir: str | Path, step: int, model: ModelOrChunk
     slots = {}
     for slot in sorted(optimizers):
         opt = optimizers[slot]
-        tensors = {f"param/{k}": v for k, v in gather_slot(model, slot).items()}
+        tensors = {f"param/{k}": v for k, v in get_slot_tensors(model, slot).items()}
         for moment in MOMENTS:
-            tensors.update({f"{moment}/{k}": v for k, v in gather_slot(
+            tensors.update({f"{moment}/{k}": v for k, v in get_slot_tensors(
                 model, slot, value=lambda p, m=moment: opt.state_of(p, m)).items()})
         layer = multi_lora_modules(model)[0].adapters[slot]
         slots[slot] = {"tensors": tensors, "rank": int(layer.rank), "alpha": float(layer.alpha),
@@ -243,13 +243,13 @@ def restore_training_checkpoint(path: Path, saved: dict[str, Any], model: ModelO
         tensors = _read(path / f"slot{slot}.safetensors", load_file)
         part = {prefix: {k[len(prefix) + 1:]: v for k, v in tensors.items()
                          if k.startswith(prefix + "/")} for prefix in ("param", *MOMENTS)}
-        load_slot(model, slot, part["param"], meta["rank"], meta["alpha"],
+        set_slot_tensors(model, slot, part["param"], meta["rank"], meta["alpha"],
                   dropout=meta["dropout"])
         opt = make_optimizer(slot)
         moments = {}
         for m in MOMENTS:
             store: dict = {}
-            load_slot(model, slot, part[m], meta["rank"], meta["alpha"],
+            set_slot_tensors(model, slot, part[m], meta["rank"], meta["alpha"],
                       into=lambda p, store=store: store.setdefault(
                           p, torch.zeros_like(p, dtype=torch.float32)))
             moments[m] = store
