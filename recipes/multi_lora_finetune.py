@@ -383,16 +383,19 @@ class MultiLoRAFinetuneRecipe:
         dist.barrier()
 
     def _adapter_task_tables(self):
-        """Every exported adapter on every job's held-out data, ``n_slots`` adapters at a time:
-        (adapter names, task names, loss table, accuracy table)."""
+        """The base model and every exported adapter on every job's held-out data, ``n_slots``
+        at a time: (row names, task names, loss table, accuracy table)."""
         finished = [s for s in self.queue.states if s.status == DONE]
+        # None: a cleared slot (alpha 0), i.e. the base model alone, the row to beat.
+        finished = [None] + finished if finished else []
         tasks = [i for i, data in enumerate(self.eval_data) if data]
         losses = [[float("nan")] * len(tasks) for _ in finished]
         accuracy = [[float("nan")] * len(tasks) for _ in finished]
         for start in range(0, len(finished), self.n_slots):
             chunk = finished[start:start + self.n_slots]
             for slot, state in enumerate(chunk):
-                import_adapter(self.model, slot, self.run_dir / "adapters" / state.name)
+                if state is not None:
+                    import_adapter(self.model, slot, self.run_dir / "adapters" / state.name)
             for col, task in enumerate(tasks):
                 slot_examples = [self.eval_data[task] if s < len(chunk) else []
                                  for s in range(self.n_slots)]
@@ -405,8 +408,8 @@ class MultiLoRAFinetuneRecipe:
                     accuracy[start + slot][col] = task_accuracy.get(slot, float("nan"))
             for slot in range(len(chunk)):
                 mm.clear_adapter_slot(self.model, slot)
-        return ([s.name for s in finished], [self.run.adapters[t].name for t in tasks],
-                losses, accuracy)
+        return ([s.name if s else "base" for s in finished],
+                [self.run.adapters[t].name for t in tasks], losses, accuracy)
 
     def _say(self, line: str) -> None:
         if self.is_main:
