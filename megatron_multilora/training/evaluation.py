@@ -65,6 +65,7 @@ def greedy_generate(model: torch.nn.Module, prompts: Sequence[tuple[int, list[in
     seqs = [(prompts[i][0], list(prompts[i][1])) for i in order]
     if not seqs or max_new_tokens < 1:
         generated = [[] for _ in seqs]
+    # pad_multiple > 1 means sequence parallelism: a [B, 1] decode step cannot be split.
     elif kv_cache and pad_multiple == 1 and not _has_moe(model):
         generated = _generate_cached(model, seqs, n_slots, max_new_tokens, eos_id, pad_id)
     else:
@@ -78,8 +79,11 @@ def greedy_generate(model: torch.nn.Module, prompts: Sequence[tuple[int, list[in
 
 
 def _has_moe(model: torch.nn.Module) -> bool:
-    # MoE token dispatch under megatron's inference context is not what we test; keep it uncached.
-    return any(type(m).__name__ == "MoELayer" for m in model.modules())
+    # Slot routing through the token dispatcher is not tested under megatron's inference
+    # context: MoE models generate uncached.
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return any(isinstance(m, MoELayer) for m in model.modules())
 
 
 def _generate_uncached(model: torch.nn.Module, seqs: list[tuple[int, list[int]]], n_slots: int,
