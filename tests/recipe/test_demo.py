@@ -45,16 +45,19 @@ def test_smollm2_config_trains_the_four_word_jobs_and_reports_the_base_model(tmp
         alone = evaluation.eval_losses(recipe.model, [recipe.eval_data[index], [], [], []],
                                        run.trainer.micro_batch_tokens, 1, recipe.tokenizer.pad_id)
         assert torch.isclose(alone[0], torch.tensor(final["adapters"]["base"][f"loss_on_{task}"]))
-        assert final["adapters"][task][f"loss_on_{task}"] != final["adapters"]["base"][f"loss_on_{task}"]
+        adapter, base_row = final["adapters"][task], final["adapters"]["base"]
+        assert adapter[f"loss_on_{task}"] != base_row[f"loss_on_{task}"]
     mm.destroy_parallel()
 
 
 def test_demo_sh_tiny_runs_offline(tmp_path):
-    launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT")
     env = {k: v for k, v in os.environ.items() if k not in launcher}
     env.update(SKIP_SETUP="1", PYTHONPATH=str(ROOT))
-    overrides = [f"run_dir={tmp_path / 'run'}", "logging.wandb_mode=disabled", "logging.plots=false",
-                 "trainer.eval_samples=4", *[f"adapters.{i}.max_steps=2" for i in range(4)]]
+    overrides = [f"run_dir={tmp_path / 'run'}", "logging.wandb_mode=disabled",
+                 "logging.plots=false", "trainer.eval_samples=4",
+                 *[f"adapters.{i}.max_steps=2" for i in range(4)]]
     proc = subprocess.run(["bash", "scripts/demo.sh", "--tiny", *overrides], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
