@@ -495,7 +495,7 @@ class MultiLoRAFinetuneRecipe:
                                  "held-out loss: adapter (row) x task (column), lower is better")
                     plots.append(self.run_dir / "adapter_task_loss.png")
                 print(f"plots: {', '.join(map(str, plots))}")
-            self._print_outcome(names)
+            self._print_outcome([s.name for s in self._exported()])
         self.logger.close()
         dist.barrier()
         return [s.name for s in self.queue.states if s.status == FAILED]
@@ -521,18 +521,23 @@ class MultiLoRAFinetuneRecipe:
                   "every job with complete schedules, set trainer.steps_per_job instead",
                   flush=True)
 
+    def _exported(self) -> list[JobState]:
+        """Done jobs, and jobs trainer.max_steps cut short (exported at the end of train)."""
+        return [s for s in self.queue.states if s.status in (DONE, ACTIVE)]
+
     def _adapter_task_tables(self):
-        """Every exported adapter on every job's held-out data, ``n_slots`` adapters at a time:
-        (adapter names, task names, loss table, accuracy table)."""
-        # Done jobs, and jobs trainer.max_steps cut short (exported at the end of train).
-        exported = [s for s in self.queue.states if s.status in (DONE, ACTIVE)]
+        """The base model and every exported adapter on every job's held-out data, ``n_slots``
+        at a time: (row names, task names, loss table, accuracy table)."""
+        # None: a cleared slot (alpha 0), i.e. the base model alone, the row to beat.
+        exported = [None] + self._exported() if self._exported() else []
         tasks = [i for i, data in enumerate(self.eval_data) if data]
         losses = [[float("nan")] * len(tasks) for _ in exported]
         accuracy = [[float("nan")] * len(tasks) for _ in exported]
         for start in range(0, len(exported), self.n_slots) if tasks else []:
             chunk = exported[start:start + self.n_slots]
             for slot, state in enumerate(chunk):
-                import_adapter(self.model, slot, self.run_dir / "adapters" / state.name)
+                if state is not None:
+                    import_adapter(self.model, slot, self.run_dir / "adapters" / state.name)
             for col, task in enumerate(tasks):
                 slot_examples = [self.eval_data[task] if s < len(chunk) else []
                                  for s in range(self.n_slots)]
@@ -545,8 +550,8 @@ class MultiLoRAFinetuneRecipe:
                     accuracy[start + slot][col] = task_accuracy.get(slot, float("nan"))
             for slot in range(len(chunk)):
                 mm.clear_adapter_slot(self.model, slot)
-        return ([s.name for s in exported], [self.run.adapters[t].name for t in tasks],
-                losses, accuracy)
+        return ([s.name if s else "base" for s in exported],
+                [self.run.adapters[t].name for t in tasks], losses, accuracy)
 
     def _say(self, line: str) -> None:
         if self.is_main:

@@ -1,8 +1,9 @@
 """Write what the main job trains on: the demo tasks' train/eval JSONL files (see
-megatron_multilora.data.demo_tasks) and the tiny random base model, a Hugging Face Llama
-folder with a byte-level tokenizer (see megatron_multilora.models.tiny_hf).
+megatron_multilora.data.demo_tasks) and, for the letter tasks, the tiny random base model, a
+Hugging Face Llama folder with a byte-level tokenizer (see megatron_multilora.models.tiny_hf).
 
     python scripts/make_demo_data.py --out-dir data/demo [--n-train 512] [--n-eval 64] [--seed 0]
+    python scripts/make_demo_data.py --out-dir data/demo-words --tasks words   # SmolLM2 demo
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from megatron_multilora.data.demo_tasks import write_demo_datasets
+from megatron_multilora.data.demo_tasks import TASK_SETS, write_demo_datasets
 
 
 def main() -> None:
@@ -19,15 +20,17 @@ def main() -> None:
     parser.add_argument("--n-train", type=int, default=512, help="train examples per task")
     parser.add_argument("--n-eval", type=int, default=64, help="eval examples per task")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tasks", choices=sorted(TASK_SETS), default="letters",
+                        help="letters: for the tiny byte-level model; words: for SmolLM2")
     parser.add_argument("--no-base-model", action="store_true",
-                        help="skip the tiny base model (<out-dir>/tiny-llama)")
+                        help="skip the tiny base model (<out-dir>/tiny-llama; letters only)")
     args = parser.parse_args()
     paths = write_demo_datasets(args.out_dir, n_train=args.n_train, n_eval=args.n_eval,
-                                seed=args.seed)
+                                seed=args.seed, task_set=args.tasks)
     for task, split_paths in paths.items():
         print(f"{task}: train {split_paths['train']} ({args.n_train} records), "
               f"eval {split_paths['eval']} ({args.n_eval} records)")
-    if not args.no_base_model:
+    if args.tasks == "letters" and not args.no_base_model:
         from megatron_multilora.models.tiny_hf import write_tiny_llama
 
         folder = write_tiny_llama(Path(args.out_dir) / "tiny-llama", seed=args.seed)

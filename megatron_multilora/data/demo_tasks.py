@@ -1,8 +1,13 @@
 """Small demo tasks with exact-match answers, one distinct behaviour per adapter.
 
-Every task uses the same prompt format, ``"<input>="``, and three of them share the same
-input distribution (lowercase words), so which task to perform is known only to the adapter
-that learned it.
+Two task sets, each with one prompt format, ``"<input>="``, and (mostly) one input
+distribution, so which task to perform is known only to the adapter that learned it:
+
+- ``letters`` (``TASKS``): reverse / uppercase / sort the letters of a random string, add two
+  numbers. Character-level, for the tiny byte-level model.
+- ``words`` (``WORD_TASKS``): reverse / sort / capitalise / double three common English
+  words. Word-level, for a real BPE model (SmolLM2): every word is one token, so a pretrained
+  model learns each task from a few hundred examples.
 """
 
 from __future__ import annotations
@@ -48,6 +53,37 @@ TASKS: dict[str, Callable[[random.Random], dict]] = {
     "sort": _sort,
 }
 
+# Common nouns that are single tokens with a leading space, lower and capitalised, in
+# SmolLM2's tokenizer (checked against data/smollm2-135m-instruct's tokenizer.json).
+WORDS = tuple("""
+apple river stone cloud horse table window garden paper music tiger honey bread chair ocean
+mirror forest rabbit silver castle dragon planet summer winter butter camera doctor engine
+finger guitar hammer island orange pepper rocket yellow basket cotton desert farmer ginger
+lemon monkey number sugar bridge flower shadow spider temple tunnel valley copper eagle harbor
+lamp moon nest owl pearl queen ring ship train tree wolf bell book coin drum fish frog king
+lake milk rain rose salt snow star sun wind
+""".split())
+
+
+def _word_task(answer: Callable[[list[str]], list[str]]) -> Callable[[random.Random], dict]:
+    """A task on three distinct words: prompt ``"w1 w2 w3 ="``, completion the answer's
+    words after a space (so each is the same single token as in the prompt)."""
+    def make(rng: random.Random) -> dict:
+        words = rng.sample(WORDS, 3)
+        return {"prompt": " ".join(words) + " =", "completion": " " + " ".join(answer(words))}
+    return make
+
+
+WORD_TASKS: dict[str, Callable[[random.Random], dict]] = {
+    "reverse_words": _word_task(lambda w: w[::-1]),
+    "sort_words": _word_task(sorted),
+    "capitalize": _word_task(lambda w: [x.capitalize() for x in w]),
+    "double": _word_task(lambda w: [x for x in w for _ in range(2)]),
+}
+
+TASK_SETS = {"letters": TASKS, "words": WORD_TASKS}
+_ALL_TASKS = {**TASKS, **WORD_TASKS}
+
 
 def _rng(task: str, seed: int, stream: str) -> random.Random:
     # A string seed is hashed deterministically (not via hash()), so streams are stable
@@ -57,9 +93,9 @@ def _rng(task: str, seed: int, stream: str) -> random.Random:
 
 def _draw(task: str, rng: random.Random, n: int, exclude: set[str]) -> list[dict]:
     """``n`` records of ``task`` whose prompts are not in ``exclude``."""
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; expected one of {sorted(TASKS)}")
-    make, records, attempts = TASKS[task], [], 0
+    if task not in _ALL_TASKS:
+        raise ValueError(f"unknown task {task!r}; expected one of {sorted(_ALL_TASKS)}")
+    make, records, attempts = _ALL_TASKS[task], [], 0
     while len(records) < n:
         attempts += 1
         # Bounded so an exclusion set covering (nearly) the whole input space fails loudly.
@@ -85,8 +121,9 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
 
 
 def write_demo_datasets(out_dir: str | Path, n_train: int = 512, n_eval: int = 64,
-                        seed: int = 0) -> dict[str, dict[str, Path]]:
-    """Write ``{task}.train.jsonl`` and ``{task}.eval.jsonl`` for every task in ``out_dir``.
+                        seed: int = 0, task_set: str = "letters") -> dict[str, dict[str, Path]]:
+    """Write ``{task}.train.jsonl`` and ``{task}.eval.jsonl`` for every task of ``task_set``
+    (a key of ``TASK_SETS``) in ``out_dir``.
 
     Train records are ``make_examples(task, n_train, seed)``; eval records come from a
     separate random stream and skip any prompt seen in train, so eval measures
@@ -94,10 +131,12 @@ def write_demo_datasets(out_dir: str | Path, n_train: int = 512, n_eval: int = 6
     """
     if n_train < 1 or n_eval < 1:
         raise ValueError(f"n_train and n_eval must be >= 1, got {n_train} and {n_eval}")
+    if task_set not in TASK_SETS:
+        raise ValueError(f"unknown task set {task_set!r}; expected one of {sorted(TASK_SETS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths: dict[str, dict[str, Path]] = {}
-    for task in TASKS:
+    for task in TASK_SETS[task_set]:
         train = make_examples(task, n_train, seed)
         held_out = _draw(task, _rng(task, seed, "eval"), n_eval,
                          exclude={r["prompt"] for r in train})

@@ -246,6 +246,9 @@ def validate(run: RunConfig, check_files: bool = True) -> None:
     names = [job.name for job in run.adapters]
     if len(set(names)) != len(names):
         problems.append(f"adapter names must be unique: {names}")
+    if "base" in names:  # the final tables' row of the base model alone
+        problems.append(f"adapters.{names.index('base')}: the name 'base' is reserved for the base "
+                        "model's row in the final tables; choose another name")
     dp = world // max(par.tp, 1)
     for i, job in enumerate(run.adapters):
         where = f"adapters.{i} ({job.name})"

@@ -50,15 +50,49 @@ def _packed_prompts(seqs: list[tuple[int, list[int]]], n_slots: int, pad_multipl
 
 @torch.no_grad()
 def greedy_generate(model: torch.nn.Module, prompts: Sequence[tuple[int, list[int]]], n_slots: int,
-                    max_new_tokens: int, eos_id: int, pad_multiple: int, pad_id: int) -> list[list[int]]:
-    """Greedy continuations of ``(slot, prompt tokens)`` pairs, all in one packed batch per
-    step (no KV cache: the tiny models this serves re-run the prefix cheaply)."""
-    from megatron_multilora.layers.lifecycle import set_tokens_per_adapter_slot
+                    max_new_tokens: int, eos_id: int, pad_multiple: int, pad_id: int,
+                    kv_cache: bool = True) -> list[list[int]]:
+    """Greedy continuations (until ``eos_id``, at most ``max_new_tokens``) of ``(slot, prompt
+    tokens)`` pairs, every slot's prompts in one batch.
 
+    With ``kv_cache`` (dense models without sequence parallelism; the others fall back)
+    keys and values are kept in megatron's static inference context, so each step runs one
+    new token per prompt; without, every step re-runs the whole prefix. Both give the same
+    tokens.
+    """
     was_training = model.training
     model.eval()
     order = sorted(range(len(prompts)), key=lambda i: prompts[i][0])  # adapter-major
     seqs = [(prompts[i][0], list(prompts[i][1])) for i in order]
+    if not seqs or max_new_tokens < 1:
+        generated = [[] for _ in seqs]
+    # pad_multiple > 1 means sequence parallelism: a [B, 1] decode step cannot be split.
+    elif kv_cache and pad_multiple == 1 and not _has_moe(model):
+        generated = _generate_cached(model, seqs, n_slots, max_new_tokens, eos_id, pad_id)
+    else:
+        generated = _generate_uncached(model, seqs, n_slots, max_new_tokens, eos_id, pad_multiple,
+                                       pad_id)
+    model.train(was_training)
+    result: list[list[int]] = [[] for _ in prompts]
+    for k, i in enumerate(order):
+        result[i] = generated[k]
+    return result
+
+
+def _has_moe(model: torch.nn.Module) -> bool:
+    # Slot routing through the token dispatcher is not tested under megatron's inference
+    # context: MoE models generate uncached.
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return any(isinstance(m, MoELayer) for m in model.modules())
+
+
+def _generate_uncached(model: torch.nn.Module, seqs: list[tuple[int, list[int]]], n_slots: int,
+                       max_new_tokens: int, eos_id: int, pad_multiple: int,
+                       pad_id: int) -> list[list[int]]:
+    """Every step packs every (prefix + generated) sequence and runs it whole."""
+    from megatron_multilora.layers.lifecycle import set_tokens_per_adapter_slot
+
     generated = [[] for _ in seqs]
     done = [False] * len(seqs)
     for _ in range(max_new_tokens):
@@ -79,8 +113,63 @@ def greedy_generate(model: torch.nn.Module, prompts: Sequence[tuple[int, list[in
                 seqs[k][1].append(token)
         if all(done):
             break
-    model.train(was_training)
-    result: list[list[int]] = [[] for _ in prompts]
-    for k, i in enumerate(order):
-        result[i] = generated[k]
-    return result
+    return generated
+
+
+def _generate_cached(model: torch.nn.Module, seqs: list[tuple[int, list[int]]], n_slots: int,
+                     max_new_tokens: int, eos_id: int, pad_id: int) -> list[list[int]]:
+    """Megatron's static batching: all sequences advance one position per step, so they
+    share one KV-cache offset (and RoPE position). The first ``min prompt length`` positions
+    run at once (prefill, one forward per slot: a ``[b, s]`` batch flattens sequence-major,
+    so only a single-slot batch is adapter-major); then every step feeds ``[B, 1]`` tokens,
+    adapter-major as ``seqs`` is slot-sorted: a prompt's own next token while it lasts (its
+    logits are ignored), else the token generated at the previous step."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    from megatron_multilora.layers.lifecycle import set_tokens_per_adapter_slot
+
+    device = next(model.parameters()).device
+    lengths = [len(tokens) for _, tokens in seqs]
+    prefill = min(lengths)
+    total = max(n + max_new_tokens for n in lengths)
+    context = StaticInferenceContext(max_batch_size=len(seqs), max_sequence_length=total)
+    slots = [slot for slot, _ in seqs]
+    per_slot = [slots.count(s) for s in range(n_slots)]
+
+    def forward(tokens: list[list[int]], offset: int, counts: list[int]) -> list[int]:
+        ids = torch.tensor(tokens, dtype=torch.int64, device=device)  # [b, s]
+        positions = torch.arange(offset, offset + ids.size(1), device=device).expand_as(ids)
+        set_tokens_per_adapter_slot(model, counts)
+        logits = model(ids, positions, None, inference_context=context, runtime_gather_output=True)
+        return logits[:, -1].argmax(dim=-1).tolist()  # only the last position is materialised
+
+    next_ids: list[int] = []
+    start = 0
+    for slot, n in enumerate(per_slot):
+        if n:
+            context.batch_size_offset = start
+            next_ids += forward([tokens[:prefill] for _, tokens in seqs[start:start + n]], 0,
+                                [n * prefill if s == slot else 0 for s in range(n_slots)])
+            start += n
+    context.batch_size_offset = 0
+    generated = [[] for _ in seqs]
+    done = [False] * len(seqs)
+    position = prefill  # of the token each sequence's ``next_ids`` entry predicts
+    while True:
+        for k, token in enumerate(next_ids):
+            if done[k] or position < lengths[k]:
+                continue  # still inside the prompt: the prediction is not used
+            if token == eos_id:
+                done[k] = True
+            else:
+                generated[k].append(token)
+                done[k] = len(generated[k]) == max_new_tokens
+        if all(done):
+            break
+        feed = [seqs[k][1][position] if position < lengths[k]
+                else (pad_id if done[k] else generated[k][-1])
+                for k in range(len(seqs))]
+        context.sequence_len_offset = position
+        next_ids = forward([[t] for t in feed], position, per_slot)
+        position += 1
+    return generated

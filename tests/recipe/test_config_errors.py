@@ -33,6 +33,10 @@ def test_all_problems_reported_at_once(demo_data, tmp_path, monkeypatch):
     assert f"{bad}:3:" in msg  # the malformed line, by number
     assert "3 adapter jobs but lora.slots=2 and trainer.queue_jobs=false" in msg
 
+    run = compose_run([f"adapters=[{job('base', demo_data, 'add', 3)}]"])
+    with pytest.raises(ConfigError, match="adapters.0: the name 'base' is reserved"):
+        validate(run)
+
     run = compose_run([f"hf_dir={tmp_path}/nowhere", f"adapters=[{job('a', demo_data, 'add', 3)}]"])
     with pytest.raises(ConfigError, match="hf_dir: .*nowhere/config.json not found"):
         validate(run)

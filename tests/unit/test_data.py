@@ -17,6 +17,8 @@ from megatron_multilora.data.datasets import (
 )
 from megatron_multilora.data.demo_tasks import (
     TASKS,
+    WORD_TASKS,
+    WORDS,
     exact_match,
     make_examples,
     write_demo_datasets,
@@ -255,6 +257,21 @@ def test_write_demo_datasets_files_are_valid_and_disjoint(tmp_path):
         assert train == make_examples(task, 200, seed=0)
         assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
     assert not list((tmp_path / "demo").glob("*.tmp"))  # no temp files left behind
+
+
+def test_word_tasks_share_one_input_distribution_and_answer_correctly(tmp_path):
+    paths = write_demo_datasets(tmp_path, n_train=50, n_eval=10, seed=0, task_set="words")
+    assert set(paths) == set(WORD_TASKS) == {"reverse_words", "sort_words", "capitalize", "double"}
+    answer = {"reverse_words": lambda w: w[::-1], "sort_words": sorted,
+              "capitalize": lambda w: [x.capitalize() for x in w],
+              "double": lambda w: [x for x in w for _ in (0, 1)]}
+    for task, split in paths.items():
+        for record in read_jsonl_records(split["train"]) + read_jsonl_records(split["eval"]):
+            words = record["prompt"].removesuffix(" =").split(" ")
+            assert len(set(words)) == 3 and set(words) <= set(WORDS)
+            assert record["completion"] == " " + " ".join(answer[task](words))
+    with pytest.raises(ValueError, match="unknown task set 'numbers'"):
+        write_demo_datasets(tmp_path, task_set="numbers")
 
 
 def test_exact_match():

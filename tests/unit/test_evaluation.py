@@ -1,0 +1,61 @@
+"""Greedy generation with megatron's KV cache gives the tokens of re-running the prefix."""
+
+import torch
+
+import megatron_multilora as mm
+from megatron_multilora.training import evaluation
+
+CFG = mm.GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                        ffn_hidden_size=48, vocab_size=64)
+N_SLOTS = 4
+
+
+def model_with_distinct_adapters() -> torch.nn.Module:
+    """Slots 0-2 hold random adapters of different ranks (large enough to change the
+    generations), slot 3 stays free."""
+    torch.manual_seed(0)
+    model = mm.apply_multi_lora(mm.build_gpt_model(CFG), N_SLOTS, 8, alpha=1.0)
+    for slot, rank in enumerate([8, 4, 8]):
+        mm.init_adapter_slot(model, slot, rank=rank, alpha=2.0 * rank)
+        for p in mm.slot_parameters(model, slot):
+            p.data.normal_(0, 0.3)
+    return model
+
+
+def prompts() -> list[tuple[int, list[int]]]:
+    """Unsorted slots, prompt lengths 1-7, slot 3 unused."""
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(9):
+        length = 1 + (i * 3) % 7
+        out.append(((2 * i) % 3, torch.randint(3, 64, (length,), generator=gen).tolist()))
+    return out
+
+
+def generate(model, items, eos_id: int, kv_cache: bool) -> list[list[int]]:
+    return evaluation.greedy_generate(model, items, N_SLOTS, max_new_tokens=6, eos_id=eos_id,
+                                      pad_multiple=1, pad_id=0, kv_cache=kv_cache)
+
+
+def test_kv_cache_generates_the_same_tokens_as_the_uncached_path(monkeypatch):
+    model = model_with_distinct_adapters()
+    items = prompts()
+    contexts = []  # the cached path must really run with an inference context
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **kw: (
+        contexts.append(kw.get("inference_context")), forward(*a, **kw))[1])
+    never_eos = generate(model, items, eos_id=-1, kv_cache=False)
+    assert all(len(g) == 6 for g in never_eos)
+    assert len({tuple(g) for g in never_eos}) > 1
+    # An eos that some sequences produce mid-way: they stop early, the others run to the end.
+    eos = never_eos[0][2]
+    uncached = generate(model, items, eos, kv_cache=False)
+    assert not any(contexts)
+    cached = generate(model, items, eos, kv_cache=True)
+    assert all(c is not None for c in contexts[-3:])
+    assert cached == uncached
+    assert {len(g) for g in uncached} >= {2, 6}
+    # Same slot, same prompt -> the same tokens; another slot's adapter -> other tokens.
+    assert cached == generate(model, items, eos, kv_cache=True)
+    others = generate(model, [((s + 1) % 3, p) for s, p in items], -1, kv_cache=True)
+    assert others != never_eos
