@@ -43,18 +43,18 @@ from typing import Callable, Iterator, Optional
 import torch
 
 import megatron_multilora as mm  # first: it quiets megatron's CPU import notices
-from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear  # noqa: E402
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
-from megatron_multilora.data.datasets import Example  # noqa: E402
-from megatron_multilora.data.packing import MicroBatch, pack_micro_batches  # noqa: E402
-from megatron_multilora.layers.slot_tokens import SlotTokens  # noqa: E402
-from megatron_multilora.models.specs import transformer_engine_usable  # noqa: E402
-from megatron_multilora.models.torch_modules import TorchGroupedLinear  # noqa: E402
-from megatron_multilora.layers.slot_routing import build_expert_slot_routing  # noqa: E402
-from megatron_multilora.training.config import AdapterJob  # noqa: E402
-from megatron_multilora.training.grad_sync import SlotGradSync  # noqa: E402
-from megatron_multilora.training.slot_optimizer import SlotOptimizer, slot_grad_norm  # noqa: E402
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron_multilora.data.datasets import Example
+from megatron_multilora.data.packing import MicroBatch, pack_micro_batches
+from megatron_multilora.layers.slot_tokens import SlotTokens
+from megatron_multilora.models.specs import transformer_engine_usable
+from megatron_multilora.models.torch_modules import TorchGroupedLinear
+from megatron_multilora.layers.slot_routing import build_expert_slot_routing
+from megatron_multilora.training.config import AdapterJob
+from megatron_multilora.training.grad_sync import SlotGradSync
+from megatron_multilora.training.slot_optimizer import SlotOptimizer, slot_grad_norm
 
 REPO = Path(__file__).resolve().parent.parent
 MiB = 2.0 ** 20
