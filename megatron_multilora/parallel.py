@@ -94,9 +94,29 @@ def init_parallel(
     model_parallel_cuda_manual_seed(seed)
 
 
+def _layout_groups() -> list[dist.ProcessGroup]:
+    """The process groups megatron's ``parallel_state`` holds for the current layout, but its
+    ``*_GLOO`` ones, which ``destroy_model_parallel`` destroys itself."""
+    found: dict[int, dist.ProcessGroup] = {}
+    for name, value in vars(parallel_state).items():
+        if "GLOO" in name:
+            continue
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, dist.ProcessGroup) and item is not dist.GroupMember.WORLD:
+                found[id(item)] = item
+    return list(found.values())
+
+
 def destroy_parallel(destroy_process_group: bool = False) -> None:
-    """Tear down the parallel layout; optionally the process group too."""
+    """Tear down the parallel layout and its process groups; optionally the default process
+    group too."""
     if parallel_state.model_parallel_is_initialized():
+        groups = _layout_groups()
         parallel_state.destroy_model_parallel()
+        # megatron forgets its groups without destroying them: torch keeps each alive, with
+        # its gloo threads, for the life of the process. Tests that build one layout after
+        # another then slow down to a crawl (thousands of gloo threads).
+        for group in groups:
+            dist.destroy_process_group(group)
     if destroy_process_group and dist.is_initialized():
         dist.destroy_process_group()
