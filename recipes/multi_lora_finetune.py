@@ -101,6 +101,8 @@ class MultiLoRAFinetuneRecipe:
         self.run = run
         self.run_dir = Path(run.run_dir)
         self.model_config = base_model_config(run)  # hf_dir's architecture, or run.model
+        # Read once: exports and every checkpoint's adapter meta name the HF model type.
+        self.hf_model_type = read_hf_config(run.hf_dir)["model_type"] if run.hf_dir else None
 
     # ----- setup, in order ----------------------------------------------------------------
 
@@ -216,7 +218,7 @@ class MultiLoRAFinetuneRecipe:
         job = self.run.adapters[state.index]
         if job.init_from and folder_format(job.init_from) is FolderFormat.PEFT:
             import_peft(self.model, state.slot, job.init_from, self.model_config,
-                        self._hf_model_type() if self.run.hf_dir else "llama")
+                        self.hf_model_type or "llama")
         elif job.init_from:
             import_adapter(self.model, state.slot, job.init_from)
         else:  # initialised from the job, not the slot: the same adapter in any slot
@@ -244,12 +246,9 @@ class MultiLoRAFinetuneRecipe:
                        self._adapter_meta(job, state), overwrite=True)
         if self.run.hf_dir:
             export_peft(self.model, state.slot, self.run_dir / "peft" / job.name,
-                        self.model_config, self._hf_model_type(),
+                        self.model_config, self.hf_model_type,
                         str(Path(self.run.hf_dir).resolve()), overwrite=True,
                         dropout=job.dropout)
-
-    def _hf_model_type(self) -> str:
-        return read_hf_config(self.run.hf_dir)["model_type"]
 
     def _adapter_meta(self, job, state: JobState) -> dict:
         """What an exported adapter (and a checkpoint, for its training jobs) records beside
@@ -259,7 +258,7 @@ class MultiLoRAFinetuneRecipe:
                 "total_steps": state.total_steps, "finished": state.steps_done >= state.total_steps,
                 "base_model": dataclasses.asdict(self.model_config)}
         if self.run.hf_dir:
-            meta.update(hf_dir=str(Path(self.run.hf_dir).resolve()), hf_model_type=self._hf_model_type())
+            meta.update(hf_dir=str(Path(self.run.hf_dir).resolve()), hf_model_type=self.hf_model_type)
         return meta
 
     def _global_batch(self, active: list[JobState]) -> tuple[list[list[Example]], dict[int, int]]:

@@ -31,9 +31,17 @@ def from_adapter_folder(folder: Path):
 
 
 def from_checkpoint(folder: Path, job: str):
-    import torch
+    from megatron_multilora.training.checkpoints import (
+        CheckpointError,
+        check_checkpoint,
+        read_training_state,
+    )
 
-    state = torch.load(folder / "state.pt", weights_only=False)
+    try:  # the checks a resume makes: manifest checksums, errors naming the file
+        check_checkpoint(folder)
+        state = read_training_state(folder)
+    except CheckpointError as err:
+        raise SystemExit(str(err)) from None
     slots = {s["name"]: s["slot"] for s in state["trainer"]["queue"] if s["status"] == "active"}
     if job not in slots:
         names = ", ".join(sorted(slots)) or "none"

@@ -28,14 +28,15 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from safetensors.torch import load_file, save_file
 
-from megatron_multilora.layers.slot_tensors import get_slot_tensors, set_slot_tensors
 from megatron_multilora.atomic_files import (
     remove_write_leftovers,
     write_dir_atomic,
     write_json_atomic,
 )
+from megatron_multilora.checkpoint.adapter_folders import CHECKPOINT_STATE
 from megatron_multilora.checkpoint.files import DamagedFolderError, verify_manifest, write_manifest
 from megatron_multilora.layers.lifecycle import ModelOrChunks, multi_lora_modules
+from megatron_multilora.layers.slot_tensors import get_slot_tensors, set_slot_tensors
 from megatron_multilora.training.slot_optimizer import SlotOptimizer
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -74,7 +75,7 @@ def save_training_checkpoint(run_dir: str | Path, step: int, model: ModelOrChunk
         def fill(tmp: Path) -> None:
             meta = {k: {n: v for n, v in s.items() if n != "tensors"} for k, s in slots.items()}
             torch.save({"step": step, "slots": meta, "trainer": state,
-                        "world_size": dist.get_world_size()}, tmp / "state.pt")
+                        "world_size": dist.get_world_size()}, tmp / CHECKPOINT_STATE)
             for k, s in slots.items():
                 save_file({n: t.contiguous() for n, t in s["tensors"].items()},
                           str(tmp / f"slot{k}.safetensors"))
@@ -193,8 +194,8 @@ def check_checkpoint(folder: Path) -> None:
         verify_manifest(folder)
     except DamagedFolderError as e:
         raise CheckpointError(str(e)) from e
-    if not (folder / "state.pt").is_file():
-        raise CheckpointError(f"{folder / 'state.pt'} is missing: {folder} is not a training checkpoint")
+    if not (folder / CHECKPOINT_STATE).is_file():
+        raise CheckpointError(f"{folder / CHECKPOINT_STATE} is missing: {folder} is not a training checkpoint")
 
 
 def prepare_checkpoint_folder(run_dir: str | Path, point: ResumePoint) -> list[str]:
@@ -230,7 +231,7 @@ def _read(path: Path, load: Callable[[str], Any]) -> Any:
 
 def read_training_state(path: Path) -> dict[str, Any]:
     """A checkpoint's ``state.pt``: step, trainer state (e.g. the job queue), slot metadata."""
-    return _read(path / "state.pt", lambda f: torch.load(f, weights_only=False))
+    return _read(path / CHECKPOINT_STATE, lambda f: torch.load(f, weights_only=False))
 
 
 def restore_training_checkpoint(path: Path, saved: dict[str, Any], model: ModelOrChunks,
