@@ -568,6 +568,10 @@ def _report_and_exit(message: str, code: int) -> None:
             with open(error_file, "w") as f:
                 json.dump({"message": {"message": message, "extraInfo": {
                     "py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
+    elif "TORCHELASTIC_ERROR_FILE" in os.environ:
+        # torchrun names the first failure it observes as the root cause: the other ranks
+        # leave after rank 0 (which carries the message); torchrun ends them once it exits.
+        time.sleep(5)
     sys.exit(code)
 
 
