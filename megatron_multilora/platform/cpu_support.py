@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import types
 import warnings
 from typing import Iterator
 
@@ -126,8 +127,28 @@ def activate_cpu_support() -> bool:
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = object()
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _host_splits
 
+    # pipeline_parallel/schedules.py: every schedule allocates its token counter with
+    # device="cuda" (a literal, not current_device); the schedule module alone sees a torch
+    # whose zeros() puts "cuda" tensors on the CPU.
+    schedules = importlib.import_module("megatron.core.pipeline_parallel.schedules")
+    schedules.torch = _TorchWithCPUZeros()
+
     _active = True
     return True
+
+
+class _TorchWithCPUZeros(types.ModuleType):
+    """``torch`` for schedules.py: the same module but ``zeros(device="cuda")`` -> CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs) -> torch.Tensor:
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
 
 def _host_splits(dispatcher, point: str, tokens_per_expert=None):
