@@ -146,7 +146,8 @@ class MultiLoRAGroupedExpertLinear(MultiLoRALinear):
             raise RuntimeError(
                 f"MultiLoRAGroupedExpertLinear({self.full_name}): no slot routing for "
                 f"{x.size(0)} dispatched rows; install_moe_slot_routing(model) must run (it is "
-                "called by apply_multi_lora) and set_tokens_per_adapter_slot before forward")
+                "called by apply_multi_lora) and a slot layout be given (packed_seq_params or "
+                "set_tokens_per_adapter_slot) before forward")
         slots = routing.slots
         if not slots:
             return out, bias

@@ -13,6 +13,8 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_multilora.layers.expert_lora import MultiLoRAGroupedExpertLinear
 from megatron_multilora.layers.lifecycle import ModelOrChunks, _chunks
+from megatron_multilora.layers.micro_batch_layout import install_micro_batch_layout_hooks
+from megatron_multilora.layers.model_paths import global_named_modules
 from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear, base_kind
 from megatron_multilora.layers.slot_routing import check_moe_config, install_moe_slot_routing
 
@@ -66,8 +68,12 @@ def apply_multi_lora(
     Grouped expert linears (``mlp.experts.linear_fc1/fc2``) get a
     :class:`MultiLoRAGroupedExpertLinear` and their MoE layers the slot-routing hook; shared
     experts and other dense linears a :class:`MultiLoRALinear`; routers are left alone.
-    Targets are module names (``"linear_qkv"`` matches every ``...linear_qkv``) or
-    wildcard patterns over the full path (``"*.layers.0.*.linear_qkv"``). The base is frozen;
+    Transformer layers get the hooks that take each micro-batch's slot layout from its
+    ``packed_seq_params`` (:mod:`.micro_batch_layout`). Targets are module names (``"linear_qkv"`` matches every ``...linear_qkv``) or
+    wildcard patterns over the full path (``"*.layers.0.*.linear_qkv"``), with global layer
+    numbers under pipeline parallelism (:mod:`.model_paths`). ``seed`` (default: the first
+    pipeline stage's torch seed, which stages may seed differently) and the global path seed
+    each slot's initialisation, so it does not depend on the layout. The base is frozen;
     only adapter parameters stay trainable. ``fully_sharded`` selects the S-LoRA layout for
     TP-split dense linears (see :mod:`.sharding`; expert linears are not TP-split).
     Already-wrapped modules are left alone, so applying twice with the same settings changes
@@ -75,14 +81,16 @@ def apply_multi_lora(
     changed, so on error the model is left as it was. Returns ``model``.
     """
     if seed is None:
-        seed = torch.initial_seed() % (2**31)
+        seed = _first_stage_value(torch.initial_seed() % (2**31))
     # Every wrapper is built and every check runs before the model is touched: an error
     # leaves it exactly as it was (not half-wrapped, its base not frozen).
     planned: list[tuple[torch.nn.Module, str, MultiLoRALinear]] = []  # (parent, child, wrapper)
     wrapped = 0
     for chunk in _chunks(model):
         config_sp = getattr(getattr(chunk, "config", None), "sequence_parallel", False)
-        for name, module in chunk.named_modules():
+        # Targets match, and wrappers are named by, global paths (the same under any
+        # pipeline layout); the local name finds the module in this chunk.
+        for local, name, module in global_named_modules(chunk):
             if isinstance(module, MultiLoRALinear):
                 if (module.n_adapters, module.dim) != (n_adapters, dim):
                     raise ValueError(f"{name} is already wrapped with n_adapters="
@@ -92,7 +100,7 @@ def apply_multi_lora(
                 continue
             if not name or not _matches(name, target_modules):
                 continue
-            ancestors = _ancestors(chunk, name)
+            ancestors = _ancestors(chunk, local)
             if any(isinstance(m, MultiLoRALinear) for m in ancestors):
                 continue  # the base inside a wrapper
             if any(isinstance(m, SequentialMLP) for m in ancestors):
@@ -101,7 +109,7 @@ def apply_multi_lora(
                     "experts): multi-LoRA adapts grouped experts (TEGroupedMLP) only; build the "
                     "model with moe_grouped_gemm=True, or leave the experts out of "
                     "target_modules (e.g. '*.self_attention.*' patterns)")
-            parent_name, _, child = name.rpartition(".")
+            parent_name, _, child = local.rpartition(".")
             parent = chunk.get_submodule(parent_name) if parent_name else chunk
             gated = _is_gated_fc1(parent, child)
             if isinstance(parent, TEGroupedMLP):
@@ -131,10 +139,22 @@ def apply_multi_lora(
     for parent, child, wrapper in planned:
         setattr(parent, child, wrapper)
     install_moe_slot_routing(model)
+    install_micro_batch_layout_hooks(model)
     for chunk in _chunks(model):
         _keep_graph_through_recompute(chunk)
     set_adapter_trainability(model)
     return model
+
+
+def _first_stage_value(value: int) -> int:
+    """``value`` as the first pipeline stage has it (collective over the pipeline group)."""
+    if (not parallel_state.model_parallel_is_initialized()
+            or parallel_state.get_pipeline_model_parallel_world_size() == 1):
+        return value
+    t = torch.tensor([value], device="cuda" if torch.cuda.is_available() else "cpu")
+    torch.distributed.broadcast(t, src=parallel_state.get_pipeline_model_parallel_first_rank(),
+                                group=parallel_state.get_pipeline_model_parallel_group())
+    return int(t.item())
 
 
 def _embedding_output_requires_grad(module: torch.nn.Module, args: tuple,

@@ -11,6 +11,7 @@ from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
+from megatron_multilora.layers.model_paths import chunk_prefixes, global_named_modules
 from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear
 from megatron_multilora.layers.slot_tokens import SlotTokens, check_ep_slots, check_token_counts
 
@@ -22,11 +23,12 @@ def _chunks(model: ModelOrChunks) -> list[torch.nn.Module]:
 
 
 def named_multi_lora_modules(model: ModelOrChunks) -> Iterator[tuple[str, MultiLoRALinear]]:
-    """(path, layer) for every multi-LoRA layer; paths get ``chunkK.`` with several chunks."""
+    """(path, layer) for every multi-LoRA layer. Paths are global (``decoder.layers.<global
+    index>...``, see :mod:`.model_paths`), so each names one linear of the whole model under
+    any pipeline layout; separate models given as chunks get ``chunkK.``."""
     chunks = _chunks(model)
-    for k, chunk in enumerate(chunks):
-        prefix = f"chunk{k}." if len(chunks) > 1 else ""
-        for name, module in chunk.named_modules():
+    for prefix, chunk in zip(chunk_prefixes(chunks), chunks):
+        for _, name, module in global_named_modules(chunk):
             if isinstance(module, MultiLoRALinear):
                 yield prefix + name, module
 
@@ -47,6 +49,11 @@ def set_tokens_per_adapter_slot(model: ModelOrChunks,
                                 tokens_per_adapter: Union[torch.Tensor, Sequence[int]],
                                 ep_slots: Optional[Sequence[int]] = None) -> None:
     """Route the next packed micro-batch: slot i owns the next ``tokens_per_adapter[i]`` tokens.
+
+    For calls whose ``packed_seq_params`` carry no layout. Under pipelining or activation
+    recompute pass the layout with the micro-batch instead
+    (:func:`.micro_batch_layout.with_slot_layout`): set here, it is whatever was set last
+    when a recompute re-runs a layer during backward.
 
     Tokens are the ``[s, b]`` positions flattened sequence-major; the counts must sum to
     ``s * b`` (checked in each layer's forward, naming the layer). Under expert parallelism

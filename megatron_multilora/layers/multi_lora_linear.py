@@ -7,7 +7,8 @@ For a token t of slot s (LoRA, Hu et al. 2021, with per-slot rank and alpha)::
 Every slot is allocated at the max rank ``dim``; rows ``[r_s:]`` of A_s and columns
 ``[:, r_s:]`` of B_s are kept at zero, so padded rank never contributes and its gradients
 stay zero. A packed micro-batch holds each slot's tokens contiguously (adapter-major);
-``set_tokens_per_adapter_slot`` says how many. The forward is two grouped GEMMs over those
+its ``packed_seq_params`` (:mod:`.micro_batch_layout`) or ``set_tokens_per_adapter_slot``
+say how many. The forward is two grouped GEMMs over those
 slot segments with one TP collective on the small ``[tokens, dim]`` buffer between them
 (layout per base kind in :mod:`.sharding`). The per-slot scale is applied in fp32 to that
 small buffer, as serving kernels apply it, rather than to the full ``[tokens, out]`` output.
@@ -388,8 +389,10 @@ class MultiLoRALinear(torch.nn.Module):
     def _active_slots(self) -> tuple[int, ...]:
         """The slots with tokens in this micro-batch (the same on every TP rank)."""
         if self.slot_tokens is None:
-            raise RuntimeError(f"{type(self).__name__}({self.full_name}): no token counts; call "
-                               "set_tokens_per_adapter_slot(model, counts) before forward")
+            raise RuntimeError(f"{type(self).__name__}({self.full_name}): no token counts; pass "
+                               "packed_seq_params carrying them (MicroBatch.packed_seq_params, "
+                               "with_slot_layout) or call set_tokens_per_adapter_slot(model, "
+                               "counts) before forward")
         return self.slot_tokens.active
 
     def _compute_rank(self, slots: tuple[int, ...]) -> int:

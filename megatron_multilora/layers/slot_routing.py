@@ -117,8 +117,9 @@ def _slot_routing_hook(layer: MoELayer, experts: list[MultiLoRAGroupedExpertLine
         dispatched, tokens_per_expert = args[0], args[1]
         tokens = experts[0].slot_tokens
         if tokens is None:
-            raise RuntimeError(f"{experts[0].full_name}: no token counts; call "
-                               "set_tokens_per_adapter_slot(model, counts) before forward")
+            raise RuntimeError(f"{experts[0].full_name}: no token counts; pass packed_seq_params "
+                               "carrying them or call set_tokens_per_adapter_slot(model, counts) "
+                               "before forward")
         dispatcher = layer.token_dispatcher
         rows = dispatcher.hidden_shape[:-1].numel()
         slot = co_permute_slot_ids(dispatcher, local_slot_ids(tokens, rows, dispatched.device))

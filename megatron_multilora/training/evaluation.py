@@ -90,16 +90,14 @@ def _has_moe(model: torch.nn.Module) -> bool:
 def _generate_uncached(model: torch.nn.Module, seqs: list[tuple[int, list[int]]], n_slots: int,
                        max_new_tokens: int, eos_id: int, pad_multiple: int,
                        pad_id: int) -> list[list[int]]:
-    """Every step packs every (prefix + generated) sequence and runs it whole."""
-    from megatron_multilora.layers.lifecycle import set_tokens_per_adapter_slot
-
+    """Every step packs every (prefix + generated) sequence and runs it whole (its slot
+    layout travels in the packed params)."""
     generated = [[] for _ in seqs]
     done = [False] * len(seqs)
     for _ in range(max_new_tokens):
         mb, ends = _packed_prompts(seqs, n_slots, pad_multiple, pad_id)
         (mb,) = align_with_expert_peers([mb], pad_id)  # pads after every prompt's last token
         mb = mb.to(next(model.parameters()).device)
-        set_tokens_per_adapter_slot(model, mb.counts, ep_slots=mb.ep_slots)
         logits = model(mb.tokens, mb.position_ids, None, runtime_gather_output=True,
                        packed_seq_params=mb.packed_seq_params())
         next_ids = logits[0, ends].argmax(dim=-1).tolist()

@@ -18,7 +18,6 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_multilora.data.packing import MicroBatch, pad_micro_batch
-from megatron_multilora.layers.lifecycle import set_tokens_per_adapter_slot
 
 
 def global_loss_tokens(micro_batches: list[MicroBatch], n_slots: int) -> torch.Tensor:
@@ -87,7 +86,6 @@ def forward_backward(model: torch.nn.Module, micro_batches: list[MicroBatch],
 
 def _run_micro_batch(model, mb: MicroBatch, weight_per_slot: torch.Tensor,
                      per_slot: torch.Tensor, backward: bool) -> None:
-    set_tokens_per_adapter_slot(model, mb.counts, ep_slots=mb.ep_slots)
     # Pads carry no loss, and megatron's padding mask keeps them out of MoE routers'
     # auxiliary losses, through which they would otherwise change adapters' gradients. A
     # micro-batch of pads only (a filler) cannot be masked (the aux loss would be 0/0): its

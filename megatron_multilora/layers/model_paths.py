@@ -1,0 +1,40 @@
+"""Module paths that name the same linear under any pipeline layout.
+
+Under pipeline parallelism each stage (or virtual stage) holds its decoder layers as
+``decoder.layers.0..k-1``, while megatron's ``TransformerLayer.layer_number`` is global
+(1-based, stage offset included). Adapter init seeds, adapter state-dict keys and slot
+tensors name a linear by its global path, ``decoder.layers.<global index>...``, so they
+agree between layouts. This is the one place that maps local paths to global ones.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import torch
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+
+def global_named_modules(chunk: torch.nn.Module) -> Iterator[tuple[str, str, torch.nn.Module]]:
+    """``(local name, global name, module)`` for every module of ``chunk``: inside a
+    TransformerLayer the layer's local index is replaced by its global one."""
+    local_layer, global_layer = None, None
+    for name, module in chunk.named_modules():  # pre-order: a layer precedes its children
+        if isinstance(module, TransformerLayer):
+            parent = name.rpartition(".")[0]
+            local_layer = name
+            global_layer = f"{parent}.{module.layer_number - 1}" if parent else str(module.layer_number - 1)
+            yield name, global_layer, module
+        elif local_layer is not None and name.startswith(local_layer + "."):
+            yield name, global_layer + name[len(local_layer):], module
+        else:
+            yield name, name, module
+
+
+def chunk_prefixes(chunks: Sequence[torch.nn.Module]) -> list[str]:
+    """Each chunk's path prefix: none for one model, or for the virtual pipeline stages of
+    one model (megatron's ``vp_stage`` set; their global paths do not overlap); otherwise
+    ``chunkK.`` (separate models, whose paths would collide)."""
+    if len(chunks) == 1 or all(getattr(c, "vp_stage", None) is not None for c in chunks):
+        return [""] * len(chunks)
+    return [f"chunk{k}." for k in range(len(chunks))]
