@@ -21,9 +21,8 @@ def global_named_modules(chunk: torch.nn.Module) -> Iterator[tuple[str, str, tor
     local_layer, global_layer = None, None
     for name, module in chunk.named_modules():  # pre-order: a layer precedes its children
         if isinstance(module, TransformerLayer):
-            parent = name.rpartition(".")[0]
-            local_layer = name
-            global_layer = f"{parent}.{module.layer_number - 1}" if parent else str(module.layer_number - 1)
+            parent, index = name.rpartition(".")[0], str(module.layer_number - 1)
+            local_layer, global_layer = name, f"{parent}.{index}" if parent else index
             yield name, global_layer, module
         elif local_layer is not None and name.startswith(local_layer + "."):
             yield name, global_layer + name[len(local_layer):], module

@@ -58,6 +58,9 @@ def test_wildcard_targets_and_model_chunks():
     for chunk in chunks:
         wrapped = [n for n, m in chunk.named_modules() if isinstance(m, mm.MultiLoRALinear)]
         assert wrapped == ["decoder.layers.0.self_attention.linear_qkv"]
+    # Separate models (no virtual pipeline stages) keep their paths apart by chunk.
+    assert [n for n, _ in mm.layers.lifecycle.named_multi_lora_modules(chunks)] == [
+        f"chunk{k}.decoder.layers.0.self_attention.linear_qkv" for k in range(2)]
     with pytest.raises(ValueError, match="no linear matched"):
         mm.apply_multi_lora(gpt(), N, DIM, 8.0, target_modules=["linear_nope"])
 
