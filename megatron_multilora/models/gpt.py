@@ -259,7 +259,8 @@ def build_model_chunks(
     parallel layout: each transformer layer draws from a generator seeded by its global
     layer number (:class:`~megatron_multilora.models.specs.SeededTransformerLayer`), the
     embedding from the start of the stream and the output layer after the last layer. The
-    caller's generator is left as it was."""
+    generator is left after this rank's draws (what is drawn next, e.g. adapters, does not
+    repeat the embedding's values)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
@@ -269,29 +270,26 @@ def build_model_chunks(
     config = transformer_config(cfg, sequence_parallel, params_dtype, **config_overrides)
     vpp = config.virtual_pipeline_model_parallel_size
     init_seed = torch.initial_seed()
-    rng = torch.get_rng_state()
+    # From the start of the seed's stream: ranks may have drawn different amounts before.
+    torch.manual_seed(init_seed)
     chunks = []
-    try:
-        torch.manual_seed(init_seed)
-        for vp_stage in range(vpp) if vpp is not None else (None,):
-            chunks.append(GPTModel(
-                config=config,
-                transformer_layer_spec=gpt_block_spec(
-                    get_num_layers_to_build(config, vp_stage), cfg.qk_layernorm,
-                    cfg.num_moe_experts, cfg.qk_layernorm_across_heads, init_seed),
-                vocab_size=cfg.vocab_size,
-                max_sequence_length=cfg.max_sequence_length,
-                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
-                                                                   vp_stage=vp_stage),
-                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
-                                                                   vp_stage=vp_stage),
-                share_embeddings_and_output_weights=cfg.tie_word_embeddings,
-                position_embedding_type=cfg.position_embedding_type,
-                rotary_base=cfg.rotary_base,
-                vp_stage=vp_stage,
-            ))
-    finally:
-        torch.set_rng_state(rng)
+    for vp_stage in range(vpp) if vpp is not None else (None,):
+        chunks.append(GPTModel(
+            config=config,
+            transformer_layer_spec=gpt_block_spec(
+                get_num_layers_to_build(config, vp_stage), cfg.qk_layernorm,
+                cfg.num_moe_experts, cfg.qk_layernorm_across_heads, init_seed),
+            vocab_size=cfg.vocab_size,
+            max_sequence_length=cfg.max_sequence_length,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                               vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                               vp_stage=vp_stage),
+            share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+            position_embedding_type=cfg.position_embedding_type,
+            rotary_base=cfg.rotary_base,
+            vp_stage=vp_stage,
+        ))
     if torch.cuda.is_available():
         for chunk in chunks:
             chunk.cuda()
