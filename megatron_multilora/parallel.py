@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import random
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -51,46 +52,61 @@ def init_parallel(
     sequence_parallel: bool = False,
     seed: int = 1234,
     timeout_s: float = 120.0,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
 ) -> None:
     """Initialize torch.distributed, megatron's parallel_state and RNG for one layout.
 
     ``sequence_parallel`` is validated here (it needs tensor parallelism) and is otherwise a
-    model-config setting. ``timeout_s`` bounds every collective, so a mismatched rank fails
-    instead of hanging. Call :func:`destroy_parallel` before initializing another layout.
+    model-config setting. ``virtual_pipeline_model_parallel_size`` (interleaved schedule:
+    model chunks per pipeline rank) needs ``pipeline_model_parallel_size > 1``.
+    ``timeout_s`` bounds every collective, so a mismatched rank fails instead of hanging.
+    Call :func:`destroy_parallel` before initializing another layout.
+
+    Every rank's default generator gets ``seed`` (megatron's training loop adds
+    ``100 * pipeline rank``; we do not, so that a model built after this call has the same
+    base weights per global layer on any pipeline layout, see ``build_model_chunks``).
     """
-    if pipeline_model_parallel_size != 1:
-        raise ValueError(
-            f"pipeline_model_parallel_size={pipeline_model_parallel_size}: multi-LoRA slot "
-            "routing is carried on modules, so only pipeline_model_parallel_size=1 is supported"
-        )
-    if sequence_parallel and tensor_model_parallel_size == 1:
-        raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1")
+    tp, pp, ep = (tensor_model_parallel_size, pipeline_model_parallel_size,
+                  expert_model_parallel_size)
+    vpp = virtual_pipeline_model_parallel_size
+    problems = [f"{name}={value} must be at least 1" for name, value in (
+        ("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+        ("expert_model_parallel_size", ep), ("virtual_pipeline_model_parallel_size", vpp or 1))
+        if value < 1]
+    if sequence_parallel and tp == 1:
+        problems.append("sequence_parallel=True needs tensor_model_parallel_size > 1")
+    if vpp is not None and pp == 1:
+        problems.append(f"virtual_pipeline_model_parallel_size={vpp} needs "
+                        "pipeline_model_parallel_size > 1 (use None without pipelining)")
+    if problems:
+        raise ValueError("invalid parallel layout: " + "; ".join(problems))
     activate_cpu_support()
     _init_process_group(timeout_s)
     world = dist.get_world_size()
-    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
-    if world % model_parallel or world % expert_model_parallel_size:
-        raise ValueError(
-            f"world size {world} is not divisible by tensor x pipeline parallel "
-            f"({tensor_model_parallel_size} x {pipeline_model_parallel_size}) and expert "
-            f"parallel ({expert_model_parallel_size}) sizes"
-        )
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} is not divisible by tensor x pipeline parallel "
+                         f"size ({tp} x {pp})")
+    # megatron's expert grid is ep x expert-TP (1 here) x expert-DP inside each pipeline
+    # stage, so ep must divide the ranks of one stage.
+    if (world // pp) % ep:
+        raise ValueError(f"expert_model_parallel_size={ep} does not divide the {world // pp} "
+                         f"ranks of each pipeline stage (world {world} / pipeline {pp})")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size,
-        expert_model_parallel_size=expert_model_parallel_size,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep,
         # Expert LoRA segments rows by whole experts: experts are never tensor-split.
         expert_tensor_parallel_size=1,
         distributed_timeout_minutes=max(1, int(timeout_s // 60)),
         create_gloo_process_groups=torch.cuda.is_available(),
     )
-    # Same default-generator seed across tensor-parallel ranks (megatron's convention);
-    # the tracker adds the per-TP-rank and expert streams.
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    random.seed(seed + 100 * pp_rank)
-    torch.manual_seed(seed + 100 * pp_rank)
+    # The same default-generator seed on every rank (see above); the tracker adds the
+    # per-TP-rank and expert streams.
+    random.seed(seed)
+    torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
 
 

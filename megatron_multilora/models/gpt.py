@@ -76,11 +76,20 @@ class GPTModelConfig:
     recompute_modules: Optional[list[str]] = None
     """With selective recompute, e.g. ["moe"] or ["core_attn"] (megatron's names)."""
 
-    def check(self, tensor_model_parallel_size: int) -> list[str]:
-        """Problems with this config under ``tensor_model_parallel_size``; empty when fine."""
+    def check(self, tensor_model_parallel_size: int, pipeline_model_parallel_size: int = 1,
+              virtual_pipeline_model_parallel_size: Optional[int] = None) -> list[str]:
+        """Problems with this config under the given parallel sizes; empty when fine."""
         tp = tensor_model_parallel_size
         groups = self.num_query_groups or self.num_attention_heads
         problems = []
+        chunks = pipeline_model_parallel_size * (virtual_pipeline_model_parallel_size or 1)
+        if self.num_layers % chunks:
+            vpp = virtual_pipeline_model_parallel_size
+            problems.append(
+                f"num_layers={self.num_layers} does not split into pipeline "
+                f"{pipeline_model_parallel_size} x virtual stages {vpp or 1} = {chunks} equal "
+                f"model chunks; choose pipeline and virtual sizes whose product divides "
+                f"{self.num_layers}")
         if self.num_attention_heads % groups:
             problems.append(f"num_attention_heads={self.num_attention_heads} is not divisible "
                             f"by num_query_groups={groups}")
@@ -137,7 +146,9 @@ def transformer_config(
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     ep = parallel_state.get_expert_model_parallel_world_size()
-    problems = cfg.check(tp)
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    problems = cfg.check(tp, pp, vpp)
     if cfg.num_moe_experts is not None and cfg.num_moe_experts % ep:
         problems.append(f"num_moe_experts={cfg.num_moe_experts} is not divisible by expert "
                         f"parallel size {ep}")
@@ -173,6 +184,14 @@ def transformer_config(
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         pipeline_dtype=params_dtype,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        # Interleaved stages with batched p2p mix up messages on gloo (a known upstream
+        # issue); separate sends and receives keep them in order.
+        batch_p2p_comm=vpp is None,
+        # Under pipelining every micro-batch of a step is padded to one length, so stages
+        # need not exchange shapes first.
+        variable_seq_lengths=False,
         # On CPU, weights are initialised as full master tensors and split, which also makes
         # initial weights independent of the TP layout.
         use_cpu_initialization=not torch.cuda.is_available(),
@@ -211,25 +230,67 @@ def build_gpt_model(
     params_dtype: torch.dtype = torch.float32,
     **config_overrides: object,
 ) -> GPTModel:
-    """A GPTModel for ``cfg`` on the current parallel layout (call ``init_parallel`` first).
+    """A GPTModel for ``cfg`` on the current parallel layout (call ``init_parallel`` first):
+    the whole model without pipelining, this rank's stage with it (use
+    :func:`build_model_chunks` for interleaved stages).
 
     ``config_overrides`` set further megatron TransformerConfig fields."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_virtual_pipeline_model_parallel_world_size() is not None:
+        raise ValueError("virtual pipeline stages give several model chunks per rank: use "
+                         "build_model_chunks")
+    (model,) = build_model_chunks(cfg, sequence_parallel, params_dtype, **config_overrides)
+    return model
+
+
+def build_model_chunks(
+    cfg: GPTModelConfig,
+    sequence_parallel: bool = False,
+    params_dtype: torch.dtype = torch.float32,
+    **config_overrides: object,
+) -> list[GPTModel]:
+    """This rank's model chunks for ``cfg``: one per virtual pipeline stage (one without
+    virtual stages), in megatron's order, each holding its stage's layers, the embedding on
+    the first stage and the output layer on the last.
+
+    Base weights depend only on the default generator's seed (``torch.initial_seed()``, set
+    by ``init_parallel`` or ``torch.manual_seed``) and, under CPU initialisation, not on the
+    parallel layout: each transformer layer draws from a generator seeded by its global
+    layer number (:class:`~megatron_multilora.models.specs.SeededTransformerLayer`), the
+    embedding from the start of the stream and the output layer after the last layer. The
+    generator is left after this rank's draws (what is drawn next, e.g. adapters, does not
+    repeat the embedding's values)."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
     from megatron_multilora.models.specs import gpt_block_spec
 
     config = transformer_config(cfg, sequence_parallel, params_dtype, **config_overrides)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=gpt_block_spec(cfg.num_layers, cfg.qk_layernorm,
-                                              cfg.num_moe_experts,
-                                              cfg.qk_layernorm_across_heads),
-        vocab_size=cfg.vocab_size,
-        max_sequence_length=cfg.max_sequence_length,
-        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
-        position_embedding_type=cfg.position_embedding_type,
-        rotary_base=cfg.rotary_base,
-    )
+    vpp = config.virtual_pipeline_model_parallel_size
+    init_seed = torch.initial_seed()
+    # From the start of the seed's stream: ranks may have drawn different amounts before.
+    torch.manual_seed(init_seed)
+    chunks = []
+    for vp_stage in range(vpp) if vpp is not None else (None,):
+        chunks.append(GPTModel(
+            config=config,
+            transformer_layer_spec=gpt_block_spec(
+                get_num_layers_to_build(config, vp_stage), cfg.qk_layernorm,
+                cfg.num_moe_experts, cfg.qk_layernorm_across_heads, init_seed),
+            vocab_size=cfg.vocab_size,
+            max_sequence_length=cfg.max_sequence_length,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                               vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                               vp_stage=vp_stage),
+            share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+            position_embedding_type=cfg.position_embedding_type,
+            rotary_base=cfg.rotary_base,
+            vp_stage=vp_stage,
+        ))
     if torch.cuda.is_available():
-        model.cuda()
-    return model
+        for chunk in chunks:
+            chunk.cuda()
+    return chunks

@@ -1,14 +1,19 @@
 """Import Hugging Face causal-LM checkpoints into the Megatron GPT of :func:`build_gpt_model`.
 
-Works on any supported TP/EP layout: each rank reads only the slices it holds. Name and
-layout mapping (``L`` = ``model.layers.{i}``; ``M`` = the layer's MoE block, ``L.mlp`` or,
-for Mixtral, ``L.block_sparse_moe``):
+Works on any supported TP/EP/PP layout: each rank reads only the slices it holds, and under
+pipelining only its stage's layers (``i`` below is the global layer number, megatron's
+``TransformerLayer.layer_number - 1``), the embeddings on the first stage and the final norm
+and output layer on the last (with tied embeddings, the last stage's copy of the word
+embeddings is read from ``model.embed_tokens.weight``). Name and layout mapping
+(``L`` = ``model.layers.{i}``; ``M`` = the layer's MoE block, ``L.mlp`` or, for Mixtral,
+``L.block_sparse_moe``):
 
 =================================================  ============================================
 Megatron parameter (per rank)                      Hugging Face tensor(s)
 =================================================  ============================================
 embedding.word_embeddings.weight [V/tp, H]         model.embed_tokens.weight, vocab rows
-output_layer.weight [V/tp, H] (absent when tied)   lm_head.weight, vocab rows
+output_layer.weight [V/tp, H] (tied: only at PP>1) lm_head.weight (tied: model.embed_tokens.
+                                                   weight), vocab rows
 decoder.final_layernorm.weight [H]                 model.norm.weight
 layers.i.input_layernorm.weight [H]                L.input_layernorm.weight
 layers.i.pre_mlp_layernorm.weight [H]              L.post_attention_layernorm.weight
@@ -42,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from megatron.core import parallel_state
@@ -94,6 +99,7 @@ class _Loader:
 
     def __init__(self, ckpt: SafetensorsFolder, cfg: GPTModelConfig) -> None:
         self.ckpt, self.cfg = ckpt, cfg
+        self.global_layer: list[int] = []  # the current chunk's local -> global layer index
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self.etp_rank = parallel_state.get_expert_tensor_parallel_rank()
@@ -156,13 +162,14 @@ class _Loader:
         """The local tensor for Megatron state-dict ``key`` (whose parameter is ``param``)."""
         if key == "embedding.word_embeddings.weight":
             return self.read("model.embed_tokens.weight", self.shard(param))
-        if key == "output_layer.weight":
-            return self.read("lm_head.weight", self.shard(param))
+        if key == "output_layer.weight":  # tied: the last stage's copy of the embeddings
+            name = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
+            return self.read(name, self.shard(param))
         if key == "decoder.final_layernorm.weight":
             return self.read("model.norm.weight")
         m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", key)
         if m:
-            return self.layer_tensor(f"model.layers.{m[1]}", m[2], param)
+            return self.layer_tensor(f"model.layers.{self.global_layer[int(m[1])]}", m[2], param)
         raise ValueError(f"no Hugging Face counterpart is known for Megatron parameter {key!r}")
 
     def layer_tensor(self, hf: str, rest: str, param: torch.Tensor) -> torch.Tensor:
@@ -234,43 +241,86 @@ def base_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return out
 
 
-def load_hf_checkpoint(model: torch.nn.Module, folder: str, model_config: GPTModelConfig) -> None:
+def load_hf_checkpoint(model: torch.nn.Module | Sequence[torch.nn.Module], folder: str,
+                       model_config: GPTModelConfig) -> None:
     """Copy the Hugging Face checkpoint in ``folder`` into ``model`` on the current layout.
 
-    ``model`` is a GPTModel from :func:`build_gpt_model` for ``model_config`` (possibly
-    wrapped by ``apply_multi_lora``, or inside megatron's DDP). The mapping is in this
-    module's docstring. Each rank reads only its slices, cast to the parameter's dtype.
-    Raises :class:`MissingTensorError` when the checkpoint lacks a needed tensor,
-    ``ValueError`` when a Megatron parameter has no known counterpart, a shape disagrees, or
-    the checkpoint holds tensors the model has no place for (they would be silently lost).
+    ``model`` is a GPTModel from :func:`build_gpt_model` for ``model_config``, or this rank's
+    list of pipeline chunks from :func:`build_model_chunks` (each possibly wrapped by
+    ``apply_multi_lora``, or inside megatron's DDP). The mapping is in this module's
+    docstring. Each rank reads only its stage's tensors and its slices of them, cast to the
+    parameter's dtype. Raises :class:`MissingTensorError` when the checkpoint lacks a needed
+    tensor, ``ValueError`` when a Megatron parameter has no known counterpart, a shape
+    disagrees, or the checkpoint holds tensors no stage has a place for (they would be
+    silently lost).
     """
+    chunks = [_unwrap(m) for m in (model if isinstance(model, Sequence) else [model])]
+    with SafetensorsFolder(folder) as ckpt, torch.no_grad():
+        loader = _Loader(ckpt, model_config)
+        for chunk in chunks:
+            loader.global_layer = [layer.layer_number - 1 for layer in chunk.decoder.layers]
+            for key, param in base_parameters(chunk).items():
+                try:
+                    tensor = loader.tensor_for(key, param)
+                except MissingTensorError as e:
+                    raise MissingTensorError(f"{e}, needed for Megatron parameter "
+                                             f"{_global_key(key, loader.global_layer)!r}") from None
+                if tensor.shape != param.shape:
+                    raise ValueError(f"{_global_key(key, loader.global_layer)}: the checkpoint "
+                                     f"gives shape {tuple(tensor.shape)} for this rank, the model "
+                                     f"holds {tuple(param.shape)} (config.json and weights "
+                                     "disagree?)")
+                param.copy_(tensor.to(param.dtype))
+        _check_all_used(ckpt, model_config, _Stage.of(chunks))
+
+
+def _unwrap(model: torch.nn.Module) -> GPTModel:
     while not isinstance(model, GPTModel) and isinstance(getattr(model, "module", None),
                                                          torch.nn.Module):
         model = model.module  # DDP / Float16Module wrappers
-    with SafetensorsFolder(folder) as ckpt, torch.no_grad():
-        loader = _Loader(ckpt, model_config)
-        for key, param in base_parameters(model).items():
-            try:
-                tensor = loader.tensor_for(key, param)
-            except MissingTensorError as e:
-                raise MissingTensorError(f"{e}, needed for Megatron parameter {key!r}") from None
-            if tensor.shape != param.shape:
-                raise ValueError(f"{key}: the checkpoint gives shape {tuple(tensor.shape)} for "
-                                 f"this rank, the model holds {tuple(param.shape)} (config.json "
-                                 "and weights disagree?)")
-            param.copy_(tensor.to(param.dtype))
-        _check_all_used(ckpt, model_config)
+    return model
 
 
-def _check_all_used(ckpt: SafetensorsFolder, cfg: GPTModelConfig) -> None:
-    """Every checkpoint tensor must have gone somewhere. Under EP a rank reads only its
-    experts, so expert indices are compared as wildcards."""
+def _global_key(key: str, global_layer: list[int]) -> str:
+    """``key`` with its chunk-local layer index replaced by the global one (for messages)."""
+    return re.sub(r"^decoder\.layers\.(\d+)\.",
+                  lambda m: f"decoder.layers.{global_layer[int(m[1])]}.", key)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stage:
+    """What of the checkpoint this rank's pipeline chunks hold."""
+
+    layers: frozenset[int]  # global layer numbers
+    first: bool  # the embeddings
+    last: bool  # the final norm and the output layer
+
+    @classmethod
+    def of(cls, chunks: list[GPTModel]) -> "_Stage":
+        return cls(frozenset(layer.layer_number - 1 for c in chunks for layer in c.decoder.layers),
+                   any(c.pre_process for c in chunks), any(c.post_process for c in chunks))
+
+    def elsewhere(self, name: str, cfg: GPTModelConfig) -> bool:
+        """``name`` belongs on another pipeline stage (so this one does not read it)."""
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        if m:
+            return int(m[1]) < cfg.num_layers and int(m[1]) not in self.layers
+        if name == "model.embed_tokens.weight":
+            return not (self.first or (self.last and cfg.tie_word_embeddings))
+        return name in ("model.norm.weight", "lm_head.weight") and not self.last
+
+
+def _check_all_used(ckpt: SafetensorsFolder, cfg: GPTModelConfig, stage: _Stage) -> None:
+    """Every checkpoint tensor this stage is responsible for must have gone somewhere (so
+    across all stages every tensor has). Under EP a rank reads only its experts, so expert
+    indices are compared as wildcards."""
     def generic(name: str) -> str:
         return re.sub(r"\.experts\.\d+\.", ".experts.*.", name)
 
     used = {generic(n) for n in ckpt.used}
     unused = [n for n in ckpt.names() if generic(n) not in used and not _IGNORED.fullmatch(n)
-              and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
+              and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
+              and not stage.elsewhere(n, cfg)]
     if unused:
         more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
         raise ValueError(f"{ckpt.folder}: checkpoint tensors with no place in the Megatron model "
@@ -283,8 +333,8 @@ def load_hf_model(
     params_dtype: torch.dtype = torch.float32,
 ) -> tuple[GPTModel, GPTModelConfig]:
     """Build the Megatron GPT for ``folder``'s config.json on the current parallel layout
-    (call ``init_parallel`` first) and load its weights; returned in eval mode, like
-    ``from_pretrained``."""
+    (call ``init_parallel`` first; under pipelining, this rank's stage, without virtual
+    stages) and load its weights; returned in eval mode, like ``from_pretrained``."""
     cfg = hf_to_model_config(read_hf_config(folder))
     # Random init is wasted work here, but megatron (0.16.1) only tags parameters as
     # tensor-parallel (tensor_model_parallel / partition_dim) inside its init functions, so

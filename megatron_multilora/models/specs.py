@@ -17,7 +17,14 @@ from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_ba
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
 
 from megatron_multilora.models.torch_modules import (
     AcrossHeadsRMSNorm,
@@ -47,24 +54,53 @@ def transformer_engine_usable() -> bool:
     return gpt_layer_specs.HAVE_TE and torch.cuda.is_available()
 
 
+class SeededTransformerLayer(TransformerLayer):
+    """megatron's TransformerLayer whose weights are drawn from the default generator
+    reseeded from ``init_seed`` and the layer's global number.
+
+    Without it a layer's initial weights depend on how many draws came before it on its
+    rank, i.e. on the pipeline layout. The generator is left at the end of this layer's
+    draws, so what is built after the last layer (the output layer) draws the same values
+    on every layout too. (On GPU megatron draws TP-split weights from its tracker's
+    per-TP-rank stream instead, so there init stays layout-dependent, as in megatron.)"""
+
+    def __init__(self, config: TransformerConfig, submodules: TransformerLayerSubmodules,
+                 layer_number: int = 1, hidden_dropout: Optional[float] = None,
+                 pg_collection: Optional[ProcessGroupCollection] = None,
+                 vp_stage: Optional[int] = None, *, init_seed: int) -> None:
+        pp_rank = None if pg_collection is None else pg_collection.pp.rank()
+        # The 1-based global number, as TransformerLayer computes it.
+        global_number = layer_number + get_transformer_layer_offset(config, vp_stage, pp_rank)
+        torch.manual_seed((init_seed + 1_000_003 * global_number) % 2**63)
+        super().__init__(config, submodules, layer_number, hidden_dropout, pg_collection,
+                         vp_stage)
+
+
 def gpt_block_spec(num_layers: int, qk_layernorm: bool = False,
                    num_experts: Optional[int] = None,
                    qk_layernorm_across_heads: bool = False,
-                   ) -> TransformerBlockSubmodules | ModuleSpec:
-    """The decoder-block spec for a GPT of ``num_layers`` layers (MoE MLPs with experts).
+                   init_seed: int = 0) -> TransformerBlockSubmodules:
+    """The decoder-block spec for ``num_layers`` layers of a GPT (one pipeline chunk's
+    layers; MoE MLPs with experts), each a :class:`SeededTransformerLayer` for ``init_seed``.
 
     ``qk_layernorm_across_heads`` swaps the per-head q/k norms for :class:`AcrossHeadsRMSNorm`
     (one RMSNorm over the whole q or k projection, as OLMoE has)."""
     if transformer_engine_usable():
+        from megatron.core.extensions.transformer_engine import TENorm
+
         layer = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=num_experts is not None,
             qk_layernorm=qk_layernorm)
-        return across_heads_qk_norm_spec(layer) if qk_layernorm_across_heads else layer
-    layer = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
-    layer = torch_layer_spec(layer, qk_layernorm, num_experts)
+        final_norm = TENorm
+    else:
+        layer = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
+        layer = torch_layer_spec(layer, qk_layernorm, num_experts)
+        final_norm = TorchNorm
     if qk_layernorm_across_heads:
         layer = across_heads_qk_norm_spec(layer)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=TorchNorm)
+    layer = dataclasses.replace(layer, module=SeededTransformerLayer,
+                                params={**layer.params, "init_seed": init_seed})
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm)
 
 
 def across_heads_qk_norm_spec(layer: ModuleSpec) -> ModuleSpec:

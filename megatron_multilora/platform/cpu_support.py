@@ -133,8 +133,30 @@ def activate_cpu_support() -> bool:
     schedules = importlib.import_module("megatron.core.pipeline_parallel.schedules")
     schedules.torch = _TorchWithCPUZeros()
 
+    # models/common/language_module.py: with tied embeddings under pipelining the last stage
+    # syncs its copy of the word embeddings from the first stage after
+    # ``weight.data = weight.data.cuda()``, which raises without CUDA; keep it on the CPU.
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    LanguageModule.setup_embeddings_and_output_layer = _on_cpu_tensors(
+        LanguageModule.setup_embeddings_and_output_layer)
+
     _active = True
     return True
+
+
+def _on_cpu_tensors(method):
+    """``method`` with ``Tensor.cuda()`` returning the tensor itself during the call."""
+
+    def wrapped(*args, **kwargs):
+        real_cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *_, **__: tensor  # type: ignore[method-assign]
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = real_cuda  # type: ignore[method-assign]
+
+    return wrapped
 
 
 class _TorchWithCPUZeros(types.ModuleType):

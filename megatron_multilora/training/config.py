@@ -92,7 +92,13 @@ class ParallelSettings:
     sp: bool = MISSING
     """Sequence parallelism (needs tp > 1)."""
     ep: int = MISSING
-    """Expert parallel size (MoE models). Data parallel size is world / tp."""
+    """Expert parallel size (MoE models), inside each pipeline stage."""
+    pp: int = MISSING
+    """Pipeline parallel size: stages of consecutive layers. Data parallel size is
+    world / (tp * pp)."""
+    vpp: Optional[int] = MISSING
+    """Virtual pipeline stages (model chunks) per pipeline rank, for the interleaved
+    schedule; null: one. Needs pp > 1 and model.num_layers divisible by pp * vpp."""
 
 
 @dataclasses.dataclass
@@ -204,11 +210,20 @@ def validate(run: RunConfig, check_files: bool = True) -> None:
 
     problems: list[str] = []
     world, par, tr = world_size(), run.parallel, run.trainer
-    if par.tp < 1 or par.ep < 1 or world % par.tp or world % par.ep:
-        problems.append(f"parallel.tp={par.tp} and parallel.ep={par.ep} must divide the world "
-                        f"size {world}")
+    if min(par.tp, par.ep, par.pp, par.vpp or 1) < 1:
+        problems.append(f"parallel.tp={par.tp}, parallel.ep={par.ep}, parallel.pp={par.pp} and "
+                        f"parallel.vpp={par.vpp} must be at least 1")
+    elif world % (par.tp * par.pp):
+        problems.append(f"parallel.tp={par.tp} x parallel.pp={par.pp} must divide the world size "
+                        f"{world}")
+    elif (world // par.pp) % par.ep:  # megatron's expert grid lies within each stage
+        problems.append(f"parallel.ep={par.ep} must divide the {world // par.pp} processes of "
+                        f"each pipeline stage (world size {world} / parallel.pp={par.pp})")
     if par.sp and par.tp == 1:
         problems.append("parallel.sp=true needs parallel.tp > 1")
+    if par.vpp is not None and par.pp == 1:
+        problems.append(f"parallel.vpp={par.vpp} needs parallel.pp > 1; without pipelining use "
+                        "parallel.vpp=null")
     if run.lora.fully_sharded and run.lora.max_rank % max(par.tp, 1):
         problems.append(f"lora.fully_sharded=true splits the rank over parallel.tp={par.tp} ranks: "
                         f"lora.max_rank={run.lora.max_rank} must be a multiple of it")
@@ -217,7 +232,8 @@ def validate(run: RunConfig, check_files: bool = True) -> None:
         model = base_model_config(run)
     except (OSError, ValueError) as err:
         problems.append(f"hf_dir: {err}")
-    problems += [f"model: {p}" for p in model.check(max(par.tp, 1))]
+    problems += [f"model: {p}" for p in model.check(max(par.tp, 1), max(par.pp, 1),
+                                                    par.vpp if (par.vpp or 0) >= 1 else None)]
     if model.num_moe_experts is None and par.ep > 1:
         problems.append("parallel.ep > 1 needs a MoE model (model.num_moe_experts)")
     if model.num_moe_experts and model.num_moe_experts % par.ep:
@@ -249,7 +265,7 @@ def validate(run: RunConfig, check_files: bool = True) -> None:
     if "base" in names:  # the final tables' row of the base model alone
         problems.append(f"adapters.{names.index('base')}: the name 'base' is reserved for the base "
                         "model's row in the final tables; choose another name")
-    dp = world // max(par.tp, 1)
+    dp = max(world // max(par.tp * par.pp, 1), 1)
     for i, job in enumerate(run.adapters):
         where = f"adapters.{i} ({job.name})"
         if not 1 <= job.rank <= run.lora.max_rank:

@@ -8,6 +8,7 @@ time out after ``TIMEOUT_S`` and pytest-timeout bounds each test.
 """
 
 import os
+from typing import Optional
 
 import pytest
 import torch.distributed as dist
@@ -31,12 +32,18 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def layout():
-    """Call ``layout(tp=.., ep=.., sp=..)`` to initialise; torn down after the test."""
+    """Call ``layout(tp=.., ep=.., sp=.., pp=.., vpp=..)`` to initialise (again, for another
+    layout in the same test); torn down after the test."""
 
-    def init(tp: int = 1, ep: int = 1, sp: bool = False, seed: int = 1234) -> None:
-        if WORLD % tp or WORLD % ep:  # what init_parallel requires (expert TP is 1)
-            pytest.skip(f"needs a world divisible by tp={tp} and by ep={ep} (world {WORLD})")
+    def init(tp: int = 1, ep: int = 1, sp: bool = False, seed: int = 1234, pp: int = 1,
+             vpp: Optional[int] = None) -> None:
+        # What init_parallel requires (expert TP is 1, experts lie within a pipeline stage).
+        if WORLD % (tp * pp) or (WORLD // pp) % ep:
+            pytest.skip(f"needs a world divisible by tp={tp} x pp={pp} and by ep={ep} x pp "
+                        f"(world {WORLD})")
+        destroy_parallel()
         init_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                      pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
                       sequence_parallel=sp, seed=seed, timeout_s=TIMEOUT_S)
 
     yield init

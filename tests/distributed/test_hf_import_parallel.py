@@ -140,3 +140,53 @@ def test_olmoe_tp2_gradients_match_transformers(layout):
                 f"layer {layer} k_norm grad (this rank's heads)")
     assert_all_ranks(failures)
 
+
+
+@pytest.mark.parametrize("model_type,vpp", [("qwen2", None), ("qwen3_moe", 2), ("llama", 2)])
+def test_pp2_stages_load_pp1_tensors_per_global_layer(layout, monkeypatch, model_type, vpp):
+    """Each stage's parameters (by global layer) equal PP=1's import; a rank reads only its
+    stage's tensors. 4 layers: 2 per stage, or 1 per virtual stage. llama with tied
+    embeddings: the last stage's output copy comes from model.embed_tokens."""
+    from megatron_multilora.models.gpt import build_model_chunks
+    from megatron_multilora.models.hf_config import hf_to_model_config, read_hf_config
+    from megatron_multilora.models.hf_import import load_hf_checkpoint
+    from tests.distributed.test_pipeline_parallel import by_global_key
+
+    tied = model_type == "llama"
+    hf_model = make_hf_model(model_type, seed=5, num_hidden_layers=4, tie_word_embeddings=tied)
+    reads: list[str] = []
+    real_read = hf_safetensors.SafetensorsFolder.read
+
+    def recording_read(self, name, index=()):
+        reads.append(name)
+        return real_read(self, name, index)
+
+    failures: list[str] = []
+    layout()
+    with saved_checkpoint(hf_model) as folder:
+        want, _ = load_hf_model(folder)
+        want = by_global_key([want], "data")
+        layout(pp=2, vpp=vpp)
+        cfg = hf_to_model_config(read_hf_config(folder))
+        chunks = build_model_chunks(cfg)
+        monkeypatch.setattr(hf_safetensors.SafetensorsFolder, "read", recording_read)
+        load_hf_checkpoint(chunks, folder, cfg)
+    got = by_global_key(chunks, "data")
+    if tied and "output_layer.weight" in got:
+        compare(failures, got.pop("output_layer.weight"),
+                want["embedding.word_embeddings.weight"], 0.0, "tied output copy")
+    for key, value in got.items():
+        compare(failures, value, want[key], 0.0, key)
+    mine = {layer.layer_number - 1 for c in chunks for layer in c.decoder.layers}
+    if len(mine) != 2:
+        failures.append(f"holds layers {sorted(mine)}, want 2 of 4")
+    read_layers = {int(n.split(".")[2]) for n in reads if n.startswith("model.layers.")}
+    if read_layers != mine:
+        failures.append(f"read layers {sorted(read_layers)}, holds {sorted(mine)}")
+    first, last = (parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage())
+    for name, want_read in (("model.embed_tokens.weight", first or (last and tied)),
+                            ("model.norm.weight", last), ("lm_head.weight", last and not tied)):
+        if (name in reads) != want_read:
+            failures.append(f"{name} {'not ' if want_read else ''}read on stage "
+                            f"{parallel_state.get_pipeline_model_parallel_rank()}")
+    assert_all_ranks(failures)

@@ -21,11 +21,11 @@ def test_every_yaml_file_in_conf_composes_loads_and_validates(tmp_path, monkeypa
     write_demo_datasets(data, n_train=16, n_eval=4, seed=0)
     write_demo_datasets(data, n_train=16, n_eval=4, seed=0, task_set="words")  # jobs=words4
     write_tiny_llama(data / "tiny-llama")  # the default hf_dir, ${data_dir}/tiny-llama
-    monkeypatch.setenv("WORLD_SIZE", "2")  # the 2-process layouts (tp2, ep2) need it
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the 2-process layouts (tp2, ep2, pp2) need it
     files = sorted(p.relative_to(CONF) for p in CONF.rglob("*.yaml"))
     top = [f.stem for f in files if len(f.parts) == 1]
     options = [f"{f.parts[0]}={f.stem}" for f in files if len(f.parts) == 2]
-    assert len(files) == 13 and top == ["config", "smollm2"], files
+    assert len(files) == 14 and top == ["config", "smollm2"], files
     runs = [(name, [f"data_dir={data}", f"hf_dir={data / 'tiny-llama'}"]) for name in top]
     for option in options:
         # A model option is used when no HF base overrides it.
@@ -40,7 +40,9 @@ def test_every_yaml_file_in_conf_composes_loads_and_validates(tmp_path, monkeypa
                 assert run.model.num_moe_experts == 4
             if chosen.get("parallel") == "tp2":
                 assert (run.parallel.tp, run.parallel.sp) == (2, True)
-    assert len(runs) == 2 + 11
+            if chosen.get("parallel") == "pp2":
+                assert (run.parallel.pp, run.parallel.vpp) == (2, None)
+    assert len(runs) == 2 + 12
 
 
 def test_run_wide_settings_have_their_defaults_only_in_conf():

@@ -42,6 +42,31 @@ def test_all_problems_reported_at_once(demo_data, tmp_path, monkeypatch):
         validate(run)
 
 
+def test_impossible_pipeline_layouts_are_named(demo_data, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    jobs = f"adapters=[{job('a', demo_data, 'add', 3)}]"
+
+    def problems(*overrides: str) -> str:
+        with pytest.raises(ConfigError) as err:
+            validate(compose_run(["hf_dir=null", jobs, *overrides]), check_files=False)
+        return str(err.value)
+
+    assert "parallel.vpp=2 needs parallel.pp > 1; without pipelining use parallel.vpp=null" in \
+        problems("parallel.vpp=2")
+    msg = problems("parallel.pp=2", "parallel.vpp=2", "model.num_layers=6")
+    assert ("model: num_layers=6 does not split into pipeline 2 x virtual stages 2 = 4 equal "
+            "model chunks") in msg
+    assert "model: num_layers=3 does not split into pipeline 2 x virtual stages 1" in \
+        problems("parallel.pp=2", "model.num_layers=3")
+    assert "parallel.tp=2 x parallel.pp=4 must divide the world size 4" in \
+        problems("parallel.tp=2", "parallel.pp=4", "model.num_layers=4")
+    assert "parallel.ep=4 must divide the 2 processes of each pipeline stage" in problems(
+        "parallel.pp=2", "parallel.ep=4", "model=tiny_moe", "model.num_moe_experts=4")
+    # A layout that works passes; its data-parallel size is 4 / pp = 2.
+    validate(compose_run(["hf_dir=null", f"adapters=[{job('a', demo_data, 'add', 3, global_batch_size=2)}]",
+                          "parallel=pp2", "parallel.vpp=2", "model.num_layers=4"]), check_files=False)
+
+
 def test_unknown_key_and_bad_type_name_the_full_key(demo_data):
     with pytest.raises(ConfigError, match="trainer.bogus: Key 'bogus' not in 'TrainerSettings'"):
         compose_run(["+trainer.bogus=1"])

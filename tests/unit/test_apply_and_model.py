@@ -115,8 +115,15 @@ def test_builder_variants_train_through_adapters(variant):
 
 
 def test_init_parallel_rejects_unsupported_layouts():
-    with pytest.raises(ValueError, match="pipeline_model_parallel_size=2"):
+    with pytest.raises(ValueError, match=r"world size 1 is not divisible by tensor x pipeline "
+                                         r"parallel size \(1 x 2\)"):
         mm.init_parallel(pipeline_model_parallel_size=2)
+    with pytest.raises(ValueError, match="virtual_pipeline_model_parallel_size=2 needs "
+                                         "pipeline_model_parallel_size > 1"):
+        mm.init_parallel(virtual_pipeline_model_parallel_size=2)
+    with pytest.raises(ValueError, match="expert_model_parallel_size=2 does not divide the 1 "
+                                         "ranks of each pipeline stage"):
+        mm.init_parallel(expert_model_parallel_size=2)
     with pytest.raises(ValueError, match="sequence_parallel=True needs"):
         mm.init_parallel(sequence_parallel=True)
     with pytest.raises(ValueError, match="world size 1 is not divisible"):

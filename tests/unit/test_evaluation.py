@@ -13,7 +13,7 @@ N_SLOTS = 4
 def model_with_distinct_adapters() -> torch.nn.Module:
     """Slots 0-2 hold random adapters of different ranks (large enough to change the
     generations), slot 3 stays free."""
-    torch.manual_seed(0)
+    torch.manual_seed(1)  # a model whose generations meet the test's conditions on eos
     model = mm.apply_multi_lora(mm.build_gpt_model(CFG), N_SLOTS, 8, alpha=1.0)
     for slot, rank in enumerate([8, 4, 8]):
         mm.init_adapter_slot(model, slot, rank=rank, alpha=2.0 * rank)
