@@ -1,24 +1,16 @@
 """Adapters under pipeline parallelism (PP=2, also with two virtual stages per rank) are named
 by global layer numbers: keys and init seeds match the one-stage model's for the same layer,
 and ``get_slot_tensors``/``set_slot_tensors`` work on the whole model's dict on every stage.
-
-``init_parallel`` does not take PP>1 yet; the layout is built here with megatron directly,
-seeded as ``init_parallel`` seeds (the default torch seed differs per pipeline rank).
 """
 
 import pytest
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.models.gpt import GPTModel
-from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 import megatron_multilora as mm
 from megatron_multilora.layers.lifecycle import named_multi_lora_modules
-from megatron_multilora.models.gpt import transformer_config
-from megatron_multilora.models.specs import gpt_block_spec
-from megatron_multilora.platform.cpu_support import activate_cpu_support
-from tests.distributed.conftest import TIMEOUT_S, assert_all_ranks
+from megatron_multilora.models.gpt import build_model_chunks
+from tests.distributed.conftest import assert_all_ranks
 from tests.distributed.harness import ALPHAS, DIM, N, RANKS
 
 CFG = mm.GPTModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48,
@@ -28,30 +20,11 @@ SEED = 1234
 
 def adapted(model):
     """Default-seeded adapters, as a recipe applies them after ``init_parallel``."""
-    torch.manual_seed(SEED + 100 * parallel_state.get_pipeline_model_parallel_rank())
+    torch.manual_seed(SEED)
     mm.apply_multi_lora(model, N, DIM, 1.0, row_init_method="normal")
     for i, (r, a) in enumerate(zip(RANKS, ALPHAS)):
         mm.init_adapter_slot(model, i, r, a)
     return model
-
-
-def stage_chunks(vpp: int | None) -> list[GPTModel]:
-    """This pipeline rank's model chunks (one per virtual stage)."""
-    pp_rank, pp = (parallel_state.get_pipeline_model_parallel_rank(),
-                   parallel_state.get_pipeline_model_parallel_world_size())
-    stages = vpp or 1
-    extra = {"virtual_pipeline_model_parallel_size": vpp} if vpp else {}
-    config = transformer_config(CFG, pipeline_model_parallel_size=pp, **extra)
-    chunks = []
-    for v in range(stages):
-        torch.manual_seed(0)
-        chunks.append(GPTModel(
-            config=config, vocab_size=CFG.vocab_size, max_sequence_length=CFG.max_sequence_length,
-            transformer_layer_spec=gpt_block_spec(CFG.num_layers // (pp * stages),
-                                                  num_experts=CFG.num_moe_experts),
-            pre_process=pp_rank == 0 and v == 0, post_process=pp_rank == pp - 1 and v == stages - 1,
-            vp_stage=v if vpp else None))
-    return chunks
 
 
 def random_full(like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -71,12 +44,8 @@ def test_pipeline_stages_use_global_layer_paths(layout, vpp):
     want_loaded = mm.adapter_state_dict(one, 3)
     mm.destroy_parallel()
 
-    activate_cpu_support()
-    parallel_state.initialize_model_parallel(
-        pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=vpp,
-        distributed_timeout_minutes=max(1, int(TIMEOUT_S // 60)), create_gloo_process_groups=False)
-    model_parallel_cuda_manual_seed(SEED)
-    chunks = adapted(stage_chunks(vpp))
+    layout(pp=2, vpp=vpp)
+    chunks = adapted(build_model_chunks(CFG))
     failures: list[str] = []
 
     names = {p: m.full_name for p, m in named_multi_lora_modules(chunks)}
