@@ -123,6 +123,7 @@ def _generate_uncached(chunks: list[torch.nn.Module], seqs: list[tuple[int, list
     """Every step packs every (prefix + generated) sequence and runs it whole through the
     schedule; the last stage's argmax is broadcast to every stage."""
     filler = filler_micro_batch(n_slots, pad_multiple, pad_id)
+    device = next(chunks[0].parameters()).device
     generated = [[] for _ in seqs]
     done = [False] * len(seqs)
     for _ in range(max_new_tokens):
@@ -132,7 +133,8 @@ def _generate_uncached(chunks: list[torch.nn.Module], seqs: list[tuple[int, list
         mbs = equalize_micro_batches([mb], filler, micro_batch_multiple(chunks))
         store = run_schedule(chunks, mbs, _argmax_tokens, forward_only=True,
                              collect_non_loss_data=True, labels=None, runtime_gather_output=True)
-        ids = store[0].cpu() if store else torch.zeros(mbs[0].tokens.size(1), dtype=torch.int64)
+        ids = store[0] if store else torch.zeros(mbs[0].tokens.size(1), dtype=torch.int64,
+                                                 device=device)
         next_ids = from_last_stage(ids)[ends].tolist()
         for k, token in enumerate(next_ids):
             if done[k]:

@@ -21,7 +21,11 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_multilora.data.packing import MicroBatch
-from megatron_multilora.layers.lifecycle import ModelOrChunks, set_tokens_per_adapter_slot
+from megatron_multilora.layers.lifecycle import (
+    ModelOrChunks,
+    named_multi_lora_modules,
+    set_tokens_per_adapter_slot,
+)
 
 # loss_func(micro-batch, chunk output) -> what megatron's forward_step_calc_loss takes.
 LossFunc = Callable[[MicroBatch, torch.Tensor], Any]
@@ -52,6 +56,8 @@ def run_schedule(model: ModelOrChunks, micro_batches: Sequence[MicroBatch], loss
     ``collect_non_loss_data``, the data alone. Forward-only calls run without autograd.
     """
     chunks = model_chunks(model)
+    if not micro_batches:
+        return []
     device = next(chunks[0].parameters()).device
     mbs = [mb.to(device) for mb in micro_batches]
     lengths = {mb.tokens.size(1) for mb in mbs}
@@ -59,10 +65,13 @@ def run_schedule(model: ModelOrChunks, micro_batches: Sequence[MicroBatch], loss
         raise ValueError(f"under pipeline parallelism every micro-batch of a call must have one "
                          f"length (the p2p tensor shape), got {sorted(lengths)}")
 
+    # A bare base (no adapter slots, e.g. a benchmark's reference) has nothing to route.
+    adapted = {id(c) for c in chunks if next(named_multi_lora_modules(c), None) is not None}
+
     def forward_step(data_iterator: Iterator[MicroBatch], chunk: torch.nn.Module, *_):
         mb = next(data_iterator)
-        # Layer-side slot routing for this micro-batch.
-        set_tokens_per_adapter_slot(chunk, mb.counts, ep_slots=mb.ep_slots)
+        if id(chunk) in adapted:  # layer-side slot routing for this micro-batch
+            set_tokens_per_adapter_slot(chunk, mb.counts, ep_slots=mb.ep_slots)
         only_pads = mb.n_pad == mb.tokens.size(1)
         kwargs = {"labels": mb.labels, **forward_kwargs}
         # Pads carry no loss, and megatron's padding mask keeps them out of MoE routers'
@@ -77,7 +86,7 @@ def run_schedule(model: ModelOrChunks, micro_batches: Sequence[MicroBatch], loss
             output.register_hook(partial(_set_aux_loss_scale, 0.0 if only_pads else 1.0))
         return output, partial(loss_func, mb)
 
-    with torch.no_grad() if forward_only else contextlib.nullcontext(), _aux_loss_scale_kept():
+    with torch.no_grad() if forward_only else contextlib.nullcontext(), _aux_loss_scale_kept(device):
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             # One iterator per chunk, each over all the micro-batches: every virtual stage
@@ -94,12 +103,12 @@ def _set_aux_loss_scale(scale: float, grad: torch.Tensor) -> None:
 
 
 @contextlib.contextmanager
-def _aux_loss_scale_kept() -> Iterator[None]:
+def _aux_loss_scale_kept(device: torch.device) -> Iterator[None]:
     """Put MoE's aux-loss backward scale back as it was after a schedule call."""
     saved = MoEAuxLossAutoScaler.main_loss_backward_scale
     # Our own tensor meanwhile: megatron copies 1 into the current one after every forward
     # (no grad_scale_func, calculate_per_token_loss), which must not overwrite ``saved``.
-    MoEAuxLossAutoScaler.main_loss_backward_scale = torch.ones(1)
+    MoEAuxLossAutoScaler.main_loss_backward_scale = torch.ones(1, device=device)
     try:
         yield
     finally:

@@ -16,6 +16,7 @@ import dataclasses
 import os
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,13 @@ from megatron_multilora.checkpoint.peft_format import export_peft, import_peft
 from megatron_multilora.data.datasets import Example, load_dataset, read_jsonl_records
 from megatron_multilora.data.packing import shard_for_data_parallel
 from megatron_multilora.data.tokenizer import ByteTokenizer, HFTokenizer
-from megatron_multilora.layers.lifecycle import clear_adapter_slot, init_adapter_slot, slot_parameters
+from megatron_multilora.layers.lifecycle import (
+    ModelOrChunks,
+    clear_adapter_slot,
+    init_adapter_slot,
+    slot_parameters,
+)
+from megatron_multilora.models.gpt import GPTModelConfig
 from megatron_multilora.models.hf_config import read_hf_config
 from megatron_multilora.models.hf_import import load_hf_tokenizer
 from megatron_multilora.parallel import destroy_parallel, init_parallel
@@ -39,7 +46,13 @@ from megatron_multilora.training.checkpoints import (
     restore_training_checkpoint,
     save_training_checkpoint,
 )
-from megatron_multilora.training.config import RunConfig, base_model_config, job_alpha, to_plain
+from megatron_multilora.training.config import (
+    AdapterJob,
+    RunConfig,
+    base_model_config,
+    job_alpha,
+    to_plain,
+)
 from megatron_multilora.training.jobs import (
     ACTIVE,
     DONE,
@@ -61,6 +74,22 @@ from megatron_multilora.training.model_setup import build_run_model
 from megatron_multilora.training.slot_optimizer import SlotOptimizer
 from megatron_multilora.training.step import SlotTrainStep
 from megatron_multilora.training.stop import RunStopped, agreed_stop
+
+def start_job(model: ModelOrChunks, slot: int, job: AdapterJob, total_steps: int,
+              model_config: GPTModelConfig, hf_model_type: Optional[str] = None) -> SlotOptimizer:
+    """Put ``job``'s adapter into ``slot``: from its ``init_from`` folder (an adapter or a
+    PEFT folder; ``hf_model_type`` names the PEFT modules, default llama) or fresh weights;
+    returns the slot's optimizer for ``total_steps`` steps."""
+    if job.init_from and folder_format(job.init_from) is FolderFormat.PEFT:
+        import_peft(model, slot, job.init_from, model_config, hf_model_type or "llama")
+    elif job.init_from:
+        import_adapter(model, slot, job.init_from)
+    else:  # initialised from the job, not the slot: the same adapter in any slot
+        clear_adapter_slot(model, slot, init_key=job.name)
+    # An imported adapter keeps its own alpha (validate refused a differing job alpha).
+    init_adapter_slot(model, slot, job.rank, job_alpha(job), job.dropout)
+    return SlotOptimizer(slot_parameters(model, slot), job, total_steps)
+
 
 # What a run writes into run_dir (its recorded hydra/ config aside): moved to
 # run_dir/previous/<n> when a run starts over there, so nothing is overwritten or mixed.
@@ -175,16 +204,8 @@ class Trainer:
 
     def _start(self, state: JobState) -> None:
         job = self.run.adapters[state.index]
-        if job.init_from and folder_format(job.init_from) is FolderFormat.PEFT:
-            import_peft(self.model, state.slot, job.init_from, self.model_config,
-                        self.hf_model_type or "llama")
-        elif job.init_from:
-            import_adapter(self.model, state.slot, job.init_from)
-        else:  # initialised from the job, not the slot: the same adapter in any slot
-            clear_adapter_slot(self.model, state.slot, init_key=job.name)
-        # An imported adapter keeps its own alpha (validate refused a differing job alpha).
-        init_adapter_slot(self.model, state.slot, job.rank, job_alpha(job), job.dropout)
-        self.optimizers[state.slot] = self._optimizer(state.slot, state)
+        self.optimizers[state.slot] = start_job(self.model, state.slot, job, state.total_steps,
+                                                self.model_config, self.hf_model_type)
         self._say(f"step {self.step}: job {job.name} starts on slot {state.slot} "
                   f"({state.total_steps} steps)")
 
