@@ -19,6 +19,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
 import megatron_multilora as mm
 from megatron_multilora.data.packing import pack_micro_batches
@@ -84,6 +85,9 @@ def chunk_models(cfg: mm.GPTModelConfig, pp: int, vpp: int, full: dict[str, torc
 @pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe_aux_loss"])
 def test_pipeline_step_matches_a_plain_loop(layout, cfg, pp, vpp):
     cfg = dataclasses.replace(cfg, num_layers=max(4, pp * vpp))
+    # megatron's process-wide aux-loss logging tracker is sized by the first MoE model's
+    # layer count (its clear_aux_losses_tracker only zeroes it).
+    get_moe_layer_wise_logging_tracker().clear()
     layout()  # DP=2 here: the reference below runs no collective
     ref = build(cfg)
     full = {k: v.clone() for k, v in ref.state_dict().items() if torch.is_tensor(v)}

@@ -5,6 +5,7 @@ in the mix that must train nothing."""
 
 import pytest
 import torch
+from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
 import megatron_multilora as mm
 from megatron_multilora.data.datasets import Example
@@ -63,6 +64,9 @@ def reference(model, micro_batches, denominators):
 
 @pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
 def test_schedule_step_matches_a_plain_loop(cfg, monkeypatch):
+    # megatron's process-wide aux-loss logging tracker is sized by the first MoE model's
+    # layer count (its clear_aux_losses_tracker only zeroes it).
+    get_moe_layer_wise_logging_tracker().clear()
     ref_model = build(cfg)
     model = build(cfg, {k: v for k, v in ref_model.state_dict().items() if torch.is_tensor(v)})
     step = SlotTrainStep([model], N, token_budget=32, pad_multiple=1, pad_id=PAD)
