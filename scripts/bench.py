@@ -43,7 +43,6 @@ from typing import Callable, Iterator, Optional
 import torch
 
 import megatron_multilora as mm  # first: it quiets megatron's CPU import notices
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_multilora.data.datasets import Example
@@ -53,8 +52,9 @@ from megatron_multilora.models.specs import transformer_engine_usable
 from megatron_multilora.models.torch_modules import TorchGroupedLinear
 from megatron_multilora.layers.slot_routing import build_expert_slot_routing
 from megatron_multilora.training.config import AdapterJob
-from megatron_multilora.training.grad_sync import SlotGradSync
-from megatron_multilora.training.slot_optimizer import SlotOptimizer, slot_grad_norm
+from megatron_multilora.training.schedule import per_slot_losses
+from megatron_multilora.training.step import SlotTrainStep
+from megatron_multilora.training.trainer import start_job
 
 REPO = Path(__file__).resolve().parent.parent
 MiB = 2.0 ** 20
@@ -283,7 +283,8 @@ def build_model(cfg: mm.GPTModelConfig, s: Settings, slots: Optional[int],
     """The GPT with ``slots`` adapter slots (recipe defaults: A xavier, B zero), or the frozen
     base alone when ``slots`` is None. Same base weights on every call."""
     torch.manual_seed(0)
-    model = mm.build_gpt_model(cfg, sequence_parallel=sequence_parallel, params_dtype=s.torch_dtype)
+    model = mm.build_gpt_model(cfg, sequence_parallel=sequence_parallel, params_dtype=s.torch_dtype,
+                               calculate_per_token_loss=True)  # as the recipe's
     if slots is not None:
         kwargs = {"fully_sharded": True} if fully_sharded else {}
         return mm.apply_multi_lora(model, slots, s.rank, s.alpha, seed=0, **kwargs)
@@ -292,28 +293,6 @@ def build_model(cfg: mm.GPTModelConfig, s: Settings, slots: Optional[int],
     # the embedding output requires grad, so every layer's input gradient is computed.
     model.embedding.register_forward_hook(lambda module, args, out: out.requires_grad_())
     return model
-
-
-@dataclasses.dataclass
-class Batch:
-    """One packed micro-batch on the device, with each token's loss weight: loss mask over
-    its slot's loss-token count (each adapter's loss is the mean over its own tokens)."""
-
-    tokens: torch.Tensor
-    labels: torch.Tensor
-    position_ids: torch.Tensor
-    packed: PackedSeqParams
-    weights: torch.Tensor
-    counts: list[int]
-
-
-def to_batch(mb: MicroBatch, device: torch.device) -> Batch:
-    per_slot = mb.loss_tokens_per_slot().clamp(min=1).float()
-    slot_of_token = torch.repeat_interleave(torch.arange(len(mb.counts)), torch.tensor(mb.counts))
-    weights = mb.loss_mask / per_slot[slot_of_token]
-    mb = mb.to(device)
-    return Batch(mb.tokens, mb.labels, mb.position_ids, mb.packed_seq_params(), weights.to(device),
-                 mb.counts)
 
 
 def random_examples(count: int, length: int, vocab: int, gen: torch.Generator) -> list[Example]:
@@ -327,30 +306,38 @@ def random_examples(count: int, length: int, vocab: int, gen: torch.Generator) -
 
 
 def pack_one(slot_examples: list[list[Example]], device: torch.device,
-             pad_multiple: int = 1) -> Batch:
-    """All examples in one adapter-major micro-batch."""
-    budget = sum(len(ex.tokens) - 1 for exs in slot_examples for ex in exs) + pad_multiple
-    (mb,) = pack_micro_batches(slot_examples, budget, pad_multiple)
-    return to_batch(mb, device)
+             pad_multiple: int = 1) -> MicroBatch:
+    """All examples in one adapter-major micro-batch, on the device."""
+    (mb,) = pack_micro_batches(slot_examples, one_batch_budget(slot_examples, pad_multiple),
+                               pad_multiple)
+    return mb.to(device)
 
 
-def slot_and_single_batches(s: Settings, vocab: int, device: torch.device,
-                            pad_multiple: int = 1) -> tuple[Batch, Batch]:
-    """The same tokens packed for N slots (``examples_per_slot`` each) and for one slot."""
+def one_batch_budget(slot_examples: list[list[Example]], pad_multiple: int = 1) -> int:
+    """A token budget that packs all of ``slot_examples`` into one micro-batch."""
+    return sum(len(ex.tokens) - 1 for exs in slot_examples for ex in exs) + pad_multiple
+
+
+def slot_and_single_examples(s: Settings, vocab: int) -> tuple[list[list[Example]],
+                                                               list[list[Example]]]:
+    """The same examples for N slots (``examples_per_slot`` each) and all in one slot."""
     gen = torch.Generator().manual_seed(0)
     per_slot = [random_examples(s.examples_per_slot, s.example_tokens, vocab, gen)
                 for _ in range(s.slots)]
-    return (pack_one(per_slot, device, pad_multiple),
-            pack_one([[ex for exs in per_slot for ex in exs]], device, pad_multiple))
+    return per_slot, [[ex for exs in per_slot for ex in exs]]
 
 
-def model_step(model: torch.nn.Module, batch: Batch, lora: bool = True) -> None:
-    """Forward+backward of one packed micro-batch (the recipe's per-micro-batch work)."""
-    if lora:
-        mm.set_tokens_per_adapter_slot(model, batch.counts)
-    token_loss = model(batch.tokens, batch.position_ids, None, labels=batch.labels,
-                       packed_seq_params=batch.packed)
-    (token_loss.float() * batch.weights).sum().backward()
+def slot_and_single_batches(s: Settings, vocab: int, device: torch.device,
+                            pad_multiple: int = 1) -> tuple[MicroBatch, MicroBatch]:
+    """The same tokens packed for N slots (``examples_per_slot`` each) and for one slot."""
+    per_slot, single = slot_and_single_examples(s, vocab)
+    return pack_one(per_slot, device, pad_multiple), pack_one(single, device, pad_multiple)
+
+
+def model_step(model: torch.nn.Module, mb: MicroBatch) -> None:
+    """Forward+backward of one packed micro-batch through the recipe's schedule, each
+    adapter's loss normalised by its own loss tokens."""
+    per_slot_losses([model], [mb], mb.loss_tokens_per_slot())
 
 
 def model_variants(kind: str, s: Settings, device: torch.device) -> dict[str, Callable[[], None]]:
@@ -360,14 +347,14 @@ def model_variants(kind: str, s: Settings, device: torch.device) -> dict[str, Ca
     base, multi_n, multi_1 = (build_model(cfg, s, None), build_model(cfg, s, s.slots),
                               build_model(cfg, s, 1))
 
-    def run(model: torch.nn.Module, batch: Batch, lora: bool) -> Callable[[], None]:
+    def run(model: torch.nn.Module, mb: MicroBatch) -> Callable[[], None]:
         def step() -> None:
             model.zero_grad(set_to_none=True)
-            model_step(model, batch, lora)
+            model_step(model, mb)
         return step
 
-    return {"base": run(base, many, False), f"lora-{s.slots}": run(multi_n, many, True),
-            "lora-1": run(multi_1, one, True)}
+    return {"base": run(base, many), f"lora-{s.slots}": run(multi_n, many),
+            "lora-1": run(multi_1, one)}
 
 
 # ----- adapter jobs together vs one after another -----------------------------------------
@@ -377,22 +364,17 @@ def make_job(j: int, s: Settings) -> AdapterJob:
                       lr=1e-4, schedule="constant", max_steps=s.job_steps)
 
 
-def start_job(model: torch.nn.Module, slot: int, job: AdapterJob, steps: int) -> SlotOptimizer:
-    """What the recipe does when a job takes a slot: fresh weights, rank/alpha, optimizer."""
-    mm.clear_adapter_slot(model, slot, init_key=job.name)
-    mm.init_adapter_slot(model, slot, job.rank, job.alpha, job.dropout)
-    return SlotOptimizer(mm.slot_parameters(model, slot), job, steps)
+Packed = tuple[list[list[Example]], list[MicroBatch]]  # one step's examples, micro-batches
 
 
-def train_step(model: torch.nn.Module, grads: SlotGradSync, batch: Batch,
-               optimizers: dict[int, SlotOptimizer]) -> None:
-    """One trainer step as the recipe runs it: zero the slots' gradients, forward+backward,
-    reduce, then each slot's norm, clipping and AdamW step."""
-    grads.zero_grad(optimizers)
-    model_step(model, batch)
-    grads.sync(list(optimizers))
-    for opt in optimizers.values():
-        opt.step(slot_grad_norm(opt.params))
+def training_step(model: torch.nn.Module, slots: int, batches: list[list[list[Example]]],
+                  device: torch.device) -> tuple[SlotTrainStep, list[Packed]]:
+    """The recipe's step for ``model`` and each step's (examples, micro-batches), packed
+    beforehand (as a data loader would: only training is timed)."""
+    budget = max(one_batch_budget(examples) for examples in batches)
+    train = SlotTrainStep([model], slots, budget, pad_multiple=1, pad_id=0)
+    return train, [(examples, [mb.to(device) for mb in train.pack(examples)])
+                   for examples in batches]
 
 
 def jobs_variants(s: Settings, device: torch.device) -> dict[str, Callable[[], None]]:
@@ -402,24 +384,22 @@ def jobs_variants(s: Settings, device: torch.device) -> dict[str, Callable[[], N
     data = [[random_examples(s.examples_per_slot, s.example_tokens, cfg.vocab_size, gen)
              for _ in range(s.job_steps)] for _ in range(s.slots)]
     jobs = [make_job(j, s) for j in range(s.slots)]
-    # Packed beforehand, as a data loader would: only training is timed.
-    together_batches = [pack_one([data[j][t] for j in range(s.slots)], device)
-                        for t in range(s.job_steps)]
-    alone_batches = [[pack_one([data[j][t]], device) for t in range(s.job_steps)]
-                     for j in range(s.slots)]
     multi_n, multi_1 = build_model(cfg, s, s.slots), build_model(cfg, s, 1)
-    grads_n, grads_1 = SlotGradSync(multi_n), SlotGradSync(multi_1)
+    step_n, together_batches = training_step(
+        multi_n, s.slots, [[data[j][t] for j in range(s.slots)] for t in range(s.job_steps)], device)
+    step_1, alone_batches = training_step(
+        multi_1, 1, [[data[j][t]] for j in range(s.slots) for t in range(s.job_steps)], device)
 
     def together() -> None:
-        opts = {j: start_job(multi_n, j, job, s.job_steps) for j, job in enumerate(jobs)}
-        for batch in together_batches:
-            train_step(multi_n, grads_n, batch, opts)
+        opts = {j: start_job(multi_n, j, job, s.job_steps, cfg) for j, job in enumerate(jobs)}
+        for examples, mbs in together_batches:
+            step_n(examples, opts, micro_batches=mbs)
 
     def one_after_another() -> None:
-        for job, batches in zip(jobs, alone_batches):
-            opts = {0: start_job(multi_1, 0, job, s.job_steps)}
-            for batch in batches:
-                train_step(multi_1, grads_1, batch, opts)
+        for j, job in enumerate(jobs):
+            opts = {0: start_job(multi_1, 0, job, s.job_steps, cfg)}
+            for examples, mbs in alone_batches[j * s.job_steps:(j + 1) * s.job_steps]:
+                step_1(examples, opts, micro_batches=mbs)
 
     return {"together": together, "one-after-another": one_after_another}
 
@@ -432,20 +412,22 @@ def memory_probe(s: Settings, variant: str) -> dict:
     device = torch.device(s.device)
     mm.init_parallel(seed=0)
     cfg = model_config("dense", s)
-    many, one = slot_and_single_batches(s, cfg.vocab_size, device)
+    many = pack_one(slot_and_single_examples(s, cfg.vocab_size)[0], device)
     result: dict = {"variant": variant}
     with tensor_memory_peak(device) as peak:
         if variant == "base":
             model = build_model(cfg, s, None)
             for _ in range(2):
-                model_step(model, many, lora=False)
+                model_step(model, many)
         else:
             slots = int(variant)
             model = build_model(cfg, s, slots)
-            grads = SlotGradSync(model)
-            opts = {j: start_job(model, j, make_job(j, s), 2) for j in range(slots)}
+            per_slot, single = slot_and_single_examples(s, cfg.vocab_size)
+            train, ((examples, mbs),) = training_step(model, slots,
+                                                      [per_slot if slots > 1 else single], device)
+            opts = {j: start_job(model, j, make_job(j, s), 2, cfg) for j in range(slots)}
             for _ in range(2):
-                train_step(model, grads, many if slots > 1 else one, opts)
+                train(examples, opts, micro_batches=mbs)
             params = mm.slot_parameters(model, 0)
             result.update(params_per_slot=sum(p.numel() for p in params),
                           param_bytes=params[0].element_size())

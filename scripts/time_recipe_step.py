@@ -8,7 +8,7 @@ commits (the tree on PYTHONPATH, run from its folder, is the one measured):
 Alternate the trees a few times and compare medians (a shared machine is noisy). The step is
 the recipe's: 4 slots (ranks 16/8/16/12, one with dropout 0.05), 16 random examples of 16-128
 tokens per slot packed into 1024-token micro-batches, forward/backward, per-slot gradient
-sync, grad norm and AdamW step; 1 thread; 3 warm-up steps, then the median of 10. Prints one
+sync, grad norm and AdamW step (the recipe's ``SlotTrainStep``); 1 thread; 3 warm-up steps, then the median of 10. Prints one
 JSON line.
 """
 
@@ -23,11 +23,9 @@ import yaml
 
 import megatron_multilora as mm
 from megatron_multilora.data.datasets import Example
-from megatron_multilora.data.packing import pack_micro_batches
-from megatron_multilora.training import step as train_step
 from megatron_multilora.training.config import AdapterJob
-from megatron_multilora.training.grad_sync import SlotGradSync
-from megatron_multilora.training.slot_optimizer import SlotOptimizer, slot_grad_norm
+from megatron_multilora.training.slot_optimizer import SlotOptimizer
+from megatron_multilora.training.step import SlotTrainStep
 
 SLOTS = [(16, 0.0), (8, 0.0), (16, 0.05), (12, 0.0)]  # (rank, dropout)
 
@@ -39,25 +37,20 @@ def main(kind: str) -> None:
     cfg = mm.GPTModelConfig(**yaml.safe_load(open(f"conf/model/{kind}.yaml")))
     model = mm.apply_multi_lora(mm.build_gpt_model(cfg, calculate_per_token_loss=True),
                                 len(SLOTS), 16, 1.0)
-    sync = SlotGradSync(model)
-    optimizers = []
+    train_step = SlotTrainStep([model], len(SLOTS), token_budget=1024, pad_multiple=1, pad_id=0)
+    optimizers = {}
     for slot, (rank, dropout) in enumerate(SLOTS):
         mm.init_adapter_slot(model, slot, rank, 2.0 * rank, dropout)
-        optimizers.append(SlotOptimizer(mm.slot_parameters(model, slot),
-                                        AdapterJob(name=f"job{slot}", dataset="-"), 100))
+        optimizers[slot] = SlotOptimizer(mm.slot_parameters(model, slot),
+                                         AdapterJob(name=f"job{slot}", dataset="-"), 100)
     rng = random.Random(0)
     times = []
     for i in range(13):
         slot_examples = [[Example(tuple(rng.randrange(3, 250) for _ in range(n + 1)), (True,) * n)
                           for n in (rng.randint(16, 128) for _ in range(16))] for _ in SLOTS]
-        micro_batches = pack_micro_batches(slot_examples, 1024)
+        micro_batches = train_step.pack(slot_examples)
         start = time.perf_counter()
-        denominators = train_step.global_loss_tokens(micro_batches, len(SLOTS))
-        sync.zero_grad(range(len(SLOTS)))
-        train_step.forward_backward(model, micro_batches, denominators)
-        sync.sync(range(len(SLOTS)))
-        for opt in optimizers:
-            opt.step(slot_grad_norm(opt.params))
+        train_step(slot_examples, optimizers, micro_batches=micro_batches)
         if i >= 3:
             times.append(time.perf_counter() - start)
     print(json.dumps({"model": kind, "micro_batches": len(micro_batches),

@@ -1,34 +1,58 @@
-"""Held-out evaluation of many adapters at once: loss, and greedy generation accuracy.
+"""Held-out evaluation of many adapters at once: loss, and greedy generation.
 
-Evaluation runs the same packed, adapter-major batches as training, so one forward serves
-every adapter; every rank evaluates the same samples (no data-parallel split), which keeps
-expert-parallel collectives in step and needs no reduction of the results.
+Evaluation runs the same packed, adapter-major batches as training, forward-only through
+megatron's pipeline schedule (training/schedule.py), so one forward serves every adapter;
+every rank evaluates the same samples (no data-parallel split), which keeps expert-parallel
+collectives in step and needs no reduction of the results. Results come from the last
+pipeline stage, broadcast to every stage.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Iterator, Sequence
 
 import torch
+from megatron.core import parallel_state
 
 from megatron_multilora.data.datasets import Example
 from megatron_multilora.data.packing import MicroBatch, pack_micro_batches
-from megatron_multilora.training.step import align_with_expert_peers, forward_backward
+from megatron_multilora.layers.lifecycle import ModelOrChunks
+from megatron_multilora.training.schedule import (
+    from_last_stage,
+    micro_batch_multiple,
+    model_chunks,
+    per_slot_losses,
+    run_schedule,
+)
+from megatron_multilora.training.step import equalize_micro_batches, filler_micro_batch
 
 
-@torch.no_grad()
-def eval_losses(model: torch.nn.Module, slot_examples: Sequence[Sequence[Example]],
+@contextlib.contextmanager
+def _eval_mode(chunks: list[torch.nn.Module]) -> Iterator[None]:
+    modes = [chunk.training for chunk in chunks]
+    for chunk in chunks:
+        chunk.eval()
+    try:
+        yield
+    finally:
+        for chunk, mode in zip(chunks, modes):
+            chunk.train(mode)
+
+
+def eval_losses(model: ModelOrChunks, slot_examples: Sequence[Sequence[Example]],
                 token_budget: int, pad_multiple: int, pad_id: int) -> torch.Tensor:
     """``[n_slots]`` mean loss over each slot's examples' loss tokens (nan: no examples)."""
-    was_training = model.training
-    model.eval()
-    micro_batches = align_with_expert_peers(
-        pack_micro_batches(slot_examples, token_budget, pad_multiple, pad_id), pad_id)
+    chunks = model_chunks(model)
+    filler = filler_micro_batch(len(slot_examples), pad_multiple, pad_id)
+    micro_batches = equalize_micro_batches(
+        pack_micro_batches(slot_examples, token_budget, pad_multiple, pad_id), filler,
+        micro_batch_multiple(chunks))
     denominators = torch.zeros(len(slot_examples), dtype=torch.int64)
     for mb in micro_batches:
         denominators += mb.loss_tokens_per_slot()
-    per_slot = forward_backward(model, micro_batches, denominators, backward=False)
-    model.train(was_training)
+    with _eval_mode(chunks):
+        per_slot = per_slot_losses(chunks, micro_batches, denominators, forward_only=True)
     return torch.where(denominators > 0, per_slot, torch.full_like(per_slot, float("nan"))).float()
 
 
@@ -49,58 +73,69 @@ def _packed_prompts(seqs: list[tuple[int, list[int]]], n_slots: int, pad_multipl
 
 
 @torch.no_grad()
-def greedy_generate(model: torch.nn.Module, prompts: Sequence[tuple[int, list[int]]], n_slots: int,
+def greedy_generate(model: ModelOrChunks, prompts: Sequence[tuple[int, list[int]]], n_slots: int,
                     max_new_tokens: int, eos_id: int, pad_multiple: int, pad_id: int,
                     kv_cache: bool = True) -> list[list[int]]:
     """Greedy continuations (until ``eos_id``, at most ``max_new_tokens``) of ``(slot, prompt
     tokens)`` pairs, every slot's prompts in one batch.
 
-    With ``kv_cache`` (dense models without sequence parallelism; the others fall back)
-    keys and values are kept in megatron's static inference context, so each step runs one
-    new token per prompt; without, every step re-runs the whole prefix. Both give the same
-    tokens.
+    With ``kv_cache`` (dense models without sequence or pipeline parallelism; the others
+    fall back) keys and values are kept in megatron's static inference context, so each
+    step runs one new token per prompt; without, every step re-runs the whole prefix
+    through the pipeline schedule. Both give the same tokens.
     """
-    was_training = model.training
-    model.eval()
+    chunks = model_chunks(model)
     order = sorted(range(len(prompts)), key=lambda i: prompts[i][0])  # adapter-major
     seqs = [(prompts[i][0], list(prompts[i][1])) for i in order]
-    if not seqs or max_new_tokens < 1:
-        generated = [[] for _ in seqs]
     # pad_multiple > 1 means sequence parallelism: a [B, 1] decode step cannot be split.
-    elif kv_cache and pad_multiple == 1 and not _has_moe(model):
-        generated = _generate_cached(model, seqs, n_slots, max_new_tokens, eos_id, pad_id)
-    else:
-        generated = _generate_uncached(model, seqs, n_slots, max_new_tokens, eos_id, pad_multiple,
-                                       pad_id)
-    model.train(was_training)
+    cached = (kv_cache and pad_multiple == 1 and len(chunks) == 1 and not _has_moe(chunks)
+              and parallel_state.get_pipeline_model_parallel_world_size() == 1)
+    with _eval_mode(chunks):
+        if not seqs or max_new_tokens < 1:
+            generated = [[] for _ in seqs]
+        elif cached:
+            generated = _generate_cached(chunks[0], seqs, n_slots, max_new_tokens, eos_id, pad_id)
+        else:
+            generated = _generate_uncached(chunks, seqs, n_slots, max_new_tokens, eos_id,
+                                           pad_multiple, pad_id)
     result: list[list[int]] = [[] for _ in prompts]
     for k, i in enumerate(order):
         result[i] = generated[k]
     return result
 
 
-def _has_moe(model: torch.nn.Module) -> bool:
+def _has_moe(chunks: list[torch.nn.Module]) -> bool:
     # Slot routing through the token dispatcher is not tested under megatron's inference
     # context: MoE models generate uncached.
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    return any(isinstance(m, MoELayer) for m in model.modules())
+    return any(isinstance(m, MoELayer) for chunk in chunks for m in chunk.modules())
 
 
-def _generate_uncached(model: torch.nn.Module, seqs: list[tuple[int, list[int]]], n_slots: int,
-                       max_new_tokens: int, eos_id: int, pad_multiple: int,
+def _argmax_tokens(mb: MicroBatch, logits: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
+    """The last stage's greedy choice at every position of ``mb`` (``[S]`` int64)."""
+    return logits[0].argmax(dim=-1)
+
+
+def _generate_uncached(chunks: list[torch.nn.Module], seqs: list[tuple[int, list[int]]],
+                       n_slots: int, max_new_tokens: int, eos_id: int, pad_multiple: int,
                        pad_id: int) -> list[list[int]]:
-    """Every step packs every (prefix + generated) sequence and runs it whole (its slot
-    layout travels in the packed params)."""
+    """Every step packs every (prefix + generated) sequence and runs it whole through the
+    schedule; the last stage's argmax is broadcast to every stage."""
+    filler = filler_micro_batch(n_slots, pad_multiple, pad_id)
+    device = next(chunks[0].parameters()).device
     generated = [[] for _ in seqs]
     done = [False] * len(seqs)
     for _ in range(max_new_tokens):
         mb, ends = _packed_prompts(seqs, n_slots, pad_multiple, pad_id)
-        (mb,) = align_with_expert_peers([mb], pad_id)  # pads after every prompt's last token
-        mb = mb.to(next(model.parameters()).device)
-        logits = model(mb.tokens, mb.position_ids, None, runtime_gather_output=True,
-                       packed_seq_params=mb.packed_seq_params())
-        next_ids = logits[0, ends].argmax(dim=-1).tolist()
+        # Pads after every prompt's last token (expert-parallel peers, pipeline shapes), and
+        # fillers where virtual pipeline stages need more micro-batches.
+        mbs = equalize_micro_batches([mb], filler, micro_batch_multiple(chunks))
+        store = run_schedule(chunks, mbs, _argmax_tokens, forward_only=True,
+                             collect_non_loss_data=True, labels=None, runtime_gather_output=True)
+        ids = store[0] if store else torch.zeros(mbs[0].tokens.size(1), dtype=torch.int64,
+                                                 device=device)
+        next_ids = from_last_stage(ids)[ends].tolist()
         for k, token in enumerate(next_ids):
             if done[k]:
                 continue

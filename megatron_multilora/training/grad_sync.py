@@ -75,9 +75,11 @@ class SlotGradSync:
         batch, see training/step.py) over the data-parallel group, expert ones over the
         expert-data-parallel group; then sequence-parallel partial gradients are summed over
         the tensor-parallel group, in finalize_model_grads' order. One collective per group
-        for all the given slots. finalize_model_grads' other steps do not apply: PP=1 (no
-        embedding or conditional-embedder sync), no context parallelism, and the base,
-        including routers and their expert bias, is frozen.
+        for all the given slots, covering every model chunk (pipeline stages hold disjoint
+        layers, so no reduction over the pipeline group). finalize_model_grads' other steps
+        do not apply: its embedding and conditional-embedder syncs across pipeline stages
+        touch only the frozen base, there is no context parallelism, and the base, including
+        routers and their expert bias, is frozen.
         """
         chosen = [self._slots[s] for s in slots]
         _all_reduce([g.dense for g in chosen], parallel_state.get_data_parallel_group())

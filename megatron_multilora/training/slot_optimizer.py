@@ -37,11 +37,13 @@ def _grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
 
 
 def slot_grad_norm(params: list[torch.nn.Parameter]) -> float:
-    """The L2 norm of a slot's whole gradient, over all its TP and EP shards.
+    """The L2 norm of a slot's whole gradient, over all its TP and EP shards and pipeline
+    stages (so clipping uses the adapter's global norm).
 
     TP-split factors add their shards over the TP group; TP-replicated factors (identical on
     every TP rank after gradient finalisation) count once; expert factors add their experts
-    over the EP group. Every rank gets the same value.
+    over the EP group; each pipeline stage adds its own layers. Every rank gets the same
+    value.
     """
     tp = parallel_state.get_tensor_model_parallel_world_size()
     split, replicated, expert = [], [], []
@@ -64,7 +66,10 @@ def slot_grad_norm(params: list[torch.nn.Parameter]) -> float:
         dist.all_reduce(dense, group=parallel_state.get_tensor_model_parallel_group())
     if parallel_state.get_expert_model_parallel_world_size() > 1:
         dist.all_reduce(experts, group=parallel_state.get_expert_model_parallel_group())
-    return float((dense + experts).sqrt())
+    total = dense + experts
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+    return float(total.sqrt())
 
 
 def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -1,4 +1,9 @@
-"""One training step over a rank's packed micro-batches, with per-adapter loss normalisation.
+"""One training step of N adapters at once, with per-adapter loss normalisation.
+
+pack -> agree each adapter's loss-token count -> forward/backward through megatron's
+schedule (training/schedule.py) -> per-slot gradient sync -> per-slot gradient norms (over
+every TP/EP shard and pipeline stage) -> non-finite isolation -> each slot's clipped
+optimizer step.
 
 An adapter's loss is the mean over *its own* loss tokens in its global batch (all
 micro-batches, all data-parallel ranks): its gradients do not depend on which other adapters
@@ -8,16 +13,20 @@ and gradients are summed (not averaged) over data-parallel ranks (see grad_sync.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Iterator, Optional
+import math
+from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-from megatron_multilora.data.packing import MicroBatch, pad_micro_batch
+from megatron_multilora.data.datasets import Example
+from megatron_multilora.data.packing import MicroBatch, pack_micro_batches, pad_micro_batch
+from megatron_multilora.layers.lifecycle import ModelOrChunks
+from megatron_multilora.training.grad_sync import SlotGradSync
+from megatron_multilora.training.schedule import micro_batch_multiple, model_chunks, per_slot_losses
+from megatron_multilora.training.slot_optimizer import SlotOptimizer, slot_grad_norm
 
 
 def global_loss_tokens(micro_batches: list[MicroBatch], n_slots: int) -> torch.Tensor:
@@ -30,16 +39,29 @@ def global_loss_tokens(micro_batches: list[MicroBatch], n_slots: int) -> torch.T
     return local
 
 
-def equalize_micro_batches(micro_batches: list[MicroBatch], filler: MicroBatch) -> list[MicroBatch]:
-    """Pad every data-parallel rank to the same number of micro-batches with a loss-free
-    filler (expert-parallel collectives run once per forward on every rank), then align
-    them with the expert-parallel peers (:func:`align_with_expert_peers`, padding with the
-    filler's pad token)."""
+def equalize_micro_batches(micro_batches: list[MicroBatch], filler: MicroBatch,
+                           count_multiple: int = 1) -> list[MicroBatch]:
+    """Make this rank's micro-batches runnable in lockstep with the other ranks.
+
+    Pad every data-parallel rank to the same number of micro-batches (rounded up to
+    ``count_multiple``, see ``schedule.micro_batch_multiple``) with a loss-free filler
+    (expert-parallel collectives run once per forward on every rank); align them with the
+    expert-parallel peers (:func:`align_with_expert_peers`); under pipeline parallelism pad
+    every one to the longest (one p2p tensor shape per step). Pads use the filler's token.
+    """
     count = torch.tensor([len(micro_batches)])
     if parallel_state.get_data_parallel_world_size() > 1:
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
-    padded = micro_batches + [filler] * (int(count) - len(micro_batches))
-    return align_with_expert_peers(padded, pad_id=int(filler.tokens[0, 0]))
+    target = -(-int(count) // count_multiple) * count_multiple
+    pad_id = int(filler.tokens[0, 0])
+    padded = align_with_expert_peers(micro_batches + [filler] * (target - len(micro_batches)),
+                                     pad_id)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1 and padded:
+        # Every stage of a pipeline holds the same micro-batches (and, after the alignment,
+        # expert-parallel peers the same lengths), so all agree on this length.
+        length = max(mb.tokens.size(1) for mb in padded)
+        padded = [pad_micro_batch(mb, length, pad_id) for mb in padded]
+    return padded
 
 
 def align_with_expert_peers(micro_batches: list[MicroBatch], pad_id: int) -> list[MicroBatch]:
@@ -50,8 +72,9 @@ def align_with_expert_peers(micro_batches: list[MicroBatch], pad_id: int) -> lis
 
     The allgather dispatcher needs equal token counts on every rank of its TP x EP group;
     tensor-parallel peers already share their micro-batches, so the EP group is the one to
-    align. The pads change no adapter's gradient (see :func:`_run_micro_batch`); ``ep_slots``
-    lets the expert layers run their GEMMs over the slots whose rows can reach them only.
+    align. The pads change no adapter's gradient (see ``schedule.run_schedule``);
+    ``ep_slots`` lets the expert layers run their GEMMs over the slots whose rows can reach
+    them only.
     """
     group = parallel_state.get_expert_model_parallel_group()
     if dist.get_world_size(group) == 1 or not micro_batches:
@@ -64,60 +87,6 @@ def align_with_expert_peers(micro_batches: list[MicroBatch], pad_id: int) -> lis
     return [dataclasses.replace(pad_micro_batch(mb, int(row[0]), pad_id),
                                 ep_slots=tuple(row[1:].nonzero().flatten().tolist()))
             for mb, row in zip(micro_batches, table)]
-
-
-def forward_backward(model: torch.nn.Module, micro_batches: list[MicroBatch],
-                     denominators: torch.Tensor, backward: bool = True) -> torch.Tensor:
-    """Run the micro-batches; returns each adapter's summed normalised loss on this rank.
-
-    Token t of slot s weighs ``loss_mask_t / denominators[s]`` (0 where a slot has no loss
-    tokens), so summed over ranks each adapter's value is its mean token loss.
-    """
-    n_slots = denominators.numel()
-    device = next(model.parameters()).device
-    weight_per_slot = torch.where(denominators > 0, 1.0 / denominators.clamp(min=1).double(),
-                                  torch.zeros((), dtype=torch.float64)).float().to(device)
-    per_slot = torch.zeros(n_slots, dtype=torch.float64, device=device)
-    with torch.enable_grad() if backward else torch.no_grad():
-        for mb in micro_batches:
-            _run_micro_batch(model, mb.to(device), weight_per_slot, per_slot, backward)
-    return per_slot.cpu()  # read back once per step, not per micro-batch
-
-
-def _run_micro_batch(model, mb: MicroBatch, weight_per_slot: torch.Tensor,
-                     per_slot: torch.Tensor, backward: bool) -> None:
-    # Pads carry no loss, and megatron's padding mask keeps them out of MoE routers'
-    # auxiliary losses, through which they would otherwise change adapters' gradients. A
-    # micro-batch of pads only (a filler) cannot be masked (the aux loss would be 0/0): its
-    # aux-loss gradient is scaled to zero instead, so it trains nothing.
-    only_pads = mb.n_pad == mb.tokens.size(1)
-    token_loss = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
-                       packed_seq_params=mb.packed_seq_params(),
-                       padding_mask=None if only_pads else mb.padding_mask())
-    slot_of_token = torch.repeat_interleave(torch.arange(len(mb.counts)), torch.tensor(mb.counts),
-                                            output_size=sum(mb.counts)).to(mb.tokens.device)
-    weights = mb.loss_mask[0] * weight_per_slot[slot_of_token]
-    # where(): a token that does not count (padding, prompt) must not carry a non-finite loss
-    # into its slot's sum.
-    contrib = torch.where(weights > 0, token_loss[0].float() * weights, torch.zeros((), device=weights.device))
-    per_slot.index_add_(0, slot_of_token, contrib.detach().double())
-    if backward:
-        with _aux_loss_gradient_scaled(0.0 if only_pads else None):
-            contrib.sum().backward()
-
-
-@contextlib.contextmanager
-def _aux_loss_gradient_scaled(scale: Optional[float]) -> Iterator[None]:
-    """Within, megatron's MoE auxiliary losses back-propagate times ``scale`` (None: as set)."""
-    if scale is None:
-        yield
-        return
-    saved = MoEAuxLossAutoScaler.main_loss_backward_scale
-    MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor(float(scale))
-    try:
-        yield
-    finally:
-        MoEAuxLossAutoScaler.main_loss_backward_scale = saved
 
 
 def reduce_losses(per_slot: torch.Tensor) -> torch.Tensor:
@@ -135,3 +104,94 @@ def filler_micro_batch(n_slots: int, pad_multiple: int, pad_id: int) -> MicroBat
                       position_ids=torch.arange(s).view(1, s),
                       counts=[s] + [0] * (n_slots - 1), examples_per_slot=[0] * n_slots,
                       seq_lengths=[s], n_pad=s)
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one step did: every adapter's loss over its global batch (``[n_slots]``, the
+    same on every rank), the gradient norm of each slot that stepped, the slots skipped for a
+    non-finite loss or gradient, and each adapter's loss tokens (``[n_slots]``)."""
+
+    losses: torch.Tensor
+    grad_norms: dict[int, float]
+    skipped: set[int]
+    loss_tokens: torch.Tensor
+
+
+class SlotTrainStep:
+    """The training step of every adapter slot of ``model`` (a model or its chunks).
+
+    Packs each slot's examples into micro-batches of at most ``token_budget`` positions
+    (padded to a multiple of ``pad_multiple``, e.g. the sequence-parallel size) and runs
+    :meth:`__call__`. Owns the slots' fp32 gradient buffers (:class:`SlotGradSync`).
+    """
+
+    def __init__(self, model: ModelOrChunks, n_slots: int, token_budget: int, pad_multiple: int,
+                 pad_id: int) -> None:
+        self.model = model_chunks(model)
+        self.n_slots, self.token_budget = n_slots, token_budget
+        self.pad_multiple, self.pad_id = pad_multiple, pad_id
+        self.grad_sync = SlotGradSync(self.model)
+        self.filler = filler_micro_batch(n_slots, pad_multiple, pad_id)
+
+    def pack(self, slot_examples: Sequence[Sequence[Example]], exclude: Iterable[int] = (),
+             slot_order: Optional[Sequence[int]] = None) -> list[MicroBatch]:
+        """This rank's micro-batches of every slot's examples but ``exclude``'s, ready to run
+        (:func:`equalize_micro_batches`); ``slot_order`` as in ``pack_micro_batches``."""
+        skip = set(exclude)
+        kept = [[] if s in skip else examples for s, examples in enumerate(slot_examples)]
+        mbs = pack_micro_batches(kept, self.token_budget, self.pad_multiple, self.pad_id,
+                                 slot_order=slot_order)
+        return equalize_micro_batches(mbs, self.filler, micro_batch_multiple(self.model))
+
+    def losses(self, micro_batches: list[MicroBatch], loss_tokens: torch.Tensor,
+               forward_only: bool = False) -> torch.Tensor:
+        """Each adapter's loss over the global batch (reduced over data-parallel ranks, on
+        every stage); with ``forward_only=False`` its gradients accumulate in ``main_grad``."""
+        return reduce_losses(per_slot_losses(self.model, micro_batches, loss_tokens, forward_only))
+
+    def __call__(self, slot_examples: Sequence[Sequence[Example]],
+                 optimizers: dict[int, SlotOptimizer], slot_order: Optional[Sequence[int]] = None,
+                 micro_batches: Optional[list[MicroBatch]] = None) -> StepResult:
+        """One step of the slots in ``optimizers`` on this rank's ``slot_examples`` (its
+        data-parallel share of each slot's global batch); ``micro_batches``: their
+        :meth:`pack` when already done.
+
+        A slot whose loss or gradient norm is not finite is left out: the step is redone
+        without the adapters found to fail on their own samples, and they do not step.
+        Every rank takes the same decisions (losses come from the last stage, norms are
+        global).
+        """
+        micro_batches = (self.pack(slot_examples, slot_order=slot_order)
+                         if micro_batches is None else micro_batches)
+        loss_tokens = global_loss_tokens(micro_batches, self.n_slots)
+        skipped: set[int] = set()
+        while True:
+            # Only the training slots' gradients are reset and reduced: free slots cost nothing.
+            self.grad_sync.zero_grad(optimizers)
+            losses = self.losses(micro_batches, loss_tokens)
+            stepping = [s for s in optimizers if s not in skipped]
+            self.grad_sync.sync(stepping)
+            norms = {s: slot_grad_norm(optimizers[s].params) for s in stepping}
+            failing = {s for s, norm in norms.items()
+                       if not (math.isfinite(norm) and math.isfinite(float(losses[s])))}
+            if not failing:
+                break
+            # A non-finite adapter can poison the others through masked attention (0 * inf):
+            # find which fail on their own samples, and redo the step without them.
+            skipped |= self._failing_alone(slot_examples, loss_tokens, failing, slot_order)
+            micro_batches = self.pack(slot_examples, skipped, slot_order)
+        for s in stepping:
+            optimizers[s].step(norms[s])
+        return StepResult(losses, norms, skipped, loss_tokens)
+
+    def _failing_alone(self, slot_examples: Sequence[Sequence[Example]], loss_tokens: torch.Tensor,
+                       candidates: set[int], slot_order: Optional[Sequence[int]]) -> set[int]:
+        """The candidates whose loss is non-finite on their own samples (all of them when
+        none is, i.e. only their combination fails)."""
+        culprits = set()
+        for slot in sorted(candidates):
+            alone = self.pack(slot_examples, set(range(self.n_slots)) - {slot}, slot_order)
+            if not math.isfinite(float(self.losses(alone, loss_tokens, forward_only=True)[slot])):
+                culprits.add(slot)
+        return culprits or set(candidates)

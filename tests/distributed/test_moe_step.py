@@ -17,7 +17,7 @@ from megatron.core import parallel_state
 from megatron_multilora.data.datasets import Example
 from megatron_multilora.data.packing import pack_micro_batches
 from megatron_multilora.layers import expert_lora
-from megatron_multilora.training import evaluation, step
+from megatron_multilora.training import evaluation, schedule, step
 from megatron_multilora.training.grad_sync import SlotGradSync
 from tests.distributed.conftest import assert_all_ranks, compare
 from tests.distributed.harness import load_full_state
@@ -77,7 +77,7 @@ def reference(config):
     state = {k: v.clone() for k, v in ref.state_dict().items() if torch.is_tensor(v)}
     all_mbs = micro_batches(0) + micro_batches(1)
     denominators = sum(mb.loss_tokens_per_slot() for mb in all_mbs)
-    losses = step.forward_backward(ref, all_mbs, denominators)
+    losses = schedule.per_slot_losses(ref, all_mbs, denominators)
     return ref, state, losses, {s: grads(ref, s, main_grad=False) for s in TRAINED}
 
 
@@ -85,7 +85,8 @@ def train_step(model, mbs) -> torch.Tensor:
     """The recipe's step on this rank's (equalized) micro-batches; per-slot losses."""
     sync = SlotGradSync(model)
     sync.zero_grad(TRAINED)
-    losses = step.reduce_losses(step.forward_backward(model, mbs, step.global_loss_tokens(mbs, N)))
+    denominators = step.global_loss_tokens(mbs, N)
+    losses = step.reduce_losses(schedule.per_slot_losses(model, mbs, denominators))
     sync.sync(TRAINED)
     return losses
 

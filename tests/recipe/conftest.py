@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 
 import megatron_multilora as mm
 from megatron_multilora.data.demo_tasks import write_demo_datasets
-from megatron_multilora.training.config import load_run_config
+from megatron_multilora.training.config import load_run_config, validate
 from megatron_multilora.training.metrics import read_metrics
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
@@ -39,17 +39,18 @@ def job(name: str, data: Path, task: str, steps: int, **extra) -> str:
 
 
 def run_in_process(run_dir: Path, jobs: list[str], overrides: list[str] = ()) -> tuple[dict, object]:
-    """Train in this process; returns ({adapter: [train losses by step]}, the recipe)."""
-    from recipes.multi_lora_finetune import MultiLoRAFinetuneRecipe
+    """Train in this process; returns ({adapter: [train losses by step]}, the trainer)."""
+    from megatron_multilora.training.trainer import Trainer
 
     run = compose_run([*QUIET, f"run_dir={run_dir}", f"adapters=[{','.join(jobs)}]",
                        "lora.slots=2", *overrides])
-    recipe = MultiLoRAFinetuneRecipe(run)
-    recipe.setup()
-    recipe.train()
-    recipe.finish()
+    validate(run)  # as the recipe does before it builds the trainer
+    trainer = Trainer(run)
+    trainer.setup()
+    trainer.train()
+    trainer.finish()
     mm.destroy_parallel()
-    return losses_by_adapter(run_dir), recipe
+    return losses_by_adapter(run_dir), trainer
 
 
 def losses_by_adapter(run_dir: Path, key: str = "loss") -> dict[str, list[float]]:

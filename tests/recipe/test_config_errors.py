@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_multilora.training.config import ConfigError, base_model_config, validate
-from tests.recipe.conftest import compose_run, job
+from tests.recipe.conftest import CONF, compose_run, job
 
 
 def test_all_problems_reported_at_once(demo_data, tmp_path, monkeypatch):
@@ -91,12 +91,15 @@ def test_validate_leaves_the_config_as_given(demo_data, tmp_path):
 
 
 def test_recipe_validates_before_touching_the_process_group(demo_data, tmp_path):
-    from recipes.multi_lora_finetune import MultiLoRAFinetuneRecipe
+    from hydra import compose, initialize_config_dir
 
-    run = compose_run([f"run_dir={tmp_path}", "hf_dir=null",
-                       f"adapters=[{job('a', demo_data, 'add', 3, lr=-1)}]"])
+    from recipes.multi_lora_finetune import checked_run
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("config", overrides=["hf_dir=null",
+                                           f"adapters=[{job('a', demo_data, 'add', 3, lr=-1)}]"])
     with pytest.raises(ConfigError, match="alpha and lr must be positive"):
-        MultiLoRAFinetuneRecipe(run)
+        checked_run(cfg, str(tmp_path))  # before main imports and builds the trainer
 
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_smollm2_config_trains_the_four_word_jobs_and_reports_the_base_model(tmp_path):
-    from recipes.multi_lora_finetune import MultiLoRAFinetuneRecipe
+    from megatron_multilora.training.trainer import Trainer
 
     data = tmp_path / "words"
     write_demo_datasets(data, n_train=16, n_eval=4, seed=0, task_set="words")
@@ -31,7 +31,7 @@ def test_smollm2_config_trains_the_four_word_jobs_and_reports_the_base_model(tmp
             "logging.plots=false", "trainer.max_new_tokens=3",
             *[f"adapters.{i}.max_steps=2" for i in range(4)]]))
     assert [j.name for j in run.adapters] == list(WORD_TASKS)
-    recipe = MultiLoRAFinetuneRecipe(run)
+    recipe = Trainer(run)
     recipe.setup()
     recipe.train()
     recipe.finish()

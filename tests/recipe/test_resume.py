@@ -178,11 +178,11 @@ def test_explicit_older_checkpoint_sets_the_newer_ones_aside(finished, demo_data
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_stop_signal_saves_at_the_step_boundary_and_resumes_identically(signum, finished, demo_data,
                                                                          tmp_path, capsys):
-    from recipes.multi_lora_finetune import MultiLoRAFinetuneRecipe
+    from megatron_multilora.training.trainer import Trainer
 
     run_dir = tmp_path / "run"
-    recipe = MultiLoRAFinetuneRecipe(compose_run([*QUIET, f"run_dir={run_dir}", "lora.slots=2",
-                                                  f"adapters=[{','.join(jobs(demo_data))}]", *SAVES]))
+    recipe = Trainer(compose_run([*QUIET, f"run_dir={run_dir}", "lora.slots=2",
+                                  f"adapters=[{','.join(jobs(demo_data))}]", *SAVES]))
     step = recipe.train_one_step
 
     def signalled_during_step_3(active):

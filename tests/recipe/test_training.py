@@ -74,7 +74,7 @@ def test_precision_and_recompute_keep_per_adapter_results(demo_data, tmp_path, s
     for name in ("rev", "add"):
         assert_same_curve(got[name], ref[name], rel, f"{name} loss with {setting}")
     if "bf16" in setting:
-        assert recipe.model.embedding.word_embeddings.weight.dtype == torch.bfloat16
+        assert recipe.model[0].embedding.word_embeddings.weight.dtype == torch.bfloat16
         assert got["rev"] != ref["rev"]  # really ran in bf16
 
 
@@ -134,7 +134,7 @@ def test_hf_base_model_run_exports_peft_adapters_peft_can_load(demo_data, tmp_pa
     base = write_tiny_llama(tmp_path / "tiny-llama", hidden_size=64)
     losses, recipe = run_in_process(tmp_path / "run", [job("rev", demo_data, "reverse", 3)],
                                     [f"hf_dir={base}"])
-    assert recipe.model.config.hidden_size == 64  # the architecture came from config.json
+    assert recipe.model[0].config.hidden_size == 64  # the architecture came from config.json
     folder = tmp_path / "run" / "peft" / "rev"
     config = json.loads((folder / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(base.resolve()) and config["r"] == 8

@@ -1,0 +1,95 @@
+"""Adapters x tasks: each adapter slot on a task's held-out data, loss and exact-match
+accuracy of greedy generations, and the final table of every exported adapter (and the base
+model alone) on every task."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Optional, Sequence
+
+from megatron_multilora.checkpoint.adapter_files import import_adapter
+from megatron_multilora.data.datasets import Example
+from megatron_multilora.data.demo_tasks import exact_match
+from megatron_multilora.layers.lifecycle import ModelOrChunks, clear_adapter_slot
+from megatron_multilora.training import evaluation
+
+
+@dataclasses.dataclass
+class AdapterTaskTables:
+    """Rows: adapters; columns: the tasks with held-out data (indices into the jobs)."""
+
+    tasks: list[int]
+    losses: list[list[float]]
+    accuracy: list[list[float]]
+
+
+class AdapterTaskEval:
+    """Held-out loss and accuracy of the adapters in ``model``'s slots on the jobs' data.
+
+    ``eval_data[t]`` are task (job) ``t``'s tokenized held-out examples, ``eval_records[t]``
+    its raw records (those with a prompt and a completion are generated from); ``tokenizer``
+    has ``bos_id``, ``eos_id``, ``pad_id``, ``encode`` and ``decode``.
+    """
+
+    def __init__(self, model: ModelOrChunks, tokenizer, eval_data: Sequence[Sequence[Example]],
+                 eval_records: Sequence[Sequence[dict]], n_slots: int, token_budget: int,
+                 pad_multiple: int, max_new_tokens: int) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.eval_data, self.eval_records = eval_data, eval_records
+        self.n_slots, self.token_budget = n_slots, token_budget
+        self.pad_multiple, self.max_new_tokens = pad_multiple, max_new_tokens
+
+    def losses(self, slot_to_task: dict[int, int]) -> dict[int, float]:
+        """Each slot's mean loss on its task's examples (slots whose task has some)."""
+        slot_examples: list[Sequence[Example]] = [[] for _ in range(self.n_slots)]
+        for slot, task in slot_to_task.items():
+            slot_examples[slot] = self.eval_data[task]
+        if not any(slot_examples):
+            return {}
+        losses = evaluation.eval_losses(self.model, slot_examples, self.token_budget,
+                                        self.pad_multiple, self.tokenizer.pad_id)
+        return {slot: float(losses[slot]) for slot in slot_to_task if slot_examples[slot]}
+
+    def accuracy(self, slot_to_task: dict[int, int]) -> dict[int, float]:
+        """Exact-match accuracy of greedy generations, per slot, on its task's records
+        (prompt/completion records only)."""
+        prompts, answers = [], []
+        for slot, task in slot_to_task.items():
+            for record in self.eval_records[task]:
+                if "prompt" not in record:
+                    continue
+                ids = [self.tokenizer.bos_id] + self.tokenizer.encode(record["prompt"])
+                prompts.append((slot, ids))
+                answers.append(record["completion"])
+        if not prompts:
+            return {}
+        outputs = evaluation.greedy_generate(
+            self.model, prompts, self.n_slots, self.max_new_tokens, self.tokenizer.eos_id,
+            self.pad_multiple, self.tokenizer.pad_id)
+        hits: dict[int, list[bool]] = {}
+        for (slot, _), out, answer in zip(prompts, outputs, answers):
+            hits.setdefault(slot, []).append(exact_match(self.tokenizer.decode(out), answer))
+        return {slot: sum(h) / len(h) for slot, h in hits.items()}
+
+    def tables(self, adapters: Sequence[Optional[Path]]) -> AdapterTaskTables:
+        """Every adapter folder (None: a cleared slot, i.e. the base model alone) on every
+        task with held-out data, ``n_slots`` adapters at a time; the slots used are cleared
+        afterwards."""
+        tasks = [t for t, data in enumerate(self.eval_data) if data]
+        losses = [[float("nan")] * len(tasks) for _ in adapters]
+        accuracy = [[float("nan")] * len(tasks) for _ in adapters]
+        for start in range(0, len(adapters), self.n_slots) if tasks else []:
+            group = adapters[start:start + self.n_slots]
+            for slot, folder in enumerate(group):
+                if folder is not None:
+                    import_adapter(self.model, slot, folder)
+            for col, task in enumerate(tasks):
+                on_task = {slot: task for slot in range(len(group))}
+                task_losses, task_accuracy = self.losses(on_task), self.accuracy(on_task)
+                for slot in range(len(group)):
+                    losses[start + slot][col] = task_losses[slot]
+                    accuracy[start + slot][col] = task_accuracy.get(slot, float("nan"))
+            for slot in range(len(group)):
+                clear_adapter_slot(self.model, slot)
+        return AdapterTaskTables(tasks, losses, accuracy)

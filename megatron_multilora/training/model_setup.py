@@ -1,0 +1,35 @@
+"""The run's model: the frozen base (HF weights when the run names them) with adapter slots."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megatron_multilora.layers.inject import apply_multi_lora
+from megatron_multilora.models.gpt import GPTModelConfig, build_gpt_model
+from megatron_multilora.models.hf_import import load_hf_checkpoint
+from megatron_multilora.training.config import RunConfig
+
+
+def build_run_model(run: RunConfig, model_config: GPTModelConfig) -> list[torch.nn.Module]:
+    """The model chunks (one per virtual pipeline stage) of ``model_config``'s base, loaded
+    from ``run.hf_dir`` when given, wrapped with ``run.lora``'s adapter slots."""
+    model_cfg = dataclasses.replace(model_config)  # recompute is a run setting
+    if run.trainer.recompute is not None:
+        model_cfg.recompute_granularity = run.trainer.recompute
+        if run.trainer.recompute == "selective":
+            model_cfg.recompute_modules = ["core_attn"] + (["moe"] if model_cfg.num_moe_experts else [])
+    dtype = torch.bfloat16 if run.trainer.precision == "bf16" else torch.float32
+    # Per-adapter losses are normalised over the global batch: gradients are summed over
+    # data-parallel ranks, not averaged (megatron's per-token-loss convention).
+    model = build_gpt_model(model_cfg, sequence_parallel=run.parallel.sp, params_dtype=dtype,
+                            calculate_per_token_loss=True)
+    if run.hf_dir:
+        load_hf_checkpoint(model, run.hf_dir, model_cfg)
+    chunks = [model]
+    return apply_multi_lora(chunks, run.lora.slots, run.lora.max_rank, alpha=1.0,
+                            target_modules=run.lora.targets,
+                            column_init_method=run.lora.column_init_method,
+                            row_init_method=run.lora.row_init_method, seed=run.seed,
+                            fully_sharded=run.lora.fully_sharded)

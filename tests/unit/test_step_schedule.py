@@ -1,0 +1,100 @@
+"""The training step's forward/backward through megatron's pipeline schedule (PP=1) gives the
+per-slot losses and adapter gradients of a plain per-micro-batch loop on the same weights,
+for a dense and a MoE model (with a load-balancing loss), with a filler micro-batch of pads
+in the mix that must train nothing."""
+
+import pytest
+import torch
+from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+import megatron_multilora as mm
+from megatron_multilora.data.datasets import Example
+from megatron_multilora.data.packing import pack_micro_batches
+from megatron_multilora.training import schedule
+from megatron_multilora.training.step import SlotTrainStep, global_loss_tokens
+
+N, DIM, VOCAB, PAD = 3, 8, 64, 0
+RANKS, ALPHAS = [8, 4, 2], [16.0, 4.0, 8.0]
+DENSE = mm.GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                          ffn_hidden_size=48, vocab_size=VOCAB)
+MOE = mm.GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                        ffn_hidden_size=48, vocab_size=VOCAB, num_moe_experts=4, moe_router_topk=2,
+                        moe_shared_expert_intermediate_size=32, moe_aux_loss_coeff=0.1)
+
+
+def build(cfg: mm.GPTModelConfig, state=None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = mm.apply_multi_lora(mm.build_gpt_model(cfg, calculate_per_token_loss=True), N, DIM,
+                                1.0, row_init_method="normal")  # non-zero B: every factor trains
+    for slot, (rank, alpha) in enumerate(zip(RANKS, ALPHAS)):
+        mm.init_adapter_slot(model, slot, rank, alpha)
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
+def slot_examples() -> list[list[Example]]:
+    gen = torch.Generator().manual_seed(1)
+
+    def example(n: int) -> Example:
+        tokens = tuple(torch.randint(1, VOCAB, (n,), generator=gen).tolist())
+        return Example(tokens, tuple([False] * (n // 3) + [True] * (n - 1 - n // 3)))
+
+    return [[example(n) for n in lengths] for lengths in ([9, 14, 6], [11, 13], [7, 10, 12])]
+
+
+def reference(model, micro_batches, denominators):
+    """Forward and backward each micro-batch on its own; per-slot losses and gradients."""
+    losses = torch.zeros(N, dtype=torch.float64)
+    for mb in micro_batches:
+        mm.set_tokens_per_adapter_slot(model, mb.counts)
+        token_loss = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
+                           packed_seq_params=mb.packed_seq_params(),
+                           padding_mask=mb.padding_mask())[0]
+        total = 0.0
+        for s, (span, mask) in enumerate(zip(token_loss.split(mb.counts),
+                                             mb.loss_mask[0].split(mb.counts))):
+            if denominators[s]:
+                loss = (span * mask).sum() / denominators[s]
+                losses[s] += loss.item()
+                total = total + loss
+        total.backward()
+    return losses, {s: [p.grad.clone() for p in mm.slot_parameters(model, s)] for s in range(N)}
+
+
+@pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
+def test_schedule_step_matches_a_plain_loop(cfg, monkeypatch):
+    # megatron's process-wide aux-loss logging tracker is sized by the first MoE model's
+    # layer count (its clear_aux_losses_tracker only zeroes it).
+    get_moe_layer_wise_logging_tracker().clear()
+    ref_model = build(cfg)
+    model = build(cfg, {k: v for k, v in ref_model.state_dict().items() if torch.is_tensor(v)})
+    step = SlotTrainStep([model], N, token_budget=32, pad_multiple=1, pad_id=PAD)
+    examples = slot_examples()
+    plain = pack_micro_batches(examples, 32, 1, PAD)
+    # The filler goes in the middle: the micro-batch after it must train normally again.
+    micro_batches = plain[:1] + [step.filler] + plain[1:]
+    assert len(plain) >= 2 and step.filler.n_pad == step.filler.tokens.size(1)
+    denominators = global_loss_tokens(plain, N)
+    want_losses, want_grads = reference(ref_model, plain, denominators)
+
+    calls = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
+    step.grad_sync.zero_grad(range(N))
+    losses = step.losses(micro_batches, denominators)
+    assert len(calls) == len(micro_batches)  # the filler really ran
+    torch.testing.assert_close(losses, want_losses, rtol=1e-6, atol=1e-7)
+    for s in range(N):
+        for p, want in zip(mm.slot_parameters(model, s), want_grads[s]):
+            torch.testing.assert_close(p.main_grad, want, rtol=1e-5, atol=1e-7)
+            assert p.grad is None  # accumulated into main_grad by the slot's gradient buffer
+    assert all(g.abs().sum() > 0 for s in range(N) for g in want_grads[s])
+
+    if cfg.num_moe_experts:
+        # The filler's aux-loss gradient really is there, and only its zero scale keeps it out.
+        monkeypatch.setattr(schedule, "_set_aux_loss_scale", lambda scale, grad: None)
+        step.grad_sync.zero_grad(range(N))
+        step.losses(micro_batches, denominators)
+        assert any(not torch.allclose(p.main_grad, want, rtol=1e-5, atol=1e-7)
+                   for p, want in zip(mm.slot_parameters(model, 0), want_grads[0]))
