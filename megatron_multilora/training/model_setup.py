@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from megatron_multilora.layers.inject import apply_multi_lora
-from megatron_multilora.models.gpt import GPTModelConfig, build_gpt_model
+from megatron_multilora.models.gpt import GPTModelConfig, build_model_chunks
 from megatron_multilora.models.hf_import import load_hf_checkpoint
 from megatron_multilora.training.config import RunConfig
 
@@ -23,11 +23,10 @@ def build_run_model(run: RunConfig, model_config: GPTModelConfig) -> list[torch.
     dtype = torch.bfloat16 if run.trainer.precision == "bf16" else torch.float32
     # Per-adapter losses are normalised over the global batch: gradients are summed over
     # data-parallel ranks, not averaged (megatron's per-token-loss convention).
-    model = build_gpt_model(model_cfg, sequence_parallel=run.parallel.sp, params_dtype=dtype,
-                            calculate_per_token_loss=True)
-    if run.hf_dir:
-        load_hf_checkpoint(model, run.hf_dir, model_cfg)
-    chunks = [model]
+    chunks = build_model_chunks(model_cfg, sequence_parallel=run.parallel.sp, params_dtype=dtype,
+                                calculate_per_token_loss=True)
+    if run.hf_dir:  # each pipeline rank reads its own stage's layers
+        load_hf_checkpoint(chunks, run.hf_dir, model_cfg)
     return apply_multi_lora(chunks, run.lora.slots, run.lora.max_rank, alpha=1.0,
                             target_modules=run.lora.targets,
                             column_init_method=run.lora.column_init_method,

@@ -115,6 +115,8 @@ class Trainer:
         run = self.run
         init_parallel(tensor_model_parallel_size=run.parallel.tp,
                       expert_model_parallel_size=run.parallel.ep,
+                      pipeline_model_parallel_size=run.parallel.pp,
+                      virtual_pipeline_model_parallel_size=run.parallel.vpp,
                       sequence_parallel=run.parallel.sp, seed=run.seed)
         self.is_main = dist.get_rank() == 0
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -149,7 +151,8 @@ class Trainer:
                             if p.requires_grad)
             print(f"run {self.run_dir}: {len(run.adapters)} adapter jobs on {self.n_slots} slots, "
                   f"world {dist.get_world_size()} (tp {run.parallel.tp}, sp {run.parallel.sp}, "
-                  f"ep {run.parallel.ep}, dp {self.dp_size}), {trainable:,} trainable parameters "
+                  f"ep {run.parallel.ep}, pp {run.parallel.pp}"
+                  f"{f' x vpp {run.parallel.vpp}' if run.parallel.vpp else ''}, dp {self.dp_size}), {trainable:,} trainable parameters "
                   f"per rank, starting at step {self.step}", flush=True)
 
     def _optimizer(self, slot: int, state: JobState) -> SlotOptimizer:
