@@ -549,8 +549,8 @@ def run_tp(s: Settings, clock: Clock) -> tuple[Optional[dict], Optional[str]]:
     return torchrun_two(s, clock, "--tp-worker", "TP=2")
 
 
-def torchrun_two(s: Settings, clock: Clock, worker_flag: str, what: str
-                 ) -> tuple[Optional[dict], Optional[str]]:
+def torchrun_two(s: Settings, clock: Clock, worker_flag: str, what: str,
+                 worker_args: Optional[list[str]] = None) -> tuple[Optional[dict], Optional[str]]:
     """Run this script's ``worker_flag`` worker in 2 processes under torchrun (1 torch thread
     each: they share the cores); returns what rank 0 wrote, or why there is nothing."""
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -560,7 +560,7 @@ def torchrun_two(s: Settings, clock: Clock, worker_flag: str, what: str
         out = Path(tmp) / "result.json"
         cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "--local-ranks-filter", "0",
                __file__, worker_flag, "--settings-json", json.dumps(dataclasses.asdict(s)),
-               "--result-file", str(out)]
+               "--result-file", str(out), *(worker_args or [])]
         clock.say(f"launching 2 processes for {what}: " + " ".join(cmd[:5]) + f" ... {worker_flag}")
         env = {**child_env(), "OMP_NUM_THREADS": "1"}  # 2 processes share the cores
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -629,54 +629,70 @@ def pp_timed(clock: Clock, step: Callable[[], StepResult]) -> tuple[float, list[
     return float(elapsed), result.losses.tolist()
 
 
-def pp_worker(s: Settings, result_file: str) -> None:
-    """Run under torchrun with 2 processes: time the trainer step as PP=2 vs DP=2. A layout is
-    built per block of rounds (one parallel layout at a time per process); blocks alternate
-    the layouts, in alternating order, each starting with ``warmup`` untimed steps."""
+def pp_blocks(s: Settings) -> list[int]:
+    """The rounds of each block: ``rounds`` in blocks of ``PP_ROUNDS_PER_BLOCK``."""
+    return [min(PP_ROUNDS_PER_BLOCK, s.rounds - done)
+            for done in range(0, s.rounds, PP_ROUNDS_PER_BLOCK)]
+
+
+def pp_block(s: Settings, clock: Clock, layouts: dict[str, int], block: int
+             ) -> dict[str, dict[str, list[float]]]:
+    """One block of rounds of each layout (name -> pipeline size), one after another: build
+    it, run ``max(2, warmup)`` untimed steps, time the block's rounds, tear it down. Returns
+    the times and each layout's second-step losses (after one update: do the layouts train
+    alike?)."""
     device = torch.device(s.device)
-    clock = Clock(device)
-    samples: dict[str, list[float]] = {name: [] for name in PP_LAYOUTS}
-    # Each layout's second step (after one update): do the layouts train alike?
-    check_losses: dict[str, list[float]] = {}
-    blocks = [min(PP_ROUNDS_PER_BLOCK, s.rounds - done)
-              for done in range(0, s.rounds, PP_ROUNDS_PER_BLOCK)]
-    for b, rounds in enumerate(blocks):
-        names = list(PP_LAYOUTS) if b % 2 == 0 else list(reversed(PP_LAYOUTS))
-        for name in names:
-            mm.init_parallel(pipeline_model_parallel_size=PP_LAYOUTS[name], seed=0)
-            step = pp_trainer_step(s, device, PP_LAYOUTS[name])
-            timed = [pp_timed(clock, step) for _ in range(max(2, s.warmup) + rounds)]
-            check_losses.setdefault(name, timed[1][1])
-            times = [elapsed for elapsed, _ in timed[max(2, s.warmup):]]
-            samples[name] += times
-            mm.destroy_parallel()
-            clock.say(f"PP block {b + 1}/{len(blocks)} {name}: "
-                      + ", ".join(f"{x * 1e3:.1f}" for x in times) + " ms")
-    if torch.distributed.get_rank() == 0:
-        Path(result_file).write_text(json.dumps({"samples": samples,
-                                                 "check_losses": check_losses}))
+    rounds = pp_blocks(s)[block]
+    out: dict[str, dict[str, list[float]]] = {"samples": {}, "check_losses": {}}
+    for name, pipeline in layouts.items():
+        mm.init_parallel(pipeline_model_parallel_size=pipeline, seed=0)
+        step = pp_trainer_step(s, device, pipeline)
+        timed = [pp_timed(clock, step) for _ in range(max(2, s.warmup) + rounds)]
+        mm.destroy_parallel()
+        out["check_losses"][name] = timed[1][1]
+        out["samples"][name] = [elapsed for elapsed, _ in timed[max(2, s.warmup):]]
+        clock.say(f"PP block {block + 1}/{len(pp_blocks(s))} {name}: "
+                  + ", ".join(f"{x * 1e3:.1f}" for x in out["samples"][name]) + " ms")
+    return out
+
+
+def pp_worker(s: Settings, result_file: str, block: int) -> None:
+    """Run under torchrun with 2 processes: one block of PP=2 and DP=2 rounds (in alternating
+    order from block to block)."""
+    names = list(PP_LAYOUTS) if block % 2 == 0 else list(reversed(PP_LAYOUTS))
+    out = pp_block(s, Clock(torch.device(s.device)), {n: PP_LAYOUTS[n] for n in names}, block)
+    if torch.distributed.get_rank() == 0:  # both ranks hold the same (MAX-reduced) times
+        Path(result_file).write_text(json.dumps(out))
     torch.distributed.destroy_process_group()
 
 
 def run_pp(s: Settings, clock: Clock) -> tuple[Optional[dict], Optional[str]]:
-    """PP=1 on this one process (its ``threads``), then PP=2 vs DP=2 from a 2-process
-    torchrun of this script; or why they were skipped."""
+    """PP=1 on this one process (its ``threads``) and PP=2 vs DP=2 in 2 processes (a fresh
+    torchrun of this script per block), block by block in alternating order; or why they
+    were skipped."""
     if s.skip_pp:
         return None, "skipped: --skip-pp"
     if s.device == "cuda" and torch.cuda.device_count() < 2:
         return None, f"skipped: PP=2 needs 2 GPUs, found {torch.cuda.device_count()}"
-    clock.say("PP=1 trainer step on this process")
-    mm.init_parallel(seed=0)  # this process's one-rank layout
-    step = pp_trainer_step(s, torch.device(s.device), 1)
-    step()
-    second = step().losses.tolist()  # after one update, as the workers' check_losses
-    one = time_side_by_side(clock, "PP=1 one process", {"PP=1": step}, s.rounds,
-                            max(0, s.warmup - 2))
-    two, skipped = torchrun_two(s, clock, "--pp-worker", "PP=2 vs DP=2")
-    if two is None:
-        return None, skipped
-    return {"samples": {**two["samples"], "PP=1 one process": one["PP=1"]},
-            "check_losses": {**two["check_losses"], "PP=1 one process": second}}, None
+    result: dict[str, dict[str, list[float]]] = {"samples": {}, "check_losses": {}}
+    blocks = pp_blocks(s)
+    for b in range(len(blocks)):
+        for part in ("here", "there") if b % 2 == 0 else ("there", "here"):
+            if part == "here":
+                clock.say(f"PP block {b + 1}/{len(blocks)}: PP=1 on this process")
+                got = pp_block(s, clock, {"PP=1 one process": 1}, b)
+            else:
+                got, skipped = torchrun_two(s, clock, "--pp-worker",
+                                            f"PP=2 vs DP=2 (block {b + 1}/{len(blocks)})",
+                                            ["--pp-block", str(b)])
+                if got is None:
+                    return None, skipped
+            for name, times in got["samples"].items():
+                result["samples"].setdefault(name, []).extend(times)
+            for name, losses in got["check_losses"].items():
+                result["check_losses"].setdefault(name, losses)  # the first block's
+    mm.init_parallel(seed=0)  # this process's layout again, as before the section
+    return result, None
 
 
 def child_env() -> dict[str, str]:
@@ -754,30 +770,30 @@ def tp_rows(s: Settings, groups: Optional[dict], skipped: Optional[str]) -> list
 
 def pp_rows(s: Settings, result: Optional[dict], skipped: Optional[str]) -> list[Row]:
     cfg = pp_model_config(s)
-    layers = cfg.num_layers
-    e = pp_examples_per_slot(s)
-    threads = "1 thread each" if s.device == "cpu" else "1 GPU each"
-    one = f"{s.threads} thread{'s' if s.threads > 1 else ''}" if s.device == "cpu" else "1 GPU"
+    layers, e = cfg.num_layers, pp_examples_per_slot(s)
+    cpu = s.device == "cpu"
     step = (f"one trainer step of {s.slots} adapter jobs (SlotTrainStep: pack, forward/backward "
             f"of the micro-batches through megatron's schedule, per-slot grad sync, norms, "
-            f"AdamW) on the dense GPT with {layers} layers, a global batch of {e} examples of "
+            f"AdamW) on the dense GPT with {layers} layers; a global batch of {e} examples of "
             f"{s.example_tokens} tokens per job, packed into micro-batches of at most "
-            f"{pp_data(s, cfg.vocab_size)[1]} positions ({s.pp_micro_batches} per step in all)")
-    pp2 = (f"PP=2 runs it on 2 processes ({threads}) holding {layers // 2} layer{'s' if layers > 2 else ''} each, every "
-           f"micro-batch through both stages (1F1B schedule)")
+            f"{pp_data(s, cfg.vocab_size)[1]} positions ({s.pp_micro_batches} in all)")
+    pp2 = (f"PP=2 runs it on 2 processes ({'1 thread' if cpu else '1 GPU'} each) holding "
+           f"{layers // 2} layer{'s' if layers > 2 else ''} each, every micro-batch through "
+           "both stages (1F1B schedule)")
+    method = (f"The layouts are built in turn, in blocks of {PP_ROUNDS_PER_BLOCK} rounds "
+              f"(each after {max(2, s.warmup)} untimed steps) in alternating order: PP=1 in "
+              "this process, PP=2 and DP=2 in a fresh 2-process torchrun per block; each "
+              "2-process round starts both ranks together and counts the slower")
+    one = f"{s.threads} thread{'s' if s.threads > 1 else ''}" if cpu else "1 GPU"
     rows = [
         Row("7a", "PP=2 vs DP=2: trainer step", (
-            f"{step}. {pp2}; DP=2 runs it on the same 2 processes each holding the whole model "
-            f"and half of every job's examples, gradients summed across them: the same cores "
-            f"used as pipeline stages or as data-parallel ranks. Each round starts both ranks "
-            f"together and counts the slower; layouts are rebuilt in alternating blocks of "
-            f"{PP_ROUNDS_PER_BLOCK} rounds (each after {max(2, s.warmup)} untimed "
-            "steps)"),
-            "PP=2", "DP=2", "ms"),
+            f"{step}. {pp2}; DP=2 runs it on the same 2 processes, each holding the whole model "
+            "and half of every job's examples (gradients summed across them): the same "
+            f"{'cores' if cpu else 'GPUs'} used as pipeline stages or as data-parallel ranks. "
+            f"{method}"), "PP=2", "DP=2", "ms"),
         Row("7b", "PP=2 vs PP=1 (one process): trainer step", (
-            f"the same step: {pp2} vs 1 process ({one}) holding the whole model and every "
-            f"example. The one-process rounds run before the 2-process ones, not interleaved "
-            f"with them"), "PP=2", "PP=1, 1 process", "ms"),
+            f"the same step: {pp2}, vs 1 process ({one}) holding the whole model and every "
+            "example. " + method), "PP=2", "PP=1, 1 process", "ms"),
     ]
     for row, b in zip(rows, ("DP=2", "PP=1 one process")):
         if result is None:
@@ -967,6 +983,7 @@ def parse_settings(argv: Optional[list[str]] = None) -> tuple[Settings, argparse
     parser.add_argument("--memory-probe", help=argparse.SUPPRESS)
     parser.add_argument("--tp-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--pp-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--pp-block", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--settings-json", help=argparse.SUPPRESS)
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -990,7 +1007,7 @@ def main() -> None:
     elif args.tp_worker:
         tp_worker(settings, args.result_file)
     elif args.pp_worker:
-        pp_worker(settings, args.result_file)
+        pp_worker(settings, args.result_file, args.pp_block)
     else:
         sections = tuple(s for s in SECTIONS if s in args.only) if args.only else SECTIONS
         run_benchmark(settings, args.out_dir, sections)
