@@ -1,4 +1,4 @@
-"""Benchmark multi-LoRA training: layers, whole models, jobs together, memory and TP layouts.
+"""Benchmark multi-LoRA training: layers, whole models, jobs together, memory, TP and PP layouts.
 
     .venv/bin/python scripts/bench.py [--device cpu|cuda] [--out-dir benchmarks] [--quick]
         [--skip-tp] [--skip-pp] [--only SECTION ...] [--rounds 11] [--slots 8] [--rank 16] ...
@@ -593,8 +593,8 @@ def pp_examples_per_slot(s: Settings) -> int:
 
 
 def pp_data(s: Settings, vocab: int) -> tuple[list[list[Example]], int]:
-    """One step's global batch (every slot's examples) and the token budget that packs it
-    into ``pp_micro_batches`` micro-batches of equal size."""
+    """One step's global batch (every slot's examples, all of one length) and the token
+    budget that packs it into ``pp_micro_batches`` micro-batches."""
     gen = torch.Generator().manual_seed(2)
     data = [random_examples(pp_examples_per_slot(s), s.example_tokens, vocab, gen)
             for _ in range(s.slots)]
@@ -602,10 +602,10 @@ def pp_data(s: Settings, vocab: int) -> tuple[list[list[Example]], int]:
     return data, per_batch * (s.example_tokens - 1)
 
 
-def pp_trainer_step(s: Settings, device: torch.device, pipeline: int) -> Callable[[], StepResult]:
+def pp_trainer_step(s: Settings) -> Callable[[], StepResult]:
     """The package's trainer step of every slot on this rank's share of the global batch,
-    under a layout of ``pipeline`` stages (the rest of the world is data-parallel); the
-    caller has run ``init_parallel`` for it. Packing is part of the step."""
+    under the layout ``init_parallel`` set up (pipeline stages; the rest of the world is
+    data-parallel). Packing is part of the step."""
     cfg = pp_model_config(s)
     data, budget = pp_data(s, cfg.vocab_size)
     model = [build_model(cfg, s, s.slots)]  # this rank's stage (the whole model at PP=1)
@@ -641,12 +641,11 @@ def pp_block(s: Settings, clock: Clock, layouts: dict[str, int], block: int
     it, run ``max(2, warmup)`` untimed steps, time the block's rounds, tear it down. Returns
     the times and each layout's second-step losses (after one update: do the layouts train
     alike?)."""
-    device = torch.device(s.device)
     rounds = pp_blocks(s)[block]
     out: dict[str, dict[str, list[float]]] = {"samples": {}, "check_losses": {}}
     for name, pipeline in layouts.items():
         mm.init_parallel(pipeline_model_parallel_size=pipeline, seed=0)
-        step = pp_trainer_step(s, device, pipeline)
+        step = pp_trainer_step(s)
         timed = [pp_timed(clock, step) for _ in range(max(2, s.warmup) + rounds)]
         mm.destroy_parallel()
         out["check_losses"][name] = timed[1][1]
