@@ -1,7 +1,7 @@
-"""Benchmark multi-LoRA training: layers, whole models, jobs together, memory and TP layouts.
+"""Benchmark multi-LoRA training: layers, whole models, jobs together, memory, TP and PP layouts.
 
     .venv/bin/python scripts/bench.py [--device cpu|cuda] [--out-dir benchmarks] [--quick]
-        [--skip-tp] [--rounds 11] [--slots 8] [--rank 16] ...
+        [--skip-tp] [--skip-pp] [--only SECTION ...] [--rounds 11] [--slots 8] [--rank 16] ...
 
 Writes ``<out-dir>/{cpu,gpu}.md`` and ``.json``: hardware, versions, dtype, every setting and
 one row per comparison. Every time is a median over rounds measured side by side in this one
@@ -18,6 +18,13 @@ Rows (A vs B):
   5      peak memory of fwd+bwd+optimizer with N slots vs 1 slot, above the frozen base alone
   6a-6b  fully sharded (S-LoRA) vs default adapter layout under TP=2, without and with
          sequence parallelism (two processes under torchrun)
+  7a-7b  one trainer step (SlotTrainStep: pack, forward/backward through megatron's schedule,
+         grad sync, norms, optimizer) of the dense GPT on two pipeline stages (PP=2, two
+         processes) vs the same two processes as data-parallel ranks (DP=2), and vs one process
+         holding the whole model (PP=1); same jobs, data and micro-batch budget
+
+``--only SECTION ...`` runs some sections (layers, models, jobs, memory, tp, pp) and writes
+``<out-dir>/cpu-only-<sections>.md`` (``gpu-...``) and ``.json``, leaving the full report alone.
 
 On CUDA the model is bf16 and built by ``mm.build_gpt_model``, which uses Transformer Engine
 when it is installed; layer rows use megatron's ColumnParallelLinear and the pure-torch
@@ -43,17 +50,18 @@ from typing import Callable, Iterator, Optional
 import torch
 
 import megatron_multilora as mm  # first: it quiets megatron's CPU import notices
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_multilora.data.datasets import Example
-from megatron_multilora.data.packing import MicroBatch, pack_micro_batches
+from megatron_multilora.data.packing import MicroBatch, pack_micro_batches, shard_for_data_parallel
 from megatron_multilora.layers.slot_tokens import SlotTokens
 from megatron_multilora.models.specs import transformer_engine_usable
 from megatron_multilora.models.torch_modules import TorchGroupedLinear
 from megatron_multilora.layers.slot_routing import build_expert_slot_routing
 from megatron_multilora.training.config import AdapterJob
 from megatron_multilora.training.schedule import per_slot_losses
-from megatron_multilora.training.step import SlotTrainStep
+from megatron_multilora.training.step import SlotTrainStep, StepResult
 from megatron_multilora.training.trainer import start_job
 
 REPO = Path(__file__).resolve().parent.parent
@@ -62,10 +70,11 @@ MiB = 2.0 ** 20
 # Sizes of the full run (a few minutes on a 2-core CPU) and of --quick (a smoke run).
 FULL = dict(rounds=11, warmup=2, slots=8, rank=16, layer_hidden=1024, layer_tokens=2048,
             experts=8, model_hidden=256, model_layers=4, examples_per_slot=2, example_tokens=64,
-            job_steps=4, job_rounds=5, memory_probes=1)
+            job_steps=4, job_rounds=5, memory_probes=1, pp_micro_batches=4)
 QUICK = dict(rounds=2, warmup=1, slots=8, rank=8, layer_hidden=128, layer_tokens=256,
              experts=4, model_hidden=64, model_layers=1, examples_per_slot=1, example_tokens=16,
-             job_steps=2, job_rounds=2, memory_probes=1)
+             job_steps=2, job_rounds=2, memory_probes=1, pp_micro_batches=2)
+SECTIONS = ("layers", "models", "jobs", "memory", "tp", "pp")
 
 
 @dataclasses.dataclass
@@ -88,10 +97,13 @@ class Settings:
     job_steps: int
     job_rounds: int
     memory_probes: int
+    pp_micro_batches: int
+    """micro-batches per trainer step of the global batch of rows 7 (PP=2 needs several)."""
     threads: int
-    """torch CPU threads of this process and the memory probes (TP workers run 1 each)."""
+    """torch CPU threads of this process and the memory probes (TP/PP workers run 1 each)."""
     quick: bool
     skip_tp: bool
+    skip_pp: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -534,15 +546,22 @@ def run_tp(s: Settings, clock: Clock) -> tuple[Optional[dict], Optional[str]]:
     if s.device == "cuda" and transformer_engine_usable():
         return None, ("skipped: fully_sharded needs megatron's own parallel linears, and "
                       "build_gpt_model uses Transformer Engine's here")
+    return torchrun_two(s, clock, "--tp-worker", "TP=2")
+
+
+def torchrun_two(s: Settings, clock: Clock, worker_flag: str, what: str,
+                 worker_args: Optional[list[str]] = None) -> tuple[Optional[dict], Optional[str]]:
+    """Run this script's ``worker_flag`` worker in 2 processes under torchrun (1 torch thread
+    each: they share the cores); returns what rank 0 wrote, or why there is nothing."""
     torchrun = Path(sys.executable).with_name("torchrun")
     if not torchrun.exists():
         return None, f"skipped: {torchrun} not found"
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "tp.json"
+        out = Path(tmp) / "result.json"
         cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "--local-ranks-filter", "0",
-               __file__, "--tp-worker", "--settings-json", json.dumps(dataclasses.asdict(s)),
-               "--result-file", str(out)]
-        clock.say("launching 2 processes for TP=2: " + " ".join(cmd[:5]) + " ... --tp-worker")
+               __file__, worker_flag, "--settings-json", json.dumps(dataclasses.asdict(s)),
+               "--result-file", str(out), *(worker_args or [])]
+        clock.say(f"launching 2 processes for {what}: " + " ".join(cmd[:5]) + f" ... {worker_flag}")
         env = {**child_env(), "OMP_NUM_THREADS": "1"}  # 2 processes share the cores
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=env)
@@ -552,8 +571,127 @@ def run_tp(s: Settings, clock: Clock) -> tuple[Optional[dict], Optional[str]]:
             tail = (tail + [line.strip()])[-20:]
         if proc.wait() != 0 or not out.exists():
             reason = next((t for t in reversed(tail) if "Error" in t), tail[-1] if tail else "")
-            return None, f"skipped: the TP=2 run failed (exit {proc.returncode}): {reason[:200]}"
+            return None, f"skipped: the {what} run failed (exit {proc.returncode}): {reason[:200]}"
         return json.loads(out.read_text()), None
+
+
+# ----- pipeline parallelism ---------------------------------------------------------------
+
+PP_LAYOUTS = {"PP=2": 2, "DP=2": 1}  # the 2-process layouts: name -> pipeline size
+PP_ROUNDS_PER_BLOCK = 3
+
+
+def pp_model_config(s: Settings) -> mm.GPTModelConfig:
+    """The dense model of rows 1c-2c, one layer more if needed to split into 2 stages."""
+    cfg = model_config("dense", s)
+    return dataclasses.replace(cfg, num_layers=cfg.num_layers + cfg.num_layers % 2)
+
+
+def pp_examples_per_slot(s: Settings) -> int:
+    """``examples_per_slot`` rounded up to even: each DP=2 rank gets half of every slot's."""
+    return s.examples_per_slot + s.examples_per_slot % 2
+
+
+def pp_data(s: Settings, vocab: int) -> tuple[list[list[Example]], int]:
+    """One step's global batch (every slot's examples, all of one length) and the token
+    budget that packs it into ``pp_micro_batches`` micro-batches."""
+    gen = torch.Generator().manual_seed(2)
+    data = [random_examples(pp_examples_per_slot(s), s.example_tokens, vocab, gen)
+            for _ in range(s.slots)]
+    per_batch = -(-s.slots * pp_examples_per_slot(s) // s.pp_micro_batches)
+    return data, per_batch * (s.example_tokens - 1)
+
+
+def pp_trainer_step(s: Settings) -> Callable[[], StepResult]:
+    """The package's trainer step of every slot on this rank's share of the global batch,
+    under the layout ``init_parallel`` set up (pipeline stages; the rest of the world is
+    data-parallel). Packing is part of the step."""
+    cfg = pp_model_config(s)
+    data, budget = pp_data(s, cfg.vocab_size)
+    model = [build_model(cfg, s, s.slots)]  # this rank's stage (the whole model at PP=1)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    examples = [shard_for_data_parallel(exs, dp_rank, dp_size) for exs in data]  # as the trainer
+    train = SlotTrainStep(model, s.slots, budget, pad_multiple=1, pad_id=0)
+    steps = 10 ** 6  # constant schedule: the count only bounds the lr schedule
+    opts = {j: start_job(model, j, make_job(j, s), steps, cfg) for j in range(s.slots)}
+    return lambda: train(examples, opts)
+
+
+def pp_timed(clock: Clock, step: Callable[[], StepResult]) -> tuple[float, list[float]]:
+    """Seconds of one lockstep step (both ranks start together after a barrier, the slower
+    one counts) and its per-job losses."""
+    torch.distributed.barrier()
+    start = clock.now()
+    result = step()
+    elapsed = torch.tensor([clock.now() - start], dtype=torch.float64)
+    torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
+    return float(elapsed), result.losses.tolist()
+
+
+def pp_blocks(s: Settings) -> list[int]:
+    """The rounds of each block: ``rounds`` in blocks of ``PP_ROUNDS_PER_BLOCK``."""
+    return [min(PP_ROUNDS_PER_BLOCK, s.rounds - done)
+            for done in range(0, s.rounds, PP_ROUNDS_PER_BLOCK)]
+
+
+def pp_block(s: Settings, clock: Clock, layouts: dict[str, int], block: int
+             ) -> dict[str, dict[str, list[float]]]:
+    """One block of rounds of each layout (name -> pipeline size), one after another: build
+    it, run ``max(2, warmup)`` untimed steps, time the block's rounds, tear it down. Returns
+    the times and each layout's second-step losses (after one update: do the layouts train
+    alike?)."""
+    rounds = pp_blocks(s)[block]
+    out: dict[str, dict[str, list[float]]] = {"samples": {}, "check_losses": {}}
+    for name, pipeline in layouts.items():
+        mm.init_parallel(pipeline_model_parallel_size=pipeline, seed=0)
+        step = pp_trainer_step(s)
+        timed = [pp_timed(clock, step) for _ in range(max(2, s.warmup) + rounds)]
+        mm.destroy_parallel()
+        out["check_losses"][name] = timed[1][1]
+        out["samples"][name] = [elapsed for elapsed, _ in timed[max(2, s.warmup):]]
+        clock.say(f"PP block {block + 1}/{len(pp_blocks(s))} {name}: "
+                  + ", ".join(f"{x * 1e3:.1f}" for x in out["samples"][name]) + " ms")
+    return out
+
+
+def pp_worker(s: Settings, result_file: str, block: int) -> None:
+    """Run under torchrun with 2 processes: one block of PP=2 and DP=2 rounds (in alternating
+    order from block to block)."""
+    names = list(PP_LAYOUTS) if block % 2 == 0 else list(reversed(PP_LAYOUTS))
+    out = pp_block(s, Clock(torch.device(s.device)), {n: PP_LAYOUTS[n] for n in names}, block)
+    if torch.distributed.get_rank() == 0:  # both ranks hold the same (MAX-reduced) times
+        Path(result_file).write_text(json.dumps(out))
+    torch.distributed.destroy_process_group()
+
+
+def run_pp(s: Settings, clock: Clock) -> tuple[Optional[dict], Optional[str]]:
+    """PP=1 on this one process (its ``threads``) and PP=2 vs DP=2 in 2 processes (a fresh
+    torchrun of this script per block), block by block in alternating order; or why they
+    were skipped."""
+    if s.skip_pp:
+        return None, "skipped: --skip-pp"
+    if s.device == "cuda" and torch.cuda.device_count() < 2:
+        return None, f"skipped: PP=2 needs 2 GPUs, found {torch.cuda.device_count()}"
+    result: dict[str, dict[str, list[float]]] = {"samples": {}, "check_losses": {}}
+    blocks = pp_blocks(s)
+    for b in range(len(blocks)):
+        for part in ("here", "there") if b % 2 == 0 else ("there", "here"):
+            if part == "here":
+                clock.say(f"PP block {b + 1}/{len(blocks)}: PP=1 on this process")
+                got = pp_block(s, clock, {"PP=1 one process": 1}, b)
+            else:
+                got, skipped = torchrun_two(s, clock, "--pp-worker",
+                                            f"PP=2 vs DP=2 (block {b + 1}/{len(blocks)})",
+                                            ["--pp-block", str(b)])
+                if got is None:
+                    return None, skipped
+            for name, times in got["samples"].items():
+                result["samples"].setdefault(name, []).extend(times)
+            for name, losses in got["check_losses"].items():
+                result["check_losses"].setdefault(name, losses)  # the first block's
+    mm.init_parallel(seed=0)  # this process's layout again, as before the section
+    return result, None
 
 
 def child_env() -> dict[str, str]:
@@ -626,6 +764,47 @@ def tp_rows(s: Settings, groups: Optional[dict], skipped: Optional[str]) -> list
             med = medians(groups[f"sp={sp}"])
             row.fill(med["fully-sharded"] * 1e3, med["default"] * 1e3)
         rows.append(row)
+    return rows
+
+
+def pp_rows(s: Settings, result: Optional[dict], skipped: Optional[str]) -> list[Row]:
+    cfg = pp_model_config(s)
+    layers, e = cfg.num_layers, pp_examples_per_slot(s)
+    cpu = s.device == "cpu"
+    step = (f"one trainer step of {s.slots} adapter jobs (SlotTrainStep: pack, forward/backward "
+            f"of the micro-batches through megatron's schedule, per-slot grad sync, norms, "
+            f"AdamW) on the dense GPT with {layers} layers; a global batch of {e} examples of "
+            f"{s.example_tokens} tokens per job, packed into micro-batches of at most "
+            f"{pp_data(s, cfg.vocab_size)[1]} positions ({s.pp_micro_batches} in all)")
+    pp2 = (f"PP=2 runs it on 2 processes ({'1 thread' if cpu else '1 GPU'} each) holding "
+           f"{layers // 2} layer{'s' if layers > 2 else ''} each, every micro-batch through "
+           "both stages (1F1B schedule)")
+    method = (f"The layouts are built in turn, in blocks of {PP_ROUNDS_PER_BLOCK} rounds "
+              f"(each after {max(2, s.warmup)} untimed steps) in alternating order: PP=1 in "
+              "this process, PP=2 and DP=2 in a fresh 2-process torchrun per block; each "
+              "2-process round starts both ranks together and counts the slower")
+    one = f"{s.threads} thread{'s' if s.threads > 1 else ''}" if cpu else "1 GPU"
+    rows = [
+        Row("7a", "PP=2 vs DP=2: trainer step", (
+            f"{step}. {pp2}; DP=2 runs it on the same 2 processes, each holding the whole model "
+            "and half of every job's examples (gradients summed across them): the same "
+            f"{'cores' if cpu else 'GPUs'} used as pipeline stages or as data-parallel ranks. "
+            f"{method}"), "PP=2", "DP=2", "ms"),
+        Row("7b", "PP=2 vs PP=1 (one process): trainer step", (
+            f"the same step: {pp2}, vs 1 process ({one}) holding the whole model and every "
+            "example. " + method), "PP=2", "PP=1, 1 process", "ms"),
+    ]
+    for row, b in zip(rows, ("DP=2", "PP=1 one process")):
+        if result is None:
+            row.skipped = skipped
+            continue
+        med = medians(result["samples"])
+        row.fill(med["PP=2"] * 1e3, med[b] * 1e3)
+        check = result["check_losses"]
+        diff = max(abs(x - y) for x, y in zip(check["PP=2"], check[b]))
+        row.note = (f"Same training: the {s.slots} per-job losses of the second step (after "
+                    f"one optimizer update) differ by at most {diff:.1e} between {row.a} and "
+                    f"{row.b}.")
     return rows
 
 
@@ -703,7 +882,9 @@ def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def run_benchmark(s: Settings, out_dir: Path) -> None:
+def run_benchmark(s: Settings, out_dir: Path, sections: tuple[str, ...] = SECTIONS) -> None:
+    """Run ``sections`` (all by default) and write their rows; a partial run writes
+    ``<name>-only-<sections>.md`` / ``.json``."""
     device = torch.device(s.device)
     clock = Clock(device)
     load_start = load_average()
@@ -711,7 +892,7 @@ def run_benchmark(s: Settings, out_dir: Path) -> None:
     hw, ver = hardware(device), versions()
     clock.say(f"{hw.get('gpu', hw['cpu'])}, {hw['cpu_cores']} cores, {hw['torch_threads']} "
               f"threads; " + ", ".join(f"{k} {v}" for k, v in ver.items()))
-    clock.say(f"settings: {dataclasses.asdict(s)}")
+    clock.say(f"settings: {dataclasses.asdict(s)}; sections: {', '.join(sections)}")
     rows: list[Row] = []
     samples: dict[str, dict[str, list[float]]] = {}
     for group, kind, make, naive in (
@@ -719,40 +900,57 @@ def run_benchmark(s: Settings, out_dir: Path) -> None:
             ("layer MoE", "one grouped expert linear's", moe_layer_variants, True),
             ("model dense", "dense GPT", lambda s_, d: model_variants("dense", s_, d), False),
             ("model MoE", "MoE GPT", lambda s_, d: model_variants("moe", s_, d), False)):
+        if ("layers" if group.startswith("layer") else "models") not in sections:
+            continue
         clock.say(f"{group}: building")
         samples[group] = time_side_by_side(clock, group, make(s, device), s.rounds, s.warmup)
         rows += timing_rows(group, kind, s, medians(samples[group]), naive)
 
-    clock.say(f"jobs: {s.slots} jobs together vs one after another")
-    samples["jobs"] = time_side_by_side(clock, "jobs", jobs_variants(s, device), s.job_rounds, 1)
-    med = medians(samples["jobs"])
-    job_row = Row("4", f"{s.slots} jobs together vs one after another", (
-        f"total wall time to train {s.slots} adapter jobs for {s.job_steps} steps each "
-        f"({s.examples_per_slot} examples of {s.example_tokens} tokens per job per step): "
-        f"together on one {s.slots}-slot model (one packed micro-batch per step, then every "
-        "slot's optimizer step; attention runs per packed example) vs one after another on a 1-slot model (same base); packing "
-        "done beforehand, not timed"), "together", "one after another", "s").fill(
-        med["together"], med["one-after-another"])
-    job_row.note = f"Speedup of training together: {1 / job_row.ratio:.2f}x."
-    rows.append(job_row)
+    if "jobs" in sections:
+        clock.say(f"jobs: {s.slots} jobs together vs one after another")
+        samples["jobs"] = time_side_by_side(clock, "jobs", jobs_variants(s, device), s.job_rounds,
+                                            1)
+        med = medians(samples["jobs"])
+        job_row = Row("4", f"{s.slots} jobs together vs one after another", (
+            f"total wall time to train {s.slots} adapter jobs for {s.job_steps} steps each "
+            f"({s.examples_per_slot} examples of {s.example_tokens} tokens per job per step): "
+            f"together on one {s.slots}-slot model (one packed micro-batch per step, then every "
+            "slot's optimizer step; attention runs per packed example) vs one after another on "
+            "a 1-slot model (same base); packing done beforehand, not timed"), "together",
+            "one after another", "s").fill(med["together"], med["one-after-another"])
+        job_row.note = f"Speedup of training together: {1 / job_row.ratio:.2f}x."
+        rows.append(job_row)
 
-    clock.say("memory probes (fresh processes)")
-    probes = run_memory_probes(s, clock)
-    rows.append(memory_row(s, probes))
+    probes: dict[str, list[dict]] = {}
+    if "memory" in sections:
+        clock.say("memory probes (fresh processes)")
+        probes = run_memory_probes(s, clock)
+        rows.append(memory_row(s, probes))
 
-    tp_groups, tp_skipped = run_tp(s, clock)
-    if tp_groups:
-        samples.update({f"TP=2 {k}": v for k, v in tp_groups.items()})
-    rows += tp_rows(s, tp_groups, tp_skipped)
+    if "tp" in sections:
+        tp_groups, tp_skipped = run_tp(s, clock)
+        if tp_groups:
+            samples.update({f"TP=2 {k}": v for k, v in tp_groups.items()})
+        rows += tp_rows(s, tp_groups, tp_skipped)
+
+    if "pp" in sections:
+        pp_result, pp_skipped = run_pp(s, clock)
+        if pp_result:
+            samples["trainer step PP"] = pp_result["samples"]
+        rows += pp_rows(s, pp_result, pp_skipped)
     mm.destroy_parallel(destroy_process_group=True)
 
     meta = {"device": device.type, "hardware": hw, "versions": ver,
-            "settings": dataclasses.asdict(s),
+            "settings": dataclasses.asdict(s), "sections": list(sections),
             "models": {k: dataclasses.asdict(model_config(k, s)) for k in ("dense", "moe")},
             "load_start": load_start, "load_end": load_average(),
             "runtime_s": time.perf_counter() - clock.start}
+    if "pp" in sections:
+        meta["models"]["dense (rows 7)"] = dataclasses.asdict(pp_model_config(s))
     out_dir.mkdir(parents=True, exist_ok=True)
     name = "gpu" if device.type == "cuda" else "cpu"
+    if tuple(sections) != SECTIONS:
+        name += "-only-" + "-".join(sections)
     text = markdown(meta, rows)
     (out_dir / f"{name}.md").write_text(text)
     (out_dir / f"{name}.json").write_text(json.dumps(
@@ -770,6 +968,10 @@ def parse_settings(argv: Optional[list[str]] = None) -> tuple[Settings, argparse
     parser.add_argument("--out-dir", type=Path, default=REPO / "benchmarks")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds (smoke run)")
     parser.add_argument("--skip-tp", action="store_true", help="skip the 2-process TP rows")
+    parser.add_argument("--skip-pp", action="store_true", help="skip the 2-process PP rows")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, metavar="SECTION",
+                        help="run only these sections (" + ", ".join(SECTIONS) + "); writes "
+                             "<out-dir>/cpu-only-<sections>.md and .json instead of cpu.md")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch CPU threads (default: torch's, %(default)s); 1 is steadier "
                              "on a machine other jobs load")
@@ -779,6 +981,8 @@ def parse_settings(argv: Optional[list[str]] = None) -> tuple[Settings, argparse
     # Internal: how this script runs its own child processes.
     parser.add_argument("--memory-probe", help=argparse.SUPPRESS)
     parser.add_argument("--tp-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--pp-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--pp-block", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--settings-json", help=argparse.SUPPRESS)
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -790,19 +994,22 @@ def parse_settings(argv: Optional[list[str]] = None) -> tuple[Settings, argparse
     values = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in sizes.items()}
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     return Settings(device=args.device, dtype=dtype, threads=args.threads, quick=args.quick,
-                    skip_tp=args.skip_tp, **values), args
+                    skip_tp=args.skip_tp, skip_pp=args.skip_pp, **values), args
 
 
 def main() -> None:
     settings, args = parse_settings()
-    if not args.tp_worker:  # TP workers take OMP_NUM_THREADS=1 from their launcher
+    if not (args.tp_worker or args.pp_worker):  # workers take OMP_NUM_THREADS=1 from torchrun
         torch.set_num_threads(settings.threads)
     if args.memory_probe:
         Path(args.result_file).write_text(json.dumps(memory_probe(settings, args.memory_probe)))
     elif args.tp_worker:
         tp_worker(settings, args.result_file)
+    elif args.pp_worker:
+        pp_worker(settings, args.result_file, args.pp_block)
     else:
-        run_benchmark(settings, args.out_dir)
+        sections = tuple(s for s in SECTIONS if s in args.only) if args.only else SECTIONS
+        run_benchmark(settings, args.out_dir, sections)
 
 
 if __name__ == "__main__":

@@ -9,25 +9,47 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 TIMED_ROWS = ["1a", "2a", "3a", "1b", "2b", "3b", "1c", "2c", "1d", "2d", "4", "5"]
 TP_ROWS = ["6a", "6b"]
+PP_ROWS = ["7a", "7b"]
 
 
 def test_quick_benchmark_writes_every_row(tmp_path):
     # One thread: two threads stall badly when other processes load the cores.
     subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--quick", "--skip-tp",
-                    "--threads", "1", "--out-dir", str(tmp_path)], check=True, cwd=REPO,
+                    "--skip-pp", "--threads", "1", "--out-dir", str(tmp_path)], check=True, cwd=REPO,
                    timeout=240, stdout=subprocess.DEVNULL)
     report = json.loads((tmp_path / "cpu.json").read_text())
     markdown = (tmp_path / "cpu.md").read_text()
     rows = {row["id"]: row for row in report["rows"]}
-    assert list(rows) == TIMED_ROWS + TP_ROWS
+    assert list(rows) == TIMED_ROWS + TP_ROWS + PP_ROWS
     for row_id in TIMED_ROWS:
         row = rows[row_id]
         for key in ("a_value", "b_value", "ratio"):
             assert math.isfinite(row[key]) and row[key] > 0, (row_id, key, row[key])
         assert f"| {row_id} |" in markdown and f"- **{row_id}**:" in markdown
-    for row_id in TP_ROWS:
-        assert rows[row_id]["skipped"].startswith("skipped: --skip-tp")
+    for row_id, flag in [(r, "--skip-tp") for r in TP_ROWS] + [(r, "--skip-pp") for r in PP_ROWS]:
+        assert rows[row_id]["skipped"].startswith(f"skipped: {flag}")
         assert f"| {row_id} |" in markdown
     meta = report["meta"]
     assert meta["hardware"]["cpu_cores"] >= 1 and meta["versions"]["torch"]
     assert meta["settings"]["quick"] and meta["settings"]["dtype"] == "fp32"
+
+
+def test_quick_pp_section_alone(tmp_path):
+    """--only pp: PP=1 here, PP=2 and DP=2 in 2 processes; the layouts train alike; the full
+    report is left alone."""
+    subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--quick", "--only", "pp",
+                    "--threads", "1", "--out-dir", str(tmp_path)], check=True, cwd=REPO,
+                   timeout=240, stdout=subprocess.DEVNULL)
+    assert not (tmp_path / "cpu.json").exists()
+    report = json.loads((tmp_path / "cpu-only-pp.json").read_text())
+    markdown = (tmp_path / "cpu-only-pp.md").read_text()
+    rows = {row["id"]: row for row in report["rows"]}
+    assert list(rows) == PP_ROWS and report["meta"]["sections"] == ["pp"]
+    for row_id in PP_ROWS:
+        row = rows[row_id]
+        for key in ("a_value", "b_value", "ratio"):
+            assert math.isfinite(row[key]) and row[key] > 0, (row_id, key, row[key])
+        assert f"| {row_id} |" in markdown and f"- **{row_id}**:" in markdown
+        assert "differ by at most" in row["note"]
+        assert float(row["note"].split("at most ")[1].split()[0]) < 1e-5, row["note"]
+    assert set(report["samples_s"]["trainer step PP"]) == {"PP=2", "DP=2", "PP=1 one process"}
