@@ -75,6 +75,7 @@ from megatron_multilora.training.slot_optimizer import SlotOptimizer
 from megatron_multilora.training.step import SlotTrainStep
 from megatron_multilora.training.stop import RunStopped, agreed_stop
 
+
 def start_job(model: ModelOrChunks, slot: int, job: AdapterJob, total_steps: int,
               model_config: GPTModelConfig, hf_model_type: Optional[str] = None) -> SlotOptimizer:
     """Put ``job``'s adapter into ``slot``: from its ``init_from`` folder (an adapter or a
