@@ -71,7 +71,7 @@ def run_schedule(model: ModelOrChunks, micro_batches: Sequence[MicroBatch], loss
         # The packed params carry the micro-batch's slot layout to the adapted layers (also to
         # their recompute re-runs, which may run after later micro-batches' forwards).
         output = chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(),
-                       padding_mask=None if only_pads else mb.padding_mask(), **kwargs)
+                       padding_mask=None if only_pads else _padding_mask(chunk, mb), **kwargs)
         if output.requires_grad:
             # ... so a filler's aux-loss gradient is scaled to zero instead: it trains nothing.
             # Its backward runs whenever the schedule says; the hook fires as it starts, before
@@ -88,6 +88,18 @@ def run_schedule(model: ModelOrChunks, micro_batches: Sequence[MicroBatch], loss
             model=chunks, num_microbatches=len(mbs), seq_length=max(lengths),
             micro_batch_size=1, forward_only=forward_only,
             collect_non_loss_data=collect_non_loss_data)
+
+
+def _padding_mask(chunk: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """The micro-batch's MoE padding mask as ``chunk`` takes it: megatron splits it over the
+    sequence-parallel ranks only in a chunk that embeds (first stage); a later stage's
+    hidden states are already this rank's sequence shard, so the mask must be too."""
+    mask = mb.padding_mask()
+    config = chunk.config
+    if config.sequence_parallel and not chunk.pre_process:
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        mask = mask.chunk(tp, dim=1)[parallel_state.get_tensor_model_parallel_rank()]
+    return mask
 
 
 def _set_aux_loss_scale(scale: float, grad: torch.Tensor) -> None:

@@ -44,8 +44,9 @@ def slot_examples() -> list[list[Example]]:
 
 
 def reference(model, micro_batches, denominators):
-    """Forward and backward each micro-batch on its own; per-slot losses and gradients."""
-    losses = torch.zeros(N, dtype=torch.float64)
+    """Forward and backward each micro-batch on its own; per-slot losses and the gradients
+    of the slots with loss tokens (``denominators``: loss tokens per slot)."""
+    losses = torch.zeros(len(denominators), dtype=torch.float64)
     for mb in micro_batches:
         mm.set_tokens_per_adapter_slot(model, mb.counts)
         token_loss = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
@@ -59,7 +60,8 @@ def reference(model, micro_batches, denominators):
                 losses[s] += loss.item()
                 total = total + loss
         total.backward()
-    return losses, {s: [p.grad.clone() for p in mm.slot_parameters(model, s)] for s in range(N)}
+    return losses, {s: [p.grad.clone() for p in mm.slot_parameters(model, s)]
+                    for s in range(len(denominators)) if denominators[s]}
 
 
 @pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
