@@ -5,7 +5,10 @@ in the mix that must train nothing."""
 
 import pytest
 import torch
-from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+from megatron.core.transformer.moe.moe_utils import (
+    MoEAuxLossAutoScaler,
+    get_moe_layer_wise_logging_tracker,
+)
 
 import megatron_multilora as mm
 from megatron_multilora.data.datasets import Example
@@ -47,6 +50,9 @@ def reference(model, micro_batches, denominators):
     """Forward and backward each micro-batch on its own; per-slot losses and the gradients
     of the slots with loss tokens (``denominators``: loss tokens per slot)."""
     losses = torch.zeros(len(denominators), dtype=torch.float64)
+    # MoE aux losses back-propagate at their plain weight here: megatron's scale is a
+    # process-wide tensor that an earlier schedule call may have left at 1/num_microbatches.
+    MoEAuxLossAutoScaler.main_loss_backward_scale = torch.ones(1)
     for mb in micro_batches:
         mm.set_tokens_per_adapter_slot(model, mb.counts)
         token_loss = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
