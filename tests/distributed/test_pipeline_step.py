@@ -34,6 +34,7 @@ tests/distributed/test_pipeline_step.py`` (and ``--nproc-per-node 4``).
 """
 
 import dataclasses
+import math
 from typing import Optional
 
 import pytest
@@ -47,7 +48,8 @@ from megatron_multilora.data.packing import MicroBatch, pack_micro_batches
 from megatron_multilora.models.gpt import build_model_chunks
 from megatron_multilora.training import evaluation
 from megatron_multilora.training.schedule import micro_batch_multiple
-from megatron_multilora.training.slot_optimizer import slot_grad_norm
+from megatron_multilora.training.config import AdapterJob
+from megatron_multilora.training.slot_optimizer import SlotOptimizer, slot_grad_norm
 from megatron_multilora.training.step import (
     SlotTrainStep,
     equalize_micro_batches,
@@ -217,3 +219,33 @@ def test_pp2_step_matches_pp1(layout, vpp, model, recompute):
          "ep2_allgather_interleaved"])
 def test_pp2_with_tp_or_ep_step_matches_pp1(layout, vpp, model, recompute, tp, ep):
     check_step(layout, model_config(model, recompute), vpp, tp, ep, extras=True)
+
+
+@pytest.mark.parametrize("poisoned_stage", [0, 1], ids=["first_stage", "last_stage"])
+def test_pp2_non_finite_slot_is_skipped_on_every_stage(layout, poisoned_stage):
+    """A slot whose weights hold inf on one stage only: the last stage sees its loss go
+    non-finite, and every stage skips that slot (weights and optimizer untouched) while the
+    others step, exactly as PP=1 decides."""
+    layout(pp=2)
+    model = build(DENSE)
+    bad = 1
+    if parallel_state.get_pipeline_model_parallel_rank() == poisoned_stage:
+        with torch.no_grad():
+            mm.slot_parameters(model, bad)[0].fill_(float("inf"))
+    before = {s: [p.detach().clone() for p in mm.slot_parameters(model, s)] for s in range(N)}
+    optimizers = {s: SlotOptimizer(mm.slot_parameters(model, s), AdapterJob(
+        name=f"job{s}", dataset="-", rank=RANKS[s], alpha=ALPHAS[s], lr=1e-2,
+        schedule="constant", max_steps=4), 4) for s in range(N) if s != IDLE}
+    result = SlotTrainStep(model, N, BUDGET, 1, PAD)(all_examples(), optimizers)
+
+    failures: list[str] = []
+    if result.skipped != {bad}:  # only a non-finite loss or norm gets a slot skipped
+        failures.append(f"skipped {result.skipped}, want {{{bad}}}")
+    for s in optimizers:
+        changed = any(not torch.equal(p, q) for p, q in zip(mm.slot_parameters(model, s), before[s]))
+        if changed == (s == bad):
+            failures.append(f"slot {s} {'changed' if changed else 'did not change'} on stage "
+                            f"{parallel_state.get_pipeline_model_parallel_rank()}")
+        if s != bad and not (math.isfinite(float(result.losses[s])) and math.isfinite(result.grad_norms[s])):
+            failures.append(f"slot {s}: loss {float(result.losses[s])}, norm {result.grad_norms[s]}")
+    assert_all_ranks(failures)
