@@ -21,6 +21,13 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron_multilora.platform.cpu_support import activate_cpu_support
 
 
+def collective_device() -> torch.device:
+    """Where a small host-built tensor must live for a collective: the current CUDA device
+    under NCCL (which takes no CPU tensors), the CPU under gloo."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
 def _init_process_group(timeout_s: float) -> None:
     if dist.is_initialized():
         return

@@ -13,6 +13,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_multilora.layers.expert_lora import MultiLoRAGroupedExpertLinear
 from megatron_multilora.layers.lifecycle import ModelOrChunks, _chunks
+from megatron_multilora.parallel import collective_device
 from megatron_multilora.layers.micro_batch_layout import install_micro_batch_layout_hooks
 from megatron_multilora.layers.model_paths import global_named_modules
 from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear, base_kind
@@ -151,7 +152,7 @@ def _first_stage_value(value: int) -> int:
     if (not parallel_state.model_parallel_is_initialized()
             or parallel_state.get_pipeline_model_parallel_world_size() == 1):
         return value
-    t = torch.tensor([value], device="cuda" if torch.cuda.is_available() else "cpu")
+    t = torch.tensor([value], device=collective_device())
     torch.distributed.broadcast(t, src=parallel_state.get_pipeline_model_parallel_first_rank(),
                                 group=parallel_state.get_pipeline_model_parallel_group())
     return int(t.item())

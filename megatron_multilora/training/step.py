@@ -24,6 +24,7 @@ from megatron.core import parallel_state
 from megatron_multilora.data.datasets import Example
 from megatron_multilora.data.packing import MicroBatch, pack_micro_batches, pad_micro_batch
 from megatron_multilora.layers.lifecycle import ModelOrChunks
+from megatron_multilora.parallel import collective_device
 from megatron_multilora.training.grad_sync import SlotGradSync
 from megatron_multilora.training.schedule import micro_batch_multiple, model_chunks, per_slot_losses
 from megatron_multilora.training.slot_optimizer import SlotOptimizer, slot_grad_norm
@@ -35,8 +36,9 @@ def global_loss_tokens(micro_batches: list[MicroBatch], n_slots: int) -> torch.T
     for mb in micro_batches:
         local += mb.loss_tokens_per_slot()
     if parallel_state.get_data_parallel_world_size() > 1:
+        local = local.to(collective_device())
         dist.all_reduce(local, group=parallel_state.get_data_parallel_group())
-    return local
+    return local.cpu()
 
 
 def equalize_micro_batches(micro_batches: list[MicroBatch], filler: MicroBatch,
@@ -49,7 +51,7 @@ def equalize_micro_batches(micro_batches: list[MicroBatch], filler: MicroBatch,
     expert-parallel peers (:func:`align_with_expert_peers`); under pipeline parallelism pad
     every one to the longest (one p2p tensor shape per step). Pads use the filler's token.
     """
-    count = torch.tensor([len(micro_batches)])
+    count = torch.tensor([len(micro_batches)], device=collective_device())
     if parallel_state.get_data_parallel_world_size() > 1:
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
     target = -(-int(count) // count_multiple) * count_multiple
@@ -83,7 +85,9 @@ def align_with_expert_peers(micro_batches: list[MicroBatch], pad_id: int) -> lis
     for row, mb in zip(table, micro_batches):
         row[0] = mb.tokens.size(1)
         row[1:] = torch.tensor(mb.counts) > 0
+    table = table.to(collective_device())
     dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
+    table = table.cpu()
     return [dataclasses.replace(pad_micro_batch(mb, int(row[0]), pad_id),
                                 ep_slots=tuple(row[1:].nonzero().flatten().tolist()))
             for mb, row in zip(micro_batches, table)]
@@ -92,8 +96,9 @@ def align_with_expert_peers(micro_batches: list[MicroBatch], pad_id: int) -> lis
 def reduce_losses(per_slot: torch.Tensor) -> torch.Tensor:
     """Sum per-adapter losses over data-parallel ranks (each rank held part of the batch)."""
     if parallel_state.get_data_parallel_world_size() > 1:
+        per_slot = per_slot.to(collective_device())
         dist.all_reduce(per_slot, group=parallel_state.get_data_parallel_group())
-    return per_slot
+    return per_slot.cpu()
 
 
 def filler_micro_batch(n_slots: int, pad_multiple: int, pad_id: int) -> MicroBatch:
