@@ -22,8 +22,18 @@ Rows (A vs B):
          grad sync, norms, optimizer) of the dense GPT on two pipeline stages (PP=2, two
          processes) vs the same two processes as data-parallel ranks (DP=2), and vs one process
          holding the whole model (PP=1); same jobs, data and micro-batch budget
+  8a-8c  one trainer step of the dense GPT with 8, 32, 64 slots vs 1 slot, the same 64
+         examples spread over the slots (scripts/bench_scale.py)
+  9      the multi-LoRA step vs the frozen base step at a real model's width (SmolLM2-135M's
+         geometry, random weights; ``--width-layers`` of its 30 layers)
+  10a-10f (section ``peers``, only with ``--only peers``) what a user would run instead: the
+         recipe training conf/jobs/demo4.yaml's 4 jobs at once (torchrun, 2 processes x 1
+         thread) vs transformers + peft training them one after another in one process (1 and
+         2 threads) and vs 2 independent peft processes at once; training wall, CPU seconds and
+         each job's held-out loss (scripts/bench_peers.py; ``--peer-steps``, ``--peer-rounds``)
 
-``--only SECTION ...`` runs some sections (layers, models, jobs, memory, tp, pp) and writes
+``--only SECTION ...`` runs some sections (layers, models, jobs, memory, tp, pp, scaling, width,
+peers; all but peers run by default) and writes
 ``<out-dir>/cpu-only-<sections>.md`` (``gpu-...``) and ``.json``, leaving the full report alone.
 
 On CUDA the model is bf16 and built by ``mm.build_gpt_model``, which uses Transformer Engine
@@ -70,11 +80,17 @@ MiB = 2.0 ** 20
 # Sizes of the full run (a few minutes on a 2-core CPU) and of --quick (a smoke run).
 FULL = dict(rounds=11, warmup=2, slots=8, rank=16, layer_hidden=1024, layer_tokens=2048,
             experts=8, model_hidden=256, model_layers=4, examples_per_slot=2, example_tokens=64,
-            job_steps=4, job_rounds=5, memory_probes=1, pp_micro_batches=4)
+            job_steps=4, job_rounds=5, memory_probes=1, pp_micro_batches=4,
+            width_layers=30, width_tokens=512, width_rounds=5, peer_steps=500, peer_rounds=3)
 QUICK = dict(rounds=2, warmup=1, slots=8, rank=8, layer_hidden=128, layer_tokens=256,
              experts=4, model_hidden=64, model_layers=1, examples_per_slot=1, example_tokens=16,
-             job_steps=2, job_rounds=2, memory_probes=1, pp_micro_batches=2)
-SECTIONS = ("layers", "models", "jobs", "memory", "tp", "pp")
+             job_steps=2, job_rounds=2, memory_probes=1, pp_micro_batches=2,
+             width_layers=1, width_tokens=64, width_rounds=2, peer_steps=5, peer_rounds=1)
+SECTIONS = ("layers", "models", "jobs", "memory", "tp", "pp", "scaling", "width")
+"""What a run without ``--only`` runs."""
+EXTRA_SECTIONS = ("peers",)
+"""Run only when named in ``--only`` (minutes of whole training launches)."""
+ALL_SECTIONS = SECTIONS + EXTRA_SECTIONS
 
 
 @dataclasses.dataclass
@@ -99,6 +115,13 @@ class Settings:
     memory_probes: int
     pp_micro_batches: int
     """micro-batches per trainer step of the global batch of rows 7 (PP=2 needs several)."""
+    width_layers: int
+    """layers of the SmolLM2-135M-shaped model of row 9 (30: all of them)."""
+    width_tokens: int
+    width_rounds: int
+    peer_steps: int
+    """steps per job of rows 10 (conf/jobs/demo4.yaml has 500)."""
+    peer_rounds: int
     threads: int
     """torch CPU threads of this process and the memory probes (TP/PP workers run 1 each)."""
     quick: bool
@@ -938,6 +961,24 @@ def run_benchmark(s: Settings, out_dir: Path, sections: tuple[str, ...] = SECTIO
         if pp_result:
             samples["trainer step PP"] = pp_result["samples"]
         rows += pp_rows(s, pp_result, pp_skipped)
+
+    if "scaling" in sections or "width" in sections:
+        import bench_scale
+    if "scaling" in sections:
+        clock.say(f"scaling: trainer step with {bench_scale.SCALE_SLOTS} slots: building")
+        samples["scaling"] = time_side_by_side(clock, "scaling", bench_scale.scaling_variants(
+            s, device), s.rounds, s.warmup)
+        rows += bench_scale.scaling_rows(s, medians(samples["scaling"]))
+    if "width" in sections:
+        clock.say(f"width: SmolLM2-135M shape, {s.width_layers} layers: building")
+        samples["width"] = time_side_by_side(clock, "width", bench_scale.width_variants(
+            s, device), s.width_rounds, max(1, s.warmup))
+        rows += [bench_scale.width_row(s, medians(samples["width"]))]
+    peers = None
+    if "peers" in sections:
+        import bench_peers
+        peers = bench_peers.run_peers(s.peer_steps, s.peer_rounds, clock.say)
+        rows += bench_peers.peers_rows(peers, Row)
     mm.destroy_parallel(destroy_process_group=True)
 
     meta = {"device": device.type, "hardware": hw, "versions": ver,
@@ -947,6 +988,9 @@ def run_benchmark(s: Settings, out_dir: Path, sections: tuple[str, ...] = SECTIO
             "runtime_s": time.perf_counter() - clock.start}
     if "pp" in sections:
         meta["models"]["dense (rows 7)"] = dataclasses.asdict(pp_model_config(s))
+    if "width" in sections:
+        meta["models"]["SmolLM2-135M shape (row 9)"] = dataclasses.asdict(
+            bench_scale.width_config(s))
     out_dir.mkdir(parents=True, exist_ok=True)
     name = "gpu" if device.type == "cuda" else "cpu"
     if tuple(sections) != SECTIONS:
@@ -955,7 +999,7 @@ def run_benchmark(s: Settings, out_dir: Path, sections: tuple[str, ...] = SECTIO
     (out_dir / f"{name}.md").write_text(text)
     (out_dir / f"{name}.json").write_text(json.dumps(
         {"meta": meta, "rows": [dataclasses.asdict(r) for r in rows], "samples_s": samples,
-         "memory_probes": probes}, indent=1))
+         "memory_probes": probes, **({"peers": peers} if peers else {})}, indent=1))
     clock.say(f"wrote {out_dir / name}.md and .json\n")
     print(text, flush=True)
 
@@ -969,8 +1013,9 @@ def parse_settings(argv: Optional[list[str]] = None) -> tuple[Settings, argparse
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds (smoke run)")
     parser.add_argument("--skip-tp", action="store_true", help="skip the 2-process TP rows")
     parser.add_argument("--skip-pp", action="store_true", help="skip the 2-process PP rows")
-    parser.add_argument("--only", nargs="+", choices=SECTIONS, metavar="SECTION",
-                        help="run only these sections (" + ", ".join(SECTIONS) + "); writes "
+    parser.add_argument("--only", nargs="+", choices=ALL_SECTIONS, metavar="SECTION",
+                        help="run only these sections (" + ", ".join(ALL_SECTIONS) + "; peers "
+                             "runs only when named here); writes "
                              "<out-dir>/cpu-only-<sections>.md and .json instead of cpu.md")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch CPU threads (default: torch's, %(default)s); 1 is steadier "
@@ -1008,9 +1053,11 @@ def main() -> None:
     elif args.pp_worker:
         pp_worker(settings, args.result_file, args.pp_block)
     else:
-        sections = tuple(s for s in SECTIONS if s in args.only) if args.only else SECTIONS
+        sections = tuple(s for s in ALL_SECTIONS if s in args.only) if args.only else SECTIONS
         run_benchmark(settings, args.out_dir, sections)
 
 
 if __name__ == "__main__":
+    # scripts/bench_scale.py imports this module as `bench`: let it find this one.
+    sys.modules.setdefault("bench", sys.modules[__name__])
     main()

@@ -10,6 +10,7 @@ REPO = Path(__file__).resolve().parents[2]
 TIMED_ROWS = ["1a", "2a", "3a", "1b", "2b", "3b", "1c", "2c", "1d", "2d", "4", "5"]
 TP_ROWS = ["6a", "6b"]
 PP_ROWS = ["7a", "7b"]
+SCALE_ROWS = ["8a", "8b", "8c", "9"]  # after the TP and PP sections
 
 
 def test_quick_benchmark_writes_every_row(tmp_path):
@@ -20,8 +21,8 @@ def test_quick_benchmark_writes_every_row(tmp_path):
     report = json.loads((tmp_path / "cpu.json").read_text())
     markdown = (tmp_path / "cpu.md").read_text()
     rows = {row["id"]: row for row in report["rows"]}
-    assert list(rows) == TIMED_ROWS + TP_ROWS + PP_ROWS
-    for row_id in TIMED_ROWS:
+    assert list(rows) == TIMED_ROWS + TP_ROWS + PP_ROWS + SCALE_ROWS
+    for row_id in TIMED_ROWS + SCALE_ROWS:
         row = rows[row_id]
         for key in ("a_value", "b_value", "ratio"):
             assert math.isfinite(row[key]) and row[key] > 0, (row_id, key, row[key])
