@@ -26,6 +26,7 @@ from megatron_multilora.layers.multi_lora_linear import (
     MultiLoRALinear,
     _init_weight,
     all_gather_list,
+    owns_output,
     register_slot_buffers,
 )
 from megatron_multilora.layers.sharding import Sharding
@@ -164,6 +165,8 @@ class MultiLoRAGroupedExpertLinear(MultiLoRALinear):
         lora = grouped_linear(mid, b, seg, rebuild_w=rebuild_b)                  # [T, out]
         if self.dropout_position == "post":
             lora = self._dropout(lora, slot_of_row, tp_sharded=True)
+        if owns_output(out):  # scatter back in place: no unpermuted copy of the LoRA term
+            return out.index_add_(0, routing.sort_idx, lora), bias
         return out + lora.index_select(0, routing.inverse_idx), bias
 
     def _expert_factors(self, factor: str, slots: tuple[int, ...], r: int):

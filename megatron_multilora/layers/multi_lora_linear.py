@@ -77,6 +77,20 @@ def register_slot_buffers(slot: torch.nn.Module, dim: int, alpha: float, dropout
     slot.register_buffer("dropout", torch.tensor(float(dropout), dtype=torch.float32))
 
 
+def owns_output(t: torch.Tensor) -> bool:
+    """Whether a base's output ``t`` may take the LoRA term in place: a tensor of its own (a
+    view may alias the base's input, e.g. a TP=1 all-reduce returns its input) that is not
+    a leaf autograd tracks. An output that autograd saved would fail backward's version check
+    rather than give wrong gradients; linear ops save their inputs, not their output."""
+    return not t._is_view() and (t.grad_fn is not None or not t.requires_grad)
+
+
+def add_lora(base_out: torch.Tensor, lora: torch.Tensor) -> torch.Tensor:
+    """``base_out + lora``, into ``base_out`` when it is safe: no second ``[tokens, out]``
+    tensor (its gradient passes through to both either way)."""
+    return base_out.add_(lora) if owns_output(base_out) else base_out + lora
+
+
 def all_gather_list(t: torch.Tensor, group) -> list[torch.Tensor]:
     """Every rank's ``t`` (the same shape on every rank of ``group``), in rank order."""
     parts = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size(group))]
@@ -480,7 +494,7 @@ class MultiLoRALinear(torch.nn.Module):
         sh = self.sharding
         lora = self._lora(x.reshape(-1, x.size(-1)), slots, sh.input_is_sequence_shard,
                           sh.output_is_sequence_shard)
-        out = base_out + lora.view_as(base_out)
+        out = add_lora(base_out, lora.view_as(base_out))
         return (out, bias) if isinstance(result, tuple) else out
 
     def _forward_fully_sharded(self, x: torch.Tensor, slots: tuple[int, ...], *args: Any,
@@ -497,8 +511,8 @@ class MultiLoRALinear(torch.nn.Module):
             x_full = sh.base_input(x)  # bwd: one reduction sums the base's and LoRA's dgrad
             out = F.linear(x_full, base.weight, add_bias)
             if slots:
-                out = out + self._lora(x_full.reshape(-1, x_full.size(-1)), slots, False,
-                                       False).view_as(out)
+                out = add_lora(out, self._lora(x_full.reshape(-1, x_full.size(-1)), slots,
+                                               False, False).view_as(out))
             return out, out_bias
         x2 = x.reshape(-1, x.size(-1))
         partial = F.linear(x2, base.weight)  # [T, out]: this rank's partial sum
