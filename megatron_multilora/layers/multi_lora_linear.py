@@ -14,6 +14,10 @@ slot segments with one TP collective on the small ``[tokens, dim]`` buffer betwe
 small buffer, as serving kernels apply it, rather than to the full ``[tokens, out]`` output.
 Only the slots with tokens in the micro-batch take part, at the largest rank among them:
 an idle slot costs no GEMM work and gets no gradient, and a padded rank is not computed.
+Each factor of every slot lives in one contiguous ``[N, ...]`` buffer that the slots'
+Parameters are views of (:mod:`.slot_factors`), so the GEMMs read the active slots' factors
+without stacking them; the LoRA term is added into the base's output in place when the
+layer owns that tensor.
 """
 
 from __future__ import annotations
