@@ -23,8 +23,8 @@ class _SlotFactors(torch.autograd.Function):
     gives the gradient to the slots' own Parameters, zero-padded to their full rank."""
 
     @staticmethod
-    def forward(ctx, w: torch.Tensor, rank_index: tuple, full_shape: torch.Size,  # type: ignore[override]
-                *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, w: torch.Tensor, rank_index: tuple,  # type: ignore[override]
+                full_shape: torch.Size, *params: torch.Tensor) -> torch.Tensor:
         ctx.rank_index, ctx.full_shape = rank_index, full_shape
         return w
 
