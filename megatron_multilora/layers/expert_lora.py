@@ -26,6 +26,7 @@ from megatron_multilora.layers.multi_lora_linear import (
     MultiLoRALinear,
     _init_weight,
     all_gather_list,
+    owns_output,
     register_slot_buffers,
 )
 from megatron_multilora.layers.sharding import Sharding
@@ -156,15 +157,22 @@ class MultiLoRAGroupedExpertLinear(MultiLoRALinear):
         if self.dropout_position == "pre":
             xs = self._dropout(xs, slot_of_row, tp_sharded=True)
         r, seg = self._compute_rank(slots), routing.segments
-        # [slots * E, ...] stacks, rebuilt for backward rather than kept (see MultiLoRALinear).
-        mid = grouped_linear(xs, self._stack_a(slots, r).flatten(0, 1), seg,
-                             rebuild_w=lambda: self._stack_a(slots, r).flatten(0, 1))   # [T, r]
+        # [slots * E, ...] factors (see MultiLoRALinear._lora).
+        a, rebuild_a = self._expert_factors("A", slots, r)
+        mid = grouped_linear(xs, a, seg, rebuild_w=rebuild_a)                    # [T, r]
         mid = (mid.float() * self.scale[slot_of_row].unsqueeze(1)).to(mid.dtype)
-        lora = grouped_linear(mid, self._stack_b(slots, r).flatten(0, 1), seg,
-                              rebuild_w=lambda: self._stack_b(slots, r).flatten(0, 1))  # [T, out]
+        b, rebuild_b = self._expert_factors("B", slots, r)
+        lora = grouped_linear(mid, b, seg, rebuild_w=rebuild_b)                  # [T, out]
         if self.dropout_position == "post":
             lora = self._dropout(lora, slot_of_row, tp_sharded=True)
+        if owns_output(out):  # scatter back in place: no unpermuted copy of the LoRA term
+            return out.index_add_(0, routing.sort_idx, lora), bias
         return out + lora.index_select(0, routing.inverse_idx), bias
+
+    def _expert_factors(self, factor: str, slots: tuple[int, ...], r: int):
+        """The factors of ``slots`` as ``[slots * E, ...]`` groups, and their rebuild."""
+        w, rebuild = self._slot_factors(factor, slots, r)
+        return w.flatten(0, 1), None if rebuild is None else (lambda: rebuild().flatten(0, 1))
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: Optional[dict] = None) -> dict:

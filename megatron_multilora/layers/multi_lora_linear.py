@@ -14,6 +14,10 @@ slot segments with one TP collective on the small ``[tokens, dim]`` buffer betwe
 small buffer, as serving kernels apply it, rather than to the full ``[tokens, out]`` output.
 Only the slots with tokens in the micro-batch take part, at the largest rank among them:
 an idle slot costs no GEMM work and gets no gradient, and a padded rank is not computed.
+Each factor of every slot lives in one contiguous ``[N, ...]`` buffer that the slots'
+Parameters are views of (:mod:`.slot_factors`), so the GEMMs read the active slots' factors
+without stacking them; the LoRA term is added into the base's output in place when the
+layer owns that tensor.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +43,7 @@ from megatron.core.transformer.utils import (
 
 from megatron_multilora.layers.grouped_gemm import Segments, grouped_linear
 from megatron_multilora.layers.sharding import Sharding
+from megatron_multilora.layers.slot_factors import SlotFactorBuffer
 from megatron_multilora.layers.slot_tokens import SlotTokens
 from megatron_multilora.ops.fused_rows import shard_gate_up, unshard_gate_up
 
@@ -74,6 +79,20 @@ def register_slot_buffers(slot: torch.nn.Module, dim: int, alpha: float, dropout
     slot.register_buffer("rank", torch.tensor(dim, dtype=torch.int64))
     slot.register_buffer("alpha", torch.tensor(float(alpha), dtype=torch.float32))
     slot.register_buffer("dropout", torch.tensor(float(dropout), dtype=torch.float32))
+
+
+def owns_output(t: torch.Tensor) -> bool:
+    """Whether a base's output ``t`` may take the LoRA term in place: a tensor of its own (a
+    view may alias the base's input, e.g. a TP=1 all-reduce returns its input) that is not
+    a leaf autograd tracks. An output that autograd saved would fail backward's version check
+    rather than give wrong gradients; linear ops save their inputs, not their output."""
+    return not t._is_view() and (t.grad_fn is not None or not t.requires_grad)
+
+
+def add_lora(base_out: torch.Tensor, lora: torch.Tensor) -> torch.Tensor:
+    """``base_out + lora``, into ``base_out`` when it is safe: no second ``[tokens, out]``
+    tensor (its gradient passes through to both either way)."""
+    return base_out.add_(lora) if owns_output(base_out) else base_out + lora
 
 
 def all_gather_list(t: torch.Tensor, group) -> list[torch.Tensor]:
@@ -183,6 +202,8 @@ class MultiLoRALinear(torch.nn.Module):
             to_wrap.return_layernorm_output_gathered = False
 
         self.adapters = torch.nn.ModuleList(self._new_slot(alpha) for _ in range(n_adapters))
+        # Not module state: each slot's Parameters stay its own (keys, optimizers, grads).
+        self._factor_buffers = {f: SlotFactorBuffer(self._slot_params(f), f) for f in "AB"}
         device = self.adapters[0].alpha.device
         self.register_buffer("scale", torch.zeros(n_adapters, dtype=torch.float32, device=device),
                              persistent=False)
@@ -404,13 +425,26 @@ class MultiLoRALinear(torch.nn.Module):
         r = max((self._ranks[i] for i in slots if self._alphas[i] != 0.0), default=1)
         return min(self.dim, -(-r // 8) * 8)
 
-    def _stack_a(self, slots: tuple[int, ...], r: int) -> torch.Tensor:
-        """A ``[G, ..., r, in]`` of ``slots``, cut to rank ``r``."""
-        return torch.stack([self.adapters[i].linear_in.weight[..., :r, :] for i in slots])
+    def _slot_params(self, factor: str, slots: Optional[tuple[int, ...]] = None
+                     ) -> list[torch.nn.Parameter]:
+        """Factor ``"A"`` or ``"B"``'s Parameters of ``slots`` (default: every slot)."""
+        slots = range(self.n_adapters) if slots is None else slots
+        name = "linear_in" if factor == "A" else "linear_out"
+        return [getattr(self.adapters[i], name).weight for i in slots]
 
-    def _stack_b(self, slots: tuple[int, ...], r: int) -> torch.Tensor:
-        """B ``[G, ..., out, r]`` of ``slots``, cut to rank ``r``."""
-        return torch.stack([self.adapters[i].linear_out.weight[..., :r] for i in slots])
+    def _slot_factors(self, factor: str, slots: tuple[int, ...], r: int
+                      ) -> tuple[torch.Tensor, Optional[Callable[[], torch.Tensor]]]:
+        """A ``[G, ..., r, in]`` or B ``[G, ..., out, r]`` of ``slots``, cut to rank ``r``,
+        read from the layer's contiguous slot buffer (see :mod:`.slot_factors`), and how to
+        rebuild it in backward when it is a copy."""
+        return self._factor_buffers[factor].gather(slots, self._slot_params(factor, slots), r)
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        if "adapters" in self._modules:  # a conversion gave the Parameters new data
+            for factor, buffer in self._factor_buffers.items():
+                buffer.realias(self._slot_params(factor))
+        return self
 
     def _slot_dropout(self, t: torch.Tensor, seg: Segments, slots: tuple[int, ...],
                       tp_sharded: bool) -> torch.Tensor:
@@ -436,16 +470,16 @@ class MultiLoRALinear(torch.nn.Module):
         if self.dropout_position == "pre":
             x2 = self._slot_dropout(x2, seg_in, slots, sh.input_is_tp_sharded)
         r = self._compute_rank(slots)
-        # The stacked factors are rebuilt for backward rather than kept: nothing but the slots'
-        # own parameters grows with the number of slots.
-        mid = grouped_linear(x2.contiguous(), self._stack_a(slots, r), seg_in,
-                             rebuild_w=lambda: self._stack_a(slots, r))
+        # A copied factor stack is rebuilt for backward rather than kept: nothing but the
+        # slots' own parameters grows with the number of slots.
+        a, rebuild_a = self._slot_factors("A", slots, r)
+        mid = grouped_linear(x2.contiguous(), a, seg_in, rebuild_w=rebuild_a)
         mid = sh.reduce_mid(mid)                                           # [T, r]
         seg_out = self._segments(mid.size(0), out_shard, mid.device)
         # Per-token alpha/rank on the small [T, r] buffer, in fp32 (as serving kernels do).
         mid = (mid.float() * self.scale[seg_out.label_of_row].unsqueeze(1)).to(mid.dtype)
-        lora = grouped_linear(mid, self._stack_b(slots, r), seg_out,
-                              rebuild_w=lambda: self._stack_b(slots, r))  # [T, out]
+        b, rebuild_b = self._slot_factors("B", slots, r)
+        lora = grouped_linear(mid, b, seg_out, rebuild_w=rebuild_b)  # [T, out]
         if self.dropout_position == "post":
             lora = self._slot_dropout(lora, seg_out, slots, sh.output_is_tp_sharded)
         return lora
@@ -464,7 +498,7 @@ class MultiLoRALinear(torch.nn.Module):
         sh = self.sharding
         lora = self._lora(x.reshape(-1, x.size(-1)), slots, sh.input_is_sequence_shard,
                           sh.output_is_sequence_shard)
-        out = base_out + lora.view_as(base_out)
+        out = add_lora(base_out, lora.view_as(base_out))
         return (out, bias) if isinstance(result, tuple) else out
 
     def _forward_fully_sharded(self, x: torch.Tensor, slots: tuple[int, ...], *args: Any,
@@ -481,8 +515,8 @@ class MultiLoRALinear(torch.nn.Module):
             x_full = sh.base_input(x)  # bwd: one reduction sums the base's and LoRA's dgrad
             out = F.linear(x_full, base.weight, add_bias)
             if slots:
-                out = out + self._lora(x_full.reshape(-1, x_full.size(-1)), slots, False,
-                                       False).view_as(out)
+                out = add_lora(out, self._lora(x_full.reshape(-1, x_full.size(-1)), slots,
+                                               False, False).view_as(out))
             return out, out_bias
         x2 = x.reshape(-1, x.size(-1))
         partial = F.linear(x2, base.weight)  # [T, out]: this rank's partial sum

@@ -15,21 +15,6 @@ import torch
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous.
-
-    ``_grouped_mm``'s backward rejects stride-0 gradients such as those of ``y.sum()``.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return grad.contiguous()
-
-
 def _grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     if _GROUPED_MM is None or x.dtype != w.dtype or not x.is_contiguous():
         return False
@@ -63,6 +48,12 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
     per-group fallback needs them, and reading them from ``offsets`` syncs on an accelerator.
     """
     if _grouped_mm_usable(x, w):
-        return _ContiguousGrad.apply(_GROUPED_MM(x, w.transpose(1, 2), offs=offsets))
+        y = _GROUPED_MM(x, w.transpose(1, 2), offs=offsets)
+        if y.requires_grad:
+            # _grouped_mm's backward rejects stride-0 gradients such as those of y.sum(). A
+            # hook rather than an identity Function keeps y its own tensor (not a view), so a
+            # caller may still add into it in place.
+            y.register_hook(torch.Tensor.contiguous)
+        return y
     parts = torch.split(x, list(counts) if counts is not None else group_sizes(offsets))
     return torch.cat([p @ w[g].t() for g, p in enumerate(parts)], dim=0)

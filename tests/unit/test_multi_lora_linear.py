@@ -157,3 +157,58 @@ def test_fresh_adapters_leave_base_output_unchanged(kind):
     layer.slot_tokens = SlotTokens([2, 3, 1])
     x = torch.randn(6, 1, IN)
     assert torch.equal(output(layer(x)), output(layer.to_wrap(x)))
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 7, 4], [0, 6, 7, 3]], ids=["gap", "contiguous"])
+@pytest.mark.parametrize("aliased", [True, False], ids=["slot_buffer", "stacked"])
+def test_slot_buffer_reads_match_reference(monkeypatch, counts, aliased):
+    """Each factor's slot Parameters are views of one [N, ...] buffer. Results and per-slot
+    gradients are the same whether the active slots are read as a view of it (contiguous
+    slots), an indexed copy (a gap) or, once a Parameter no longer aliases it, stacked."""
+    monkeypatch.setitem(globals(), "COUNTS", counts)
+    layer, slots = make_layer("column")
+    for factor, name in (("A", "linear_in"), ("B", "linear_out")):
+        buffer = layer._factor_buffers[factor].buffer
+        assert all(getattr(layer.adapters[i], name).weight.data_ptr() == buffer[i].data_ptr()
+                   for i in range(len(counts)))
+    if not aliased:
+        w = layer.adapters[2].linear_in.weight
+        w.data = w.data.clone()
+    x = torch.randn(sum(counts), IN, generator=torch.Generator().manual_seed(1))
+    y, y_ref, gx, gx_ref = run_both(layer, slots, x)
+    assert_close(y, y_ref, 1e-6, "output")
+    assert_close(gx, gx_ref, 1e-6, "input grad")
+    for i, f in enumerate(slots):
+        slot = layer.adapters[i]
+        if counts[i] == 0:  # an idle slot: no gradient at all
+            assert slot.linear_in.weight.grad is None and slot.linear_out.weight.grad is None
+            continue
+        assert_close(slot.linear_in.weight.grad, f.a.grad, 1e-6, f"slot {i} A grad")
+        assert_close(slot.linear_out.weight.grad, f.b.grad, 1e-6, f"slot {i} B grad")
+
+
+def test_conversion_realiases_the_slot_buffer():
+    """A dtype conversion gives the Parameters new data; the layer re-points them at a new
+    buffer (same values), so forward keeps reading views."""
+    layer, _ = make_layer("column")
+    before = [s.linear_out.weight.detach().clone() for s in layer.adapters]
+    layer.to(torch.float64)
+    buffer = layer._factor_buffers["B"].buffer
+    assert buffer.dtype == torch.float64
+    for i, slot in enumerate(layer.adapters):
+        assert slot.linear_out.weight.data_ptr() == buffer[i].data_ptr()
+        assert torch.equal(slot.linear_out.weight, before[i].double())
+
+
+@pytest.mark.parametrize("kind,in_place", [("column", True), ("row", False)])
+def test_lora_term_is_added_into_the_base_output_it_owns(kind, in_place):
+    """The LoRA term goes into the base's output buffer in place, except where that output is
+    a view (megatron's TP=1 row-parallel reduction returns its input)."""
+    layer, _ = make_layer(kind)
+    seen = []
+    layer.to_wrap.register_forward_hook(lambda m, args, out: seen.append(output(out)))
+    x = torch.randn(sum(COUNTS), 1, IN, requires_grad=True)
+    y = output(layer(x))
+    assert (y.data_ptr() == seen[0].data_ptr()) == in_place
+    y.sum().backward()  # autograd accepts the in-place add (the base saved no output)
+    assert x.grad is not None

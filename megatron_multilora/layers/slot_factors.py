@@ -1,0 +1,88 @@
+"""Every slot's copy of one LoRA factor in one contiguous ``[N, ...]`` buffer.
+
+Each slot keeps its own leaf Parameter (what its optimizer, gradient buffer and checkpoint
+keys see), but the Parameter's data is a view ``buffer[i]``. The forward then reads the
+active slots' factors as one view of the buffer (a copy only when the active slots are not
+contiguous) instead of stacking N tensors, and backward hands each active slot its gradient
+as a slice of one ``[G, ...]`` tensor: an idle slot is neither read nor given a gradient.
+
+Anything that re-points a Parameter's data elsewhere (a dtype or device conversion, a
+wrapper's own parameter buffer) breaks the aliasing; :meth:`SlotFactorBuffer.gather` then
+falls back to stacking the Parameters, so results never depend on it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+
+class _SlotFactors(torch.autograd.Function):
+    """Identity on ``w`` (the active slots' factors, read from the buffer) whose backward
+    gives the gradient to the slots' own Parameters, zero-padded to their full rank."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, rank_index: tuple,  # type: ignore[override]
+                full_shape: torch.Size, *params: torch.Tensor) -> torch.Tensor:
+        ctx.rank_index, ctx.full_shape = rank_index, full_shape
+        return w
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        if grad.shape[1:] != ctx.full_shape:  # cut to a lower rank in forward
+            full = grad.new_zeros((grad.size(0), *ctx.full_shape))
+            full[ctx.rank_index] = grad
+            grad = full
+        else:
+            grad = grad.contiguous()  # each slot's slice then matches its Parameter's layout
+        return (None, None, None, *grad.unbind(0))
+
+
+class SlotFactorBuffer:
+    """One factor (``"A"`` or ``"B"``) of every slot of a layer, held contiguously.
+
+    ``factor`` says where the rank dim is: A is ``[..., rank, in]``, B ``[..., out, rank]``.
+    The slots' Parameters are passed in on every call (the layer's current ones), so a
+    Parameter replaced or re-pointed since is noticed rather than read stale.
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], factor: str) -> None:
+        self.factor = factor
+        self.realias(params)
+
+    def realias(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Copy ``params`` (every slot's, in slot order, one shape) into a fresh buffer and
+        point their data at it (after construction, and after a conversion such as
+        ``module.to()`` replaced their data)."""
+        with torch.no_grad():
+            self.buffer = torch.stack([p.detach() for p in params])
+        for i, p in enumerate(params):
+            p.data = self.buffer[i]
+        self._step = self.buffer.stride(0) * self.buffer.element_size()
+
+    def _aliased(self, slots: Sequence[int], params: Sequence[torch.nn.Parameter]) -> bool:
+        base = self.buffer.data_ptr()
+        return all(p.data_ptr() == base + s * self._step and p.dtype == self.buffer.dtype
+                   for s, p in zip(slots, params))
+
+    def gather(self, slots: Sequence[int], params: Sequence[torch.nn.Parameter], r: int
+               ) -> tuple[torch.Tensor, Optional[Callable[[], torch.Tensor]]]:
+        """The factors of ``slots`` (ascending; ``params`` their Parameters) cut to rank
+        ``r``: ``[G, ..., r, in]`` (A) or ``[G, ..., out, r]`` (B), differentiable w.r.t.
+        ``params``; and, when it is a fresh copy rather than a view of the long-lived
+        buffer, a function that rebuilds it (for :func:`.grouped_gemm.grouped_linear`)."""
+        index = ((slice(None), Ellipsis, slice(0, r), slice(None)) if self.factor == "A"
+                 else (slice(None), Ellipsis, slice(0, r)))
+        if not self._aliased(slots, params):
+            def stack() -> torch.Tensor:
+                return torch.stack(list(params))[index]
+            return stack(), stack
+        lo, hi = slots[0], slots[-1] + 1
+        contiguous = hi - lo == len(slots)
+        with torch.no_grad():
+            w = (self.buffer[lo:hi] if contiguous else self.buffer[list(slots)])[index]
+        w = _SlotFactors.apply(w, index, self.buffer.shape[1:], *params)
+        if contiguous:
+            return w, None
+        return w, lambda: self.buffer[list(slots)][index]
