@@ -27,7 +27,7 @@ from megatron_multilora.layers.lifecycle import ModelOrChunks
 from megatron_multilora.parallel import collective_device
 from megatron_multilora.training.grad_sync import SlotGradSync
 from megatron_multilora.training.schedule import micro_batch_multiple, model_chunks, per_slot_losses
-from megatron_multilora.training.slot_optimizer import SlotOptimizer, slot_grad_norm
+from megatron_multilora.training.slot_optimizer import SlotOptimizer, slot_grad_norms
 
 
 def global_loss_tokens(micro_batches: list[MicroBatch], n_slots: int) -> torch.Tensor:
@@ -233,7 +233,7 @@ class SlotTrainStep:
             losses = self.losses(micro_batches, loss_tokens)
             stepping = [s for s in optimizers if s not in skipped]
             self.grad_sync.sync(stepping)
-            norms = {s: slot_grad_norm(optimizers[s].params) for s in stepping}
+            norms = slot_grad_norms({s: optimizers[s].params for s in stepping})
             failing = {s for s, norm in norms.items()
                        if not (math.isfinite(norm) and math.isfinite(float(losses[s])))}
             if not failing:
