@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -132,10 +132,22 @@ def align_with_expert_peers(micro_batches: list[MicroBatch], pad_id: int) -> lis
 
 def reduce_losses(per_slot: torch.Tensor) -> torch.Tensor:
     """Sum per-adapter losses over data-parallel ranks (each rank held part of the batch)."""
-    if parallel_state.get_data_parallel_world_size() > 1:
-        per_slot = per_slot.to(collective_device())
-        dist.all_reduce(per_slot, group=parallel_state.get_data_parallel_group())
-    return per_slot.cpu()
+    return start_reducing_losses(per_slot)()
+
+
+def start_reducing_losses(per_slot: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """:func:`reduce_losses`, started without waiting (the step overlaps it with the gradient
+    reduction, so the two cost the ranks one meeting); call the result for the losses."""
+    if parallel_state.get_data_parallel_world_size() == 1:
+        return per_slot.cpu
+    per_slot = per_slot.to(collective_device())
+    work = dist.all_reduce(per_slot, group=parallel_state.get_data_parallel_group(), async_op=True)
+
+    def reduced() -> torch.Tensor:
+        work.wait()
+        return per_slot.cpu()
+
+    return reduced
 
 
 def filler_micro_batch(n_slots: int, pad_multiple: int, pad_id: int) -> MicroBatch:
@@ -230,9 +242,11 @@ class SlotTrainStep:
         while True:
             # Only the training slots' gradients are reset and reduced: free slots cost nothing.
             self.grad_sync.zero_grad(optimizers)
-            losses = self.losses(micro_batches, loss_tokens)
+            reduced_losses = start_reducing_losses(
+                per_slot_losses(self.model, micro_batches, loss_tokens))
             stepping = [s for s in optimizers if s not in skipped]
             self.grad_sync.sync(stepping)
+            losses = reduced_losses()
             norms = slot_grad_norms({s: optimizers[s].params for s in stepping})
             failing = {s for s, norm in norms.items()
                        if not (math.isfinite(norm) and math.isfinite(float(losses[s])))}
