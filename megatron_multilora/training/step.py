@@ -1,9 +1,10 @@
 """One training step of N adapters at once, with per-adapter loss normalisation.
 
-pack -> agree each adapter's loss-token count -> forward/backward through megatron's
-schedule (training/schedule.py) -> per-slot gradient sync -> per-slot gradient norms (over
-every TP/EP shard and pipeline stage) -> non-finite isolation -> each slot's clipped
-optimizer step.
+pack -> agree the micro-batch count, each adapter's loss-token count and the stop signal (one
+collective) -> forward/backward through megatron's schedule (training/schedule.py) ->
+per-slot gradient sync (the loss reduction overlapping it) -> per-slot gradient norms (over
+every TP/EP shard and pipeline stage, all slots at once) -> non-finite isolation -> each
+slot's clipped optimizer step.
 
 An adapter's loss is the mean over *its own* loss tokens in its global batch (all
 micro-batches, all data-parallel ranks): its gradients do not depend on which other adapters
