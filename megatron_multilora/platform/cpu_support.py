@@ -133,6 +133,12 @@ def activate_cpu_support() -> bool:
     schedules = importlib.import_module("megatron.core.pipeline_parallel.schedules")
     schedules.torch = _TorchWithCPUZeros()
 
+    # tensor_parallel/cross_entropy.py all-reduces three tensors per call over the TP group,
+    # a group of one rank without TP: gloo still hands each to its worker thread and waits
+    # (~0.5 ms apiece on a busy machine, per micro-batch); over one rank they change nothing.
+    cross_entropy = importlib.import_module("megatron.core.tensor_parallel.cross_entropy")
+    cross_entropy.torch = _TorchSkippingOneRankReductions()
+
     # models/common/language_module.py: with tied embeddings under pipelining the last stage
     # syncs its copy of the word embeddings from the first stage after
     # ``weight.data = weight.data.cuda()``, which raises without CUDA; keep it on the CPU.
@@ -171,6 +177,36 @@ class _TorchWithCPUZeros(types.ModuleType):
     @staticmethod
     def zeros(*args, device=None, **kwargs) -> torch.Tensor:
         return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
+class _DistributedSkippingOneRankReductions(types.ModuleType):
+    """``torch.distributed`` whose blocking ``all_reduce`` over a group of one returns at once."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.distributed")
+
+    def __getattr__(self, name: str):
+        return getattr(torch.distributed, name)
+
+    @staticmethod
+    def all_reduce(tensor: torch.Tensor, op=torch.distributed.ReduceOp.SUM, group=None,
+                   async_op: bool = False):
+        if not async_op and torch.distributed.get_world_size(group) == 1:
+            return None
+        return torch.distributed.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+class _TorchSkippingOneRankReductions(types.ModuleType):
+    """``torch`` for cross_entropy.py: the same module but its ``distributed`` skips reductions
+    over one rank."""
+
+    distributed = _DistributedSkippingOneRankReductions()
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
 
 
 def _host_splits(dispatcher, point: str, tokens_per_expert=None):

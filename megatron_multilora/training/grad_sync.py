@@ -2,9 +2,9 @@
 only for the slots that trained this step.
 
 megatron's DistributedDataParallel keeps one gradient buffer for every trainable parameter
-and all-reduces all of it every step, free slots included. Here each slot owns an fp32
-buffer that its parameters' ``main_grad`` are views of, laid out as
-``[sequence-parallel dense | other dense | expert]``, so each reduction is one contiguous
+and all-reduces all of it every step, free slots included. Here each slot owns ranges of one
+fp32 buffer that its parameters' ``main_grad`` are views of, a dense range
+``[sequence-parallel | other]`` and an expert range, so each reduction is one contiguous
 range per slot, coalesced over the slots being reduced; slots left out of
 :meth:`SlotGradSync.sync` (those without tokens in the step) cost no communication.
 """
@@ -27,29 +27,32 @@ def _accumulate(param: torch.Tensor) -> None:
     param.grad = None
 
 
+def _is_partial(p: torch.nn.Parameter) -> bool:
+    # A partial sum over this TP rank's sequence shard (see layers/sharding.py); expert
+    # factors never are (experts are not tensor-split).
+    return getattr(p, "sequence_parallel", False)
+
+
+def _is_dense(p: torch.nn.Parameter) -> bool:
+    return getattr(p, "allreduce", True)
+
+
 class _SlotGrads:
-    """One slot's fp32 gradient buffer and the ranges each reduction covers."""
+    """One slot's fp32 gradient ranges, as ``(start, end)`` offsets into the shared buffer:
+    ``dense`` (sequence-parallel partial sums first, ``partial``) and ``expert``."""
 
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        def partial(p: torch.nn.Parameter) -> bool:
-            # A partial sum over this TP rank's sequence shard (see layers/sharding.py);
-            # expert factors never are (experts are not tensor-split).
-            return getattr(p, "sequence_parallel", False)
-
-        dense = sorted((p for p in params if getattr(p, "allreduce", True)),
-                       key=lambda p: not partial(p))
-        expert = [p for p in params if not getattr(p, "allreduce", True)]
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32,
-                                  device=params[0].device)
-        offset = 0
-        for p in dense + expert:
-            p.main_grad = self.buffer[offset:offset + p.numel()].view_as(p)
-            p.register_post_accumulate_grad_hook(_accumulate)
-            offset += p.numel()
-        n_dense = sum(p.numel() for p in dense)
-        self.partial = self.buffer[:sum(p.numel() for p in dense if partial(p))]
-        self.dense = self.buffer[:n_dense]
-        self.expert = self.buffer[n_dense:]
+    def __init__(self, params: list[torch.nn.Parameter], buffer: torch.Tensor, dense_at: int,
+                 expert_at: int) -> None:
+        dense = sorted((p for p in params if _is_dense(p)), key=lambda p: not _is_partial(p))
+        expert = [p for p in params if not _is_dense(p)]
+        for group, offset in ((dense, dense_at), (expert, expert_at)):
+            for p in group:
+                p.main_grad = buffer[offset:offset + p.numel()].view_as(p)
+                p.register_post_accumulate_grad_hook(_accumulate)
+                offset += p.numel()
+        self.dense = (dense_at, dense_at + sum(p.numel() for p in dense))
+        self.partial = (dense_at, dense_at + sum(p.numel() for p in dense if _is_partial(p)))
+        self.expert = (expert_at, expert_at + sum(p.numel() for p in expert))
 
 
 class SlotGradSync:
@@ -57,15 +60,29 @@ class SlotGradSync:
 
     Backward adds each parameter's gradient into its ``main_grad`` and frees ``.grad``; a
     parameter that gets no gradient in a step keeps a zero ``main_grad``.
+
+    All slots share one buffer laid out ``[slot 0 dense | slot 1 dense | ... | slot 0 expert
+    | ...]``: neighbouring slots reduced together (all of them, in a full step) form one span
+    that is reduced in place, without the copies of coalescing.
     """
 
     def __init__(self, model: ModelOrChunks) -> None:
-        self._slots = [_SlotGrads(slot_parameters(model, s)) for s in range(num_adapter_slots(model))]
+        params = [slot_parameters(model, s) for s in range(num_adapter_slots(model))]
+        dense = [sum(p.numel() for p in ps if _is_dense(p)) for ps in params]
+        expert = [sum(p.numel() for p in ps if not _is_dense(p)) for ps in params]
+        self._buffer = torch.zeros(sum(dense) + sum(expert), dtype=torch.float32,
+                                   device=params[0][0].device)
+        dense_at, expert_at = 0, sum(dense)
+        self._slots = []
+        for ps, n_dense, n_expert in zip(params, dense, expert):
+            self._slots.append(_SlotGrads(ps, self._buffer, dense_at, expert_at))
+            dense_at, expert_at = dense_at + n_dense, expert_at + n_expert
 
     def zero_grad(self, slots: Iterable[int]) -> None:
         """Zero the given slots' ``main_grad`` (before a step's first backward)."""
         for s in slots:
-            self._slots[s].buffer.zero_()
+            for start, end in (self._slots[s].dense, self._slots[s].expert):
+                self._buffer[start:end].zero_()
 
     def sync(self, slots: Iterable[int]) -> None:
         """Reduce the given slots' gradients as megatron DDP + ``finalize_model_grads`` would
@@ -82,10 +99,22 @@ class SlotGradSync:
         routers and their expert bias, is frozen.
         """
         chosen = [self._slots[s] for s in slots]
-        _all_reduce([g.dense for g in chosen], parallel_state.get_data_parallel_group())
-        _all_reduce([g.expert for g in chosen], parallel_state.get_expert_data_parallel_group())
-        _all_reduce([g.partial for g in chosen],
+        _all_reduce(self._spans([g.dense for g in chosen]), parallel_state.get_data_parallel_group())
+        _all_reduce(self._spans([g.expert for g in chosen]),
+                    parallel_state.get_expert_data_parallel_group())
+        _all_reduce(self._spans([g.partial for g in chosen]),
                     parallel_state.get_tensor_model_parallel_group())
+
+    def _spans(self, ranges: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """The ranges as buffer views, adjacent ones merged (in order; the same elements in
+        the same order as the ranges coalesced, so the reduction sums alike)."""
+        merged: list[list[int]] = []
+        for start, end in ranges:
+            if merged and merged[-1][1] == start:
+                merged[-1][1] = end
+            else:
+                merged.append([start, end])
+        return [self._buffer[start:end] for start, end in merged]
 
 
 def _all_reduce(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:

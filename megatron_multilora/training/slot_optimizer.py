@@ -37,31 +37,53 @@ def _grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
 
 
 def slot_grad_norm(params: list[torch.nn.Parameter]) -> float:
-    """The L2 norm of a slot's whole gradient, over all its TP and EP shards and pipeline
+    """The L2 norm of a slot's whole gradient (see :func:`slot_grad_norms`)."""
+    return slot_grad_norms({0: params})[0]
+
+
+def slot_grad_norms(params_by_slot: dict[int, list[torch.nn.Parameter]]) -> dict[int, float]:
+    """The L2 norm of each slot's whole gradient, over all its TP and EP shards and pipeline
     stages (so clipping uses the adapter's global norm).
 
     TP-split factors add their shards over the TP group; TP-replicated factors (identical on
     every TP rank after gradient finalisation) count once; expert factors add their experts
     over the EP group; each pipeline stage adds its own layers. Every rank gets the same
-    value.
+    values. All slots share each reduction and one read back to the host; each slot's sum is
+    computed as it would be alone.
     """
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    split, replicated, expert = [], [], []
-    for p in params:
-        g = _grad(p)
-        if g is None:
-            continue
-        if not getattr(p, "allreduce", True):
-            expert.append(g)
-        elif getattr(p, "tensor_model_parallel", False):
-            split.append(g)
-        else:
-            replicated.append(g)
-    grads = split + replicated + expert
+    slots = list(params_by_slot)
+    groups = []  # per slot: (split, replicated, expert) gradients
+    for slot in slots:
+        split, replicated, expert = [], [], []
+        for p in params_by_slot[slot]:
+            g = _grad(p)
+            if g is None:
+                continue
+            if not getattr(p, "allreduce", True):
+                expert.append(g)
+            elif getattr(p, "tensor_model_parallel", False):
+                split.append(g)
+            else:
+                replicated.append(g)
+        groups.append((split, replicated, expert))
+    if not slots:
+        return {}
+    grads = [g for group in groups for kind in group for g in kind]
     device = grads[0].device if grads else torch.device("cpu")
-    # Summed and reduced on the device, read back once: no per-parameter device-to-host sync.
-    sq = [_sum_of_squares(g, device) for g in (split, replicated, expert)]
-    dense, experts = sq[0] + sq[1] / tp, sq[2]
+    # One norm kernel over every slot's tensors, summed per slot and kind on the device, and
+    # read back once: no per-parameter or per-slot device-to-host sync.
+    norms = torch._foreach_norm([g.float() for g in grads]) if grads else []
+    dense, experts, at = [], [], 0
+    for group in groups:
+        sq = []
+        for kind in group:
+            sq.append(torch.stack(norms[at:at + len(kind)]).pow(2).sum() if kind
+                      else torch.zeros((), dtype=torch.float32, device=device))
+            at += len(kind)
+        dense.append(sq[0] + sq[1] / tp)
+        experts.append(sq[2])
+    dense, experts = torch.stack(dense), torch.stack(experts)
     if tp > 1:
         dist.all_reduce(dense, group=parallel_state.get_tensor_model_parallel_group())
     if parallel_state.get_expert_model_parallel_world_size() > 1:
@@ -69,13 +91,7 @@ def slot_grad_norm(params: list[torch.nn.Parameter]) -> float:
     total = dense + experts
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
-    return float(total.sqrt())
-
-
-def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack(torch._foreach_norm([g.float() for g in grads])).pow(2).sum()
+    return dict(zip(slots, total.sqrt().tolist()))
 
 
 class SlotOptimizer:

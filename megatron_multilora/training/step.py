@@ -1,9 +1,10 @@
 """One training step of N adapters at once, with per-adapter loss normalisation.
 
-pack -> agree each adapter's loss-token count -> forward/backward through megatron's
-schedule (training/schedule.py) -> per-slot gradient sync -> per-slot gradient norms (over
-every TP/EP shard and pipeline stage) -> non-finite isolation -> each slot's clipped
-optimizer step.
+pack -> agree the micro-batch count, each adapter's loss-token count and the stop signal (one
+collective) -> forward/backward through megatron's schedule (training/schedule.py) ->
+per-slot gradient sync (the loss reduction overlapping it) -> per-slot gradient norms (over
+every TP/EP shard and pipeline stage, all slots at once) -> non-finite isolation -> each
+slot's clipped optimizer step.
 
 An adapter's loss is the mean over *its own* loss tokens in its global batch (all
 micro-batches, all data-parallel ranks): its gradients do not depend on which other adapters
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,7 @@ from megatron_multilora.layers.lifecycle import ModelOrChunks
 from megatron_multilora.parallel import collective_device
 from megatron_multilora.training.grad_sync import SlotGradSync
 from megatron_multilora.training.schedule import micro_batch_multiple, model_chunks, per_slot_losses
-from megatron_multilora.training.slot_optimizer import SlotOptimizer, slot_grad_norm
+from megatron_multilora.training.slot_optimizer import SlotOptimizer, slot_grad_norms
 
 
 def global_loss_tokens(micro_batches: list[MicroBatch], n_slots: int) -> torch.Tensor:
@@ -41,8 +42,40 @@ def global_loss_tokens(micro_batches: list[MicroBatch], n_slots: int) -> torch.T
     return local.cpu()
 
 
+@dataclasses.dataclass
+class StepAgreement:
+    """What every rank agreed on before a step: the most micro-batches any data-parallel peer
+    packed, each adapter's loss tokens over the data-parallel group (``[n_slots]`` int64),
+    and the largest stop signal any rank of the world received (0: none)."""
+
+    micro_batches: int
+    loss_tokens: torch.Tensor
+    stop_signal: int
+
+
+def agree_step(micro_batches: list[MicroBatch], n_slots: int, stop_signal: int = 0) -> StepAgreement:
+    """One collective over the whole world instead of one per question: each rank writes
+    its own row (stop signal, micro-batch count, loss tokens per slot) of a zeroed
+    ``[world, 2 + n_slots]`` table and the table is summed, so every rank reads every row
+    (exact, integers) and takes its data-parallel peers' max count and token sums, and the
+    world's largest signal. Every rank of the world must call it."""
+    row = torch.zeros(2 + n_slots, dtype=torch.int64)
+    row[0], row[1] = stop_signal, len(micro_batches)
+    for mb in micro_batches:
+        row[2:] += mb.loss_tokens_per_slot()
+    if dist.get_world_size() == 1:
+        return StepAgreement(int(row[1]), row[2:], int(row[0]))
+    table = torch.zeros(dist.get_world_size(), row.numel(), dtype=torch.int64)
+    table[dist.get_rank()] = row
+    table = table.to(collective_device())
+    dist.all_reduce(table)
+    table = table.cpu()
+    peers = table[dist.get_process_group_ranks(parallel_state.get_data_parallel_group())]
+    return StepAgreement(int(peers[:, 1].max()), peers[:, 2:].sum(0), int(table[:, 0].max()))
+
+
 def equalize_micro_batches(micro_batches: list[MicroBatch], filler: MicroBatch,
-                           count_multiple: int = 1) -> list[MicroBatch]:
+                           count_multiple: int = 1, count: Optional[int] = None) -> list[MicroBatch]:
     """Make this rank's micro-batches runnable in lockstep with the other ranks.
 
     Pad every data-parallel rank to the same number of micro-batches (rounded up to
@@ -50,11 +83,16 @@ def equalize_micro_batches(micro_batches: list[MicroBatch], filler: MicroBatch,
     (expert-parallel collectives run once per forward on every rank); align them with the
     expert-parallel peers (:func:`align_with_expert_peers`); under pipeline parallelism pad
     every one to the longest (one p2p tensor shape per step). Pads use the filler's token.
+    ``count``: the most micro-batches of any data-parallel peer when already agreed
+    (:func:`agree_step`); else agreed here, one collective.
     """
-    count = torch.tensor([len(micro_batches)], device=collective_device())
-    if parallel_state.get_data_parallel_world_size() > 1:
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
-    target = -(-int(count) // count_multiple) * count_multiple
+    if count is None:
+        agreed = torch.tensor([len(micro_batches)], device=collective_device())
+        if parallel_state.get_data_parallel_world_size() > 1:
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX,
+                            group=parallel_state.get_data_parallel_group())
+        count = int(agreed)
+    target = -(-count // count_multiple) * count_multiple
     pad_id = int(filler.tokens[0, 0])
     padded = align_with_expert_peers(micro_batches + [filler] * (target - len(micro_batches)),
                                      pad_id)
@@ -95,10 +133,22 @@ def align_with_expert_peers(micro_batches: list[MicroBatch], pad_id: int) -> lis
 
 def reduce_losses(per_slot: torch.Tensor) -> torch.Tensor:
     """Sum per-adapter losses over data-parallel ranks (each rank held part of the batch)."""
-    if parallel_state.get_data_parallel_world_size() > 1:
-        per_slot = per_slot.to(collective_device())
-        dist.all_reduce(per_slot, group=parallel_state.get_data_parallel_group())
-    return per_slot.cpu()
+    return start_reducing_losses(per_slot)()
+
+
+def start_reducing_losses(per_slot: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """:func:`reduce_losses`, started without waiting (the step overlaps it with the gradient
+    reduction, so the two cost the ranks one meeting); call the result for the losses."""
+    if parallel_state.get_data_parallel_world_size() == 1:
+        return per_slot.cpu
+    per_slot = per_slot.to(collective_device())
+    work = dist.all_reduce(per_slot, group=parallel_state.get_data_parallel_group(), async_op=True)
+
+    def reduced() -> torch.Tensor:
+        work.wait()
+        return per_slot.cpu()
+
+    return reduced
 
 
 def filler_micro_batch(n_slots: int, pad_multiple: int, pad_id: int) -> MicroBatch:
@@ -115,12 +165,14 @@ def filler_micro_batch(n_slots: int, pad_multiple: int, pad_id: int) -> MicroBat
 class StepResult:
     """What one step did: every adapter's loss over its global batch (``[n_slots]``, the
     same on every rank), the gradient norm of each slot that stepped, the slots skipped for a
-    non-finite loss or gradient, and each adapter's loss tokens (``[n_slots]``)."""
+    non-finite loss or gradient, each adapter's loss tokens (``[n_slots]``), and the stop
+    signal agreed before the step (:func:`agree_step`; 0: none)."""
 
     losses: torch.Tensor
     grad_norms: dict[int, float]
     skipped: set[int]
     loss_tokens: torch.Tensor
+    stop_signal: int = 0
 
 
 class SlotTrainStep:
@@ -143,11 +195,19 @@ class SlotTrainStep:
              slot_order: Optional[Sequence[int]] = None) -> list[MicroBatch]:
         """This rank's micro-batches of every slot's examples but ``exclude``'s, ready to run
         (:func:`equalize_micro_batches`); ``slot_order`` as in ``pack_micro_batches``."""
+        return self._equalize(self._pack_local(slot_examples, exclude, slot_order))
+
+    def _pack_local(self, slot_examples: Sequence[Sequence[Example]], exclude: Iterable[int],
+                    slot_order: Optional[Sequence[int]]) -> list[MicroBatch]:
         skip = set(exclude)
         kept = [[] if s in skip else examples for s, examples in enumerate(slot_examples)]
-        mbs = pack_micro_batches(kept, self.token_budget, self.pad_multiple, self.pad_id,
-                                 slot_order=slot_order)
-        return equalize_micro_batches(mbs, self.filler, micro_batch_multiple(self.model))
+        return pack_micro_batches(kept, self.token_budget, self.pad_multiple, self.pad_id,
+                                  slot_order=slot_order)
+
+    def _equalize(self, micro_batches: list[MicroBatch], count: Optional[int] = None
+                  ) -> list[MicroBatch]:
+        return equalize_micro_batches(micro_batches, self.filler, micro_batch_multiple(self.model),
+                                      count)
 
     def losses(self, micro_batches: list[MicroBatch], loss_tokens: torch.Tensor,
                forward_only: bool = False) -> torch.Tensor:
@@ -157,27 +217,38 @@ class SlotTrainStep:
 
     def __call__(self, slot_examples: Sequence[Sequence[Example]],
                  optimizers: dict[int, SlotOptimizer], slot_order: Optional[Sequence[int]] = None,
-                 micro_batches: Optional[list[MicroBatch]] = None) -> StepResult:
+                 micro_batches: Optional[list[MicroBatch]] = None,
+                 stop_signal: int = 0) -> StepResult:
         """One step of the slots in ``optimizers`` on this rank's ``slot_examples`` (its
         data-parallel share of each slot's global batch); ``micro_batches``: their
-        :meth:`pack` when already done.
+        :meth:`pack` when already done. ``stop_signal`` (this rank's, 0: none) is agreed over
+        all ranks in the step's first collective (see training/stop.py). Every rank of the
+        world must call it.
 
         A slot whose loss or gradient norm is not finite is left out: the step is redone
         without the adapters found to fail on their own samples, and they do not step.
         Every rank takes the same decisions (losses come from the last stage, norms are
         global).
         """
-        micro_batches = (self.pack(slot_examples, slot_order=slot_order)
-                         if micro_batches is None else micro_batches)
-        loss_tokens = global_loss_tokens(micro_batches, self.n_slots)
+        # Packing, loss-token and stop agreements share one collective (fillers and pads
+        # carry no loss tokens, so the unpadded micro-batches count the same).
+        if micro_batches is None:
+            local = self._pack_local(slot_examples, (), slot_order)
+            agreed = agree_step(local, self.n_slots, stop_signal)
+            micro_batches = self._equalize(local, agreed.micro_batches)
+        else:
+            agreed = agree_step(micro_batches, self.n_slots, stop_signal)
+        loss_tokens = agreed.loss_tokens
         skipped: set[int] = set()
         while True:
             # Only the training slots' gradients are reset and reduced: free slots cost nothing.
             self.grad_sync.zero_grad(optimizers)
-            losses = self.losses(micro_batches, loss_tokens)
+            reduced_losses = start_reducing_losses(
+                per_slot_losses(self.model, micro_batches, loss_tokens))
             stepping = [s for s in optimizers if s not in skipped]
             self.grad_sync.sync(stepping)
-            norms = {s: slot_grad_norm(optimizers[s].params) for s in stepping}
+            losses = reduced_losses()
+            norms = slot_grad_norms({s: optimizers[s].params for s in stepping})
             failing = {s for s, norm in norms.items()
                        if not (math.isfinite(norm) and math.isfinite(float(losses[s])))}
             if not failing:
@@ -188,7 +259,7 @@ class SlotTrainStep:
             micro_batches = self.pack(slot_examples, skipped, slot_order)
         for s in stepping:
             optimizers[s].step(norms[s])
-        return StepResult(losses, norms, skipped, loss_tokens)
+        return StepResult(losses, norms, skipped, loss_tokens, agreed.stop_signal)
 
     def _failing_alone(self, slot_examples: Sequence[Sequence[Example]], loss_tokens: torch.Tensor,
                        candidates: set[int], slot_order: Optional[Sequence[int]]) -> set[int]:

@@ -2,8 +2,11 @@
 
 torchrun forwards either signal to every worker (and SIGKILLs them after its 30 s shutdown
 timeout); a cluster scheduler may signal only some ranks, or signal them at different
-moments. So a rank only records the signal, and at each step boundary all ranks agree with
-one all-reduce whether any got one: then they all save the same step and stop together.
+moments. So a rank only records the signal, and at each step boundary all ranks agree
+whether any got one: then they all save the same step and stop together. After a training
+step the agreement rode in the step's first collective (``step.agree_step``: a signal that
+arrives later in the step is acted on one step later); otherwise :func:`agreed_stop` runs one
+all-reduce.
 """
 
 from __future__ import annotations
@@ -50,6 +53,11 @@ def stop_on_signals() -> Iterator[None]:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _received = 0
+
+
+def received() -> int:
+    """The stop signal this process received, 0 if none (not yet agreed with the others)."""
+    return _received
 
 
 def agreed_stop(device: torch.device) -> int:

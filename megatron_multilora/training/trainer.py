@@ -73,7 +73,7 @@ from megatron_multilora.training.metrics import (
 from megatron_multilora.training.model_setup import build_run_model
 from megatron_multilora.training.slot_optimizer import SlotOptimizer
 from megatron_multilora.training.step import SlotTrainStep
-from megatron_multilora.training.stop import RunStopped, agreed_stop
+from megatron_multilora.training.stop import RunStopped, agreed_stop, received
 
 
 def start_job(model: ModelOrChunks, slot: int, job: AdapterJob, total_steps: int,
@@ -140,6 +140,7 @@ class Trainer:
                               run.trainer.steps_per_job)
         self.optimizers: dict[int, SlotOptimizer] = {}
         self.step = 0
+        self._agreed_stop: Optional[int] = None  # agreed by the last step, if any since the boundary
         self._resume()
         self.logger = MetricsLogger(self.run_dir, self.is_main, run.logging.wandb_mode,
                                     run.logging.wandb_project, self.run_dir.name,
@@ -267,7 +268,9 @@ class Trainer:
         order = sorted(range(self.n_slots), key=lambda slot: rank.get(slot, 0))
         optimizers = {s.slot: self.optimizers[s.slot] for s in active}
         lrs = {slot: opt.lr for slot, opt in optimizers.items()}  # what this step uses
-        result = self.train_step(slot_examples, optimizers, slot_order=order)
+        result = self.train_step(slot_examples, optimizers, slot_order=order,
+                                 stop_signal=received())
+        self._agreed_stop = result.stop_signal  # for the coming step boundary
         stats = {}
         for state in active:
             job = self.run.adapters[state.index]
@@ -365,7 +368,9 @@ class Trainer:
 
     def _stop_if_signalled(self) -> None:
         """At a step boundary: if any rank got SIGTERM/SIGINT, every rank saves and stops here."""
-        signum = agreed_stop(next(self.model[0].parameters()).device)
+        signum, self._agreed_stop = self._agreed_stop, None
+        if signum is None:  # no step since the last boundary agreed on it
+            signum = agreed_stop(next(self.model[0].parameters()).device)
         if signum:
             raise RunStopped(signum, self.step, self._save())
 
