@@ -10,8 +10,8 @@ hand it to them (and so to the layer's MoE slot routing):
 * a forward pre-hook reads the call's ``packed_seq_params``: this covers the plain forward
   and the full-recompute re-run, to which megatron passes the same params object
   (``TransformerBlock._checkpointed_forward`` closes over it);
-* a forward hook registers a gradient hook on the layer's output hidden states, which runs
-  before any of the layer's backward: selective ``mlp``/``moe``/``shared_experts`` recompute
+* under selective recompute, a forward hook registers a gradient hook on the layer's output
+  hidden states, which runs before any of the layer's backward: selective ``mlp``/``moe``/``shared_experts`` recompute
   re-runs those modules (``tensor_parallel.checkpoint``) inside the layer's backward, without
   the params, and must see its own micro-batch's layout again.
 
@@ -109,10 +109,15 @@ def install_micro_batch_layout_hooks(model: torch.nn.Module | Sequence[torch.nn.
             if isinstance(layer, TransformerLayer):
                 linears = [m for m in layer.modules() if isinstance(m, MultiLoRALinear)]
                 in_layers.update(id(m) for m in linears)
-                pre_hook, post_hook = _layer_hooks(linears)
-                _replace_hooks(layer, (
-                    layer.register_forward_pre_hook(pre_hook, with_kwargs=True),
-                    layer.register_forward_hook(post_hook, with_kwargs=True)) if linears else ())
+                handles = []
+                if linears:
+                    pre_hook, post_hook = _layer_hooks(linears)
+                    handles.append(layer.register_forward_pre_hook(pre_hook, with_kwargs=True))
+                    # Only selective recompute re-runs part of the layer without the params;
+                    # otherwise the output's gradient hook would be work for nothing.
+                    if layer.config.recompute_granularity == "selective":
+                        handles.append(layer.register_forward_hook(post_hook, with_kwargs=True))
+                _replace_hooks(layer, handles)
         outside = [m for m in chunk.modules()
                    if isinstance(m, MultiLoRALinear) and id(m) not in in_layers]
         _replace_hooks(chunk, (chunk.register_forward_pre_hook(

@@ -32,14 +32,9 @@ from megatron_multilora.training.slot_optimizer import SlotOptimizer, slot_grad_
 
 
 def global_loss_tokens(micro_batches: list[MicroBatch], n_slots: int) -> torch.Tensor:
-    """``[n_slots]`` loss tokens per adapter over this step's whole global batch."""
-    local = torch.zeros(n_slots, dtype=torch.int64)
-    for mb in micro_batches:
-        local += mb.loss_tokens_per_slot()
-    if parallel_state.get_data_parallel_world_size() > 1:
-        local = local.to(collective_device())
-        dist.all_reduce(local, group=parallel_state.get_data_parallel_group())
-    return local.cpu()
+    """``[n_slots]`` loss tokens per adapter over this step's whole global batch (the
+    agreement :func:`agree_step` reaches; every rank of the world calls it)."""
+    return agree_step(micro_batches, n_slots).loss_tokens
 
 
 @dataclasses.dataclass
@@ -84,14 +79,10 @@ def equalize_micro_batches(micro_batches: list[MicroBatch], filler: MicroBatch,
     expert-parallel peers (:func:`align_with_expert_peers`); under pipeline parallelism pad
     every one to the longest (one p2p tensor shape per step). Pads use the filler's token.
     ``count``: the most micro-batches of any data-parallel peer when already agreed
-    (:func:`agree_step`); else agreed here, one collective.
+    (:func:`agree_step`); else agreed here (:func:`agree_step`, every rank of the world).
     """
     if count is None:
-        agreed = torch.tensor([len(micro_batches)], device=collective_device())
-        if parallel_state.get_data_parallel_world_size() > 1:
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX,
-                            group=parallel_state.get_data_parallel_group())
-        count = int(agreed)
+        count = agree_step(micro_batches, len(filler.counts)).micro_batches
     target = -(-count // count_multiple) * count_multiple
     pad_id = int(filler.tokens[0, 0])
     padded = align_with_expert_peers(micro_batches + [filler] * (target - len(micro_batches)),
