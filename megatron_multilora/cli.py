@@ -139,13 +139,13 @@ def _read_spec(path: str) -> dict[str, Any]:
 def _validated_job(spec: dict[str, Any], where: str, run: RunConfig,
                    status: Optional[dict[str, Any]], run_dir: str) -> AdapterJob:
     """The spec as a job with absolute paths; raises CommandError listing every problem."""
-    from megatron_multilora.training.config import AdapterJob, ConfigError, _merge, job_problems
+    from megatron_multilora.training.config import ConfigError, adapter_job, job_problems
 
     problems, usable = _field_problems(spec, where)
     job = None
     if usable is not None:
         try:
-            job = _merge(AdapterJob, usable, where)
+            job = adapter_job(usable, where)
         except ConfigError as err:  # what the field-by-field checks cannot see
             problems.append(str(err))
     name = job.name if job is not None else spec.get("name")

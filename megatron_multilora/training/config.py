@@ -20,7 +20,11 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megatron_multilora.checkpoint.adapter_folders import declared_rank_alpha
+from megatron_multilora.checkpoint.adapter_folders import (
+    FolderFormat,
+    declared_rank_alpha,
+    folder_format,
+)
 from megatron_multilora.models.gpt import GPTModelConfig
 
 SCHEDULES = ("constant", "linear", "cosine")
@@ -199,6 +203,12 @@ def _merge(schema: type, values: Any, where: str) -> Any:
         raise ConfigError(f"invalid configuration: {_key(err, where)}{err.msg}") from None
 
 
+def adapter_job(values: Any, where: str) -> AdapterJob:
+    """One ``adapters`` entry from plain values (e.g. a submitted job), type-checked as the
+    config is: ConfigError names the field."""
+    return _merge(AdapterJob, values, where)
+
+
 def _key(err: OmegaConfBaseException, where: str = "") -> str:
     key = ".".join(k for k in (where, str(err.full_key or "")) if k)
     return f"{key}: " if key else ""
@@ -316,10 +326,19 @@ def job_problems(job: AdapterJob, where: str, max_rank: int, dp: int,
 
 
 def _init_from_problems(job: AdapterJob) -> list[str]:
-    """A started adapter keeps its rank and alpha: the job must not state others."""
+    """The folder must hold an adapter (either format), and a started adapter keeps its rank
+    and alpha: the job must not state others."""
+    try:
+        found = folder_format(job.init_from)
+    except (OSError, ValueError) as err:
+        return [f"init_from: {err}"]
+    if found is FolderFormat.TRAINING_CHECKPOINT:
+        return [f"init_from {job.init_from} is {found.value}, not an adapter folder; start from "
+                "an exported one (<run_dir>/adapters/<name> or <run_dir>/peft/<name>)"]
     saved = declared_rank_alpha(job.init_from)
     if saved is None:
-        return []  # the import names what is wrong with the folder
+        return [f"init_from {job.init_from}: its adapter_config.json does not declare a rank "
+                "and alpha"]
     rank, alpha = saved
     problems = []
     if rank != job.rank:

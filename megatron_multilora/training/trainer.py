@@ -52,7 +52,9 @@ from megatron_multilora.training.checkpoints import (
 from megatron_multilora.training import job_inbox
 from megatron_multilora.training.config import (
     AdapterJob,
+    ConfigError,
     RunConfig,
+    adapter_job,
     base_model_config,
     job_alpha,
     job_problems,
@@ -310,13 +312,13 @@ class Trainer:
         names = {job.name for job in self.run.adapters}
         for sub in job_inbox.submissions(self.run_dir, skip=self._decided):
             self._decided.add(sub.name)
-            problems = self._submission_problems(sub, names)
+            job, problems = self._checked_submission(sub, names)
             if problems:
                 job_inbox.append_event(self.run_dir, {"event": "refuse", "name": sub.name,
                                                       "step": self.step, "reason": "; ".join(problems)})
                 self._say(f"step {self.step}: submitted job {sub.name} refused: {'; '.join(problems)}")
                 continue
-            job = {**sub.job, "start_step": self.step}
+            job = {**dataclasses.asdict(job), "start_step": self.step}
             job_inbox.append_event(self.run_dir, {"event": "add", "name": sub.name,
                                                   "step": self.step, "job": job})
             decision["add"].append(job)
@@ -330,15 +332,18 @@ class Trainer:
                 decision["cancel"].append(name)
         return decision
 
-    def _submission_problems(self, sub: job_inbox.Submission, names: set[str]) -> list[str]:
+    def _checked_submission(self, sub: job_inbox.Submission, names: set[str]
+                            ) -> tuple[Optional[AdapterJob], list[str]]:
+        """The submitted job and what is wrong with it now (``mmlora submit`` checked it,
+        but files and the run may have changed since, and anyone can write the folder)."""
         if sub.name in names:
-            return [f"a job named {sub.name} is already in the run"]
+            return None, [f"a job named {sub.name} is already in the run"]
+        where = f"submitted job {sub.name}"
         try:
-            job = AdapterJob(**sub.job)
-        except TypeError as err:
-            return [f"not an adapter job: {err}"]
-        return job_problems(job, f"submitted job {sub.name}", self.run.lora.max_rank,
-                            self.dp_size)
+            job = adapter_job(sub.job, where)
+        except ConfigError as err:
+            return None, [str(err)]
+        return job, job_problems(job, where, self.run.lora.max_rank, self.dp_size)
 
     def _cancel(self, name: str) -> None:
         state = next(s for s in self.queue.states if s.name == name)

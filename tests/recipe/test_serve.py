@@ -16,6 +16,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
+from megatron_multilora.training import job_inbox
 from megatron_multilora.training.metrics import read_metrics
 from tests.recipe.conftest import job, losses_by_adapter
 from tests.recipe.test_cli import ROOT, TORCHRUN, finish, last_train_step, latest_step
@@ -161,6 +162,13 @@ def test_cancel_hands_the_slot_on_stop_checkpoints_and_a_job_submitted_while_dow
     wait_for(lambda: event_step(run, "add", "up"), proc, log)
     wait_for(lambda: job_row(run, "add")["status"] == "active", proc, log)
     assert job_row(run, "up")["status"] == "queued"  # both slots taken: rev and add
+
+    # A submission the trainer finds broken (written past `mmlora submit`, whose checks
+    # would refuse it) is refused and journaled; training goes on.
+    job_inbox.submit(run, {"name": "ghost", "dataset": str(tmp_path / "gone.jsonl"), "max_steps": 5})
+    reason = wait_for(lambda: next((e["reason"] for e in events(run) if e["event"] == "refuse"),
+                                   None), proc, log)
+    assert "gone.jsonl" in reason and "ghost" not in {j["name"] for j in status(run)["jobs"]}
 
     cancelled = mmlora("cancel", "--run-dir", run, "add")
     assert cancelled.returncode == 0, cancelled.stderr
