@@ -299,7 +299,7 @@ class Trainer:
                 dist.broadcast_object_list(decision, src=0)
             for job in decision[0]["add"]:
                 self._add_job(AdapterJob(**job))
-                self._say(f"step {self.step}: job {job['name']} submitted: queued "
+                self._say(f"step {self.step}: submitted job {job['name']} joins the queue "
                           f"({self.queue.states[-1].total_steps} steps)")
             self._cancels.setdefault(self.step, []).extend(decision[0]["cancel"])
         for name in self._cancels.pop(self.step, []):

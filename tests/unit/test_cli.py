@@ -361,3 +361,11 @@ def test_runs_as_a_module(run_dir, data, tmp_path):
     usage = subprocess.run(command + ["status"], env=env, capture_output=True, text=True,
                            timeout=120)
     assert usage.returncode == 2 and "--run-dir" in usage.stderr
+
+
+def test_installed_as_the_mmlora_command(run_dir):
+    script = Path(sys.executable).with_name("mmlora")
+    assert script.is_file(), "pyproject's [project.scripts] installs mmlora (pip install -e .)"
+    done = subprocess.run([str(script), "stop", "--run-dir", str(run_dir)], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0 and job_inbox.stop_requested(run_dir), done.stderr
