@@ -8,9 +8,10 @@ adapter slots, load every job's data, then train (megatron_multilora/training/tr
 Each trainer step packs every active job's global batch into adapter-major micro-batches,
 runs them through megatron's pipeline schedule with per-adapter loss normalisation, and
 steps each adapter's own optimizer. A job that reaches its budget is exported and its slot
-handed to the next queued job. At the end jobs that trainer.max_steps cut short are
-exported as they are, every exported adapter is evaluated on every job's held-out data, and
-the run exits with status 1 if a job failed.
+handed to the next queued job; jobs submitted with `mmlora submit` join the queue at a step
+boundary (trainer.serve=true keeps the run up for them). At the end jobs that
+trainer.max_steps cut short are exported as they are, every exported adapter is evaluated on
+every job's held-out data, and the run exits with status 1 if a job failed.
 """
 
 from __future__ import annotations
@@ -80,12 +81,13 @@ def main(cfg: DictConfig) -> None:
 
     trainer = Trainer(run)
     try:
-        with stop_on_signals():  # SIGTERM / Ctrl-C: finish the step, save, stop (training/stop.py)
+        # SIGTERM / Ctrl-C / `mmlora stop`: finish the step, save, stop (training/stop.py)
+        with stop_on_signals():
             trainer.setup()
             trainer.train()
     except RunStopped as stop:
         trainer.stopped(stop)
-        sys.exit(128 + stop.signum)  # the shell convention for "ended by this signal"
+        sys.exit(stop.exit_code)
     failed = trainer.finish()
     mm.destroy_parallel()
     if failed:

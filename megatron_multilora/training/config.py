@@ -20,7 +20,11 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megatron_multilora.checkpoint.adapter_folders import declared_rank_alpha
+from megatron_multilora.checkpoint.adapter_folders import (
+    FolderFormat,
+    declared_rank_alpha,
+    folder_format,
+)
 from megatron_multilora.models.gpt import GPTModelConfig
 
 SCHEDULES = ("constant", "linear", "cosine")
@@ -129,6 +133,11 @@ class TrainerSettings:
     """Generation length for the exact-match accuracy."""
     queue_jobs: bool = MISSING
     """False: refuse configs with more jobs than slots instead of queueing them."""
+    serve: bool = MISSING
+    """True: keep running when every job has ended, admitting jobs submitted with ``mmlora
+    submit`` until ``mmlora stop`` (or a signal); the config's adapters may be empty."""
+    serve_poll_seconds: float = MISSING
+    """How often an idle serving trainer looks for submissions (it sleeps in between)."""
 
 
 @dataclasses.dataclass
@@ -194,6 +203,12 @@ def _merge(schema: type, values: Any, where: str) -> Any:
         raise ConfigError(f"invalid configuration: {_key(err, where)}{err.msg}") from None
 
 
+def adapter_job(values: Any, where: str) -> AdapterJob:
+    """One ``adapters`` entry from plain values (e.g. a submitted job), type-checked as the
+    config is: ConfigError names the field."""
+    return _merge(AdapterJob, values, where)
+
+
 def _key(err: OmegaConfBaseException, where: str = "") -> str:
     key = ".".join(k for k in (where, str(err.full_key or "")) if k)
     return f"{key}: " if key else ""
@@ -206,8 +221,6 @@ def world_size() -> int:
 
 def validate(run: RunConfig, check_files: bool = True) -> None:
     """Raise ConfigError listing every problem with ``run`` for this launch's world size."""
-    from megatron_multilora.data.datasets import DatasetError, read_jsonl_records
-
     problems: list[str] = []
     world, par, tr = world_size(), run.parallel, run.trainer
     if min(par.tp, par.ep, par.pp, par.vpp or 1) < 1:
@@ -254,8 +267,11 @@ def validate(run: RunConfig, check_files: bool = True) -> None:
     if run.logging.wandb_mode not in ("offline", "online", "disabled"):
         problems.append(f"logging.wandb_mode={run.logging.wandb_mode!r}: use offline, online or "
                         "disabled")
-    if not run.adapters:
-        problems.append("adapters: no adapter jobs configured")
+    if not run.adapters and not tr.serve:
+        problems.append("adapters: no adapter jobs configured (or set trainer.serve=true and "
+                        "submit jobs with mmlora submit)")
+    if tr.serve_poll_seconds <= 0:
+        problems.append(f"trainer.serve_poll_seconds={tr.serve_poll_seconds} must be positive")
     if not tr.queue_jobs and len(run.adapters) > run.lora.slots:
         problems.append(f"{len(run.adapters)} adapter jobs but lora.slots={run.lora.slots} and "
                         "trainer.queue_jobs=false")
@@ -267,42 +283,62 @@ def validate(run: RunConfig, check_files: bool = True) -> None:
                         "model's row in the final tables; choose another name")
     dp = max(world // max(par.tp * par.pp, 1), 1)
     for i, job in enumerate(run.adapters):
-        where = f"adapters.{i} ({job.name})"
-        if not 1 <= job.rank <= run.lora.max_rank:
-            problems.append(f"{where}: rank={job.rank} is outside 1..lora.max_rank={run.lora.max_rank}")
-        if (job.alpha is not None and job.alpha <= 0) or job.lr <= 0:
-            problems.append(f"{where}: alpha and lr must be positive")
-        if not 0.0 <= job.dropout < 1.0:
-            problems.append(f"{where}: dropout={job.dropout} must be in [0, 1)")
-        if job.schedule not in SCHEDULES:
-            problems.append(f"{where}: schedule={job.schedule!r}: choose one of {SCHEDULES}")
-        if job.global_batch_size < dp or job.global_batch_size % dp:
-            problems.append(f"{where}: global_batch_size={job.global_batch_size} must be a multiple "
-                            f"of the data-parallel size {dp}")
-        if (job.max_steps is None) == (job.epochs is None):
-            problems.append(f"{where}: give exactly one of max_steps and epochs")
-        if check_files:
-            for field in ("dataset", "eval_dataset"):
-                path = getattr(job, field)
-                if path is None:
-                    continue
-                try:
-                    read_jsonl_records(path)
-                except DatasetError as err:
-                    problems.append(f"{where}.{field}: {err}")
-            if job.init_from is not None and not os.path.isdir(job.init_from):
-                problems.append(f"{where}.init_from: {job.init_from} is not a folder")
-            elif job.init_from is not None:
-                problems += [f"{where}: {p}" for p in _init_from_problems(job)]
+        problems += job_problems(job, f"adapters.{i} ({job.name})", run.lora.max_rank, dp,
+                                 check_files)
     if problems:
         raise ConfigError("the run cannot start:\n  - " + "\n  - ".join(problems))
 
 
+def job_problems(job: AdapterJob, where: str, max_rank: int, dp: int,
+                 check_files: bool = True) -> list[str]:
+    """What is wrong with one adapter job on a run of ``max_rank`` slots and ``dp``
+    data-parallel ranks, each problem prefixed with ``where`` (config and submitted jobs)."""
+    from megatron_multilora.data.datasets import DatasetError, read_jsonl_records
+
+    problems = []
+    if not 1 <= job.rank <= max_rank:
+        problems.append(f"{where}: rank={job.rank} is outside 1..lora.max_rank={max_rank}")
+    if (job.alpha is not None and job.alpha <= 0) or job.lr <= 0:
+        problems.append(f"{where}: alpha and lr must be positive")
+    if not 0.0 <= job.dropout < 1.0:
+        problems.append(f"{where}: dropout={job.dropout} must be in [0, 1)")
+    if job.schedule not in SCHEDULES:
+        problems.append(f"{where}: schedule={job.schedule!r}: choose one of {SCHEDULES}")
+    if job.global_batch_size < dp or job.global_batch_size % dp:
+        problems.append(f"{where}: global_batch_size={job.global_batch_size} must be a multiple "
+                        f"of the data-parallel size {dp}")
+    if (job.max_steps is None) == (job.epochs is None):
+        problems.append(f"{where}: give exactly one of max_steps and epochs")
+    if check_files:
+        for field in ("dataset", "eval_dataset"):
+            path = getattr(job, field)
+            if path is None:
+                continue
+            try:
+                read_jsonl_records(path)
+            except DatasetError as err:
+                problems.append(f"{where}.{field}: {err}")
+        if job.init_from is not None and not os.path.isdir(job.init_from):
+            problems.append(f"{where}.init_from: {job.init_from} is not a folder")
+        elif job.init_from is not None:
+            problems += [f"{where}: {p}" for p in _init_from_problems(job)]
+    return problems
+
+
 def _init_from_problems(job: AdapterJob) -> list[str]:
-    """A started adapter keeps its rank and alpha: the job must not state others."""
+    """The folder must hold an adapter (either format), and a started adapter keeps its rank
+    and alpha: the job must not state others."""
+    try:
+        found = folder_format(job.init_from)
+    except (OSError, ValueError) as err:
+        return [f"init_from: {err}"]
+    if found is FolderFormat.TRAINING_CHECKPOINT:
+        return [f"init_from {job.init_from} is {found.value}, not an adapter folder; start from "
+                "an exported one (<run_dir>/adapters/<name> or <run_dir>/peft/<name>)"]
     saved = declared_rank_alpha(job.init_from)
     if saved is None:
-        return []  # the import names what is wrong with the folder
+        return [f"init_from {job.init_from}: its adapter_config.json does not declare a rank "
+                "and alpha"]
     rank, alpha = saved
     problems = []
     if rank != job.rank:

@@ -15,7 +15,8 @@ import torch
 
 from megatron_multilora.training.config import AdapterJob
 
-QUEUED, ACTIVE, DONE, FAILED = "queued", "active", "done", "failed"
+QUEUED, ACTIVE, DONE, FAILED, CANCELLED = "queued", "active", "done", "failed", "cancelled"
+ENDED = (DONE, FAILED, CANCELLED)
 
 
 @dataclasses.dataclass
@@ -69,8 +70,18 @@ class JobQueue:
                  steps_per_job: Optional[int] = None) -> None:
         self.jobs = jobs
         self.slots = slots
+        self.steps_per_job = steps_per_job
         self.states = [JobState(i, job.name, total_steps(job, n, steps_per_job))
                        for i, (job, n) in enumerate(zip(jobs, dataset_sizes))]
+
+    def add(self, job: AdapterJob, dataset_size: int) -> JobState:
+        """Queue one more job (``jobs`` must already hold it, last); it takes a slot from its
+        start step on, after the jobs before it."""
+        if self.jobs[-1] is not job or len(self.jobs) != len(self.states) + 1:
+            raise ValueError(f"append job {job.name} to the queue's jobs before adding it")
+        state = JobState(len(self.states), job.name, total_steps(job, dataset_size, self.steps_per_job))
+        self.states.append(state)
+        return state
 
     def active(self) -> list[JobState]:
         return sorted((s for s in self.states if s.status == ACTIVE), key=lambda s: s.slot)
@@ -88,14 +99,14 @@ class JobQueue:
                 admitted.append(state)
         return admitted
 
-    def release(self, state: JobState, status: str, reason: str) -> int:
-        """End a job (done or failed); returns the slot it frees."""
+    def release(self, state: JobState, status: str, reason: str) -> Optional[int]:
+        """End a job (done, failed or cancelled); returns the slot it frees, if it had one."""
         slot = state.slot
         state.status, state.reason, state.slot = status, reason, None
         return slot
 
     def finished(self) -> bool:
-        return all(s.status in (DONE, FAILED) for s in self.states)
+        return all(s.status in ENDED for s in self.states)
 
     def next_samples(self, state: JobState, n: int, dataset_size: int, seed: int) -> list[int]:
         """The job's next ``n`` sample indices: a fresh shuffle every epoch, seeded by

@@ -243,6 +243,16 @@ class Progress:
                   flush=True)
             self._next_print = self._after(step)
 
+    def set_total(self, total: int, step: int) -> None:
+        """A new ``total`` (jobs were added or ended early), ``step`` steps done."""
+        if total == self.total:
+            return
+        self.total, self._every = total, max(1, math.ceil(total / 10))
+        self._next_print = self._after(step)
+        if self._bar is not None:
+            self._bar.total = total
+            self._bar.refresh()
+
     def _after(self, step: int) -> float:
         """The next 10% mark after ``step``, capped at ``total``; none once ``total`` is reached."""
         if step >= self.total:

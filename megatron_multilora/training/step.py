@@ -1,10 +1,10 @@
 """One training step of N adapters at once, with per-adapter loss normalisation.
 
-pack -> agree the micro-batch count, each adapter's loss-token count and the stop signal (one
-collective) -> forward/backward through megatron's schedule (training/schedule.py) ->
-per-slot gradient sync (the loss reduction overlapping it) -> per-slot gradient norms (over
-every TP/EP shard and pipeline stage, all slots at once) -> non-finite isolation -> each
-slot's clipped optimizer step.
+pack -> agree the micro-batch count, each adapter's loss-token count, the stop signal and any
+pending job requests (one collective) -> forward/backward through megatron's schedule
+(training/schedule.py) -> per-slot gradient sync (the loss reduction overlapping it) ->
+per-slot gradient norms (over every TP/EP shard and pipeline stage, all slots at once) ->
+non-finite isolation -> each slot's clipped optimizer step.
 
 An adapter's loss is the mean over *its own* loss tokens in its global batch (all
 micro-batches, all data-parallel ranks): its gradients do not depend on which other adapters
@@ -41,32 +41,43 @@ def global_loss_tokens(micro_batches: list[MicroBatch], n_slots: int) -> torch.T
 class StepAgreement:
     """What every rank agreed on before a step: the most micro-batches any data-parallel peer
     packed, each adapter's loss tokens over the data-parallel group (``[n_slots]`` int64),
-    and the largest stop signal any rank of the world received (0: none)."""
+    the largest stop signal any rank of the world received (0: none) and the largest count
+    of pending job requests any rank saw (training/job_inbox.py; 0: none)."""
 
     micro_batches: int
     loss_tokens: torch.Tensor
     stop_signal: int
+    requests: int = 0
 
 
-def agree_step(micro_batches: list[MicroBatch], n_slots: int, stop_signal: int = 0) -> StepAgreement:
+def agree_step(micro_batches: list[MicroBatch], n_slots: int, stop_signal: int = 0,
+               requests: int = 0) -> StepAgreement:
     """One collective over the whole world instead of one per question: each rank writes
-    its own row (stop signal, micro-batch count, loss tokens per slot) of a zeroed
-    ``[world, 2 + n_slots]`` table and the table is summed, so every rank reads every row
+    its own row (stop signal, requests, micro-batch count, loss tokens per slot) of a zeroed
+    ``[world, 3 + n_slots]`` table and the table is summed, so every rank reads every row
     (exact, integers) and takes its data-parallel peers' max count and token sums, and the
-    world's largest signal. Every rank of the world must call it."""
-    row = torch.zeros(2 + n_slots, dtype=torch.int64)
-    row[0], row[1] = stop_signal, len(micro_batches)
+    world's largest signal and request count. Every rank of the world must call it."""
+    row = torch.zeros(3 + n_slots, dtype=torch.int64)
+    row[0], row[1], row[2] = stop_signal, requests, len(micro_batches)
     for mb in micro_batches:
-        row[2:] += mb.loss_tokens_per_slot()
+        row[3:] += mb.loss_tokens_per_slot()
     if dist.get_world_size() == 1:
-        return StepAgreement(int(row[1]), row[2:], int(row[0]))
+        return StepAgreement(int(row[2]), row[3:], int(row[0]), int(row[1]))
     table = torch.zeros(dist.get_world_size(), row.numel(), dtype=torch.int64)
     table[dist.get_rank()] = row
     table = table.to(collective_device())
     dist.all_reduce(table)
     table = table.cpu()
     peers = table[dist.get_process_group_ranks(parallel_state.get_data_parallel_group())]
-    return StepAgreement(int(peers[:, 1].max()), peers[:, 2:].sum(0), int(table[:, 0].max()))
+    return StepAgreement(int(peers[:, 2].max()), peers[:, 3:].sum(0), int(table[:, 0].max()),
+                         int(table[:, 1].max()))
+
+
+def agree_boundary(stop_signal: int, requests: int) -> tuple[int, int]:
+    """At a step boundary no step agreed on (collective over the world): the largest stop
+    signal and the largest request count of any rank."""
+    agreed = agree_step([], 0, stop_signal, requests)
+    return agreed.stop_signal, agreed.requests
 
 
 def equalize_micro_batches(micro_batches: list[MicroBatch], filler: MicroBatch,
@@ -164,6 +175,7 @@ class StepResult:
     skipped: set[int]
     loss_tokens: torch.Tensor
     stop_signal: int = 0
+    requests: int = 0
 
 
 class SlotTrainStep:
@@ -209,10 +221,11 @@ class SlotTrainStep:
     def __call__(self, slot_examples: Sequence[Sequence[Example]],
                  optimizers: dict[int, SlotOptimizer], slot_order: Optional[Sequence[int]] = None,
                  micro_batches: Optional[list[MicroBatch]] = None,
-                 stop_signal: int = 0) -> StepResult:
+                 stop_signal: int = 0, requests: int = 0) -> StepResult:
         """One step of the slots in ``optimizers`` on this rank's ``slot_examples`` (its
         data-parallel share of each slot's global batch); ``micro_batches``: their
-        :meth:`pack` when already done. ``stop_signal`` (this rank's, 0: none) is agreed over
+        :meth:`pack` when already done. ``stop_signal`` (this rank's, 0: none) and
+        ``requests`` (job requests this rank saw, see training/job_inbox.py) are agreed over
         all ranks in the step's first collective (see training/stop.py). Every rank of the
         world must call it.
 
@@ -225,10 +238,10 @@ class SlotTrainStep:
         # carry no loss tokens, so the unpadded micro-batches count the same).
         if micro_batches is None:
             local = self._pack_local(slot_examples, (), slot_order)
-            agreed = agree_step(local, self.n_slots, stop_signal)
+            agreed = agree_step(local, self.n_slots, stop_signal, requests)
             micro_batches = self._equalize(local, agreed.micro_batches)
         else:
-            agreed = agree_step(micro_batches, self.n_slots, stop_signal)
+            agreed = agree_step(micro_batches, self.n_slots, stop_signal, requests)
         loss_tokens = agreed.loss_tokens
         skipped: set[int] = set()
         while True:
@@ -250,7 +263,8 @@ class SlotTrainStep:
             micro_batches = self.pack(slot_examples, skipped, slot_order)
         for s in stepping:
             optimizers[s].step(norms[s])
-        return StepResult(losses, norms, skipped, loss_tokens, agreed.stop_signal)
+        return StepResult(losses, norms, skipped, loss_tokens, agreed.stop_signal,
+                          agreed.requests)
 
     def _failing_alone(self, slot_examples: Sequence[Sequence[Example]], loss_tokens: torch.Tensor,
                        candidates: set[int], slot_order: Optional[Sequence[int]]) -> set[int]:

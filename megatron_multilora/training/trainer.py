@@ -2,18 +2,21 @@
 the final adapter x task tables.
 
 setup: the parallel layout, tokenizer, model (``model_setup.build_run_model``), every job's
-data, the job queue, and a resumed checkpoint. train: each step admits queued jobs into free
-slots (starting from an adapter folder, a PEFT folder or fresh weights), runs one
-:class:`SlotTrainStep` over every active job's global batch, ends the jobs that reached their
-budget (export, slot handed on) or failed, and logs, evaluates, checkpoints and honours an
-agreed stop on schedule. finish: every exported adapter on every task, and how each job
-ended.
+data, the job queue, a resumed checkpoint and the submitted jobs the run's journal adds
+later. train: at each step boundary, honour an agreed stop, add submitted jobs and cancel
+jobs (``mmlora``, training/job_inbox.py; decided on rank 0, broadcast, journaled), admit
+queued jobs into free slots (starting from an adapter folder, a PEFT folder or fresh
+weights); then run one :class:`SlotTrainStep` over every active job's global batch, end the
+jobs that reached their budget (export, slot handed on) or failed, and log, evaluate and
+checkpoint on schedule. A serving run (``trainer.serve``) waits for submissions when no job
+is left. finish: every exported adapter on every task, and how each job ended.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Optional
@@ -46,16 +49,22 @@ from megatron_multilora.training.checkpoints import (
     restore_training_checkpoint,
     save_training_checkpoint,
 )
+from megatron_multilora.training import job_inbox
 from megatron_multilora.training.config import (
     AdapterJob,
+    ConfigError,
     RunConfig,
+    adapter_job,
     base_model_config,
     job_alpha,
+    job_problems,
     to_plain,
 )
 from megatron_multilora.training.jobs import (
     ACTIVE,
+    CANCELLED,
     DONE,
+    ENDED,
     FAILED,
     QUEUED,
     JobQueue,
@@ -72,8 +81,8 @@ from megatron_multilora.training.metrics import (
 )
 from megatron_multilora.training.model_setup import build_run_model
 from megatron_multilora.training.slot_optimizer import SlotOptimizer
-from megatron_multilora.training.step import SlotTrainStep
-from megatron_multilora.training.stop import RunStopped, agreed_stop, received
+from megatron_multilora.training.step import SlotTrainStep, agree_boundary
+from megatron_multilora.training.stop import STOP_REQUESTED, RunStopped, received
 
 
 def start_job(model: ModelOrChunks, slot: int, job: AdapterJob, total_steps: int,
@@ -140,8 +149,15 @@ class Trainer:
                               run.trainer.steps_per_job)
         self.optimizers: dict[int, SlotOptimizer] = {}
         self.step = 0
-        self._agreed_stop: Optional[int] = None  # agreed by the last step, if any since the boundary
+        # (stop signal, job requests) agreed by the last step, if any since the boundary
+        self._agreed: Optional[tuple[int, int]] = None
+        self.submitted: list[dict] = []  # the submitted jobs in the queue, in order
+        self._cancels: dict[int, list[str]] = {}  # step -> jobs cancelled at that boundary
+        self._job_metrics: dict[str, dict[str, float]] = {}  # for status.json
+        self._seconds_per_step: Optional[float] = None
+        self._status_time = 0.0  # when status.json was last written
         self._resume()
+        self._replay_journal()
         self.logger = MetricsLogger(self.run_dir, self.is_main, run.logging.wandb_mode,
                                     run.logging.wandb_project, self.run_dir.name,
                                     {**to_plain(run), "model": dataclasses.asdict(self.model_config)})
@@ -179,6 +195,8 @@ class Trainer:
                 print(line, flush=True)
         dist.barrier()
         saved = read_training_state(point.path)
+        for job in saved["trainer"].get("submitted", []):  # added before the checkpoint
+            self._add_job(AdapterJob(**job))
         self.queue.load_state_dict(saved["trainer"]["queue"])
         by_slot = {s.slot: s for s in self.queue.active()}
         self.optimizers = restore_training_checkpoint(
@@ -190,7 +208,11 @@ class Trainer:
             print(f"resumed from {point.path} at step {self.step}", flush=True)
 
     def _move_previous_run_aside(self) -> None:
-        found = [name for name in RUN_OUTPUTS if (self.run_dir / name).exists()]
+        # A run starting over on purpose also leaves the earlier submissions behind; one that
+        # found no checkpoint (killed before its first) replays them (_replay_journal).
+        outputs = RUN_OUTPUTS + ((job_inbox.SERVE_DIR,) if self.run.checkpoint.resume == "never"
+                                 else ())
+        found = [name for name in outputs if (self.run_dir / name).exists()]
         if not found:
             return
         n = 1
@@ -205,6 +227,157 @@ class Trainer:
         print(f"{self.run_dir} holds an earlier run ({why}): starting at step 0, its outputs "
               f"({', '.join(found)}) moved to {dest}", flush=True)
 
+    def _replay_journal(self) -> None:
+        """Take up the decisions the run's journal holds from the resumed step on (every
+        rank reads it): submitted jobs join the queue with their recorded start steps and
+        cancellations happen at their steps, as when they were first decided."""
+        self._decided: set[str] = set()  # submissions added or refused (rank 0 skips them)
+        self._cancel_handled: set[str] = set()
+        names = {job.name for job in self.run.adapters}
+        for event in job_inbox.read_events(self.run_dir):
+            if event["event"] == "cancel":
+                self._cancel_handled.add(event["name"])
+            else:
+                self._decided.add(event["name"])
+            if event["step"] < self.step:
+                continue  # part of the checkpoint's state
+            if event["event"] == "add" and event["name"] not in names:
+                self._add_job(AdapterJob(**event["job"]))
+            elif event["event"] == "cancel":
+                self._cancels.setdefault(event["step"], []).append(event["name"])
+
+    def _add_job(self, job: AdapterJob) -> None:
+        """Queue a submitted job (from its ``start_step`` on), with its data, evaluation and
+        metrics like a config job's."""
+        run = self.run
+        run.adapters.append(job)  # the queue's own list of jobs
+        self.train_data.append(load_dataset(job.dataset, self.tokenizer, run.trainer.max_seq_len))
+        self.eval_records.append(read_jsonl_records(job.eval_dataset)[:run.trainer.eval_samples]
+                                 if job.eval_dataset else [])
+        self.eval_data.append(load_dataset(job.eval_dataset, self.tokenizer, run.trainer.max_seq_len)
+                              [:run.trainer.eval_samples] if job.eval_dataset else [])
+        self.queue.add(job, len(self.train_data[-1]))
+        self.submitted.append(dataclasses.asdict(job))
+
+    # ----- step boundaries: stop, job requests --------------------------------------------
+
+    def _boundary(self) -> int:
+        """Stop here (checkpoint, RunStopped) if any rank got a stop signal or ``mmlora stop``
+        was asked; else return how many job requests rank 0 saw (agreed on every rank)."""
+        agreed, self._agreed = self._agreed, None
+        if agreed is None:  # no step since the last boundary agreed on it
+            agreed = agree_boundary(self._local_stop(), self._local_requests())
+        signum, requests = agreed
+        if signum:
+            checkpoint = self._save()
+            if self.is_main and signum == STOP_REQUESTED:
+                job_inbox.clear_stop_request(self.run_dir)  # honoured: a resumed run trains on
+            self._write_status("stopped")
+            raise RunStopped(signum, self.step, checkpoint)
+        return requests
+
+    def _local_stop(self) -> int:
+        if received():
+            return received()
+        return STOP_REQUESTED if self.is_main and job_inbox.stop_requested(self.run_dir) else 0
+
+    def _local_requests(self) -> int:
+        """Rank 0: submissions not decided yet and cancel requests not handled yet."""
+        if not self.is_main:
+            return 0
+        folder = job_inbox.serve_dir(self.run_dir) / "submitted"
+        new = ({p[:-len(".json")] for p in os.listdir(folder) if p.endswith(".json")
+                and not p.startswith(".")} - self._decided) if folder.is_dir() else set()
+        return len(new) + len(job_inbox.cancel_requests(self.run_dir) - self._cancel_handled)
+
+    def _take_requests(self, requests: int) -> None:
+        """Rank 0 decides on the pending requests (journaled first), every rank applies the
+        broadcast decision; then this boundary's cancellations happen."""
+        if requests:
+            decision = [self._decide() if self.is_main else None]
+            if dist.get_world_size() > 1:
+                dist.broadcast_object_list(decision, src=0)
+            for job in decision[0]["add"]:
+                self._add_job(AdapterJob(**job))
+                self._say(f"step {self.step}: submitted job {job['name']} joins the queue "
+                          f"({self.queue.states[-1].total_steps} steps)")
+            self._cancels.setdefault(self.step, []).extend(decision[0]["cancel"])
+        for name in self._cancels.pop(self.step, []):
+            self._cancel(name)
+
+    def _decide(self) -> dict[str, list]:
+        """Rank 0: which new submissions join the run (checked again: the run may have
+        changed since ``mmlora submit``) and which jobs to cancel, each journaled."""
+        decision: dict[str, list] = {"add": [], "cancel": []}
+        names = {job.name for job in self.run.adapters}
+        for sub in job_inbox.submissions(self.run_dir, skip=self._decided):
+            self._decided.add(sub.name)
+            job, problems = self._checked_submission(sub, names)
+            if problems:
+                job_inbox.append_event(self.run_dir, {"event": "refuse", "name": sub.name,
+                                                      "step": self.step, "reason": "; ".join(problems)})
+                self._say(f"step {self.step}: submitted job {sub.name} refused: {'; '.join(problems)}")
+                continue
+            job = {**dataclasses.asdict(job), "start_step": self.step}
+            job_inbox.append_event(self.run_dir, {"event": "add", "name": sub.name,
+                                                  "step": self.step, "job": job})
+            decision["add"].append(job)
+            names.add(sub.name)
+        ended = {s.name for s in self.queue.states if s.status in ENDED}
+        for name in sorted(job_inbox.cancel_requests(self.run_dir) - self._cancel_handled):
+            self._cancel_handled.add(name)
+            if name in names and name not in ended:
+                job_inbox.append_event(self.run_dir, {"event": "cancel", "name": name,
+                                                      "step": self.step})
+                decision["cancel"].append(name)
+        return decision
+
+    def _checked_submission(self, sub: job_inbox.Submission, names: set[str]
+                            ) -> tuple[Optional[AdapterJob], list[str]]:
+        """The submitted job and what is wrong with it now (``mmlora submit`` checked it,
+        but files and the run may have changed since, and anyone can write the folder)."""
+        if sub.name in names:
+            return None, [f"a job named {sub.name} is already in the run"]
+        where = f"submitted job {sub.name}"
+        try:
+            job = adapter_job(sub.job, where)
+        except ConfigError as err:
+            return None, [str(err)]
+        return job, job_problems(job, where, self.run.lora.max_rank, self.dp_size)
+
+    def _cancel(self, name: str) -> None:
+        state = next(s for s in self.queue.states if s.name == name)
+        if state.status == ACTIVE:
+            self._end(state, CANCELLED, f"cancelled after {state.steps_done} steps; exported as "
+                                        "it stood")
+        elif state.status == QUEUED:
+            self.queue.release(state, CANCELLED, "cancelled before it started")
+            self._say(f"step {self.step}: job {name} cancelled before it started")
+            self._write_status("training")
+
+    def _write_status(self, state: str, force: bool = True) -> None:
+        """Rank 0: the run's state and a row per job for ``mmlora status``; routine updates
+        (``force=False``) at most once a second (each is a synced file write)."""
+        if not self.is_main or (not force and time.time() - self._status_time < 1.0):
+            return
+        self._status_time = time.time()
+        rows = []
+        for s in self.queue.states:
+            metrics = self._job_metrics.get(s.name, {})
+            left = s.total_steps - s.steps_done
+            rows.append({"name": s.name, "status": s.status, "slot": s.slot,
+                         "steps_done": s.steps_done, "total_steps": s.total_steps,
+                         "loss": metrics.get("loss"), "eval_loss": metrics.get("eval_loss"),
+                         "tokens_per_s": metrics.get("tokens_per_s"),
+                         "eta_s": (left * self._seconds_per_step if s.status == ACTIVE
+                                   and self._seconds_per_step else None),
+                         "source": "config" if s.index < len(self.run.adapters) - len(self.submitted)
+                         else "submitted"})
+        job_inbox.write_status(self.run_dir, {
+            "state": state, "step": self.step, "updated_at": time.time(), "pid": os.getpid(),
+            "host": socket.gethostname(), "dp_size": self.dp_size,
+            "max_rank": self.run.lora.max_rank, "slots": self.n_slots, "jobs": rows})
+
     # ----- training -----------------------------------------------------------------------
 
     def _start(self, state: JobState) -> None:
@@ -213,22 +386,27 @@ class Trainer:
                                                 self.model_config, self.hf_model_type)
         self._say(f"step {self.step}: job {job.name} starts on slot {state.slot} "
                   f"({state.total_steps} steps)")
+        self._write_status("training")
 
     def _end(self, state: JobState, status: str, reason: str) -> None:
         job = self.run.adapters[state.index]
         slot = state.slot
-        if status == DONE:
-            self._export(state)
+        if status in (DONE, CANCELLED):
+            self._export(state, cancelled=status == CANCELLED)
         self.queue.release(state, status, reason)
         self.optimizers.pop(slot).zero_grad()
         clear_adapter_slot(self.model, slot)  # weights, rank, alpha back to a fresh slot
         self._say(f"step {self.step}: job {job.name} {status} ({reason}); slot {slot} is free")
+        self._write_status("training")
 
-    def _export(self, state: JobState) -> None:
+    def _export(self, state: JobState, cancelled: bool = False) -> None:
         """Write the job's slot as an adapter folder (and a PEFT folder on an HF base)."""
         job = self.run.adapters[state.index]
-        export_adapter(self.model, state.slot, self.run_dir / "adapters" / job.name,
-                       self._adapter_meta(job, state), overwrite=True)
+        meta = self._adapter_meta(job, state)
+        if cancelled:
+            meta["cancelled"] = True
+        export_adapter(self.model, state.slot, self.run_dir / "adapters" / job.name, meta,
+                       overwrite=True)
         if self.run.hf_dir:
             export_peft(self.model, state.slot, self.run_dir / "peft" / job.name,
                         self.model_config, self.hf_model_type,
@@ -269,8 +447,8 @@ class Trainer:
         optimizers = {s.slot: self.optimizers[s.slot] for s in active}
         lrs = {slot: opt.lr for slot, opt in optimizers.items()}  # what this step uses
         result = self.train_step(slot_examples, optimizers, slot_order=order,
-                                 stop_signal=received())
-        self._agreed_stop = result.stop_signal  # for the coming step boundary
+                                 stop_signal=self._local_stop(), requests=self._local_requests())
+        self._agreed = (result.stop_signal, result.requests)  # for the coming step boundary
         stats = {}
         for state in active:
             job = self.run.adapters[state.index]
@@ -287,17 +465,31 @@ class Trainer:
                                  "loss_tokens": float(result.loss_tokens[state.slot])}
         return stats
 
+    def _planned(self) -> int:
+        budget = self.step + planned_steps(self.run.adapters, self.queue.states, self.n_slots)
+        return min(budget, self.run.trainer.max_steps or budget)
+
     def train(self) -> None:
         tr = self.run.trainer
-        budget = planned_steps(self.run.adapters, self.queue.states, self.n_slots)
-        progress = Progress(min(budget, tr.max_steps or budget), self.is_main, initial=self.step)
+        progress = Progress(self._planned(), self.is_main, initial=self.step)
         window: dict[str, list[float]] = {}
-        window_start = time.perf_counter()
-        while not self.queue.finished() and (tr.max_steps is None or self.step < tr.max_steps):
-            self._stop_if_signalled()
+        window_start, window_step = time.perf_counter(), self.step
+        self._write_status("training")
+        while tr.max_steps is None or self.step < tr.max_steps:
+            jobs = len(self.queue.states)
+            self._take_requests(self._boundary())
+            if len(self.queue.states) != jobs:
+                progress.set_total(self._planned(), self.step)
             for state in self.queue.admit(self.step):
                 self._start(state)
             active = self.queue.active()
+            if not active and self.queue.finished():
+                if not tr.serve:
+                    break
+                self._write_status("idle", force=False)  # wait for submissions, sleeping
+                time.sleep(tr.serve_poll_seconds)
+                window_start, window_step = time.perf_counter(), self.step
+                continue
             if not active:  # every remaining job starts later
                 self.step += 1
                 continue
@@ -313,8 +505,11 @@ class Trainer:
                     self._end(state, DONE, f"{state.steps_done} steps")
             progress.update(self.step)
             if self.step % tr.log_interval == 0 or self.queue.finished():
-                self._log_train(window, time.perf_counter() - window_start, progress)
-                window, window_start = {}, time.perf_counter()
+                seconds = time.perf_counter() - window_start
+                self._seconds_per_step = seconds / max(1, self.step - window_step)
+                self._log_train(window, seconds, progress)
+                window, window_start, window_step = {}, time.perf_counter(), self.step
+                self._write_status("training", force=False)
             if tr.eval_interval and self.step % tr.eval_interval == 0:
                 self._log_eval(progress)
             every = self.run.checkpoint.save_interval
@@ -336,6 +531,9 @@ class Trainer:
                                                     / max(seconds, 1e-9))}
         if not adapters:
             return
+        for name, metrics in adapters.items():
+            self._job_metrics.setdefault(name, {}).update(
+                loss=metrics["loss"], tokens_per_s=metrics["tokens_per_s"])
         self.logger.log(self.step, "train", adapters)
         width = max(len(n) for n in adapters)
         for name, metrics in adapters.items():
@@ -348,6 +546,8 @@ class Trainer:
             return
         names = {s.slot: self.run.adapters[s.index].name for s in self.queue.active()}
         adapters = {names[slot]: {"loss": loss} for slot, loss in losses.items()}
+        for name, metrics in adapters.items():
+            self._job_metrics.setdefault(name, {})["eval_loss"] = metrics["loss"]
         for slot, acc in self.tasks.accuracy(on_own_task).items():
             adapters[names[slot]]["accuracy"] = acc
         self.logger.log(self.step, "eval", adapters)
@@ -361,18 +561,10 @@ class Trainer:
             path = save_training_checkpoint(
                 self.run_dir, self.step, self.model, self.optimizers,
                 {"queue": self.queue.state_dict(), "metrics_records": self.logger.records,
-                 "adapters": self._training_meta()},
+                 "adapters": self._training_meta(), "submitted": self.submitted},
                 self.run.checkpoint.keep_last)
             self._saved = (self.step, path)
         return self._saved[1]
-
-    def _stop_if_signalled(self) -> None:
-        """At a step boundary: if any rank got SIGTERM/SIGINT, every rank saves and stops here."""
-        signum, self._agreed_stop = self._agreed_stop, None
-        if signum is None:  # no step since the last boundary agreed on it
-            signum = agreed_stop(next(self.model[0].parameters()).device)
-        if signum:
-            raise RunStopped(signum, self.step, self._save())
 
     def stopped(self, stop: RunStopped) -> None:
         """Say where a stopped run can be resumed; close the logger, tear down the layout."""
@@ -390,6 +582,7 @@ class Trainer:
     def finish(self) -> list[str]:
         """Evaluate every exported adapter on every task, print the tables and how each job
         ended; returns the names of the jobs that failed."""
+        self._write_status("finished")
         names, tasks, losses, accuracy = self._adapter_task_tables()
         if self.is_main:
             from megatron_multilora.training.plots import format_table, plot_heatmap, plot_loss_curves
@@ -428,6 +621,7 @@ class Trainer:
             where = self.run_dir / "adapters" / state.name if state.name in exported else "-"
             how = {DONE: f"done after {state.steps_done} steps",
                    FAILED: f"FAILED after {state.steps_done} steps ({state.reason}), not exported",
+                   CANCELLED: state.reason,
                    ACTIVE: f"UNFINISHED: {state.steps_done} of {state.total_steps} steps ({limit}), "
                            "exported as is",
                    QUEUED: f"not started ({limit})"}[state.status]
@@ -443,8 +637,10 @@ class Trainer:
                   flush=True)
 
     def _exported(self) -> list[JobState]:
-        """Done jobs, and jobs trainer.max_steps cut short (exported at the end of train)."""
-        return [s for s in self.queue.states if s.status in (DONE, ACTIVE)]
+        """Done jobs, jobs cancelled while training, and jobs trainer.max_steps cut short
+        (exported at the end of train)."""
+        return [s for s in self.queue.states if s.status in (DONE, ACTIVE) or
+                (s.status == CANCELLED and (self.run_dir / "adapters" / s.name).is_dir())]
 
     def _adapter_task_tables(self):
         """The base model and every exported adapter on every job's held-out data: (row

@@ -158,8 +158,11 @@ def test_starting_over_moves_the_earlier_run_aside(why, finished, demo_data, tmp
     assert records(run_dir / "previous" / "1") == records(finished)
     moved = sorted(p.name for p in (run_dir / "previous" / "1").iterdir())
     # The run was cut short by trainer.max_steps: its unfinished adapters were exported too.
-    assert moved == (["adapters", "checkpoints", "metrics.jsonl"] if why.startswith("checkpoint.")
-                     else ["adapters", "metrics.jsonl"])
+    # Starting over on purpose also sets its serve/ folder (status, submissions) aside; one
+    # that found no checkpoint keeps it to replay what was submitted.
+    assert moved == (["adapters", "checkpoints", "metrics.jsonl", "serve"]
+                     if why.startswith("checkpoint.") else ["adapters", "metrics.jsonl"])
+    assert (run_dir / "serve" / "status.json").is_file()  # the new run's
 
 
 def test_explicit_older_checkpoint_sets_the_newer_ones_aside(finished, demo_data, tmp_path, capsys):

@@ -1,0 +1,395 @@
+"""``mmlora``: submit jobs to a serving training run, watch it, cancel jobs, stop it.
+
+A run launched with ``trainer.serve=true`` admits jobs at step boundaries; this command line
+talks to it only through the run directory's mailbox (:mod:`job_inbox`), so it works on any
+machine that sees the run directory, whether the trainer is up or not::
+
+    mmlora submit --run-dir R job.yaml     # validate a job completely, then hand it over
+    mmlora status --run-dir R [--json]     # the trainer's state and a row per job
+    mmlora cancel --run-dir R NAME         # stop one job at the next step boundary
+    mmlora stop --run-dir R                # checkpoint and end the run after this step
+
+Every refusal exits with code 2 and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import os
+import re
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from megatron_multilora.training import job_inbox
+
+if TYPE_CHECKING:
+    from megatron_multilora.training.config import AdapterJob, RunConfig
+
+EXIT_REFUSED = 2
+# A job's name becomes a file name (serve/submitted/<name>.json, its adapter folder).
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+PATH_FIELDS = ("dataset", "eval_dataset", "init_from")
+REQUIRED_FIELDS = ("name", "dataset")
+ENDED = ("done", "failed", "cancelled")
+RUNNING = ("training", "idle")
+
+
+class CommandError(Exception):
+    """A refused command; the message says what was wrong, where, and how to fix it."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The run directory and the trainer
+
+
+def _run_config_path(run_dir: str) -> Path:
+    path = Path(run_dir) / "hydra" / "config.yaml"
+    if not path.is_file():
+        raise CommandError(
+            f"{run_dir} is not a run directory ({path} does not exist): launch the trainer "
+            f"first, e.g. `torchrun ... recipes/multi_lora_finetune.py run_dir={run_dir} "
+            "trainer.serve=true`, or pass the --run-dir of a launched run")
+    return path
+
+
+def _load_run(run_dir: str) -> RunConfig:
+    # Imported here: only submit and cancel need the config schema.
+    from omegaconf import OmegaConf
+
+    from megatron_multilora.training.config import ConfigError, load_run_config
+
+    path = _run_config_path(run_dir)
+    try:
+        return load_run_config(OmegaConf.load(path))
+    except (ConfigError, OSError, ValueError) as err:
+        raise CommandError(f"{path}: the run's recorded config cannot be read ({err}); pass the "
+                           "--run-dir of a run launched by this version") from None
+
+
+def _trainer_alive(status: Optional[dict[str, Any]]) -> Optional[bool]:
+    """Whether the reporting trainer process lives; None when it runs on another host
+    (its pid means nothing here) or never reported."""
+    if status is None or status.get("pid") is None or status.get("host") != socket.gethostname():
+        return None
+    try:
+        os.kill(int(status["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def _trainer_running(status: Optional[dict[str, Any]]) -> bool:
+    """Whether a trainer will see a request soon (a trainer on another host is assumed up
+    unless it reported that it stopped)."""
+    return (status is not None and status.get("state") in RUNNING
+            and _trainer_alive(status) is not False)
+
+
+def _when_seen(status: Optional[dict[str, Any]]) -> str:
+    if _trainer_running(status):
+        return "at its next step boundary"
+    return ("when the run is resumed (the trainer is not running; relaunch it with the same "
+            "command)")
+
+
+# ---------------------------------------------------------------------------------------------
+# submit
+
+
+def submit(args: argparse.Namespace) -> int:
+    run = _load_run(args.run_dir)
+    status = job_inbox.read_status(args.run_dir)
+    spec = _read_spec(args.spec)
+    job = _validated_job(spec, args.spec, run, status, args.run_dir)
+    stored = {key: getattr(job, key) for key in spec}  # normalised types, absolute paths
+    try:
+        job_inbox.submit(args.run_dir, stored)
+    except FileExistsError:  # a racing submission of the same name landed first
+        raise CommandError(_already_submitted(args.spec, job.name)) from None
+    print(f"submitted job {job.name} to {args.run_dir}: the trainer adds it {_when_seen(status)}")
+    return 0
+
+
+def _read_spec(path: str) -> dict[str, Any]:
+    import yaml  # JSON is YAML too: one parser for both
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise CommandError(f"{path}: cannot read the job spec ({err})") from None
+    try:
+        spec = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise CommandError(f"{path}: not valid YAML or JSON ({err}); write one mapping of an "
+                           "`adapters` entry's fields") from None
+    if not isinstance(spec, dict) or not all(isinstance(k, str) for k in spec):
+        raise CommandError(f"{path}: expected one mapping of an `adapters` entry's fields "
+                           f"(name, dataset, rank, ...), got {type(spec).__name__}")
+    return spec
+
+
+def _validated_job(spec: dict[str, Any], where: str, run: RunConfig,
+                   status: Optional[dict[str, Any]], run_dir: str) -> AdapterJob:
+    """The spec as a job with absolute paths; raises CommandError listing every problem."""
+    from megatron_multilora.training.config import ConfigError, adapter_job, job_problems
+
+    problems, usable = _field_problems(spec, where)
+    job = None
+    if usable is not None:
+        try:
+            job = adapter_job(usable, where)
+        except ConfigError as err:  # what the field-by-field checks cannot see
+            problems.append(str(err))
+    name = job.name if job is not None else spec.get("name")
+    if isinstance(name, str):
+        problems += _name_problems(name, where, run, run_dir)
+    if job is not None:
+        for field in PATH_FIELDS:  # relative to where the command runs, not the trainer
+            if getattr(job, field) is not None:
+                setattr(job, field, os.path.abspath(os.path.expanduser(getattr(job, field))))
+        dp = int(status.get("dp_size", 1)) if status else 1
+        problems += job_problems(job, where, run.lora.max_rank, dp, check_files=True)
+    if problems:
+        raise CommandError(f"the job in {where} cannot be submitted; fix it and submit again:"
+                           "\n  - " + "\n  - ".join(problems))
+    return job
+
+
+def _field_problems(spec: dict[str, Any], where: str
+                    ) -> tuple[list[str], Optional[dict[str, Any]]]:
+    """Unknown, forbidden, missing and mistyped fields, each checked on its own so that all
+    of them are reported at once; and the fields the per-job checks can run on (None when a
+    field they need is missing or mistyped: checking a default instead would mislead)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from megatron_multilora.training.config import AdapterJob
+
+    fields = [f.name for f in dataclasses.fields(AdapterJob) if f.name != "start_step"]
+    problems, usable, complete = [], {}, True
+    for key, value in spec.items():
+        if key == "start_step":
+            problems.append(f"{where}: start_step: remove it; the trainer sets it to the step at "
+                            "which it adds the job")
+        elif key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            problems.append(f"{where}: unknown key {key!r}; {hint}an adapters entry has the "
+                            f"fields {', '.join(fields)}")
+        elif value is None and key in REQUIRED_FIELDS:
+            complete = False  # reported as missing below
+        else:
+            try:
+                OmegaConf.merge(OmegaConf.structured(AdapterJob), {key: value})
+                usable[key] = value
+            except OmegaConfBaseException as err:
+                problems.append(f"{where}: {key}: {str(err.msg).splitlines()[0]}")
+                complete = False
+    for key in REQUIRED_FIELDS:
+        if spec.get(key) is None:
+            problems.append(f"{where}: {key}: missing; every job needs a {key}")
+            complete = False
+    return problems, usable if complete else None
+
+
+def _name_problems(name: str, where: str, run: RunConfig, run_dir: str) -> list[str]:
+    if not NAME_PATTERN.fullmatch(name):
+        return [f"{where}: name={name!r}: use letters, digits, '.', '_' and '-', starting with a "
+                "letter or digit (the name becomes a file name)"]
+    if name == "base":
+        return [f"{where}: name='base' is reserved for the base model's row in the final tables; "
+                "choose another name"]
+    if name in {job.name for job in run.adapters}:
+        return [f"{where}: name={name!r} is already a job of the run's config; choose another "
+                "name"]
+    if (job_inbox.serve_dir(run_dir) / "submitted" / f"{name}.json").exists():
+        return [_already_submitted(where, name)]
+    return []
+
+
+def _already_submitted(where: str, name: str) -> str:
+    return (f"{where}: name={name!r}: a job of that name was already submitted to this run; "
+            "choose another name (see `mmlora status`)")
+
+
+# ---------------------------------------------------------------------------------------------
+# status
+
+
+def status(args: argparse.Namespace) -> int:
+    _run_config_path(args.run_dir)
+    report = run_report(args.run_dir)
+    print(json.dumps(report, indent=2) if args.json else _render(report))
+    return 0
+
+
+def run_report(run_dir: str) -> dict[str, Any]:
+    """The trainer's status merged with what it has not reported yet: submissions it has not
+    seen, pending cancel requests, refused submissions (with the reason)."""
+    reported = job_inbox.read_status(run_dir)
+    trainer = {k: v for k, v in (reported or {}).items() if k != "jobs"} or None
+    rows = [dict(row) for row in (reported or {}).get("jobs", [])]
+    known = {row["name"] for row in rows}
+    decided = {e["name"]: e for e in job_inbox.read_events(run_dir)
+               if e.get("event") in ("add", "refuse")}
+    for sub in job_inbox.submissions(run_dir, skip=known):
+        rows.append(_submission_row(sub, decided.get(sub.name)))
+    cancelling = job_inbox.cancel_requests(run_dir)
+    for row in rows:
+        row["cancel_requested"] = row["name"] in cancelling and row["status"] not in ENDED
+    return {"run_dir": str(run_dir), "trainer": trainer, "trainer_alive": _trainer_alive(reported),
+            "stop_requested": job_inbox.stop_requested(run_dir), "jobs": rows}
+
+
+def _submission_row(sub: job_inbox.Submission, event: Optional[dict[str, Any]]) -> dict[str, Any]:
+    # "added": the trainer took it but has not reported since.
+    state = {None: "submitted", "add": "added", "refuse": "refused"}[event and event["event"]]
+    row = {"name": sub.name, "status": state, "slot": None, "steps_done": 0,
+           "total_steps": sub.job.get("max_steps"), "source": "submitted",
+           "submitted_at": sub.submitted_at}
+    if state == "refused":
+        row["reason"] = event.get("reason", "")
+        row["refused_at_step"] = event.get("step")
+    return row
+
+
+def _render(report: dict[str, Any]) -> str:
+    lines = [_header(report), ""]
+    columns = ("NAME", "STATE", "SLOT", "STEP", "LOSS", "EVAL LOSS", "TOKENS/S", "ETA")
+    cells = [columns] + [_cells(row) for row in report["jobs"]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    if not report["jobs"]:
+        lines.append("(no jobs)")
+    lines += [f"refused {row['name']} at step {row.get('refused_at_step')}: {row['reason']}"
+              for row in report["jobs"] if row["status"] == "refused"]
+    return "\n".join(lines)
+
+
+def _header(report: dict[str, Any]) -> str:
+    trainer = report["trainer"]
+    if trainer is None:
+        head = (f"{report['run_dir']}: the trainer has not reported yet (no "
+                f"{job_inbox.STATUS_FILE}); showing submissions only")
+    else:
+        alive = {True: "alive", False: "not running", None: f"on host {trainer.get('host')} "
+                 "(not checkable here)"}[report["trainer_alive"]]
+        ago = _duration(max(time.time() - float(trainer["updated_at"]), 0.0))
+        head = (f"{report['run_dir']}: trainer {trainer['state']} at step {trainer['step']}, "
+                f"updated {ago} ago; process {trainer.get('pid')} {alive}")
+    return head + ("; stop requested" if report["stop_requested"] else "")
+
+
+def _cells(row: dict[str, Any]) -> tuple[str, ...]:
+    state = row["status"] + (" (cancelling)" if row["cancel_requested"] else "")
+    total = row.get("total_steps")
+    return (row["name"], state, _text(row.get("slot")),
+            f"{row.get('steps_done', 0)}/{'?' if total is None else total}",
+            _number(row.get("loss"), ".4f"), _number(row.get("eval_loss"), ".4f"),
+            _number(row.get("tokens_per_s"), ".0f"),
+            "-" if row.get("eta_s") is None else _duration(row["eta_s"]))
+
+
+def _text(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _number(value: Optional[float], spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _duration(seconds: float) -> str:
+    """Human-friendly: 45s, 1m05s, 2h03m."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+# ---------------------------------------------------------------------------------------------
+# cancel and stop
+
+
+def cancel(args: argparse.Namespace) -> int:
+    run = _load_run(args.run_dir)
+    report = run_report(args.run_dir)
+    row = next((r for r in report["jobs"] if r["name"] == args.name), None)
+    if row is None and args.name not in {job.name for job in run.adapters}:
+        known = sorted({j.name for j in run.adapters} | {r["name"] for r in report["jobs"]})
+        raise CommandError(f"no job named {args.name!r} in {args.run_dir}; its jobs are: "
+                           f"{', '.join(known) or '(none)'} (see `mmlora status`)")
+    if row is not None and row["status"] in ENDED + ("refused",):
+        raise CommandError(f"job {args.name!r} in {args.run_dir} has already ended "
+                           f"({row['status']}); there is nothing to cancel")
+    job_inbox.request_cancel(args.run_dir, args.name)
+    print(f"cancel of {args.name} requested: the trainer stops it "
+          f"{_when_seen(report['trainer'])}, exports its adapter as it stands (if it trained) "
+          "and frees its slot")
+    return 0
+
+
+def stop(args: argparse.Namespace) -> int:
+    _run_config_path(args.run_dir)
+    status_now = job_inbox.read_status(args.run_dir)
+    job_inbox.request_stop(args.run_dir)
+    if _trainer_running(status_now):
+        print("stop requested: the trainer stops after its current step with a checkpoint; "
+              "resume the run with the same launch command")
+    else:
+        print("stop requested, but the trainer is not running: the run, when resumed, stops "
+              "after its first step with a checkpoint")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mmlora", description="Submit jobs to a serving training run (launched with "
+        "trainer.serve=true), watch it, cancel jobs, stop it.")
+    commands = parser.add_subparsers(dest="command_name", required=True, metavar="COMMAND")
+
+    def command(name: str, run: Callable[[argparse.Namespace], int], help_: str
+                ) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_, description=help_)
+        sub.add_argument("--run-dir", required=True, help="the run's run_dir")
+        sub.set_defaults(run=run)
+        return sub
+
+    command("submit", submit, "validate a job spec and hand it to the serving trainer"
+            ).add_argument("spec", help="YAML or JSON file: one `adapters` entry (name, "
+                           "dataset, rank, max_steps or epochs, ...)")
+    command("status", status, "show the trainer's state and every job"
+            ).add_argument("--json", action="store_true", help="print the data as JSON")
+    command("cancel", cancel, "stop a job at the next step boundary").add_argument(
+        "name", help="the job's name")
+    command("stop", stop, "stop the run after its current step, with a checkpoint")
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exit_:  # --help (0) or a usage error (2), already printed
+        return int(exit_.code or 0)
+    try:
+        return args.run(args)
+    except CommandError as err:
+        print(f"mmlora {args.command_name}: error: {err}", file=sys.stderr)
+        return EXIT_REFUSED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
