@@ -117,13 +117,28 @@ def _eval_loss(model, examples, pad_id: int) -> float:
     return float(loss / keep.sum())
 
 
+def _with_peft_adapters(model, jobs: list, targets: list[str]):
+    """``model`` wrapped by peft with one LoRA adapter per job (every one injected up front;
+    only the active one trains), in train mode."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = None
+    for job in jobs:
+        cfg = LoraConfig(r=job.rank, lora_alpha=job.alpha, lora_dropout=job.dropout,
+                         target_modules=targets, bias="none", task_type="CAUSAL_LM")
+        if peft_model is None:
+            peft_model = get_peft_model(model, cfg, adapter_name=job.name)
+        else:
+            peft_model.add_adapter(job.name, cfg)
+    return peft_model.train()
+
+
 def peft_worker(spec: dict, job_indices: list[int], threads: int, result_file: str) -> None:
     """Train the given jobs one after another with transformers + peft; write timings,
     losses and this process's CPU seconds of the training loops."""
     import torch
 
     torch.set_num_threads(threads)
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_multilora.data.datasets import load_dataset
@@ -139,15 +154,7 @@ def peft_worker(spec: dict, job_indices: list[int], threads: int, result_file: s
     train = [load_dataset(j.dataset, tok, spec["max_seq_len"]) for j in jobs]
     evals = [load_dataset(j.eval_dataset, tok, spec["max_seq_len"])[:spec["eval_samples"]]
              for j in jobs]
-    peft_model = None
-    for job in jobs:  # every adapter injected up front; only the one training is active
-        cfg = LoraConfig(r=job.rank, lora_alpha=job.alpha, lora_dropout=job.dropout,
-                         target_modules=spec["targets"], bias="none", task_type="CAUSAL_LM")
-        if peft_model is None:
-            peft_model = get_peft_model(model, cfg, adapter_name=job.name)
-        else:
-            peft_model.add_adapter(job.name, cfg)
-    peft_model.train()
+    peft_model = _with_peft_adapters(model, jobs, spec["targets"])
     steps = spec["steps"]
     out = {"jobs": {}, "threads": threads, "torch_threads": torch.get_num_threads()}
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -242,7 +249,6 @@ def step_cost_worker(spec: dict, side: str, result_file: str, reps: int = 20,
 
 def _peft_step_costs(spec: dict, jobs: list, batches, pad_id: int, median) -> dict:
     import torch
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from megatron_multilora.training.slot_optimizer import lr_factor
@@ -258,15 +264,7 @@ def _peft_step_costs(spec: dict, jobs: list, batches, pad_id: int, median) -> di
             model(inputs_embeds=x, attention_mask=attn, labels=labels).loss.backward()
 
     out = {"frozen": median(frozen)}  # before peft injects its layers into ``model``
-    peft_model = None
-    for job in jobs:
-        cfg = LoraConfig(r=job.rank, lora_alpha=job.alpha, lora_dropout=job.dropout,
-                         target_modules=spec["targets"], bias="none", task_type="CAUSAL_LM")
-        if peft_model is None:
-            peft_model = get_peft_model(model, cfg, adapter_name=job.name)
-        else:
-            peft_model.add_adapter(job.name, cfg)
-    peft_model.train()
+    peft_model = _with_peft_adapters(model, jobs, spec["targets"])
     loops = []
     for job in jobs:
         params = [p for n, p in peft_model.named_parameters() if f".{job.name}." in n]
