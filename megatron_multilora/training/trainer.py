@@ -79,6 +79,7 @@ from megatron_multilora.training.metrics import (
     keep_first_records,
     read_metrics,
 )
+from megatron_multilora.training.job_requests import JobRequests
 from megatron_multilora.training.model_setup import build_run_model
 from megatron_multilora.training.slot_optimizer import SlotOptimizer
 from megatron_multilora.training.step import SlotTrainStep, agree_boundary
@@ -152,12 +153,13 @@ class Trainer:
         # (stop signal, job requests) agreed by the last step, if any since the boundary
         self._agreed: Optional[tuple[int, int]] = None
         self.submitted: list[dict] = []  # the submitted jobs in the queue, in order
-        self._cancels: dict[int, list[str]] = {}  # step -> jobs cancelled at that boundary
+        self.requests = JobRequests(self.run_dir)
         self._job_metrics: dict[str, dict[str, float]] = {}  # for status.json
         self._seconds_per_step: Optional[float] = None
         self._status_time = 0.0  # when status.json was last written
         self._resume()
-        self._replay_journal()
+        for job in self.requests.replay(self.step, {job.name for job in run.adapters}):
+            self._add_job(AdapterJob(**job))
         self.logger = MetricsLogger(self.run_dir, self.is_main, run.logging.wandb_mode,
                                     run.logging.wandb_project, self.run_dir.name,
                                     {**to_plain(run), "model": dataclasses.asdict(self.model_config)})
@@ -209,7 +211,7 @@ class Trainer:
 
     def _move_previous_run_aside(self) -> None:
         # A run starting over on purpose also leaves the earlier submissions behind; one that
-        # found no checkpoint (killed before its first) replays them (_replay_journal).
+        # found no checkpoint (killed before its first) replays them (JobRequests.replay).
         outputs = RUN_OUTPUTS + ((job_inbox.SERVE_DIR,) if self.run.checkpoint.resume == "never"
                                  else ())
         found = [name for name in outputs if (self.run_dir / name).exists()]
@@ -226,25 +228,6 @@ class Trainer:
                else "no checkpoint to resume")
         print(f"{self.run_dir} holds an earlier run ({why}): starting at step 0, its outputs "
               f"({', '.join(found)}) moved to {dest}", flush=True)
-
-    def _replay_journal(self) -> None:
-        """Take up the decisions the run's journal holds from the resumed step on (every
-        rank reads it): submitted jobs join the queue with their recorded start steps and
-        cancellations happen at their steps, as when they were first decided."""
-        self._decided: set[str] = set()  # submissions added or refused (rank 0 skips them)
-        self._cancel_handled: set[str] = set()
-        names = {job.name for job in self.run.adapters}
-        for event in job_inbox.read_events(self.run_dir):
-            if event["event"] == "cancel":
-                self._cancel_handled.add(event["name"])
-            else:
-                self._decided.add(event["name"])
-            if event["step"] < self.step:
-                continue  # part of the checkpoint's state
-            if event["event"] == "add" and event["name"] not in names:
-                self._add_job(AdapterJob(**event["job"]))
-            elif event["event"] == "cancel":
-                self._cancels.setdefault(event["step"], []).append(event["name"])
 
     def _add_job(self, job: AdapterJob) -> None:
         """Queue a submitted job (from its ``start_step`` on), with its data, evaluation and
@@ -282,62 +265,32 @@ class Trainer:
         return STOP_REQUESTED if self.is_main and job_inbox.stop_requested(self.run_dir) else 0
 
     def _local_requests(self) -> int:
-        """Rank 0: submissions not decided yet and cancel requests not handled yet."""
-        if not self.is_main:
-            return 0
-        folder = job_inbox.serve_dir(self.run_dir) / "submitted"
-        new = ({p[:-len(".json")] for p in os.listdir(folder) if p.endswith(".json")
-                and not p.startswith(".")} - self._decided) if folder.is_dir() else set()
-        return len(new) + len(job_inbox.cancel_requests(self.run_dir) - self._cancel_handled)
+        return self.requests.pending() if self.is_main else 0
 
     def _take_requests(self, requests: int) -> None:
         """Rank 0 decides on the pending requests (journaled first), every rank applies the
         broadcast decision; then this boundary's cancellations happen."""
+        granted = []
         if requests:
-            decision = [self._decide() if self.is_main else None]
+            decision = [self.requests.decide(
+                self.step, {job.name for job in self.run.adapters},
+                {s.name for s in self.queue.states if s.status in ENDED},
+                self._checked_submission, self._say) if self.is_main else None]
             if dist.get_world_size() > 1:
                 dist.broadcast_object_list(decision, src=0)
             for job in decision[0]["add"]:
                 self._add_job(AdapterJob(**job))
                 self._say(f"step {self.step}: submitted job {job['name']} joins the queue "
                           f"({self.queue.states[-1].total_steps} steps)")
-            self._cancels.setdefault(self.step, []).extend(decision[0]["cancel"])
-        for name in self._cancels.pop(self.step, []):
+            granted = decision[0]["cancel"]
+            self._write_status("training")
+        for name in self.requests.cancels_at(self.step, granted):
             self._cancel(name)
 
-    def _decide(self) -> dict[str, list]:
-        """Rank 0: which new submissions join the run (checked again: the run may have
-        changed since ``mmlora submit``) and which jobs to cancel, each journaled."""
-        decision: dict[str, list] = {"add": [], "cancel": []}
-        names = {job.name for job in self.run.adapters}
-        for sub in job_inbox.submissions(self.run_dir, skip=self._decided):
-            self._decided.add(sub.name)
-            job, problems = self._checked_submission(sub, names)
-            if problems:
-                job_inbox.append_event(self.run_dir, {"event": "refuse", "name": sub.name,
-                                                      "step": self.step, "reason": "; ".join(problems)})
-                self._say(f"step {self.step}: submitted job {sub.name} refused: {'; '.join(problems)}")
-                continue
-            job = {**dataclasses.asdict(job), "start_step": self.step}
-            job_inbox.append_event(self.run_dir, {"event": "add", "name": sub.name,
-                                                  "step": self.step, "job": job})
-            decision["add"].append(job)
-            names.add(sub.name)
-        ended = {s.name for s in self.queue.states if s.status in ENDED}
-        for name in sorted(job_inbox.cancel_requests(self.run_dir) - self._cancel_handled):
-            self._cancel_handled.add(name)
-            if name in names and name not in ended:
-                job_inbox.append_event(self.run_dir, {"event": "cancel", "name": name,
-                                                      "step": self.step})
-                decision["cancel"].append(name)
-        return decision
-
-    def _checked_submission(self, sub: job_inbox.Submission, names: set[str]
+    def _checked_submission(self, sub: job_inbox.Submission
                             ) -> tuple[Optional[AdapterJob], list[str]]:
         """The submitted job and what is wrong with it now (``mmlora submit`` checked it,
         but files and the run may have changed since, and anyone can write the folder)."""
-        if sub.name in names:
-            return None, [f"a job named {sub.name} is already in the run"]
         where = f"submitted job {sub.name}"
         try:
             job = adapter_job(sub.job, where)

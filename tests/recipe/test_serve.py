@@ -159,9 +159,9 @@ def test_cancel_hands_the_slot_on_stop_checkpoints_and_a_job_submitted_while_dow
     wait_for(lambda: last_train_step(run) >= 3, proc, log)
     submit(run, spec(tmp_path, "add", demo_data, "add", 100_000))
     submit(run, spec(tmp_path, "up", demo_data, "uppercase", 30))
-    wait_for(lambda: event_step(run, "add", "up"), proc, log)
-    wait_for(lambda: job_row(run, "add")["status"] == "active", proc, log)
-    assert job_row(run, "up")["status"] == "queued"  # both slots taken: rev and add
+    wait_for(lambda: "up" in {j["name"] for j in status(run)["jobs"]}, proc, log)
+    rows = {j["name"]: j["status"] for j in status(run)["jobs"]}
+    assert rows == {"rev": "active", "add": "active", "up": "queued"}  # both slots taken
 
     # A submission the trainer finds broken (written past `mmlora submit`, whose checks
     # would refuse it) is refused and journaled; training goes on.
