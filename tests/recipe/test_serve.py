@@ -42,12 +42,13 @@ def launch():
             psutil.wait_procs(victims, timeout=30)
 
 
-def command(run_dir: Path, jobs: list[str], extra: list[str] = ()) -> list[str]:
+def command(run_dir: Path, jobs: list[str], extra: list[str] = (), save_every: int = 5
+            ) -> list[str]:
     return [TORCHRUN, "--standalone", "--nproc-per-node=2", "--local-ranks-filter=0",
             "recipes/multi_lora_finetune.py", f"run_dir={run_dir}", "hf_dir=null",
             f"adapters=[{','.join(jobs)}]", "lora.slots=2", "model.hidden_size=64",
             "model.ffn_hidden_size=128", "trainer.log_interval=1", "trainer.eval_interval=0",
-            "trainer.micro_batch_tokens=512", "checkpoint.save_interval=5",
+            "trainer.micro_batch_tokens=512", f"checkpoint.save_interval={save_every}",
             "trainer.serve_poll_seconds=0.5", "logging.wandb_mode=disabled",
             "logging.plots=false", *extra]
 
@@ -117,27 +118,36 @@ def test_submitted_job_trains_as_a_config_job_queued_for_that_step_even_across_a
         demo_data, tmp_path, launch):
     rev = job("rev", demo_data, "reverse", 300, warmup_steps=10)
     served, log = tmp_path / "served", tmp_path / "served.log"
-    proc = launch(command(served, [rev]), log)
+    save_every = 40
+    cmd = command(served, [rev], save_every=save_every)
+    proc = launch(cmd, log)
     wait_for(lambda: last_train_step(served) >= 3, proc, log)
     submit(served, spec(tmp_path, "add", demo_data, "add", 40, schedule="linear", warmup_steps=5))
     k = wait_for(lambda: event_step(served, "add", "add"), proc, log)
-    # SIGKILL torchrun and both workers at a random step after the admission, as a crash would.
-    kill_at = random.randint(k + 6, k + 20)
+    # SIGKILL torchrun and both workers, as a crash would, at a random step after the job was
+    # added and before the next checkpoint: the resumed run must take it from the journal.
+    next_save = (k // save_every + 1) * save_every
+    if next_save - k < 12:
+        next_save += save_every
+    kill_at = random.randint(k + 2, next_save - 8)
     wait_for(lambda: last_train_step(served) >= kill_at, proc, log)
     victims = [psutil.Process(proc.pid), *workers(proc)]
     for p in victims:
         p.send_signal(signal.SIGKILL)
     _, alive = psutil.wait_procs(victims, timeout=30)
     assert not alive, alive
-    killed_at, saved = last_train_step(served), latest_step(served)
-    assert k < killed_at < 300 and saved < killed_at, (k, saved, killed_at)
-    out = finish(launch(command(served, [rev]), tmp_path / "resumed.log"), tmp_path / "resumed.log")
-    assert f"resumed from {served / 'checkpoints'}" in out and f"at step {saved}" in out
+    killed_at = last_train_step(served)
+    saved = latest_step(served) if (served / "checkpoints" / "latest.json").exists() else 0
+    assert saved < k < killed_at < 300, (saved, k, killed_at)
+    out = finish(launch(cmd, tmp_path / "resumed.log"), tmp_path / "resumed.log")
+    assert (f"resumed from {served / 'checkpoints'}" in out and f"at step {saved}" in out
+            if saved else "no checkpoint to resume" in out)
 
     # The same two jobs from the config, the second queued to start at step k: uninterrupted.
     queued = tmp_path / "queued"
     add = job("add", demo_data, "add", 40, schedule="linear", warmup_steps=5, start_step=k)
-    finish(launch(command(queued, [rev, add]), tmp_path / "queued.log"), tmp_path / "queued.log")
+    finish(launch(command(queued, [rev, add], save_every=save_every), tmp_path / "queued.log"),
+           tmp_path / "queued.log")
     got, want = losses_by_adapter(served), losses_by_adapter(queued)
     assert set(got) == {"rev", "add"} and len(got["add"]) == 40 and len(got["rev"]) == 300
     assert first_step(served, "add") == first_step(queued, "add") == k + 1
