@@ -2,7 +2,7 @@
 
 import importlib
 
-from megatron_multilora.platform.cpu_support import quiet_missing_accelerator_warnings
+from megatron_multilora.platform import quiet_missing_accelerator_warnings
 
 quiet_missing_accelerator_warnings()  # before megatron is first imported
 

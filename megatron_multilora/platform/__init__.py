@@ -1,1 +1,15 @@
 """Platform support: what megatron-core needs to run where CUDA is absent."""
+
+import os
+import warnings
+
+
+def quiet_missing_accelerator_warnings() -> None:
+    """Silence megatron's import-time notices that TE/Apex are absent, expected without an
+    NVIDIA GPU. Runs on ``import megatron_multilora`` (the ``mmlora`` command line's too), so
+    the GPU is looked for without importing torch: no NVIDIA driver device, no CUDA."""
+    if os.path.exists("/dev/nvidiactl"):
+        return
+    for message in (r"Apex is not installed", r"Transformer Engine and Apex are not installed",
+                    r"full scope is deprecated"):
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)

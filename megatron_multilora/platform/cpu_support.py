@@ -12,7 +12,6 @@ import contextlib
 import importlib
 import logging
 import types
-import warnings
 from typing import Iterator
 
 import torch
@@ -68,15 +67,6 @@ class CPURNGStatesTracker:
         finally:
             self.states_[name] = torch.get_rng_state()
             torch.set_rng_state(outer)
-
-
-def quiet_missing_accelerator_warnings() -> None:
-    """Silence megatron's import-time notices that TE/Apex are absent (expected on CPU)."""
-    if torch.cuda.is_available():
-        return
-    for message in (r"Apex is not installed", r"Transformer Engine and Apex are not installed",
-                    r"full scope is deprecated"):
-        warnings.filterwarnings("ignore", message=message, category=UserWarning)
 
 
 def activate_cpu_support() -> bool:
