@@ -117,9 +117,13 @@ class SlotOptimizer:
         """Clip by the slot's norm, take one AdamW step, advance the schedule."""
         clip = self.job.grad_clip
         coef = min(1.0, clip / (grad_norm + 1e-6)) if clip else 1.0
-        for param, master in zip(self.params, self.masters):
-            grad = _grad(param)
-            master.grad = grad.float() * coef if coef != 1.0 or master is param else grad.float()
+        grads = [_grad(param).float() for param in self.params]  # the fp32 buffers themselves
+        if coef != 1.0:
+            # In place and in one call for the slot (not a scaled copy per tensor): the
+            # gradients are zeroed before they are accumulated again.
+            torch._foreach_mul_(grads, coef)
+        for master, grad in zip(self.masters, grads):
+            master.grad = grad
         self.optimizer.step()
         self.scheduler.step()
         with torch.no_grad():
