@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from megatron_multilora.training import job_inbox
+from megatron_multilora.training.job_states import ENDED, RUNNING
 
 if TYPE_CHECKING:
     from megatron_multilora.training.config import AdapterJob, RunConfig
@@ -36,8 +37,6 @@ EXIT_REFUSED = 2
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 PATH_FIELDS = ("dataset", "eval_dataset", "init_from")
 REQUIRED_FIELDS = ("name", "dataset")
-ENDED = ("done", "failed", "cancelled")
-RUNNING = ("training", "idle")
 
 
 class CommandError(Exception):
@@ -210,7 +209,7 @@ def _name_problems(name: str, where: str, run: RunConfig, run_dir: str) -> list[
     if name in {job.name for job in run.adapters}:
         return [f"{where}: name={name!r} is already a job of the run's config; choose another "
                 "name"]
-    if (job_inbox.serve_dir(run_dir) / "submitted" / f"{name}.json").exists():
+    if name in job_inbox.submitted_names(run_dir):
         return [_already_submitted(where, name)]
     return []
 

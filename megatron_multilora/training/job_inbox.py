@@ -66,17 +66,23 @@ def submit(run_dir: str | Path, job: dict[str, Any]) -> Path:
     return target
 
 
+def submitted_names(run_dir: str | Path) -> set[str]:
+    """The names of every landed submission (the folder listing only)."""
+    folder = serve_dir(run_dir) / "submitted"
+    if not folder.is_dir():
+        return set()
+    return {entry[:-len(".json")] for entry in os.listdir(folder)
+            if entry.endswith(".json") and not entry.startswith(".")}
+
+
 def submissions(run_dir: str | Path, skip: frozenset[str] | set[str] = frozenset()
                 ) -> list[Submission]:
     """The landed submissions whose names are not in ``skip``, oldest first (ties by name);
     only those files are read."""
-    folder = serve_dir(run_dir) / "submitted"
     found = []
-    for entry in os.scandir(folder) if folder.is_dir() else []:
-        name = entry.name[:-len(".json")]
-        if entry.name.startswith(".") or not entry.name.endswith(".json") or name in skip:
-            continue
-        record = json.loads(Path(entry.path).read_text(encoding="utf-8"))
+    for name in submitted_names(run_dir) - set(skip):
+        path = serve_dir(run_dir) / "submitted" / f"{name}.json"
+        record = json.loads(path.read_text(encoding="utf-8"))
         found.append(Submission(name, record["job"], float(record["submitted_at"])))
     return sorted(found, key=lambda s: (s.submitted_at, s.name))
 

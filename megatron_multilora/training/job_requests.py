@@ -12,7 +12,6 @@ same jobs at the same steps.
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -50,11 +49,8 @@ class JobRequests:
     def pending(self) -> int:
         """Rank 0, before each step: submissions not decided yet and cancel requests not
         handled yet (file names only: cheap enough for every step)."""
-        folder = job_inbox.serve_dir(self.run_dir) / "submitted"
-        names = {entry[:-len(".json")] for entry in os.listdir(folder)
-                 if entry.endswith(".json") and not entry.startswith(".")} if folder.is_dir() else set()
-        return len(names - self.decided) + len(job_inbox.cancel_requests(self.run_dir)
-                                               - self.cancel_handled)
+        return (len(job_inbox.submitted_names(self.run_dir) - self.decided)
+                + len(job_inbox.cancel_requests(self.run_dir) - self.cancel_handled))
 
     def decide(self, step: int, names: set[str], ended: set[str], check: Check,
                say: Callable[[str], None]) -> dict[str, list]:

@@ -14,9 +14,7 @@ from typing import Optional
 import torch
 
 from megatron_multilora.training.config import AdapterJob
-
-QUEUED, ACTIVE, DONE, FAILED, CANCELLED = "queued", "active", "done", "failed", "cancelled"
-ENDED = (DONE, FAILED, CANCELLED)
+from megatron_multilora.training.job_states import ACTIVE, ENDED, QUEUED
 
 
 @dataclasses.dataclass

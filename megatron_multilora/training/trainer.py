@@ -60,17 +60,19 @@ from megatron_multilora.training.config import (
     job_problems,
     to_plain,
 )
-from megatron_multilora.training.jobs import (
+from megatron_multilora.training.job_states import (
     ACTIVE,
     CANCELLED,
     DONE,
     ENDED,
     FAILED,
+    FINISHED,
+    IDLE,
     QUEUED,
-    JobQueue,
-    JobState,
-    planned_steps,
+    STOPPED,
+    TRAINING,
 )
+from megatron_multilora.training.jobs import JobQueue, JobState, planned_steps
 from megatron_multilora.training.metrics import (
     METRICS_FILE,
     MetricsLogger,
@@ -152,7 +154,7 @@ class Trainer:
         self.step = 0
         # (stop signal, job requests) agreed by the last step, if any since the boundary
         self._agreed: Optional[tuple[int, int]] = None
-        self.submitted: list[dict] = []  # the submitted jobs in the queue, in order
+        self.config_jobs = len(run.adapters)  # submitted jobs follow them in run.adapters
         self.requests = JobRequests(self.run_dir)
         self._job_metrics: dict[str, dict[str, float]] = {}  # for status.json
         self._seconds_per_step: Optional[float] = None
@@ -240,7 +242,6 @@ class Trainer:
         self.eval_data.append(load_dataset(job.eval_dataset, self.tokenizer, run.trainer.max_seq_len)
                               [:run.trainer.eval_samples] if job.eval_dataset else [])
         self.queue.add(job, len(self.train_data[-1]))
-        self.submitted.append(dataclasses.asdict(job))
 
     # ----- step boundaries: stop, job requests --------------------------------------------
 
@@ -255,14 +256,13 @@ class Trainer:
             checkpoint = self._save()
             if self.is_main and signum == STOP_REQUESTED:
                 job_inbox.clear_stop_request(self.run_dir)  # honoured: a resumed run trains on
-            self._write_status("stopped")
+            self._write_status(STOPPED)
             raise RunStopped(signum, self.step, checkpoint)
         return requests
 
     def _local_stop(self) -> int:
-        if received():
-            return received()
-        return STOP_REQUESTED if self.is_main and job_inbox.stop_requested(self.run_dir) else 0
+        return received() or (STOP_REQUESTED if self.is_main and
+                              job_inbox.stop_requested(self.run_dir) else 0)
 
     def _local_requests(self) -> int:
         return self.requests.pending() if self.is_main else 0
@@ -283,7 +283,7 @@ class Trainer:
                 self._say(f"step {self.step}: submitted job {job['name']} joins the queue "
                           f"({self.queue.states[-1].total_steps} steps)")
             granted = decision[0]["cancel"]
-            self._write_status("training")
+            self._write_status(TRAINING)
         for name in self.requests.cancels_at(self.step, granted):
             self._cancel(name)
 
@@ -306,7 +306,7 @@ class Trainer:
         elif state.status == QUEUED:
             self.queue.release(state, CANCELLED, "cancelled before it started")
             self._say(f"step {self.step}: job {name} cancelled before it started")
-            self._write_status("training")
+            self._write_status(TRAINING)
 
     def _write_status(self, state: str, force: bool = True) -> None:
         """Rank 0: the run's state and a row per job for ``mmlora status``; routine updates
@@ -324,8 +324,7 @@ class Trainer:
                          "tokens_per_s": metrics.get("tokens_per_s"),
                          "eta_s": (left * self._seconds_per_step if s.status == ACTIVE
                                    and self._seconds_per_step else None),
-                         "source": "config" if s.index < len(self.run.adapters) - len(self.submitted)
-                         else "submitted"})
+                         "source": "config" if s.index < self.config_jobs else "submitted"})
         job_inbox.write_status(self.run_dir, {
             "state": state, "step": self.step, "updated_at": time.time(), "pid": os.getpid(),
             "host": socket.gethostname(), "dp_size": self.dp_size,
@@ -339,7 +338,7 @@ class Trainer:
                                                 self.model_config, self.hf_model_type)
         self._say(f"step {self.step}: job {job.name} starts on slot {state.slot} "
                   f"({state.total_steps} steps)")
-        self._write_status("training")
+        self._write_status(TRAINING)
 
     def _end(self, state: JobState, status: str, reason: str) -> None:
         job = self.run.adapters[state.index]
@@ -350,7 +349,7 @@ class Trainer:
         self.optimizers.pop(slot).zero_grad()
         clear_adapter_slot(self.model, slot)  # weights, rank, alpha back to a fresh slot
         self._say(f"step {self.step}: job {job.name} {status} ({reason}); slot {slot} is free")
-        self._write_status("training")
+        self._write_status(TRAINING)
 
     def _export(self, state: JobState, cancelled: bool = False) -> None:
         """Write the job's slot as an adapter folder (and a PEFT folder on an HF base)."""
@@ -427,7 +426,7 @@ class Trainer:
         progress = Progress(self._planned(), self.is_main, initial=self.step)
         window: dict[str, list[float]] = {}
         window_start, window_step = time.perf_counter(), self.step
-        self._write_status("training")
+        self._write_status(TRAINING)
         while tr.max_steps is None or self.step < tr.max_steps:
             jobs = len(self.queue.states)
             self._take_requests(self._boundary())
@@ -439,7 +438,7 @@ class Trainer:
             if not active and self.queue.finished():
                 if not tr.serve:
                     break
-                self._write_status("idle", force=False)  # wait for submissions, sleeping
+                self._write_status(IDLE, force=False)  # wait for submissions, sleeping
                 time.sleep(tr.serve_poll_seconds)
                 window_start, window_step = time.perf_counter(), self.step
                 continue
@@ -462,7 +461,7 @@ class Trainer:
                 self._seconds_per_step = seconds / max(1, self.step - window_step)
                 self._log_train(window, seconds, progress)
                 window, window_start, window_step = {}, time.perf_counter(), self.step
-                self._write_status("training", force=False)
+                self._write_status(TRAINING, force=False)
             if tr.eval_interval and self.step % tr.eval_interval == 0:
                 self._log_eval(progress)
             every = self.run.checkpoint.save_interval
@@ -514,7 +513,9 @@ class Trainer:
             path = save_training_checkpoint(
                 self.run_dir, self.step, self.model, self.optimizers,
                 {"queue": self.queue.state_dict(), "metrics_records": self.logger.records,
-                 "adapters": self._training_meta(), "submitted": self.submitted},
+                 "adapters": self._training_meta(),
+                 "submitted": [dataclasses.asdict(job)
+                               for job in self.run.adapters[self.config_jobs:]]},
                 self.run.checkpoint.keep_last)
             self._saved = (self.step, path)
         return self._saved[1]
@@ -535,7 +536,7 @@ class Trainer:
     def finish(self) -> list[str]:
         """Evaluate every exported adapter on every task, print the tables and how each job
         ended; returns the names of the jobs that failed."""
-        self._write_status("finished")
+        self._write_status(FINISHED)
         names, tasks, losses, accuracy = self._adapter_task_tables()
         if self.is_main:
             from megatron_multilora.training.plots import format_table, plot_heatmap, plot_loss_curves

@@ -3,7 +3,8 @@
 import pytest
 
 from megatron_multilora.training.config import AdapterJob
-from megatron_multilora.training.jobs import ACTIVE, DONE, QUEUED, JobQueue, planned_steps
+from megatron_multilora.training.job_states import ACTIVE, DONE, QUEUED
+from megatron_multilora.training.jobs import JobQueue, planned_steps
 
 
 def jobs():
