@@ -25,7 +25,7 @@ _EXPORTS = {
     "MultiLoRALinear": "layers.multi_lora_linear",
     "get_slot_tensors": "layers.slot_tensors",
     "set_slot_tensors": "layers.slot_tensors",
-    "GPTModelConfig": "models.gpt",
+    "GPTModelConfig": "models.gpt_config",
     "build_gpt_model": "models.gpt",
     "destroy_parallel": "parallel",
     "init_parallel": "parallel",

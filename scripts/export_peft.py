@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from megatron_multilora.checkpoint.adapter_files import read_adapter
 from megatron_multilora.checkpoint.adapter_folders import FolderFormat, folder_format
 from megatron_multilora.checkpoint.peft_format import peft_config, to_peft_tensors, write_peft
-from megatron_multilora.models.gpt import GPTModelConfig
+from megatron_multilora.models.gpt_config import GPTModelConfig
 
 
 def from_adapter_folder(folder: Path):

@@ -36,7 +36,7 @@ from megatron_multilora.checkpoint.adapter_folders import (
 from megatron_multilora.layers.slot_tensors import get_slot_tensors, set_slot_tensors, slot_rank_alpha
 from megatron_multilora.checkpoint.files import refuse_existing
 from megatron_multilora.layers.lifecycle import ModelOrChunks, named_multi_lora_modules
-from megatron_multilora.models.gpt import GPTModelConfig
+from megatron_multilora.models.gpt_config import GPTModelConfig
 from megatron_multilora.ops.fused_rows import QKVLayout, fuse_gate_up, split_gate_up
 from megatron_multilora.atomic_files import write_dir_atomic
 

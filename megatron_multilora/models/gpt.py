@@ -2,134 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Optional
-
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
 
-if TYPE_CHECKING:
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
-
-
-@dataclasses.dataclass
-class GPTModelConfig:
-    """Architecture of a decoder-only GPT; every field maps onto megatron's config."""
-
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    num_query_groups: Optional[int] = None
-    """Key/value heads (GQA); None means one per attention head."""
-    ffn_hidden_size: int = 128
-    vocab_size: int = 256
-    max_sequence_length: int = 512
-    normalization: str = "RMSNorm"
-    """RMSNorm or LayerNorm."""
-    norm_epsilon: float = 1e-5
-    activation: str = "silu"
-    """silu, gelu or relu."""
-    gated_linear_unit: bool = True
-    """fc1 produces [gate; up] and the MLP computes act(gate) * up (SwiGLU with silu)."""
-    position_embedding_type: str = "rope"
-    """rope, learned_absolute or none."""
-    rotary_base: int = 10000
-    add_bias_linear: bool = False
-    add_qkv_bias: bool = False
-    qk_layernorm: bool = False
-    qk_layernorm_across_heads: bool = False
-    """With qk_layernorm: normalise q and k over the whole projection width (all heads, as
-    OLMoE does) instead of each head on its own (Qwen3); RMSNorm only."""
-    kv_channels: Optional[int] = None
-    """Head dimension; None means hidden_size // num_attention_heads."""
-    tie_word_embeddings: bool = False
-    init_method_std: float = 0.02
-    attention_dropout: float = 0.0
-    hidden_dropout: float = 0.0
-    # Mixture of experts (every layer's MLP when num_moe_experts is set).
-    num_moe_experts: Optional[int] = None
-    moe_router_topk: int = 2
-    moe_ffn_hidden_size: Optional[int] = None
-    """Per-expert FFN width; None means ffn_hidden_size."""
-    moe_router_score_function: str = "softmax"
-    """softmax or sigmoid."""
-    moe_router_pre_softmax: bool = False
-    """Softmax over all experts before top-k (no renormalisation of the top-k probabilities);
-    False applies softmax over the chosen top-k, i.e. renormalised."""
-    moe_aux_loss_coeff: float = 0.0
-    """Load-balancing auxiliary loss weight; 0 disables it."""
-    moe_shared_expert_intermediate_size: Optional[int] = None
-    moe_token_dispatcher_type: str = "alltoall"
-    """alltoall or allgather."""
-    moe_shared_expert_gate: bool = False
-    """Scale the shared experts' output by sigmoid(x @ gate_weight.T) (Qwen2-MoE)."""
-    moe_router_dtype: Optional[str] = None
-    """None (the model dtype), "fp32" or "fp64": precision of the router logits and softmax."""
-    # Activation recompute.
-    recompute_granularity: Optional[str] = None
-    """"full" recomputes each transformer layer; "selective" the modules listed below."""
-    recompute_modules: Optional[list[str]] = None
-    """With selective recompute, e.g. ["moe"] or ["core_attn"] (megatron's names)."""
-
-    def check(self, tensor_model_parallel_size: int, pipeline_model_parallel_size: int = 1,
-              virtual_pipeline_model_parallel_size: Optional[int] = None) -> list[str]:
-        """Problems with this config under the given parallel sizes; empty when fine."""
-        tp = tensor_model_parallel_size
-        groups = self.num_query_groups or self.num_attention_heads
-        problems = []
-        chunks = pipeline_model_parallel_size * (virtual_pipeline_model_parallel_size or 1)
-        if self.num_layers % chunks:
-            vpp = virtual_pipeline_model_parallel_size
-            problems.append(
-                f"num_layers={self.num_layers} does not split into pipeline "
-                f"{pipeline_model_parallel_size} x virtual stages {vpp or 1} = {chunks} equal "
-                f"model chunks; choose pipeline and virtual sizes whose product divides "
-                f"{self.num_layers}")
-        if self.num_attention_heads % groups:
-            problems.append(f"num_attention_heads={self.num_attention_heads} is not divisible "
-                            f"by num_query_groups={groups}")
-        for name, value in (("num_attention_heads", self.num_attention_heads),
-                            ("num_query_groups", groups), ("ffn_hidden_size", self.ffn_hidden_size),
-                            ("vocab_size", self.vocab_size)):
-            if value % tp:
-                problems.append(f"{name}={value} is not divisible by tensor parallel size {tp}")
-        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
-            problems.append(f"hidden_size={self.hidden_size} is not divisible by "
-                            f"num_attention_heads={self.num_attention_heads}; set kv_channels")
-        if self.num_moe_experts is not None:
-            if not 1 <= self.moe_router_topk <= self.num_moe_experts:
-                problems.append(f"moe_router_topk={self.moe_router_topk} must be in "
-                                f"1..num_moe_experts={self.num_moe_experts}")
-            if (self.moe_router_topk == 1 and self.moe_router_score_function == "softmax"
-                    and not self.moe_router_pre_softmax):
-                problems.append("moe_router_topk=1 with softmax needs moe_router_pre_softmax=True "
-                                "(a softmax over one chosen logit is always 1)")
-            if self.moe_token_dispatcher_type not in ("alltoall", "allgather"):
-                problems.append(f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r}: "
-                                "use 'alltoall' or 'allgather'")
-        for name, value, allowed in (
-                ("normalization", self.normalization, ("RMSNorm", "LayerNorm")),
-                ("position_embedding_type", self.position_embedding_type,
-                 ("rope", "learned_absolute", "none")),
-                ("moe_router_score_function", self.moe_router_score_function, ("softmax", "sigmoid")),
-                ("recompute_granularity", self.recompute_granularity, (None, "full", "selective"))):
-            if value not in allowed:
-                problems.append(f"{name}={value!r}: choose one of {allowed}")
-        if self.qk_layernorm_across_heads and not (self.qk_layernorm
-                                                   and self.normalization == "RMSNorm"):
-            problems.append("qk_layernorm_across_heads needs qk_layernorm=True and "
-                            "normalization='RMSNorm'")
-        if self.moe_router_dtype not in (None, "fp32", "fp64"):
-            problems.append(f"moe_router_dtype={self.moe_router_dtype!r}: choose one of "
-                            "(None, 'fp32', 'fp64')")
-        if self.activation not in _ACTIVATIONS:
-            problems.append(f"activation={self.activation!r}: choose one of {sorted(_ACTIVATIONS)}")
-        return problems
+from megatron_multilora.models.gpt_config import GPTModelConfig
+from megatron_multilora.models.specs import gpt_block_spec
 
 
 def transformer_config(
@@ -139,11 +20,6 @@ def transformer_config(
     **overrides: object,
 ) -> TransformerConfig:
     """megatron's TransformerConfig for ``cfg`` under the current parallel layout."""
-    # Imported here, not at the top: config checks read GPTModelConfig and must not wait
-    # seconds for megatron.
-    from megatron.core import parallel_state
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     tp = parallel_state.get_tensor_model_parallel_world_size()
     ep = parallel_state.get_expert_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -171,7 +47,7 @@ def transformer_config(
         kv_channels=cfg.kv_channels,
         normalization=cfg.normalization,
         layernorm_epsilon=cfg.norm_epsilon,
-        activation_func=_ACTIVATIONS[cfg.activation],
+        activation_func=getattr(F, cfg.activation),
         gated_linear_unit=cfg.gated_linear_unit,
         add_bias_linear=cfg.add_bias_linear,
         add_qkv_bias=cfg.add_qkv_bias,
@@ -235,8 +111,6 @@ def build_gpt_model(
     :func:`build_model_chunks` for interleaved stages).
 
     ``config_overrides`` set further megatron TransformerConfig fields."""
-    from megatron.core import parallel_state
-
     if parallel_state.get_virtual_pipeline_model_parallel_world_size() is not None:
         raise ValueError("virtual pipeline stages give several model chunks per rank: use "
                          "build_model_chunks")
@@ -261,12 +135,6 @@ def build_model_chunks(
     embedding from the start of the stream and the output layer after the last layer. The
     generator is left after this rank's draws (what is drawn next, e.g. adapters, does not
     repeat the embedding's values)."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
-
-    from megatron_multilora.models.specs import gpt_block_spec
-
     config = transformer_config(cfg, sequence_parallel, params_dtype, **config_overrides)
     vpp = config.virtual_pipeline_model_parallel_size
     init_seed = torch.initial_seed()

@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any, Optional
 
-from megatron_multilora.models.gpt import GPTModelConfig
+from megatron_multilora.models.gpt_config import GPTModelConfig
 
 DENSE_TYPES = ("llama", "qwen2", "qwen3")
 MOE_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")

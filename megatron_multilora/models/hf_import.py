@@ -54,7 +54,8 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from megatron_multilora.layers.lifecycle import hide_adapters, named_multi_lora_modules
-from megatron_multilora.models.gpt import GPTModelConfig, build_gpt_model
+from megatron_multilora.models.gpt import build_gpt_model
+from megatron_multilora.models.gpt_config import GPTModelConfig
 from megatron_multilora.models.hf_config import hf_to_model_config, read_hf_config
 from megatron_multilora.models.hf_safetensors import SafetensorsFolder
 from megatron_multilora.ops.fused_rows import QKVLayout, fuse_gate_up

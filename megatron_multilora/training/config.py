@@ -7,7 +7,8 @@ process-group work. Each field is documented once, here; its default value is gi
 ``conf/`` (the run-wide settings have none here), except per-job fields (``AdapterJob``) and
 model fields, whose defaults are here and which ``conf/`` files set as they choose.
 
-This module does not import megatron (seconds to load), so a bad config is reported at once.
+This module imports neither torch nor megatron (seconds to load), so a bad config is reported
+at once and `mmlora submit` checks a job without that wait.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from megatron_multilora.checkpoint.adapter_folders import (
     declared_rank_alpha,
     folder_format,
 )
-from megatron_multilora.models.gpt import GPTModelConfig
+from megatron_multilora.models.gpt_config import GPTModelConfig
 
 SCHEDULES = ("constant", "linear", "cosine")
 

@@ -7,7 +7,8 @@ import dataclasses
 import torch
 
 from megatron_multilora.layers.inject import apply_multi_lora
-from megatron_multilora.models.gpt import GPTModelConfig, build_model_chunks
+from megatron_multilora.models.gpt import build_model_chunks
+from megatron_multilora.models.gpt_config import GPTModelConfig
 from megatron_multilora.models.hf_import import load_hf_checkpoint
 from megatron_multilora.training.config import RunConfig
 

@@ -37,7 +37,7 @@ from megatron_multilora.layers.lifecycle import (
     init_adapter_slot,
     slot_parameters,
 )
-from megatron_multilora.models.gpt import GPTModelConfig
+from megatron_multilora.models.gpt_config import GPTModelConfig
 from megatron_multilora.models.hf_config import read_hf_config
 from megatron_multilora.models.hf_import import load_hf_tokenizer
 from megatron_multilora.parallel import destroy_parallel, init_parallel

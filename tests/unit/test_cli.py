@@ -369,3 +369,20 @@ def test_installed_as_the_mmlora_command(run_dir):
     done = subprocess.run([str(script), "stop", "--run-dir", str(run_dir)], capture_output=True,
                           text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0 and job_inbox.stop_requested(run_dir), done.stderr
+
+
+def test_no_command_loads_torch_or_megatron(run_dir, data, tmp_path):
+    # Seconds of imports would stand between a user and every answer, a submission's checks
+    # included.
+    spec = spec_file(tmp_path, good_spec(data))
+    commands = [["submit", "--run-dir", str(run_dir), str(spec)],
+                ["status", "--run-dir", str(run_dir)], ["cancel", "--run-dir", str(run_dir), "newjob"],
+                ["stop", "--run-dir", str(run_dir)]]
+    code = ("import json, sys; from megatron_multilora import cli; "
+            "codes = [cli.main(argv) for argv in json.loads(sys.argv[1])]; "
+            "print(json.dumps([codes, [m for m in ('torch', 'megatron') if m in sys.modules]]))")
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(commands)], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [[0, 0, 0, 0], []], done.stdout
+    assert job_inbox.submitted_names(run_dir) == {"newjob"} and job_inbox.stop_requested(run_dir)
