@@ -28,9 +28,11 @@ def _temp_prefix(path: Path) -> str:
 
 
 @contextlib.contextmanager
-def atomic_file(path: str | Path, binary: bool = False) -> Iterator[IO]:
+def atomic_file(path: str | Path, binary: bool = False, exclusive: bool = False) -> Iterator[IO]:
     """Open a temporary file beside ``path`` for writing (text is UTF-8); on a clean exit it
-    is synced and renamed to ``path``, on an error removed, leaving ``path`` as it was."""
+    is synced and renamed to ``path``, on an error removed, leaving ``path`` as it was.
+    ``exclusive``: hard-link it to ``path`` instead, which raises FileExistsError when
+    ``path`` exists (of racing writers of one name exactly one lands)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Opened normally (not mkstemp) so the file gets the usual umask permissions, not 0600.
@@ -40,14 +42,18 @@ def atomic_file(path: str | Path, binary: bool = False) -> Iterator[IO]:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if exclusive:
+            os.link(tmp, path)
+            tmp.unlink()
+        else:
+            os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
 
 
-def write_json_atomic(path: str | Path, data: Any) -> None:
-    with atomic_file(path) as f:
+def write_json_atomic(path: str | Path, data: Any, exclusive: bool = False) -> None:
+    with atomic_file(path, exclusive=exclusive) as f:
         json.dump(data, f, indent=2)
 
 

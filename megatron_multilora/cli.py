@@ -19,7 +19,6 @@ import dataclasses
 import difflib
 import json
 import os
-import re
 import socket
 import sys
 import time
@@ -33,8 +32,6 @@ if TYPE_CHECKING:
     from megatron_multilora.training.config import AdapterJob, RunConfig
 
 EXIT_REFUSED = 2
-# A job's name becomes a file name (serve/submitted/<name>.json, its adapter folder).
-NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 PATH_FIELDS = ("dataset", "eval_dataset", "init_from")
 REQUIRED_FIELDS = ("name", "dataset")
 
@@ -200,12 +197,10 @@ def _field_problems(spec: dict[str, Any], where: str
 
 
 def _name_problems(name: str, where: str, run: RunConfig, run_dir: str) -> list[str]:
-    if not NAME_PATTERN.fullmatch(name):
-        return [f"{where}: name={name!r}: use letters, digits, '.', '_' and '-', starting with a "
-                "letter or digit (the name becomes a file name)"]
-    if name == "base":
-        return [f"{where}: name='base' is reserved for the base model's row in the final tables; "
-                "choose another name"]
+    from megatron_multilora.training.config import name_problems
+
+    if problems := name_problems(name, where):
+        return problems
     if name in {job.name for job in run.adapters}:
         return [f"{where}: name={name!r} is already a job of the run's config; choose another "
                 "name"]

@@ -26,11 +26,13 @@ Rows (A vs B):
          examples spread over the slots (scripts/bench_scale.py)
   9      the multi-LoRA step vs the frozen base step at a real model's width (SmolLM2-135M's
          geometry, random weights; ``--width-layers`` of its 30 layers)
-  10a-10f (section ``peers``, only with ``--only peers``) what a user would run instead: the
+  10a-10k (section ``peers``, only with ``--only peers``) what a user would run instead: the
          recipe training conf/jobs/demo4.yaml's 4 jobs at once (torchrun, 2 processes x 1
          thread) vs transformers + peft training them one after another in one process (1 and
          2 threads) and vs 2 independent peft processes at once; training wall, CPU seconds and
-         each job's held-out loss (scripts/bench_peers.py; ``--peer-steps``, ``--peer-rounds``)
+         each job's held-out loss; the recipe on one core vs peft's loop (10g-10h); one global
+         step on one core part by part, ours vs peft (10i-10k) (scripts/bench_peers.py;
+         ``--peer-steps``, ``--peer-rounds``)
 
 ``--only SECTION ...`` runs some sections (layers, models, jobs, memory, tp, pp, scaling, width,
 peers; all but peers run by default) and writes
@@ -375,21 +377,23 @@ def model_step(model: torch.nn.Module, mb: MicroBatch) -> None:
     per_slot_losses([model], [mb], mb.loss_tokens_per_slot())
 
 
+def timed_model_step(model: torch.nn.Module, mb: MicroBatch) -> Callable[[], None]:
+    """What a model row times: gradients reset, then :func:`model_step` on ``mb``."""
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model_step(model, mb)
+    return step
+
+
 def model_variants(kind: str, s: Settings, device: torch.device) -> dict[str, Callable[[], None]]:
     """base, N slots and 1 slot over the same packed tokens of a whole GPT."""
     cfg = model_config(kind, s)
     many, one = slot_and_single_batches(s, cfg.vocab_size, device)
     base, multi_n, multi_1 = (build_model(cfg, s, None), build_model(cfg, s, s.slots),
                               build_model(cfg, s, 1))
-
-    def run(model: torch.nn.Module, mb: MicroBatch) -> Callable[[], None]:
-        def step() -> None:
-            model.zero_grad(set_to_none=True)
-            model_step(model, mb)
-        return step
-
-    return {"base": run(base, many), f"lora-{s.slots}": run(multi_n, many),
-            "lora-1": run(multi_1, one)}
+    return {"base": timed_model_step(base, many),
+            f"lora-{s.slots}": timed_model_step(multi_n, many),
+            "lora-1": timed_model_step(multi_1, one)}
 
 
 # ----- adapter jobs together vs one after another -----------------------------------------
@@ -545,15 +549,9 @@ def tp_worker(s: Settings, result_file: str) -> None:
         models = {layout: build_model(cfg, s, s.slots, sequence_parallel=sp,
                                       fully_sharded=layout == "fully-sharded")
                   for layout in ("fully-sharded", "default")}
-
-        def run(model: torch.nn.Module) -> Callable[[], None]:
-            def step() -> None:
-                model.zero_grad(set_to_none=True)
-                model_step(model, batch)
-            return step
-
         groups[f"sp={sp}"] = time_side_by_side(clock, f"TP=2{' +SP' if sp else ''}",
-                                               {k: run(m) for k, m in models.items()},
+                                               {k: timed_model_step(m, batch)
+                                                for k, m in models.items()},
                                                s.rounds, s.warmup)
     if torch.distributed.get_rank() == 0:  # ranks time the same lockstep steps
         Path(result_file).write_text(json.dumps(groups))

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -133,6 +132,36 @@ def _with_peft_adapters(model, jobs: list, targets: list[str]):
     return peft_model.train()
 
 
+class _PeftLoop:
+    """One job's training loop with peft as a user writes it: AdamW on its adapter's
+    parameters, its LR schedule, its gradient clipping (the job's adapter must be active)."""
+
+    def __init__(self, peft_model, job, steps: int) -> None:
+        import torch
+
+        from megatron_multilora.training.slot_optimizer import lr_factor
+
+        self.model, self.job = peft_model, job
+        self.params = [p for n, p in peft_model.named_parameters() if f".{job.name}." in n]
+        self.opt = torch.optim.AdamW(self.params, lr=job.lr, weight_decay=job.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda step: lr_factor(step, job, steps))
+
+    def step(self, examples, pad_id: int) -> float:
+        """One optimizer step on ``examples``; returns the loss."""
+        import torch
+
+        ids, attn, labels = _batch(examples, pad_id)
+        loss = self.model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.job.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.params, self.job.grad_clip)
+        self.opt.step()
+        self.sched.step()
+        return loss.item()
+
+
 def peft_worker(spec: dict, job_indices: list[int], threads: int, result_file: str) -> None:
     """Train the given jobs one after another with transformers + peft; write timings,
     losses and this process's CPU seconds of the training loops."""
@@ -145,7 +174,6 @@ def peft_worker(spec: dict, job_indices: list[int], threads: int, result_file: s
     from megatron_multilora.data.tokenizer import HFTokenizer
     from megatron_multilora.training.config import AdapterJob
     from megatron_multilora.training.jobs import JobQueue
-    from megatron_multilora.training.slot_optimizer import lr_factor
 
     torch.manual_seed(spec["seed"])
     tok = HFTokenizer(AutoTokenizer.from_pretrained(spec["hf_dir"]))
@@ -158,31 +186,21 @@ def peft_worker(spec: dict, job_indices: list[int], threads: int, result_file: s
     steps = spec["steps"]
     out = {"jobs": {}, "threads": threads, "torch_threads": torch.get_num_threads()}
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
-    for job, data, held_out in zip(jobs, train, evals):
+    for job, data in zip(jobs, train):
         peft_model.base_model.set_adapter(job.name)
-        params = [p for n, p in peft_model.named_parameters() if f".{job.name}." in n]
         for n, p in peft_model.named_parameters():
             p.requires_grad_(f".{job.name}." in n)
-        opt = torch.optim.AdamW(params, lr=job.lr, weight_decay=job.weight_decay)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda st, job=job: lr_factor(st, job, steps))
+        loop = _PeftLoop(peft_model, job, steps)
         queue = JobQueue([job], [len(data)], 1)
         state = queue.states[0]
         times, losses = [time.time()], []
         for _ in range(steps):
             picked = queue.next_samples(state, job.global_batch_size, len(data), spec["seed"])
-            ids, attn, labels = _batch([data[i] for i in picked], tok.pad_id)
-            loss = peft_model(input_ids=ids, attention_mask=attn, labels=labels).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if job.grad_clip:
-                torch.nn.utils.clip_grad_norm_(params, job.grad_clip)
-            opt.step()
-            sched.step()
-            losses.append(loss.item())
+            losses.append(loop.step([data[i] for i in picked], tok.pad_id))
             times.append(time.time())
         out["jobs"][job.name] = {"step_end_times": times[1:], "loop_start": times[0],
                                  "train_loss_last": losses[-1],
-                                 "params": sum(p.numel() for p in params)}
+                                 "params": sum(p.numel() for p in loop.params)}
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     out["loop_cpu_s"] = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
     for job, held_out in zip(jobs, evals):  # after every loop: outside the timed span
@@ -251,8 +269,6 @@ def _peft_step_costs(spec: dict, jobs: list, batches, pad_id: int, median) -> di
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megatron_multilora.training.slot_optimizer import lr_factor
-
     model = AutoModelForCausalLM.from_pretrained(spec["hf_dir"], dtype=torch.float32).train()
     model.requires_grad_(False)
     embed = model.get_input_embeddings()
@@ -265,33 +281,21 @@ def _peft_step_costs(spec: dict, jobs: list, batches, pad_id: int, median) -> di
 
     out = {"frozen": median(frozen)}  # before peft injects its layers into ``model``
     peft_model = _with_peft_adapters(model, jobs, spec["targets"])
-    loops = []
-    for job in jobs:
-        params = [p for n, p in peft_model.named_parameters() if f".{job.name}." in n]
-        for p in params:
+    loops = [_PeftLoop(peft_model, job, spec["steps"]) for job in jobs]
+    for loop in loops:
+        for p in loop.params:
             p.requires_grad_(True)
-        opt = torch.optim.AdamW(params, lr=job.lr, weight_decay=job.weight_decay)
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda st, job=job: lr_factor(st, job, spec["steps"]))
-        loops.append((job, params, opt, sched))
 
     def lora(rep: int) -> None:
-        for (job, *_), examples in zip(loops, batches(rep)):
-            peft_model.base_model.set_adapter(job.name)
+        for loop, examples in zip(loops, batches(rep)):
+            peft_model.base_model.set_adapter(loop.job.name)
             ids, attn, labels = _batch(examples, pad_id)
             peft_model(input_ids=ids, attention_mask=attn, labels=labels).loss.backward()
 
     def step(rep: int) -> None:  # one step of each job's loop (as peft_worker's)
-        for (job, params, opt, sched), examples in zip(loops, batches(rep)):
-            peft_model.base_model.set_adapter(job.name)
-            ids, attn, labels = _batch(examples, pad_id)
-            loss = peft_model(input_ids=ids, attention_mask=attn, labels=labels).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, job.grad_clip)
-            opt.step()
-            sched.step()
-            loss.item()
+        for loop, examples in zip(loops, batches(rep)):
+            peft_model.base_model.set_adapter(loop.job.name)
+            loop.step(examples, pad_id)
 
     out["lora"], out["step"] = median(lora), median(step)
     return out
@@ -359,10 +363,9 @@ def training_span(step_end_times: list[list[float]]) -> float:
 
 
 def _env(threads: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = str(threads)
-    return env
+    from bench import child_env  # the launchers run under scripts/bench.py
+
+    return {**child_env(), "OMP_NUM_THREADS": str(threads)}
 
 
 def run_ours(spec: dict, data_dir: Path, run_dir: Path, processes: int) -> dict:

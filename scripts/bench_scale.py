@@ -80,14 +80,8 @@ def width_variants(s: bench.Settings, device: torch.device) -> dict[str, Callabl
                 for _ in range(WIDTH_SLOTS)]
     mb = bench.pack_one(per_slot, device)
     base, multi = bench.build_model(cfg, sw, None), bench.build_model(cfg, sw, WIDTH_SLOTS)
-
-    def run(model: torch.nn.Module) -> Callable[[], None]:
-        def step() -> None:
-            model.zero_grad(set_to_none=True)
-            bench.model_step(model, mb)
-        return step
-
-    return {"base": run(base), f"lora-{WIDTH_SLOTS}": run(multi)}
+    return {"base": bench.timed_model_step(base, mb),
+            f"lora-{WIDTH_SLOTS}": bench.timed_model_step(multi, mb)}
 
 
 def width_row(s: bench.Settings, med: dict[str, float]) -> bench.Row:

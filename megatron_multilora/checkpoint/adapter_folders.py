@@ -75,8 +75,8 @@ def peft_alpha(config: dict[str, Any]) -> float:
 
 def declared_rank_alpha(folder: str | Path) -> Optional[tuple[int, float]]:
     """(rank, alpha) an adapter folder of either format declares (reading only its config, for
-    config checks), or None when the folder is not a readable adapter folder (loading it then
-    names the problem)."""
+    config checks), or None when the folder is not a readable adapter folder declaring them
+    (the caller names the problem)."""
     try:
         found = folder_format(folder)
         if found is FolderFormat.TRAINING_CHECKPOINT:

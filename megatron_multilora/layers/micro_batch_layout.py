@@ -74,13 +74,7 @@ def _layer_hooks(linears: list[MultiLoRALinear]):
     def post_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         tokens = _carried(kwargs.get("packed_seq_params"))
         hidden = output[0] if isinstance(output, (tuple, list)) else output
-        # Not in the no-grad forward of a full-recompute checkpoint (its re-run registers
-        # instead): there megatron's residual add still runs under enable_grad, and a hook
-        # registered then stays bound to that add after the checkpoint takes the tensor over,
-        # together with every hook registered on the tensor later (e.g. the schedule's
-        # aux-loss scale), so none of them would fire.
-        if (tokens is not None and torch.is_grad_enabled() and isinstance(hidden, torch.Tensor)
-                and hidden.requires_grad):
+        if tokens is not None and isinstance(hidden, torch.Tensor) and hidden.requires_grad:
             hidden.register_hook(lambda grad: _hand(linears, tokens))
 
     return pre_hook, post_hook

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -29,6 +30,8 @@ from megatron_multilora.checkpoint.adapter_folders import (
 from megatron_multilora.models.gpt_config import GPTModelConfig
 
 SCHEDULES = ("constant", "linear", "cosine")
+# A job's name becomes a file name (its adapter folder, serve/submitted/<name>.json).
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 class ConfigError(ValueError):
@@ -279,15 +282,25 @@ def validate(run: RunConfig, check_files: bool = True) -> None:
     names = [job.name for job in run.adapters]
     if len(set(names)) != len(names):
         problems.append(f"adapter names must be unique: {names}")
-    if "base" in names:  # the final tables' row of the base model alone
-        problems.append(f"adapters.{names.index('base')}: the name 'base' is reserved for the base "
-                        "model's row in the final tables; choose another name")
+    for i, name in enumerate(names):
+        problems += name_problems(name, f"adapters.{i}")
     dp = max(world // max(par.tp * par.pp, 1), 1)
     for i, job in enumerate(run.adapters):
         problems += job_problems(job, f"adapters.{i} ({job.name})", run.lora.max_rank, dp,
                                  check_files)
     if problems:
         raise ConfigError("the run cannot start:\n  - " + "\n  - ".join(problems))
+
+
+def name_problems(name: str, where: str) -> list[str]:
+    """What is wrong with a job's name on its own (config and submitted jobs)."""
+    if not _NAME.fullmatch(name):
+        return [f"{where}: name={name!r}: use letters, digits, '.', '_' and '-', starting with a "
+                "letter or digit (the name becomes a file name)"]
+    if name == "base":  # the final tables' row of the base model alone
+        return [f"{where}: the name 'base' is reserved for the base model's row in the final "
+                "tables; choose another name"]
+    return []
 
 
 def job_problems(job: AdapterJob, where: str, max_rank: int, dp: int,

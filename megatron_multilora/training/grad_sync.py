@@ -4,8 +4,8 @@ only for the slots that trained this step.
 megatron's DistributedDataParallel keeps one gradient buffer for every trainable parameter
 and all-reduces all of it every step, free slots included. Here each slot owns ranges of one
 fp32 buffer that its parameters' ``main_grad`` are views of, a dense range
-``[sequence-parallel | other]`` and an expert range, so each reduction is one contiguous
-range per slot, coalesced over the slots being reduced; slots left out of
+``[sequence-parallel | other]`` and an expert range, so neighbouring slots' ranges form one
+span, reduced in place (separate spans are coalesced into one collective); slots left out of
 :meth:`SlotGradSync.sync` (those without tokens in the step) cost no communication.
 """
 
@@ -80,9 +80,10 @@ class SlotGradSync:
 
     def zero_grad(self, slots: Iterable[int]) -> None:
         """Zero the given slots' ``main_grad`` (before a step's first backward)."""
-        for s in slots:
-            for start, end in (self._slots[s].dense, self._slots[s].expert):
-                self._buffer[start:end].zero_()
+        chosen = [self._slots[s] for s in slots]
+        for ranges in ([g.dense for g in chosen], [g.expert for g in chosen]):
+            for span in self._spans(ranges):
+                span.zero_()
 
     def sync(self, slots: Iterable[int]) -> None:
         """Reduce the given slots' gradients as megatron DDP + ``finalize_model_grads`` would

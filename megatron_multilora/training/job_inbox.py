@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -50,19 +49,8 @@ class Submission:
 def submit(run_dir: str | Path, job: dict[str, Any]) -> Path:
     """Land ``job`` (already validated) as ``serve/submitted/<name>.json``; raises
     FileExistsError, writing nothing, when a job of that name was submitted before."""
-    name = job["name"]
-    folder = serve_dir(run_dir) / "submitted"
-    folder.mkdir(parents=True, exist_ok=True)
-    target = folder / f"{name}.json"
-    tmp = folder / f".{name}.json.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        with open(tmp, "x", encoding="utf-8") as f:
-            json.dump({"job": job, "submitted_at": time.time()}, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.link(tmp, target)  # atomic and exclusive: fails if the name was taken meanwhile
-    finally:
-        tmp.unlink(missing_ok=True)
+    target = serve_dir(run_dir) / "submitted" / f"{job['name']}.json"
+    write_json_atomic(target, {"job": job, "submitted_at": time.time()}, exclusive=True)
     return target
 
 

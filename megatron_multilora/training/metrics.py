@@ -214,7 +214,6 @@ class Progress:
         self.enabled = enabled
         self.desc = desc
         self._bar = None
-        self._every = max(1, math.ceil(total / 10))
         # The fallback prints at the first update at or past this step.
         self._next_print = self._after(initial)
         self._start, self._initial = time.perf_counter(), initial
@@ -244,14 +243,18 @@ class Progress:
             self._next_print = self._after(step)
 
     def set_total(self, total: int, step: int) -> None:
-        """A new ``total`` (jobs were added or ended early), ``step`` steps done."""
+        """A new ``total`` (jobs were added or cancelled), ``step`` steps done."""
         if total == self.total:
             return
-        self.total, self._every = total, max(1, math.ceil(total / 10))
+        self.total = total
         self._next_print = self._after(step)
         if self._bar is not None:
             self._bar.total = total
             self._bar.refresh()
+
+    @property
+    def _every(self) -> int:
+        return max(1, math.ceil(self.total / 10))
 
     def _after(self, step: int) -> float:
         """The next 10% mark after ``step``, capped at ``total``; none once ``total`` is reached."""

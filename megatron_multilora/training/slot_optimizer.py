@@ -71,19 +71,13 @@ def slot_grad_norms(params_by_slot: dict[int, list[torch.nn.Parameter]]) -> dict
         return {}
     grads = [g for group in groups for kind in group for g in kind]
     device = grads[0].device if grads else torch.device("cpu")
-    # One norm kernel over every slot's tensors, summed per slot and kind on the device, and
-    # read back once: no per-parameter or per-slot device-to-host sync.
-    norms = torch._foreach_norm([g.float() for g in grads]) if grads else []
-    dense, experts, at = [], [], 0
-    for group in groups:
-        sq = []
-        for kind in group:
-            sq.append(torch.stack(norms[at:at + len(kind)]).pow(2).sum() if kind
-                      else torch.zeros((), dtype=torch.float32, device=device))
-            at += len(kind)
-        dense.append(sq[0] + sq[1] / tp)
-        experts.append(sq[2])
-    dense, experts = torch.stack(dense), torch.stack(experts)
+    # One norm kernel over every slot's tensors, squared at once and summed per slot and kind
+    # on the device, read back once: no per-parameter or per-slot device-to-host sync.
+    squares = (torch.stack(torch._foreach_norm([g.float() for g in grads])).pow(2) if grads
+               else torch.zeros(0, dtype=torch.float32, device=device))
+    sums = [chunk.sum() for chunk in squares.split([len(kind) for group in groups for kind in group])]
+    dense = torch.stack([split + replicated / tp for split, replicated in zip(sums[0::3], sums[1::3])])
+    experts = torch.stack(sums[2::3])
     if tp > 1:
         dist.all_reduce(dense, group=parallel_state.get_tensor_model_parallel_group())
     if parallel_state.get_expert_model_parallel_world_size() > 1:

@@ -90,10 +90,14 @@ def equalize_micro_batches(micro_batches: list[MicroBatch], filler: MicroBatch,
     expert-parallel peers (:func:`align_with_expert_peers`); under pipeline parallelism pad
     every one to the longest (one p2p tensor shape per step). Pads use the filler's token.
     ``count``: the most micro-batches of any data-parallel peer when already agreed
-    (:func:`agree_step`); else agreed here (:func:`agree_step`, every rank of the world).
+    (:func:`agree_step`); else agreed here over the data-parallel group (evaluation and
+    generation call this per forward: no world collective, none without data parallelism).
     """
     if count is None:
-        count = agree_step(micro_batches, len(filler.counts)).micro_batches
+        most = torch.tensor([len(micro_batches)], device=collective_device())
+        if parallel_state.get_data_parallel_world_size() > 1:
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+        count = int(most)
     target = -(-count // count_multiple) * count_multiple
     pad_id = int(filler.tokens[0, 0])
     padded = align_with_expert_peers(micro_batches + [filler] * (target - len(micro_batches)),
@@ -168,7 +172,7 @@ class StepResult:
     """What one step did: every adapter's loss over its global batch (``[n_slots]``, the
     same on every rank), the gradient norm of each slot that stepped, the slots skipped for a
     non-finite loss or gradient, each adapter's loss tokens (``[n_slots]``), and the stop
-    signal agreed before the step (:func:`agree_step`; 0: none)."""
+    signal and job request count agreed before the step (:func:`agree_step`; 0: none)."""
 
     losses: torch.Tensor
     grad_norms: dict[int, float]

@@ -58,6 +58,7 @@ from megatron_multilora.training.config import (
     base_model_config,
     job_alpha,
     job_problems,
+    name_problems,
     to_plain,
 )
 from megatron_multilora.training.job_states import (
@@ -141,13 +142,9 @@ class Trainer:
         self.n_slots = run.lora.slots
         self.train_step = SlotTrainStep(self.model, self.n_slots, run.trainer.micro_batch_tokens,
                                         self.pad_multiple, self.tokenizer.pad_id)
-        self.train_data = [load_dataset(j.dataset, self.tokenizer, run.trainer.max_seq_len)
-                           for j in run.adapters]
-        self.eval_records = [read_jsonl_records(j.eval_dataset)[:run.trainer.eval_samples]
-                             if j.eval_dataset else [] for j in run.adapters]
-        self.eval_data = [load_dataset(j.eval_dataset, self.tokenizer, run.trainer.max_seq_len)
-                          [:run.trainer.eval_samples] if j.eval_dataset else []
-                          for j in run.adapters]
+        self.train_data, self.eval_records, self.eval_data = [], [], []
+        for job in run.adapters:
+            self._load_job_data(job)
         self.queue = JobQueue(run.adapters, [len(d) for d in self.train_data], self.n_slots,
                               run.trainer.steps_per_job)
         self.optimizers: dict[int, SlotOptimizer] = {}
@@ -231,17 +228,21 @@ class Trainer:
         print(f"{self.run_dir} holds an earlier run ({why}): starting at step 0, its outputs "
               f"({', '.join(found)}) moved to {dest}", flush=True)
 
-    def _add_job(self, job: AdapterJob) -> None:
+    def _load_job_data(self, job: AdapterJob) -> None:
+        """Append the job's training examples and its evaluation records and examples."""
+        trainer = self.run.trainer
+        self.train_data.append(load_dataset(job.dataset, self.tokenizer, trainer.max_seq_len))
+        self.eval_records.append(read_jsonl_records(job.eval_dataset)[:trainer.eval_samples]
+                                 if job.eval_dataset else [])
+        self.eval_data.append(load_dataset(job.eval_dataset, self.tokenizer, trainer.max_seq_len)
+                              [:trainer.eval_samples] if job.eval_dataset else [])
+
+    def _add_job(self, job: AdapterJob) -> JobState:
         """Queue a submitted job (from its ``start_step`` on), with its data, evaluation and
         metrics like a config job's."""
-        run = self.run
-        run.adapters.append(job)  # the queue's own list of jobs
-        self.train_data.append(load_dataset(job.dataset, self.tokenizer, run.trainer.max_seq_len))
-        self.eval_records.append(read_jsonl_records(job.eval_dataset)[:run.trainer.eval_samples]
-                                 if job.eval_dataset else [])
-        self.eval_data.append(load_dataset(job.eval_dataset, self.tokenizer, run.trainer.max_seq_len)
-                              [:run.trainer.eval_samples] if job.eval_dataset else [])
-        self.queue.add(job, len(self.train_data[-1]))
+        self.run.adapters.append(job)  # the queue's own list of jobs
+        self._load_job_data(job)
+        return self.queue.add(job, len(self.train_data[-1]))
 
     # ----- step boundaries: stop, job requests --------------------------------------------
 
@@ -279,9 +280,9 @@ class Trainer:
             if dist.get_world_size() > 1:
                 dist.broadcast_object_list(decision, src=0)
             for job in decision[0]["add"]:
-                self._add_job(AdapterJob(**job))
-                self._say(f"step {self.step}: submitted job {job['name']} joins the queue "
-                          f"({self.queue.states[-1].total_steps} steps)")
+                state = self._add_job(AdapterJob(**job))
+                self._say(f"step {self.step}: submitted job {state.name} joins the queue "
+                          f"({state.total_steps} steps)")
             granted = decision[0]["cancel"]
             self._write_status(TRAINING)
         for name in self.requests.cancels_at(self.step, granted):
@@ -296,7 +297,8 @@ class Trainer:
             job = adapter_job(sub.job, where)
         except ConfigError as err:
             return None, [str(err)]
-        return job, job_problems(job, where, self.run.lora.max_rank, self.dp_size)
+        return job, (name_problems(job.name, where)
+                     + job_problems(job, where, self.run.lora.max_rank, self.dp_size))
 
     def _cancel(self, name: str) -> None:
         state = next(s for s in self.queue.states if s.name == name)
@@ -342,10 +344,9 @@ class Trainer:
 
     def _end(self, state: JobState, status: str, reason: str) -> None:
         job = self.run.adapters[state.index]
-        slot = state.slot
         if status in (DONE, CANCELLED):
             self._export(state, cancelled=status == CANCELLED)
-        self.queue.release(state, status, reason)
+        slot = self.queue.release(state, status, reason)
         self.optimizers.pop(slot).zero_grad()
         clear_adapter_slot(self.model, slot)  # weights, rank, alpha back to a fresh slot
         self._say(f"step {self.step}: job {job.name} {status} ({reason}); slot {slot} is free")
@@ -428,9 +429,9 @@ class Trainer:
         window_start, window_step = time.perf_counter(), self.step
         self._write_status(TRAINING)
         while tr.max_steps is None or self.step < tr.max_steps:
-            jobs = len(self.queue.states)
-            self._take_requests(self._boundary())
-            if len(self.queue.states) != jobs:
+            requests = self._boundary()
+            self._take_requests(requests)
+            if requests:  # jobs added or cancelled: the plan changed
                 progress.set_total(self._planned(), self.step)
             for state in self.queue.admit(self.step):
                 self._start(state)

@@ -30,11 +30,16 @@ QUIET = ["hf_dir=null", "logging.wandb_mode=disabled", "logging.plots=false", "t
          "trainer.eval_interval=0", "checkpoint.save_interval=null", "trainer.micro_batch_tokens=512"]
 
 
+def job_fields(name: str, data: Path, task: str, steps: int, **extra) -> dict:
+    """One adapter job's fields (an ``adapters`` entry) on a demo task."""
+    return {"name": name, "dataset": f"{data}/{task}.train.jsonl",
+            "eval_dataset": f"{data}/{task}.eval.jsonl", "rank": 8, "alpha": 16, "lr": 3e-3,
+            "global_batch_size": 4, "max_steps": steps, **extra}
+
+
 def job(name: str, data: Path, task: str, steps: int, **extra) -> str:
-    """A Hydra override value for one adapter job."""
-    fields = {"name": name, "dataset": f"{data}/{task}.train.jsonl",
-              "eval_dataset": f"{data}/{task}.eval.jsonl", "rank": 8, "alpha": 16, "lr": 3e-3,
-              "global_batch_size": 4, "max_steps": steps, **extra}
+    """A Hydra override value for one adapter job (:func:`job_fields`)."""
+    fields = job_fields(name, data, task, steps, **extra)
     return "{" + ",".join(f"{k}:{v}" for k, v in fields.items()) + "}"
 
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import psutil
 import pytest
@@ -26,17 +27,20 @@ TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 STEPS, SAVE_EVERY = 120, 20
 
 
-def command(run_dir: Path, demo: Path, extra: list[str] = (), nproc: int = 2,
-            steps: int = STEPS) -> list[str]:
+def command(run_dir: Path, demo: Optional[Path], extra: list[str] = (), nproc: int = 2,
+            steps: int = STEPS, jobs: Optional[list[str]] = None,
+            save_every: int = SAVE_EVERY) -> list[str]:
+    """The launch command; ``jobs`` (Hydra job values) default to two on ``demo``'s tasks."""
     # warmup then decay: a resume that restored the wrong learning rate changes the trajectory
-    jobs = [job("rev", demo, "reverse", steps, warmup_steps=10),
-            job("add", demo, "add", steps, schedule="linear", warmup_steps=5)]
+    jobs = jobs if jobs is not None else [
+        job("rev", demo, "reverse", steps, warmup_steps=10),
+        job("add", demo, "add", steps, schedule="linear", warmup_steps=5)]
     return [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "--local-ranks-filter=0",
             "recipes/multi_lora_finetune.py", f"run_dir={run_dir}", "hf_dir=null",
             f"adapters=[{','.join(jobs)}]",
             "lora.slots=2", "model.hidden_size=64", "model.ffn_hidden_size=128",
             "trainer.log_interval=1", "trainer.eval_interval=0", "trainer.micro_batch_tokens=512",
-            f"checkpoint.save_interval={SAVE_EVERY}", "logging.wandb_mode=disabled",
+            f"checkpoint.save_interval={save_every}", "logging.wandb_mode=disabled",
             "logging.plots=false", *extra]
 
 

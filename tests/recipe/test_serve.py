@@ -18,8 +18,9 @@ from safetensors.torch import load_file
 
 from megatron_multilora.training import job_inbox
 from megatron_multilora.training.metrics import read_metrics
-from tests.recipe.conftest import job, losses_by_adapter
-from tests.recipe.test_cli import ROOT, TORCHRUN, finish, last_train_step, latest_step
+from tests.recipe.conftest import job, job_fields, losses_by_adapter
+from tests.recipe.test_cli import ROOT, finish, last_train_step, latest_step
+from tests.recipe.test_cli import command as launch_command
 from tests.recipe.test_cli import launch as launch_run
 
 
@@ -44,13 +45,8 @@ def launch():
 
 def command(run_dir: Path, jobs: list[str], extra: list[str] = (), save_every: int = 5
             ) -> list[str]:
-    return [TORCHRUN, "--standalone", "--nproc-per-node=2", "--local-ranks-filter=0",
-            "recipes/multi_lora_finetune.py", f"run_dir={run_dir}", "hf_dir=null",
-            f"adapters=[{','.join(jobs)}]", "lora.slots=2", "model.hidden_size=64",
-            "model.ffn_hidden_size=128", "trainer.log_interval=1", "trainer.eval_interval=0",
-            "trainer.micro_batch_tokens=512", f"checkpoint.save_interval={save_every}",
-            "trainer.serve_poll_seconds=0.5", "logging.wandb_mode=disabled",
-            "logging.plots=false", *extra]
+    return launch_command(run_dir, None, ["trainer.serve_poll_seconds=0.5", *extra], jobs=jobs,
+                          save_every=save_every)
 
 
 def mmlora(*args) -> subprocess.CompletedProcess:
@@ -61,10 +57,7 @@ def mmlora(*args) -> subprocess.CompletedProcess:
 def spec(folder: Path, name: str, demo: Path, task: str, steps: int, **extra) -> Path:
     """A job spec file for `mmlora submit` (the fields of an ``adapters`` entry)."""
     path = folder / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": name, "dataset": str(demo / f"{task}.train.jsonl"),
-        "eval_dataset": str(demo / f"{task}.eval.jsonl"), "rank": 8, "alpha": 16, "lr": 3e-3,
-        "global_batch_size": 4, "max_steps": steps, **extra}))
+    path.write_text(yaml.safe_dump(job_fields(name, demo, task, steps, **extra)))
     return path
 
 
@@ -72,11 +65,6 @@ def submit(run_dir: Path, path: Path) -> str:
     done = mmlora("submit", "--run-dir", run_dir, path)
     assert done.returncode == 0, done.stderr
     return done.stdout
-
-
-def events(run_dir: Path) -> list[dict]:
-    path = run_dir / "serve" / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def wait_for(what, proc: subprocess.Popen, log: Path, timeout: float = 240):
@@ -90,12 +78,17 @@ def wait_for(what, proc: subprocess.Popen, log: Path, timeout: float = 240):
 
 
 def event_step(run_dir: Path, kind: str, name: str) -> int | None:
-    return next((e["step"] for e in events(run_dir) if e["event"] == kind and e["name"] == name),
-                None)
+    return next((e["step"] for e in job_inbox.read_events(run_dir)
+                 if e["event"] == kind and e["name"] == name), None)
+
+
+def refusals(run_dir: Path) -> dict[str, str]:
+    """The refused submissions' reasons, by name."""
+    return {e["name"]: e["reason"] for e in job_inbox.read_events(run_dir) if e["event"] == "refuse"}
 
 
 def status(run_dir: Path) -> dict:
-    return json.loads((run_dir / "serve" / "status.json").read_text())
+    return job_inbox.read_status(run_dir)
 
 
 def job_row(run_dir: Path, name: str) -> dict:
@@ -134,14 +127,15 @@ def test_submitted_job_trains_as_a_config_job_queued_for_that_step_even_across_a
     k = wait_for(lambda: event_step(served, "add", "add"), proc, log)
     # SIGKILL torchrun and both workers, as a crash would, at a random step after the job was
     # added: the resumed run must take it from the journal.
-    wait_for(lambda: last_train_step(served) >= random.randint(k + 2, k + 30), proc, log)
+    kill_at = random.randint(k + 2, k + 30)
+    wait_for(lambda: last_train_step(served) >= kill_at, proc, log)
     victims = [psutil.Process(proc.pid), *workers(proc)]
     for p in victims:
         p.send_signal(signal.SIGKILL)
     _, alive = psutil.wait_procs(victims, timeout=30)
     assert not alive, alive
     killed_at = last_train_step(served)
-    assert latest_step(served) == saved < k < killed_at < 300, (saved, k, killed_at)
+    assert latest_step(served) == saved < k < killed_at < 300, (saved, k, kill_at, killed_at)
     out = finish(launch(cmd, tmp_path / "resumed.log"), tmp_path / "resumed.log")
     assert f"resumed from {served / 'checkpoints'}" in out and f"at step {saved}" in out
 
@@ -171,16 +165,19 @@ def test_cancel_hands_the_slot_on_stop_checkpoints_and_a_job_submitted_while_dow
     wait_for(lambda: last_train_step(run) >= 3, proc, log)
     submit(run, spec(tmp_path, "add", demo_data, "add", 100_000))
     submit(run, spec(tmp_path, "up", demo_data, "uppercase", 30))
-    wait_for(lambda: "up" in {j["name"] for j in status(run)["jobs"]}, proc, log)
-    rows = {j["name"]: j["status"] for j in status(run)["jobs"]}
-    assert rows == {"rev": "active", "add": "active", "up": "queued"}  # both slots taken
+    # Both slots taken (a status written between add's admission and its start may show it
+    # queued for a moment, so wait for the settled rows).
+    wait_for(lambda: {j["name"]: j["status"] for j in status(run)["jobs"]}
+             == {"rev": "active", "add": "active", "up": "queued"}, proc, log)
 
-    # A submission the trainer finds broken (written past `mmlora submit`, whose checks
-    # would refuse it) is refused and journaled; training goes on.
+    # Submissions the trainer finds broken (written past `mmlora submit`, whose checks would
+    # refuse them: a missing dataset, a reserved name) are refused and journaled; training
+    # goes on.
     job_inbox.submit(run, {"name": "ghost", "dataset": str(tmp_path / "gone.jsonl"), "max_steps": 5})
-    reason = wait_for(lambda: next((e["reason"] for e in events(run) if e["event"] == "refuse"),
-                                   None), proc, log)
-    assert "gone.jsonl" in reason and "ghost" not in {j["name"] for j in status(run)["jobs"]}
+    job_inbox.submit(run, job_fields("base", demo_data, "add", 5))
+    refused = wait_for(lambda: (r := refusals(run)).keys() >= {"ghost", "base"} and r, proc, log)
+    assert "gone.jsonl" in refused["ghost"] and "'base' is reserved" in refused["base"]
+    assert not {"ghost", "base"} & {j["name"] for j in status(run)["jobs"]}
 
     cancelled = mmlora("cancel", "--run-dir", run, "add")
     assert cancelled.returncode == 0, cancelled.stderr

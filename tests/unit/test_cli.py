@@ -76,7 +76,8 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 
 
 def live_status(**fields) -> dict:
-    status = {"state": "training", "step": 12, "updated_at": time.time() - 65, "pid": os.getpid(),
+    # Shown as "updated 1m05s ago" (rounded) for up to 0.9 s: time for a slow disk to be read.
+    status = {"state": "training", "step": 12, "updated_at": time.time() - 64.6, "pid": os.getpid(),
               "host": socket.gethostname(), "dp_size": 1, "max_rank": 16, "slots": 4, "jobs": [
                   {"name": "reverse", "status": "active", "slot": 0, "steps_done": 10,
                    "total_steps": 500, "loss": 3.21, "eval_loss": 3.4, "tokens_per_s": 1234.0,
