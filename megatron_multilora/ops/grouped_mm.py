@@ -1,9 +1,15 @@
 """One GEMM over contiguous row groups, each with its own weight (no LoRA knowledge).
 
 ``grouped_mm(x, w, offsets)`` computes, for every group g, ``x[rows of g] @ w[g].T``. It
-runs as one ``torch._grouped_mm`` call where dtype, alignment and device allow it, and as an
-exact per-group loop of ``torch.mm`` elsewhere (the two were bit-identical on CPU). Used by
-the frozen base's expert linears and by the multi-LoRA layers.
+runs as one ``torch._grouped_mm`` call where torch, dtype, device and shapes allow it, and
+as an exact per-group loop of ``torch.mm`` elsewhere (the two were bit-identical on CPU).
+Used by the frozen base's expert linears and by the multi-LoRA layers.
+
+The kernel reads every matrix with its rows 16-byte aligned: each stride but the last (1)
+a multiple of 16 bytes and, on CUDA, the data pointer too; it raises otherwise. Shapes decide
+whether that can hold (``in`` and ``out`` multiples of 16 bytes); a view that breaks it
+anyway (e.g. a factor cut to a lower rank out of a buffer whose max rank is not a multiple
+of 8) is copied first, which costs a weight-sized copy, not a fallback to the loop.
 """
 
 from __future__ import annotations
@@ -12,21 +18,37 @@ from typing import Optional, Sequence
 
 import torch
 
-_GROUPED_MM = getattr(torch, "_grouped_mm", None)
+_GROUPED_MM = getattr(torch, "_grouped_mm", None)  # absent in older torch (2.6)
 
 
-def _grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
-    if _GROUPED_MM is None or x.dtype != w.dtype or not x.is_contiguous():
+def kernel_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` can run ``x [rows, in] x w [G, out, in]``: it exists,
+    dtypes match, the device runs it (CUDA: bf16 on Hopper or newer) and ``in`` and ``out``
+    are multiples of 16 bytes (the row strides of x, w, y and their gradients)."""
+    if _GROUPED_MM is None or x.dtype != w.dtype or x.dim() != 2 or w.dim() != 3:
         return False
     if x.is_cuda:
-        # The CUDA kernel is bf16-only and needs Hopper or newer.
         if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] < 9:
             return False
-    elif x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    elif x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
-    # Every stride must be a multiple of 16 bytes.
     per16 = 16 // x.element_size()
     return x.size(1) % per16 == 0 and w.size(1) % per16 == 0
+
+
+def rows_aligned(t: torch.Tensor) -> bool:
+    """``t``'s rows are laid out as the kernel reads them (see the module docstring)."""
+    per16 = 16 // t.element_size()
+    strides = t.stride()
+    return (strides[-1] == 1 and strides[-2] >= max(1, t.size(-1))
+            and all(s % per16 == 0 for s in strides[:-1])
+            and (not t.is_cuda or t.data_ptr() % 16 == 0))
+
+
+def kernel_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a fresh contiguous (so aligned) copy where its layout would make the kernel
+    raise; differentiable either way."""
+    return t if rows_aligned(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 def group_offsets(counts: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -47,13 +69,14 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
     ``torch._grouped_mm`` takes); ``counts`` the group sizes on the host when known: only the
     per-group fallback needs them, and reading them from ``offsets`` syncs on an accelerator.
     """
-    if _grouped_mm_usable(x, w):
-        y = _GROUPED_MM(x, w.transpose(1, 2), offs=offsets)
+    if kernel_takes(x, w):
+        y = _GROUPED_MM(kernel_layout(x), kernel_layout(w).transpose(1, 2), offs=offsets)
         if y.requires_grad:
-            # _grouped_mm's backward rejects stride-0 gradients such as those of y.sum(). A
-            # hook rather than an identity Function keeps y its own tensor (not a view), so a
-            # caller may still add into it in place.
-            y.register_hook(torch.Tensor.contiguous)
+            # The backward kernels read y's gradient with the same row layout, which an
+            # expanded (stride-0, e.g. from y.sum()) or offset gradient breaks. A hook rather
+            # than an identity Function keeps y its own tensor (not a view), so a caller may
+            # still add into it in place.
+            y.register_hook(kernel_layout)
         return y
     parts = torch.split(x, list(counts) if counts is not None else group_sizes(offsets))
     return torch.cat([p @ w[g].t() for g, p in enumerate(parts)], dim=0)

@@ -212,3 +212,65 @@ def test_lora_term_is_added_into_the_base_output_it_owns(kind, in_place):
     assert (y.data_ptr() == seen[0].data_ptr()) == in_place
     y.sum().backward()  # autograd accepts the in-place add (the base saved no output)
     assert x.grad is not None
+
+
+# A max rank that is not a multiple of 8 (a cut of the [out, max rank] B buffer to the
+# computed rank 8 is then a view whose row stride the kernel refuses: the layer must copy
+# it), with an idle slot at the max rank (it must not raise the computed rank) and a gap in
+# the active slots (read as an indexed copy); and one that is, with contiguous active slots
+# from slot 1 (read as a view at an offset). Ranks below the max, odd and zero group sizes.
+KERNEL_CASES = {"max_rank_12": (12, [3, 12, 5, 7, 2], [37, 0, 5, 19, 1]),
+                "max_rank_16": (16, [16, 1, 9, 4, 16], [0, 21, 3, 17, 1])}
+
+
+def check_grouped_kernel_parity(monkeypatch, device: str, dtype: torch.dtype, rel: float,
+                                dim: int, ranks: list[int], counts: list[int]) -> None:
+    """A column-parallel MultiLoRALinear on ``device`` in ``dtype`` against the fp32
+    token-by-token reference: output, input gradient and every slot's factor gradients, with
+    both LoRA GEMMs run by ``torch._grouped_mm`` (asserted). Shared with tests/gpu."""
+    from megatron_multilora.ops import grouped_mm as gmm
+
+    if gmm._GROUPED_MM is None:
+        pytest.skip("this torch has no torch._grouped_mm")
+    calls = []
+    kernel = gmm._GROUPED_MM
+    monkeypatch.setattr(gmm, "_GROUPED_MM", lambda *a, **kw: calls.append(a[1].shape) or kernel(*a, **kw))
+    n, alphas = len(ranks), [2.0 * r for r in ranks]
+    gen = torch.Generator().manual_seed(5)
+    base = make_base("column", IN, OUT, dtype)
+    layer = MultiLoRALinear(base, n, dim, 1.0, "test.kernel")
+    slots = random_slots(n, dim, IN, OUT, ranks, alphas, gen)
+    with torch.no_grad():
+        for i, f in enumerate(slots):
+            layer.init_adapter_slot(i, f.rank, f.alpha)
+            layer.adapters[i].linear_in.weight.copy_(f.a)
+            layer.adapters[i].linear_out.weight.copy_(f.b)
+            f.a.data.copy_(f.a.to(dtype).float())  # the reference uses the same rounded values
+            f.b.data.copy_(f.b.to(dtype).float())
+    layer.to(device)
+    layer.slot_tokens = SlotTokens(counts)
+    x = torch.randn(sum(counts), IN, generator=torch.Generator().manual_seed(6)).to(dtype).float()
+    x_l = x.to(device, dtype, copy=True).requires_grad_()
+    x_r = x.clone().requires_grad_()
+    y = output(layer(x_l.view(-1, 1, IN))).view(x.size(0), -1)
+    y_ref = lora_reference(x_r, base.weight.detach().float().cpu(), slots, counts)
+    g = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(7))
+    (y.float() * g.to(device)).sum().backward()
+    (y_ref * g).sum().backward()
+    assert len(calls) == 2, f"expected both LoRA GEMMs on the grouped kernel, got {calls}"
+    assert_close(y.detach().cpu(), y_ref.detach(), rel, "output")
+    assert_close(x_l.grad.cpu(), x_r.grad, rel, "input grad")
+    for i, f in enumerate(slots):
+        slot = layer.adapters[i]
+        if counts[i] == 0:  # idle: left out of the GEMMs, no gradient at all
+            assert slot.linear_in.weight.grad is None and slot.linear_out.weight.grad is None
+            continue
+        assert_close(slot.linear_in.weight.grad.cpu(), f.a.grad, rel, f"slot {i} A grad")
+        assert_close(slot.linear_out.weight.grad.cpu(), f.b.grad, rel, f"slot {i} B grad")
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+@pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)],
+                         ids=["fp32", "bf16"])
+def test_grouped_kernel_matches_reference_at_any_max_rank(monkeypatch, case, dtype, rel):
+    check_grouped_kernel_parity(monkeypatch, "cpu", dtype, rel, *KERNEL_CASES[case])
