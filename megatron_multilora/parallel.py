@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-from megatron_multilora.platform.cpu_support import activate_cpu_support
+from megatron_multilora.platform import support_megatron_here
 
 
 def collective_device() -> torch.device:
@@ -87,7 +87,7 @@ def init_parallel(
                         "pipeline_model_parallel_size > 1 (use None without pipelining)")
     if problems:
         raise ValueError("invalid parallel layout: " + "; ".join(problems))
-    activate_cpu_support()
+    support_megatron_here()
     _init_process_group(timeout_s)
     world = dist.get_world_size()
     if world % (tp * pp):

@@ -2,8 +2,8 @@
 
 Active only when ``torch.cuda.is_available()`` is False; on a GPU machine
 :func:`activate_cpu_support` does nothing. Each shim names the megatron-core place it
-covers and why; they were checked against megatron-core 0.16.1 (see
-``shared/notes/megatron-on-cpu.md``). Nothing else in the package patches megatron.
+covers and why; they were checked against megatron-core 0.16.1. What TE's absence needs
+on any device is in :mod:`.missing_te`; nothing else in the package patches megatron.
 """
 
 from __future__ import annotations
@@ -104,11 +104,6 @@ def activate_cpu_support() -> bool:
     # CPU the default generator is the only device generator.
     mp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     mp_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
-
-    # moe/moe_utils.py names te_general_gemm at call time even without TE (NameError).
-    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
 
     # moe/token_dispatcher.py: the alltoall dispatcher creates a torch.cuda.Stream at init and
     # moves split sizes to the host on it; gloo also needs host split sizes.
