@@ -84,10 +84,18 @@ def co_permute_slot_ids(dispatcher: object, slot_ids: torch.Tensor) -> torch.Ten
         group = dispatcher.tp_ep_group
         if dist.get_world_size(group) > 1:
             gathered = slot_ids.new_empty(slot_ids.numel() * dist.get_world_size(group))
-            dist.all_gather_single(gathered, slot_ids.contiguous(), group=group)
+            all_gather_flat(gathered, slot_ids.contiguous(), group)
             slot_ids = gathered
         return slot_ids.index_select(0, dispatcher.reversed_local_input_permutation_mapping)
     raise TypeError(f"no slot routing for {type(dispatcher).__name__}")
+
+
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Every rank's ``inp`` concatenated into ``out``, in rank order: ``all_gather_single`` in
+    newer torch (2.13), which deprecates ``all_gather_into_tensor``, the only name older torch
+    (2.6, 2.11) has."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, inp, group=group)
 
 
 def build_expert_slot_routing(slot: torch.Tensor, tokens_per_expert: torch.Tensor | list[int],

@@ -121,6 +121,25 @@ def test_ep2_co_permuted_slot_ids_match_dispatched_rows(layout, dispatcher):
     assert_all_ranks(failures)
 
 
+def test_ep2_allgather_slot_ids_without_all_gather_single(layout, monkeypatch):
+    """torch before 2.13 has no ``dist.all_gather_single``: the slot ids are then gathered
+    with ``all_gather_into_tensor`` (the GPU machine's torch 2.11 takes this path)."""
+    layout(tp=1, ep=2)
+    gathers = []
+    real = torch.distributed.all_gather_into_tensor
+    monkeypatch.delattr(torch.distributed, "all_gather_single", raising=False)
+    monkeypatch.setattr(torch.distributed, "all_gather_into_tensor",
+                        lambda out, inp, *a, **kw: gathers.append(inp.dtype) or real(out, inp, *a, **kw))
+    counts = COUNTS[parallel_state.get_data_parallel_rank()]
+    dispatched, routed = dispatch_slot_ids(build(moe_cfg("allgather"), ddp=False), counts, 32)
+    failures = []
+    if torch.int64 not in gathers:  # the slot ids' gather (megatron's own gathers are float)
+        failures.append(f"the slot ids were not gathered with all_gather_into_tensor: {gathers}")
+    if not torch.equal(dispatched, routed):
+        failures.append(f"slot ids differ: dispatched {dispatched.tolist()} routed {routed.tolist()}")
+    assert_all_ranks(failures)
+
+
 def test_expert_adapters_reshard_between_ep1_and_ep2(layout):
     """Full adapter tensors gathered at EP=1 load at EP=2 as each rank's experts, and gather
     back to the same tensors (what checkpoints and exports rely on)."""
