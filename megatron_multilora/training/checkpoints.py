@@ -6,8 +6,8 @@ from every TP/EP shard), so a run resumes under another TP/EP layout too; RNG st
 per rank and are restored only when the world size matches.
 
 Layout of ``<run_dir>/checkpoints/``: ``step_00000040/`` folders (``state.pt`` with the queue,
-slots and scalar optimizer state, ``slot<k>.safetensors`` with ``param/``, ``exp_avg/``,
-``exp_avg_sq/`` tensors, ``rng.pt``, and ``manifest.json`` with every file's size and sha256,
+slots and scalar optimizer state, ``slot<k>.safetensors`` with ``param/`` (the fp32 master
+weights), ``exp_avg/``, ``exp_avg_sq/`` tensors, ``rng.pt``, and ``manifest.json`` with every file's size and sha256,
 written last), ``latest.json`` naming the newest, and ``set_aside/`` holding the folders a
 resume skipped (damaged, or newer than the checkpoint resumed): those are never overwritten or
 pruned.
@@ -59,7 +59,9 @@ def save_training_checkpoint(run_dir: str | Path, step: int, model: ModelOrChunk
     slots = {}
     for slot in sorted(optimizers):
         opt = optimizers[slot]
-        tensors = {f"param/{k}": v for k, v in get_slot_tensors(model, slot).items()}
+        # The fp32 master weights: a bf16 slot resumes from them, not from their rounding.
+        tensors = {f"param/{k}": v for k, v in get_slot_tensors(model, slot,
+                                                                value=opt.master_of).items()}
         for moment in MOMENTS:
             tensors.update({f"{moment}/{k}": v for k, v in get_slot_tensors(
                 model, slot, value=lambda p, m=moment: opt.state_of(p, m)).items()})
@@ -67,8 +69,7 @@ def save_training_checkpoint(run_dir: str | Path, step: int, model: ModelOrChunk
         slots[slot] = {"tensors": tensors, "rank": int(layer.rank), "alpha": float(layer.alpha),
                        "dropout": float(layer.dropout), "optimizer": opt.scalar_state()}
     rng = [None] * dist.get_world_size()
-    dist.all_gather_object(rng, {"cpu": torch.get_rng_state(),
-                                 "tracker": get_cuda_rng_tracker().get_states()})
+    dist.all_gather_object(rng, rng_state())
     root = checkpoint_root(run_dir)
     path = root / f"step_{step:08d}"
     if dist.get_rank() == 0:
@@ -245,19 +246,34 @@ def restore_training_checkpoint(path: Path, saved: dict[str, Any], model: ModelO
         part = {prefix: {k[len(prefix) + 1:]: v for k, v in tensors.items()
                          if k.startswith(prefix + "/")} for prefix in ("param", *MOMENTS)}
         set_slot_tensors(model, slot, part["param"], meta["rank"], meta["alpha"],
-                  dropout=meta["dropout"])
+                         dropout=meta["dropout"])
         opt = make_optimizer(slot)
-        moments = {}
-        for m in MOMENTS:
+        fp32 = {}  # prefix -> {param: this rank's shard, fp32}
+        for prefix in ("param", *MOMENTS):
             store: dict = {}
-            set_slot_tensors(model, slot, part[m], meta["rank"], meta["alpha"],
-                      into=lambda p, store=store: store.setdefault(
-                          p, torch.zeros_like(p, dtype=torch.float32)))
-            moments[m] = store
-        opt.load(meta["optimizer"], moments)
+            set_slot_tensors(model, slot, part[prefix], meta["rank"], meta["alpha"],
+                             into=lambda p, store=store: store.setdefault(
+                                 p, torch.zeros_like(p, dtype=torch.float32)))
+            fp32[prefix] = store
+        opt.load(meta["optimizer"], {m: fp32[m] for m in MOMENTS}, masters=fp32["param"])
         optimizers[slot] = opt
     if saved["world_size"] == dist.get_world_size():
-        rng = _read(path / "rng.pt", lambda f: torch.load(f, weights_only=False))[dist.get_rank()]
-        torch.set_rng_state(rng["cpu"])
-        get_cuda_rng_tracker().set_states(rng["tracker"])
+        restore_rng_state(_read(path / "rng.pt",
+                                lambda f: torch.load(f, weights_only=False))[dist.get_rank()])
     return optimizers
+
+
+def rng_state() -> dict[str, Any]:
+    """This rank's generators: the CPU one, megatron's tracker streams and, on a GPU, the
+    current device's default CUDA generator (LoRA and attention dropout on replicated
+    values draw from it)."""
+    return {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Put back what :func:`rng_state` captured (the CUDA generator where both runs had one)."""
+    torch.set_rng_state(state["cpu"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

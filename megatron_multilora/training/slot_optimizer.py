@@ -132,6 +132,10 @@ class SlotOptimizer:
             if grad is not None:
                 grad.zero_()
 
+    def master_of(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """``param``'s fp32 master weight (``param`` itself when it is fp32)."""
+        return self._master_of[id(param)]
+
     def state_of(self, param: torch.nn.Parameter, key: str) -> torch.Tensor:
         """AdamW's ``key`` moment for ``param`` (zeros before the first step)."""
         master = self._master_of[id(param)]
@@ -144,17 +148,22 @@ class SlotOptimizer:
         return {"adam_step": steps[0] if steps else 0.0,
                 "scheduler": self.scheduler.state_dict()}
 
-    def load(self, scalar: dict[str, Any], moments: dict[str, dict[torch.nn.Parameter, torch.Tensor]]) -> None:
-        """Restore from :meth:`scalar_state` and per-parameter moments."""
+    def load(self, scalar: dict[str, Any], moments: dict[str, dict[torch.nn.Parameter, torch.Tensor]],
+             masters: Optional[dict[torch.nn.Parameter, torch.Tensor]] = None) -> None:
+        """Restore from :meth:`scalar_state`, per-parameter moments and, for parameters
+        that are not fp32, their saved fp32 master weights (default: the parameters' values)."""
         for param, master in zip(self.params, self.masters):
             if master is not param:
-                master.data.copy_(param.detach().float())
-            if scalar["adam_step"] > 0:
-                self.optimizer.state[master] = {
-                    "step": torch.tensor(scalar["adam_step"]),
-                    "exp_avg": moments["exp_avg"][param].to(torch.float32).clone(),
-                    "exp_avg_sq": moments["exp_avg_sq"][param].to(torch.float32).clone(),
-                }
+                master.data.copy_(param.detach().float() if masters is None else masters[param])
+        # Through torch's own loading, which puts each value where this optimizer keeps it
+        # (the fused kernel wants ``step`` on the parameters' device, e.g. the GPU).
+        state = self.optimizer.state_dict()
+        if scalar["adam_step"] > 0:
+            state["state"] = {i: {"step": torch.tensor(scalar["adam_step"]),
+                                  "exp_avg": moments["exp_avg"][param].float().clone(),
+                                  "exp_avg_sq": moments["exp_avg_sq"][param].float().clone()}
+                              for i, param in enumerate(self.params)}
+        self.optimizer.load_state_dict(state)
         self.scheduler.load_state_dict(scalar["scheduler"])
         # The scheduler's state holds the lr it last set; the optimizer still has the step-0
         # value from construction, which the next step would use.

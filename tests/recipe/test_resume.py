@@ -211,3 +211,16 @@ def test_stop_signal_saves_at_the_step_boundary_and_resumes_identically(signum, 
     out = resume(run_dir, demo_data, capsys)
     assert f"resumed from {step_dir(run_dir, 3)} at step 3" in out
     assert records(run_dir) == records(finished)
+
+
+def test_bf16_run_resumes_from_its_fp32_master_weights(demo_data, tmp_path, capsys):
+    """bf16 adapters step fp32 masters; a checkpoint holds the masters, so a resumed bf16 run
+    continues exactly (from the bf16 weights alone, the masters' rounding, it would not)."""
+    bf16 = [*SAVES, "trainer.precision=bf16"]
+    finished = tmp_path / "uninterrupted"
+    run_in_process(finished, jobs(demo_data), bf16)
+    run_dir = copy_of(finished, tmp_path)
+    older = step_dir(run_dir, 2)
+    out = resume(run_dir, demo_data, capsys, [*bf16[len(SAVES):], f"checkpoint.resume={older}"])
+    assert f"resumed from {older} at step 2" in out
+    assert records(run_dir) == records(finished)

@@ -64,24 +64,29 @@ def test_atomic_folder_write_keeps_the_previous_folder_on_failure(tmp_path):
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear"])
-def test_reloaded_optimizer_takes_the_same_next_step(schedule):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_reloaded_optimizer_takes_the_same_next_step(schedule, dtype):
     """Stepped k times, saved, loaded into a fresh optimizer: the next lr and step are identical
-    (the lr used to be the step-0 warmup value after a load)."""
+    (the lr used to be the step-0 warmup value after a load; a bf16 slot's fp32 masters used
+    to come back as the bf16 weights' rounding)."""
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(4, 3, generator=gen))]
+    params = [torch.nn.Parameter(torch.randn(4, 3, generator=gen).to(dtype))]
     j = job(warmup_steps=3, schedule=schedule, min_lr_ratio=0.1)
     opt = SlotOptimizer(params, j, 10)
     for _ in range(4):
-        params[0].grad = torch.randn(4, 3, generator=gen)
+        params[0].grad = torch.randn(4, 3, generator=gen).to(dtype)
         opt.step(slot_grad_norm(params))
     copies = [torch.nn.Parameter(params[0].detach().clone())]
     again = SlotOptimizer(copies, j, 10)
     again.load(opt.scalar_state(), {m: {copies[0]: opt.state_of(params[0], m)}
-                                    for m in ("exp_avg", "exp_avg_sq")})
+                                    for m in ("exp_avg", "exp_avg_sq")},
+               masters={copies[0]: opt.master_of(params[0])})
     assert again.lr == opt.lr == pytest.approx(0.1 * lr_factor(4, j, 10))
-    grad = torch.randn(4, 3, generator=gen)
+    assert torch.equal(again.master_of(copies[0]), opt.master_of(params[0]))
+    grad = torch.randn(4, 3, generator=gen).to(dtype)
     params[0].grad, copies[0].grad = grad.clone(), grad.clone()
     opt.step(slot_grad_norm(params))
     again.step(slot_grad_norm(copies))
     assert torch.equal(copies[0], params[0])
+    assert torch.equal(again.master_of(copies[0]), opt.master_of(params[0]))
     assert again.lr == opt.lr
