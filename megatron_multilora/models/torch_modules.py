@@ -217,7 +217,11 @@ class TorchGroupedLinear(torch.nn.Module):
         own from megatron's expert-parallel RNG stream."""
         cfg = self.config
         shape = (self.out_features, self.in_features)
-        weights = [torch.empty(shape, dtype=cfg.params_dtype) for _ in range(self.num_gemms)]
+        # On the GPU they must be drawn there: a CPU tensor would draw from the CPU generator
+        # whatever CUDA stream the tracker forks, giving every EP rank the same experts.
+        device = "cpu" if cfg.use_cpu_initialization else torch.cuda.current_device()
+        weights = [torch.empty(shape, dtype=cfg.params_dtype, device=device)
+                   for _ in range(self.num_gemms)]
         if not cfg.perform_initialization:
             return weights
         if cfg.use_cpu_initialization:
