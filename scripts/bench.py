@@ -56,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -852,11 +853,14 @@ def versions() -> dict:
         out["transformer-engine"] = metadata.version("transformer-engine")
     except metadata.PackageNotFoundError:
         pass
-    git = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True)
-    if git.returncode == 0:
+    try:  # a machine without git (or a copy without .git) reports no commit
+        git = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True)
         status = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain",
                                  "--untracked-files=no"], capture_output=True, text=True)
+    except OSError:
+        return out
+    if git.returncode == 0:
         dirty = " + uncommitted changes" if status.stdout.strip() else ""
         out["git"] = git.stdout.strip() + dirty
     return out
@@ -879,6 +883,10 @@ def markdown(meta: dict, rows: list[Row]) -> str:
         "- versions: " + ", ".join(f"{k} {v}" for k, v in ver.items()),
         f"- dtype {s['dtype']}; load average (1, 5, 15 min) at start {meta['load_start']}, at end "
         f"{meta['load_end']}; total run time {meta['runtime_s']:.0f} s",
+        "- sections: " + ", ".join(
+            f"{name} ({'FAILED' if name in meta['failed'] else 'done'})"
+            for name in meta["sections_done"]) + "".join(
+            f", {name} (not run yet)" for name in meta["sections"][len(meta["sections_done"]):]),
         "- settings: " + ", ".join(f"{k}={v}" for k, v in s.items()),
         *(f"- whole model {kind}: GPTModelConfig("
           + ", ".join(f"{k}={v}" for k, v in cfg.items() if defaults.get(k) != v)
@@ -903,103 +911,151 @@ def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def run_benchmark(s: Settings, out_dir: Path, sections: tuple[str, ...] = SECTIONS) -> None:
-    """Run ``sections`` (all by default) and write their rows; a partial run writes
-    ``<name>-only-<sections>.md`` / ``.json``."""
-    device = torch.device(s.device)
-    clock = Clock(device)
-    load_start = load_average()
-    mm.init_parallel(seed=0)
-    hw, ver = hardware(device), versions()
-    clock.say(f"{hw.get('gpu', hw['cpu'])}, {hw['cpu_cores']} cores, {hw['torch_threads']} "
-              f"threads; " + ", ".join(f"{k} {v}" for k, v in ver.items()))
-    clock.say(f"settings: {dataclasses.asdict(s)}; sections: {', '.join(sections)}")
-    rows: list[Row] = []
-    samples: dict[str, dict[str, list[float]]] = {}
+@dataclasses.dataclass
+class Results:
+    """What the sections measured so far (the report is rewritten from it after each one)."""
+
+    rows: list[Row] = dataclasses.field(default_factory=list)
+    samples: dict[str, dict[str, list[float]]] = dataclasses.field(default_factory=dict)
+    probes: dict[str, list[dict]] = dataclasses.field(default_factory=dict)
+    peers: Optional[dict] = None
+    failed: dict[str, str] = dataclasses.field(default_factory=dict)  # section -> error
+
+
+def section_layers_models(section: str, s: Settings, device: torch.device, clock: Clock,
+                          out: Results) -> None:
     for group, kind, make, naive in (
             ("layer dense", "one column-parallel linear's", dense_layer_variants, True),
             ("layer MoE", "one grouped expert linear's", moe_layer_variants, True),
             ("model dense", "dense GPT", lambda s_, d: model_variants("dense", s_, d), False),
             ("model MoE", "MoE GPT", lambda s_, d: model_variants("moe", s_, d), False)):
-        if ("layers" if group.startswith("layer") else "models") not in sections:
+        if ("layers" if group.startswith("layer") else "models") != section:
             continue
         clock.say(f"{group}: building")
-        samples[group] = time_side_by_side(clock, group, make(s, device), s.rounds, s.warmup)
-        rows += timing_rows(group, kind, s, medians(samples[group]), naive)
+        out.samples[group] = time_side_by_side(clock, group, make(s, device), s.rounds, s.warmup)
+        out.rows += timing_rows(group, kind, s, medians(out.samples[group]), naive)
 
-    if "jobs" in sections:
-        clock.say(f"jobs: {s.slots} jobs together vs one after another")
-        samples["jobs"] = time_side_by_side(clock, "jobs", jobs_variants(s, device), s.job_rounds,
-                                            1)
-        med = medians(samples["jobs"])
-        job_row = Row("4", f"{s.slots} jobs together vs one after another", (
-            f"total wall time to train {s.slots} adapter jobs for {s.job_steps} steps each "
-            f"({s.examples_per_slot} examples of {s.example_tokens} tokens per job per step): "
-            f"together on one {s.slots}-slot model (one packed micro-batch per step, then every "
-            "slot's optimizer step; attention runs per packed example) vs one after another on "
-            "a 1-slot model (same base); packing done beforehand, not timed"), "together",
-            "one after another", "s").fill(med["together"], med["one-after-another"])
-        job_row.note = f"Speedup of training together: {1 / job_row.ratio:.2f}x."
-        rows.append(job_row)
 
-    probes: dict[str, list[dict]] = {}
-    if "memory" in sections:
-        clock.say("memory probes (fresh processes)")
-        probes = run_memory_probes(s, clock)
-        rows.append(memory_row(s, probes))
+def section_jobs(s: Settings, device: torch.device, clock: Clock, out: Results) -> None:
+    clock.say(f"jobs: {s.slots} jobs together vs one after another")
+    out.samples["jobs"] = time_side_by_side(clock, "jobs", jobs_variants(s, device), s.job_rounds, 1)
+    med = medians(out.samples["jobs"])
+    job_row = Row("4", f"{s.slots} jobs together vs one after another", (
+        f"total wall time to train {s.slots} adapter jobs for {s.job_steps} steps each "
+        f"({s.examples_per_slot} examples of {s.example_tokens} tokens per job per step): "
+        f"together on one {s.slots}-slot model (one packed micro-batch per step, then every "
+        "slot's optimizer step; attention runs per packed example) vs one after another on "
+        "a 1-slot model (same base); packing done beforehand, not timed"), "together",
+        "one after another", "s").fill(med["together"], med["one-after-another"])
+    job_row.note = f"Speedup of training together: {1 / job_row.ratio:.2f}x."
+    out.rows.append(job_row)
 
-    if "tp" in sections:
-        tp_groups, tp_skipped = run_tp(s, clock)
-        if tp_groups:
-            samples.update({f"TP=2 {k}": v for k, v in tp_groups.items()})
-        rows += tp_rows(s, tp_groups, tp_skipped)
 
+def section_memory(s: Settings, device: torch.device, clock: Clock, out: Results) -> None:
+    clock.say("memory probes (fresh processes)")
+    out.probes = run_memory_probes(s, clock)
+    out.rows.append(memory_row(s, out.probes))
+
+
+def section_tp(s: Settings, device: torch.device, clock: Clock, out: Results) -> None:
+    tp_groups, tp_skipped = run_tp(s, clock)
+    if tp_groups:
+        out.samples.update({f"TP=2 {k}": v for k, v in tp_groups.items()})
+    out.rows += tp_rows(s, tp_groups, tp_skipped)
+
+
+def section_pp(s: Settings, device: torch.device, clock: Clock, out: Results) -> None:
+    pp_result, pp_skipped = run_pp(s, clock)
+    if pp_result:
+        out.samples["trainer step PP"] = pp_result["samples"]
+    out.rows += pp_rows(s, pp_result, pp_skipped)
+
+
+def section_scaling(s: Settings, device: torch.device, clock: Clock, out: Results) -> None:
+    import bench_scale
+
+    clock.say(f"scaling: trainer step with {bench_scale.SCALE_SLOTS} slots: building")
+    out.samples["scaling"] = time_side_by_side(clock, "scaling", bench_scale.scaling_variants(
+        s, device), s.rounds, s.warmup)
+    out.rows += bench_scale.scaling_rows(s, medians(out.samples["scaling"]))
+
+
+def section_width(s: Settings, device: torch.device, clock: Clock, out: Results) -> None:
+    import bench_scale
+
+    clock.say(f"width: SmolLM2-135M shape, {s.width_layers} layers: building")
+    out.samples["width"] = time_side_by_side(clock, "width", bench_scale.width_variants(
+        s, device), s.width_rounds, max(1, s.warmup))
+    out.rows += [bench_scale.width_row(s, medians(out.samples["width"]))]
+
+
+def section_peers(s: Settings, device: torch.device, clock: Clock, out: Results) -> None:
+    import bench_peers
+
+    out.peers = bench_peers.run_peers(s.peer_steps, s.peer_rounds, clock.say)
+    out.rows += bench_peers.peers_rows(out.peers, Row)
+
+
+RUN_SECTION = {
+    "layers": lambda s, d, c, o: section_layers_models("layers", s, d, c, o),
+    "models": lambda s, d, c, o: section_layers_models("models", s, d, c, o),
+    "jobs": section_jobs, "memory": section_memory, "tp": section_tp, "pp": section_pp,
+    "scaling": section_scaling, "width": section_width, "peers": section_peers,
+}
+
+
+def model_configs(s: Settings, sections: tuple[str, ...]) -> dict[str, dict]:
+    """The whole-model configs the report lists (those of the sections run)."""
+    models = {k: dataclasses.asdict(model_config(k, s)) for k in ("dense", "moe")}
     if "pp" in sections:
-        pp_result, pp_skipped = run_pp(s, clock)
-        if pp_result:
-            samples["trainer step PP"] = pp_result["samples"]
-        rows += pp_rows(s, pp_result, pp_skipped)
-
-    if "scaling" in sections or "width" in sections:
-        import bench_scale
-    if "scaling" in sections:
-        clock.say(f"scaling: trainer step with {bench_scale.SCALE_SLOTS} slots: building")
-        samples["scaling"] = time_side_by_side(clock, "scaling", bench_scale.scaling_variants(
-            s, device), s.rounds, s.warmup)
-        rows += bench_scale.scaling_rows(s, medians(samples["scaling"]))
+        models["dense (rows 7)"] = dataclasses.asdict(pp_model_config(s))
     if "width" in sections:
-        clock.say(f"width: SmolLM2-135M shape, {s.width_layers} layers: building")
-        samples["width"] = time_side_by_side(clock, "width", bench_scale.width_variants(
-            s, device), s.width_rounds, max(1, s.warmup))
-        rows += [bench_scale.width_row(s, medians(samples["width"]))]
-    peers = None
-    if "peers" in sections:
-        import bench_peers
-        peers = bench_peers.run_peers(s.peer_steps, s.peer_rounds, clock.say)
-        rows += bench_peers.peers_rows(peers, Row)
-    mm.destroy_parallel(destroy_process_group=True)
+        import bench_scale
 
+        models["SmolLM2-135M shape (row 9)"] = dataclasses.asdict(bench_scale.width_config(s))
+    return models
+
+
+def run_benchmark(s: Settings, out_dir: Path, sections: tuple[str, ...] = SECTIONS) -> list[str]:
+    """Run ``sections`` (all by default); a partial run writes ``<name>-only-<sections>.md`` /
+    ``.json``. The report is rewritten after every section, so a section that fails (its
+    error becomes a row, the next section runs) or a run cut short keeps every figure
+    measured before. Returns the sections that failed."""
+    device = torch.device(s.device)
+    clock = Clock(device)
+    mm.init_parallel(seed=0)
+    hw, ver = hardware(device), versions()
+    clock.say(f"{hw.get('gpu', hw['cpu'])}, {hw['cpu_cores']} cores, {hw['torch_threads']} "
+              f"threads; " + ", ".join(f"{k} {v}" for k, v in ver.items()))
+    clock.say(f"settings: {dataclasses.asdict(s)}; sections: {', '.join(sections)}")
     meta = {"device": device.type, "hardware": hw, "versions": ver,
             "settings": dataclasses.asdict(s), "sections": list(sections),
-            "models": {k: dataclasses.asdict(model_config(k, s)) for k in ("dense", "moe")},
-            "load_start": load_start, "load_end": load_average(),
-            "runtime_s": time.perf_counter() - clock.start}
-    if "pp" in sections:
-        meta["models"]["dense (rows 7)"] = dataclasses.asdict(pp_model_config(s))
-    if "width" in sections:
-        meta["models"]["SmolLM2-135M shape (row 9)"] = dataclasses.asdict(
-            bench_scale.width_config(s))
+            "models": model_configs(s, sections), "load_start": load_average()}
+    name = ("gpu" if device.type == "cuda" else "cpu") + (
+        "" if tuple(sections) == SECTIONS else "-only-" + "-".join(sections))
     out_dir.mkdir(parents=True, exist_ok=True)
-    name = "gpu" if device.type == "cuda" else "cpu"
-    if tuple(sections) != SECTIONS:
-        name += "-only-" + "-".join(sections)
-    text = markdown(meta, rows)
-    (out_dir / f"{name}.md").write_text(text)
-    (out_dir / f"{name}.json").write_text(json.dumps(
-        {"meta": meta, "rows": [dataclasses.asdict(r) for r in rows], "samples_s": samples,
-         "memory_probes": probes, **({"peers": peers} if peers else {})}, indent=1))
-    clock.say(f"wrote {out_dir / name}.md and .json\n")
+    out = Results()
+    for k, section in enumerate(sections):
+        try:
+            RUN_SECTION[section](s, device, clock, out)
+        except Exception as e:  # the next sections still run; the report says what failed
+            traceback.print_exc()
+            out.failed[section] = f"{type(e).__name__}: {e}"[:300]
+            out.rows.append(Row(section, f"section {section}", f"the {section} section", "-", "-",
+                                "ms", skipped=f"FAILED ({out.failed[section]})"))
+        meta.update(sections_done=list(sections[:k + 1]), failed=out.failed,
+                    load_end=load_average(), runtime_s=time.perf_counter() - clock.start)
+        text = markdown(meta, out.rows)
+        (out_dir / f"{name}.md").write_text(text)
+        (out_dir / f"{name}.json").write_text(json.dumps(
+            {"meta": meta, "rows": [dataclasses.asdict(r) for r in out.rows],
+             "samples_s": out.samples, "memory_probes": out.probes,
+             **({"peers": out.peers} if out.peers else {})}, indent=1))
+        clock.say(f"section {section} {'FAILED' if section in out.failed else 'done'}: "
+                  f"wrote {out_dir / name}.md and .json")
+    mm.destroy_parallel(destroy_process_group=True)
     print(text, flush=True)
+    return list(out.failed)
 
 
 def parse_settings(argv: Optional[list[str]] = None) -> tuple[Settings, argparse.Namespace]:
@@ -1052,7 +1108,8 @@ def main() -> None:
         pp_worker(settings, args.result_file, args.pp_block)
     else:
         sections = tuple(s for s in ALL_SECTIONS if s in args.only) if args.only else SECTIONS
-        run_benchmark(settings, args.out_dir, sections)
+        if run_benchmark(settings, args.out_dir, sections):
+            sys.exit(1)
 
 
 if __name__ == "__main__":

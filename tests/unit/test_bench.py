@@ -54,3 +54,48 @@ def test_quick_pp_section_alone(tmp_path):
         assert "differ by at most" in row["note"]
         assert float(row["note"].split("at most ")[1].split()[0]) < 1e-5, row["note"]
     assert set(report["samples_s"]["trainer step PP"]) == {"PP=2", "DP=2", "PP=1 one process"}
+
+
+def test_a_failing_section_keeps_the_others(tmp_path):
+    """The report is written after every section: a section that raises becomes a FAILED row,
+    the next one still runs, and the run exits 1."""
+    code = f"""
+import sys
+from pathlib import Path
+sys.path.insert(0, {str(REPO / "scripts")!r})
+import bench
+
+def broken(*args):
+    raise RuntimeError("boom")
+
+bench.RUN_SECTION["layers"] = broken
+settings, _ = bench.parse_settings(["--quick", "--threads", "1"])
+sys.exit(1 if bench.run_benchmark(settings, Path({str(tmp_path)!r}), ("layers", "jobs")) else 0)
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=240,
+                          capture_output=True, text=True)
+    assert done.returncode == 1, done.stdout + done.stderr
+    report = json.loads((tmp_path / "cpu-only-layers-jobs.json").read_text())
+    rows = {row["id"]: row for row in report["rows"]}
+    assert rows["layers"]["skipped"] == "FAILED (RuntimeError: boom)"
+    assert rows["4"]["ratio"] > 0
+    assert report["meta"]["failed"] == {"layers": "RuntimeError: boom"}
+    markdown = (tmp_path / "cpu-only-layers-jobs.md").read_text()
+    assert "- sections: layers (FAILED), jobs (done)" in markdown
+
+
+def test_versions_without_git(monkeypatch):
+    """The GPU machine's image may have no git: the report then names no commit."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench", bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(bench.subprocess, "run", no_git)
+    found = bench.versions()
+    assert "git" not in found and found["torch"] and found["megatron-core"]
