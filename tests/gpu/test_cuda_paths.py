@@ -1,18 +1,25 @@
 """The code paths that only a GPU takes, each against the path CI checks on CPU.
 
 Skipped without CUDA (``scripts/gpu_check.sh`` runs them on a GPU machine):
-- bf16 grouped GEMM (``torch._grouped_mm``, Hopper or newer) against the exact per-group loop,
-  outputs and both gradients;
-- Transformer Engine's layer spec against megatron's local spec with our pure-torch modules,
-  dense and MoE, on the same weights: per-slot losses and every adapter gradient (needs TE);
-- the training step on CUDA (NCCL process group of one, the collectives' device tensors)
-  against a plain per-micro-batch loop on the same model.
+- the bf16 grouped GEMM (``torch._grouped_mm``, Hopper or newer) against the exact per-group
+  loop, with odd and empty groups, asserting the kernel ran;
+- a bf16 ``MultiLoRALinear`` against the fp32 token-by-token reference (max ranks that are
+  and are not multiples of 8, ranks below them, an idle slot, odd and zero group sizes, a gap
+  in the active slots), forward and backward, both LoRA GEMMs on the kernel (asserted);
+- the training step in bf16 against fp32 on the same weights, dense and MoE (the MoE router
+  without Transformer Engine), with the kernel asserted;
+- Transformer Engine's layer spec against megatron's local spec (needs TE);
+- the training step on CUDA (an NCCL group of one: every collective takes device tensors)
+  against a plain per-micro-batch loop, fp32;
+- a slot optimizer restored from its saved state on the GPU (the fused AdamW keeps ``step``
+  on the device) and the CUDA generator saved and restored with a checkpoint's RNG.
 """
-
-import dataclasses
 
 import pytest
 import torch
+
+from tests.unit.test_multi_lora_linear import KERNEL_CASES, check_grouped_kernel_parity
+from tests.unit.test_step_schedule import DENSE, MOE, check_bf16_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -26,18 +33,28 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-12))
 
 
-def test_bf16_grouped_gemm_matches_the_per_group_loop():
-    from megatron_multilora.ops.grouped_mm import group_offsets, grouped_mm
-
+def needs_grouped_kernel() -> None:
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip(f"torch {torch.__version__} has no torch._grouped_mm")
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("torch._grouped_mm on CUDA needs Hopper or newer")
+
+
+def test_bf16_grouped_gemm_matches_the_per_group_loop(monkeypatch):
+    from megatron_multilora.ops import grouped_mm as gmm
+
+    needs_grouped_kernel()
+    calls = []
+    kernel = gmm._GROUPED_MM
+    monkeypatch.setattr(gmm, "_GROUPED_MM", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     gen = torch.Generator(device="cuda").manual_seed(0)
-    counts = [64, 0, 48, 16]  # a group without rows
+    counts = [37, 0, 5, 16, 1, 64]  # odd sizes and a group without rows
     x = torch.randn(sum(counts), 256, device="cuda", dtype=torch.bfloat16, generator=gen,
                     requires_grad=True)
     w = torch.randn(len(counts), 128, 256, device="cuda", dtype=torch.bfloat16, generator=gen,
                     requires_grad=True)
-    y = grouped_mm(x, w, group_offsets(counts, x.device), counts)
+    y = gmm.grouped_mm(x, w, gmm.group_offsets(counts, x.device), counts)
+    assert calls == [1]
     grad = torch.randn_like(y)
     y.backward(grad)
     # The loop, in fp32, is the reference (the fallback CI runs on CPU).
@@ -50,20 +67,28 @@ def test_bf16_grouped_gemm_matches_the_per_group_loop():
     assert float(w.grad[1].abs().max()) == 0.0  # the empty group gets no gradient
 
 
-def _step_on(device_model, cfg, examples):
-    """One SlotTrainStep's per-slot losses and slot gradients (full tensors, by key)."""
-    import megatron_multilora as mm
-    from megatron_multilora.training.step import SlotTrainStep
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_bf16_multi_lora_linear_matches_fp32_reference(monkeypatch, case):
+    needs_grouped_kernel()
+    check_grouped_kernel_parity(monkeypatch, "cuda", torch.bfloat16, 2e-2, *KERNEL_CASES[case])
 
-    step = SlotTrainStep(device_model, N, 64, 1, 0)
+
+@pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
+def test_bf16_step_matches_fp32(monkeypatch, cfg):
+    needs_grouped_kernel()
+    check_bf16_step(monkeypatch, "cuda", cfg)
+
+
+def _step_on(model, examples):
+    """One SlotTrainStep's per-slot losses; slot gradients stay in ``main_grad``."""
+    from megatron_multilora.training.step import SlotTrainStep, global_loss_tokens
+
+    step = SlotTrainStep(model, N, 64, 1, 0)
     mbs = step.pack(examples)
-    from megatron_multilora.training.step import global_loss_tokens
-
     step.grad_sync.zero_grad(range(N))
     losses = step.losses(mbs, global_loss_tokens(mbs, N))
     step.grad_sync.sync(range(N))
-    grads = {s: mm.get_slot_tensors(device_model, s, value=lambda p: p.main_grad) for s in range(N)}
-    return losses, grads
+    return losses
 
 
 def _examples():
@@ -79,16 +104,17 @@ def _examples():
     return [[example(n) for n in slot] for slot in lengths]
 
 
-def _adapted(model, adapters=None):
+def _adapted(model):
     import megatron_multilora as mm
 
     mm.apply_multi_lora(model, N, DIM, 1.0, row_init_method="normal", seed=3)
     for s, (r, a) in enumerate(zip(RANKS, ALPHAS)):
-        if adapters is None:
-            mm.init_adapter_slot(model, s, r, a)
-        else:
-            mm.set_slot_tensors(model, s, adapters[s], r, a)
+        mm.init_adapter_slot(model, s, r, a)
     return model
+
+
+def _tensors(model) -> dict:
+    return {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
@@ -98,59 +124,116 @@ def test_transformer_engine_spec_matches_the_local_spec(moe, monkeypatch):
     from megatron_multilora.models import specs
 
     cfg = mm.GPTModelConfig(**DENSE_KW, **(dict(num_moe_experts=4, moe_router_topk=2) if moe else {}))
-    mm.init_parallel(seed=0)
-    try:
-        te_model = _adapted(mm.build_gpt_model(cfg, calculate_per_token_loss=True))
-        adapters = {s: mm.get_slot_tensors(te_model, s) for s in range(N)}
-        monkeypatch.setattr(specs, "transformer_engine_usable", lambda: False)
-        local = _adapted(mm.build_gpt_model(cfg, calculate_per_token_loss=True), adapters)
-        # TE fuses the pre-attention / pre-MLP norms into its linears; the rest shares names.
-        renames = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-                   "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
-        state = {}
-        for key, value in te_model.state_dict().items():
-            if "_extra_state" in key or ".adapters." in key or not torch.is_tensor(value):
-                continue
-            for te_name, local_name in renames.items():
-                key = key.replace(te_name, local_name)
-            state[key] = value
-        missing, unexpected = local.load_state_dict(state, strict=False)
-        assert not unexpected, unexpected
-        assert not [k for k in missing if ".adapters." not in k and "_extra_state" not in k]
-        te_losses, te_grads = _step_on(te_model, cfg, _examples())
-        local_losses, local_grads = _step_on(local, cfg, _examples())
-        assert relative(te_losses, local_losses) < 1e-4
-        for s in range(N):
-            for key, want in local_grads[s].items():
-                assert relative(te_grads[s][key], want) < 1e-3, (s, key)
-    finally:
-        mm.destroy_parallel()
+    te_model = _adapted(mm.build_gpt_model(cfg, calculate_per_token_loss=True))
+    monkeypatch.setattr(specs, "transformer_engine_usable", lambda: False)
+    local = _adapted(mm.build_gpt_model(cfg, calculate_per_token_loss=True))
+    # TE fuses the pre-attention / pre-MLP norms into its linears; the rest shares names.
+    renames = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+               "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+    state = {}
+    for key, value in _tensors(te_model).items():
+        if "_extra_state" in key:
+            continue
+        for te_name, local_name in renames.items():
+            key = key.replace(te_name, local_name)
+        state[key] = value
+    missing, unexpected = local.load_state_dict(state, strict=False)
+    assert not unexpected, unexpected
+    assert not [k for k in missing if "_extra_state" not in k]
+    te_losses = _step_on(te_model, _examples())
+    local_losses = _step_on(local, _examples())
+    assert relative(te_losses, local_losses) < 1e-4
+    for s in range(N):
+        for p, want in zip(mm.slot_parameters(te_model, s), mm.slot_parameters(local, s)):
+            if want.main_grad.abs().max() > 0:
+                assert relative(p.main_grad, want.main_grad) < 1e-3, s
 
 
 def test_the_step_on_cuda_matches_a_plain_loop():
     """The schedule-driven step on the GPU (an NCCL group of one: every collective takes device
     tensors) against plain per-micro-batch forward/backward on the same model, fp32."""
     import megatron_multilora as mm
+    from megatron_multilora.data.packing import pack_micro_batches
+    from megatron_multilora.training.step import global_loss_tokens
     from tests.unit.test_step_schedule import reference
 
     cfg = mm.GPTModelConfig(**DENSE_KW)
-    mm.init_parallel(seed=0)
-    try:
-        model = _adapted(mm.build_gpt_model(cfg, calculate_per_token_loss=True))
-        # The reference: the same config and adapters built again (layer init is seeded per
-        # layer), with plain .grad gradients.
-        ref = _adapted(mm.build_gpt_model(cfg, calculate_per_token_loss=True),
-                       {s: mm.get_slot_tensors(model, s) for s in range(N)})
-        from megatron_multilora.data.packing import pack_micro_batches
-        from megatron_multilora.training.step import global_loss_tokens
+    model = _adapted(mm.build_gpt_model(cfg, calculate_per_token_loss=True))
+    # On CUDA megatron draws base weights from its tensor-parallel RNG stream, which a
+    # second build does not repeat: the reference gets the model's weights loaded.
+    ref = _adapted(mm.build_gpt_model(cfg, calculate_per_token_loss=True))
+    ref.load_state_dict(_tensors(model))
+    mbs = [mb.to(torch.device("cuda")) for mb in pack_micro_batches(_examples(), 64, 1, 0)]
+    want_losses, want_grads = reference(ref, mbs, global_loss_tokens(mbs, N))
+    losses = _step_on(model, _examples())
+    assert relative(losses, want_losses) < 1e-5
+    assert set(want_grads) == {s for s in range(N) if _examples()[s]}
+    for s, params in want_grads.items():
+        for p, want in zip(mm.slot_parameters(model, s), params):
+            assert relative(p.main_grad, want) < 1e-4, s
 
-        mbs = [mb.to(torch.device("cuda")) for mb in pack_micro_batches(_examples(), 64, 1, 0)]
-        want_losses, want_grads = reference(ref, mbs, global_loss_tokens(mbs, N))
-        losses, _ = _step_on(model, cfg, _examples())
-        assert relative(losses, want_losses) < 1e-5
-        assert set(want_grads) == {s for s in range(N) if _examples()[s]}
-        for s, params in want_grads.items():
-            for p, want in zip(mm.slot_parameters(model, s), params):
-                assert relative(p.main_grad, want) < 1e-4, s
-    finally:
-        mm.destroy_parallel()
+
+def test_slot_optimizer_resumes_on_cuda():
+    """Save a slot optimizer's state after two steps, load it into a new one (as a resumed
+    run does), and both take the same third step on the GPU."""
+    from megatron_multilora.training.config import AdapterJob
+    from megatron_multilora.training.slot_optimizer import SlotOptimizer
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    job = AdapterJob(name="a", dataset="unused.jsonl", rank=4, lr=1e-2, warmup_steps=1,
+                     max_steps=10)
+
+    def params():
+        return [torch.nn.Parameter(torch.ones(8, 4, device="cuda")),
+                torch.nn.Parameter(torch.ones(4, 8, device="cuda", dtype=torch.bfloat16))]
+
+    def step(opt):
+        for p in opt.params:
+            p.main_grad = torch.randn(p.shape, device="cuda", generator=gen)
+        opt.step(grad_norm=1.0)
+
+    first = SlotOptimizer(params(), job, 10)
+    step(first), step(first)
+    second = SlotOptimizer(params(), job, 10)
+    with torch.no_grad():
+        for a, b in zip(second.params, first.params):
+            a.copy_(b)
+    moments = {m: {p: first.state_of(q, m) for p, q in zip(second.params, first.params)}
+               for m in ("exp_avg", "exp_avg_sq")}
+    second.load(first.scalar_state(), moments,
+                masters={p: first.master_of(q) for p, q in zip(second.params, first.params)})
+    for master in second.masters:
+        state = second.optimizer.state[master]
+        assert state["step"].device == master.device and state["exp_avg"].device == master.device
+    saved = gen.get_state()
+    step(first)
+    gen.set_state(saved)
+    step(second)
+    for a, b in zip(first.params, second.params):
+        assert torch.equal(a, b)
+
+
+def test_checkpoint_rng_restores_the_cuda_generator():
+    from megatron_multilora.training.checkpoints import restore_rng_state, rng_state
+
+    state = rng_state()
+    assert state["cuda"] is not None
+    want = torch.rand(8, device="cuda")
+    restore_rng_state(state)
+    assert torch.equal(torch.rand(8, device="cuda"), want)
+
+
+def test_experts_built_for_the_gpu_are_drawn_there():
+    """Without CPU initialisation each rank draws its experts from megatron's expert-parallel
+    CUDA stream, which only tensors on the GPU take from (a CPU tensor would draw from the
+    CPU generator, the same on every expert-parallel rank)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_multilora.models.torch_modules import TorchGroupedLinear
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                            use_cpu_initialization=False, params_dtype=torch.bfloat16)
+    linear = TorchGroupedLinear(2, 16, 32, config=cfg, init_method=torch.nn.init.normal_,
+                                bias=False, skip_bias_add=True, is_expert=True)
+    assert linear.weight0.is_cuda and linear.weight0.dtype == torch.bfloat16
+    assert linear.weight0.abs().sum() > 0

@@ -106,3 +106,53 @@ def test_schedule_step_matches_a_plain_loop(cfg, monkeypatch):
         step.losses(micro_batches, denominators)
         assert any(not torch.allclose(p.main_grad, want, rtol=1e-5, atol=1e-7)
                    for p, want in zip(mm.slot_parameters(model, 0), want_grads[0]))
+
+
+def check_bf16_step(monkeypatch, device: str, cfg: mm.GPTModelConfig, rel: float = 5e-2) -> None:
+    """The training step of a bf16 model against the same step of an fp32 model holding the
+    same (bf16-rounded) weights, on ``device``: per-slot losses and every slot gradient, with
+    the LoRA GEMMs on ``torch._grouped_mm`` (asserted), at a max rank that is not a multiple
+    of 8 and slot ranks below it. Shared with tests/gpu."""
+    from megatron_multilora.ops import grouped_mm as gmm
+
+    if gmm._GROUPED_MM is None:
+        pytest.skip("this torch has no torch._grouped_mm")
+    get_moe_layer_wise_logging_tracker().clear()
+    dim, ranks = 12, [3, 8, 5]
+
+    def adapted(dtype: torch.dtype) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = mm.apply_multi_lora(mm.build_gpt_model(cfg, params_dtype=dtype,
+                                                       calculate_per_token_loss=True).to(device),
+                                    N, dim, 1.0, row_init_method="normal")
+        for slot, (rank, alpha) in enumerate(zip(ranks, ALPHAS)):
+            mm.init_adapter_slot(model, slot, rank, alpha)
+        return model
+
+    low, ref = adapted(torch.bfloat16), adapted(torch.float32)
+    low.load_state_dict({k: v for k, v in ref.state_dict().items() if torch.is_tensor(v)})
+    ref.load_state_dict({k: v.float() if v.is_floating_point() else v
+                         for k, v in low.state_dict().items() if torch.is_tensor(v)})
+    calls = []
+    kernel = gmm._GROUPED_MM
+    monkeypatch.setattr(gmm, "_GROUPED_MM", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    results = []
+    for model in (low, ref):
+        step = SlotTrainStep([model], N, token_budget=32, pad_multiple=1, pad_id=PAD)
+        micro_batches = pack_micro_batches(slot_examples(), 32, 1, PAD)
+        step.grad_sync.zero_grad(range(N))
+        losses = step.losses(micro_batches, global_loss_tokens(micro_batches, N))
+        results.append((losses, [[p.main_grad.float().cpu() for p in mm.slot_parameters(model, s)]
+                                 for s in range(N)]))
+        assert calls or model is ref, "the bf16 step never ran the grouped kernel"
+    (losses, grads), (want_losses, want_grads) = results
+    assert torch.allclose(losses, want_losses, rtol=rel, atol=0), (losses, want_losses)
+    for s in range(N):
+        for got, want in zip(grads[s], want_grads[s]):
+            err = (got - want).abs().max() / want.abs().max().clamp(min=1e-12)
+            assert err < rel, f"slot {s}: gradient differs by {float(err):.3e} (relative)"
+
+
+@pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
+def test_bf16_step_matches_fp32(monkeypatch, cfg):
+    check_bf16_step(monkeypatch, "cpu", cfg)

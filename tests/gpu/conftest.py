@@ -1,0 +1,15 @@
+import pytest
+import torch
+
+from megatron_multilora import destroy_parallel, init_parallel
+
+
+@pytest.fixture(autouse=True)
+def single_gpu_parallel():
+    """Each test runs in a world of one on the GPU (an NCCL group), built afresh."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    init_parallel(seed=0)
+    yield
+    destroy_parallel()
