@@ -21,7 +21,7 @@ _EXPORTS = {
     "multi_lora_modules": "layers.lifecycle",
     "set_tokens_per_adapter_slot": "layers.lifecycle",
     "slot_parameters": "layers.lifecycle",
-    "LoRASlot": "layers.multi_lora_linear",
+    "LoRASlot": "layers.slot_bank",
     "MultiLoRALinear": "layers.multi_lora_linear",
     "get_slot_tensors": "layers.slot_tensors",
     "set_slot_tensors": "layers.slot_tensors",

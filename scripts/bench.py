@@ -68,7 +68,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_multilora.data.datasets import Example
 from megatron_multilora.data.packing import MicroBatch, pack_micro_batches, shard_for_data_parallel
-from megatron_multilora.layers.slot_tokens import SlotTokens
+from megatron_multilora.ops.slot_layout import SlotLayout
 from megatron_multilora.models.specs import transformer_engine_usable
 from megatron_multilora.models.torch_modules import TorchGroupedLinear
 from megatron_multilora.layers.slot_routing import build_expert_slot_routing
@@ -232,12 +232,12 @@ def dense_layer_variants(s: Settings, device: torch.device) -> dict[str, Callabl
     def multi(slots: int) -> mm.MultiLoRALinear:
         layer = mm.MultiLoRALinear(base, slots, s.rank, s.alpha, f"bench.dense.{slots}",
                                    row_init_method="normal")
-        layer.slot_tokens = SlotTokens([tokens // slots + (i < tokens % slots)
+        layer.slot_layout = SlotLayout([tokens // slots + (i < tokens % slots)
                                         for i in range(slots)])
         return layer
 
     multi_n, multi_1 = multi(n), multi(1)
-    counts = list(multi_n.slot_tokens.counts)
+    counts = list(multi_n.slot_layout.counts)
 
     def naive(x: torch.Tensor) -> torch.Tensor:
         y, _ = base(x)

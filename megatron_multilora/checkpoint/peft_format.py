@@ -33,9 +33,10 @@ from megatron_multilora.checkpoint.adapter_folders import (
     expect_format,
     peft_alpha,
 )
-from megatron_multilora.layers.slot_tensors import get_slot_tensors, set_slot_tensors, slot_rank_alpha
 from megatron_multilora.checkpoint.files import refuse_existing
+from megatron_multilora.layers.factors import A, B
 from megatron_multilora.layers.lifecycle import ModelOrChunks, named_multi_lora_modules
+from megatron_multilora.layers.slot_tensors import get_slot_tensors, set_slot_tensors, slot_rank_alpha
 from megatron_multilora.models.gpt_config import GPTModelConfig
 from megatron_multilora.ops.fused_rows import QKVLayout, fuse_gate_up, split_gate_up
 from megatron_multilora.atomic_files import write_dir_atomic
@@ -223,12 +224,12 @@ def _ep_size() -> int:
 
 def _in_features(layer, path: str) -> int:
     """The full input width of a wrapped linear (the base's, unsharded)."""
-    return layer.full_shape("A")[-1]
+    return layer.full_shape(A)[-1]
 
 
 def _out_rows(rest: str, cfg: GPTModelConfig, layer) -> list[int]:
     """Row counts of the HF parts of a wrapped linear's full output."""
-    full_out = layer.full_shape("B")[-2]
+    full_out = layer.full_shape(B)[-2]
     if rest.endswith("linear_qkv"):
         return list(QKVLayout.of(cfg).part_rows())
     if rest.endswith("linear_fc1"):

@@ -2,58 +2,18 @@
 
 ``grouped_linear(x, w, seg)`` computes, for every group g, ``x[rows of g] @ w[g].T``.
 The matmul itself is :func:`megatron_multilora.ops.grouped_mm.grouped_mm`; this module adds
-the slot segments and rebuilding the stacked weights in backward.
+the slot segments (:class:`~megatron_multilora.ops.slot_layout.Segments`) and rebuilding
+the stacked weights in backward.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 
-from megatron_multilora.ops.grouped_mm import group_offsets, group_sizes, grouped_mm
-
-
-@dataclasses.dataclass(frozen=True)
-class Segments:
-    """Contiguous row groups of a 2-D activation: group g owns the rows up to ``offsets[g]``.
-
-    ``offsets`` are the int32 cumulative group ends ``torch._grouped_mm`` takes, on the
-    compute device; ``label_of_row`` is each row's group label (its adapter slot), for
-    per-row scaling and dropout. ``rows`` is the total. ``counts`` are the group sizes on the
-    host when known; :meth:`host_counts` reads them back from the device otherwise, which only
-    the per-group fallback needs (it syncs on an accelerator; the grouped kernel does not).
-    """
-
-    offsets: torch.Tensor
-    label_of_row: torch.Tensor
-    rows: int
-    counts: Optional[tuple[int, ...]] = None
-
-    @classmethod
-    def from_counts(cls, counts: Sequence[int], device: torch.device,
-                    labels: Optional[Sequence[int]] = None) -> "Segments":
-        """Groups of host-known sizes; ``labels[g]`` (default ``g``) labels group g's rows."""
-        counts = tuple(int(c) for c in counts)
-        host = torch.tensor(counts, dtype=torch.int64)
-        names = torch.arange(len(counts)) if labels is None else torch.tensor(labels, dtype=torch.int64)
-        rows = sum(counts)
-        return cls(offsets=group_offsets(counts, device),
-                   label_of_row=torch.repeat_interleave(names, host, output_size=rows).to(device),
-                   rows=rows, counts=counts)
-
-    @classmethod
-    def from_sorted_keys(cls, sorted_keys: torch.Tensor, num_groups: int,
-                         label_of_row: torch.Tensor) -> "Segments":
-        """Groups of rows already sorted by group id ``sorted_keys``, all on the device."""
-        ends = torch.searchsorted(sorted_keys, torch.arange(num_groups, device=sorted_keys.device),
-                                  right=True)
-        return cls(offsets=ends.to(torch.int32), label_of_row=label_of_row,
-                   rows=int(sorted_keys.numel()))
-
-    def host_counts(self) -> tuple[int, ...]:
-        return self.counts if self.counts is not None else group_sizes(self.offsets)
+from megatron_multilora.ops.grouped_mm import grouped_mm
+from megatron_multilora.ops.slot_layout import Segments
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, seg: Segments,

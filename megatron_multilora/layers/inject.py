@@ -16,7 +16,8 @@ from megatron_multilora.layers.lifecycle import ModelOrChunks, _chunks
 from megatron_multilora.parallel import collective_device
 from megatron_multilora.layers.micro_batch_layout import install_micro_batch_layout_hooks
 from megatron_multilora.layers.model_paths import global_named_modules
-from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear, base_kind
+from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear
+from megatron_multilora.layers.sharding import base_kind
 from megatron_multilora.layers.slot_routing import check_moe_config, install_moe_slot_routing
 
 DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -117,7 +118,7 @@ def apply_multi_lora(
                 local = parent.num_local_experts
                 wrapper: MultiLoRALinear = MultiLoRAGroupedExpertLinear(
                     module, n_adapters, dim, alpha, name, local, column_init_method,
-                    row_init_method, dropout, dropout_position, gated_output=gated,
+                    row_init_method, dropout, dropout_position,
                     expert_offset=parallel_state.get_expert_model_parallel_rank() * local,
                     seed=seed)
             elif _wrappable(module):

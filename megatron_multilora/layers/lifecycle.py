@@ -13,7 +13,7 @@ import torch
 
 from megatron_multilora.layers.model_paths import chunk_prefixes, global_named_modules
 from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear
-from megatron_multilora.layers.slot_tokens import SlotTokens, check_ep_slots, check_token_counts
+from megatron_multilora.ops.slot_layout import SlotLayout, check_ep_slots, check_token_counts
 
 ModelOrChunks = Union[torch.nn.Module, Sequence[torch.nn.Module]]
 
@@ -66,15 +66,15 @@ def set_tokens_per_adapter_slot(model: ModelOrChunks,
     layers = multi_lora_modules(model)
     counts = check_token_counts(tokens_per_adapter, layers[0].n_adapters)
     check_ep_slots(ep_slots, counts)
-    tokens = SlotTokens(counts, ep_slots)
+    layout = SlotLayout(counts, ep_slots)
     for layer in layers:
-        layer.slot_tokens = tokens
+        layer.slot_layout = layout
 
 
 def slot_parameters(model: ModelOrChunks, idx: int) -> list[torch.nn.Parameter]:
     """Slot ``idx``'s trainable parameters across all layers (what its optimizer owns)."""
     layers = multi_lora_modules(model)
-    layers[0]._check_idx(idx)
+    layers[0].adapters.check(idx)
     return [p for layer in layers for p in layer.adapters[idx].parameters()]
 
 
@@ -118,7 +118,7 @@ def expose_adapter_slot(model: ModelOrChunks, idx: int) -> Iterator[None]:
     an exception.
     """
     layers = multi_lora_modules(model)
-    layers[0]._check_idx(idx)
+    layers[0].adapters.check(idx)
     with _swap_children(layers, lambda layer: {"adapter": layer.adapters[idx]}):
         yield
 
@@ -143,7 +143,7 @@ def adapter_state_dict(model: ModelOrChunks, idx: int) -> dict[str, torch.Tensor
 
 
 def _slot_state(layer: MultiLoRALinear, idx: int) -> dict[str, torch.Tensor]:
-    layer._check_idx(idx)
+    layer.adapters.check(idx)
     return layer.adapters[idx].state_dict(keep_vars=True)
 
 
@@ -180,6 +180,6 @@ def load_adapter(model: ModelOrChunks, idx: int, state_dict: dict[str, torch.Ten
         for k, v in targets.items():
             v.copy_(state_dict[k])
     for layer in layers.values():
-        layer._apply_rank_mask(idx)
-        layer._refresh_scale()
+        layer.adapters.mask_rank(idx)
+        layer.adapters.refresh()
     return len(targets)

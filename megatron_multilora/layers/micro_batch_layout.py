@@ -3,7 +3,7 @@
 Under a pipeline schedule micro-batch k's backward runs after later micro-batches were
 forwarded. Backward itself uses what autograd saved, but activation recompute re-runs
 forwards during backward, and a layout stored once per model would by then be a later
-micro-batch's. So the layout (:class:`SlotTokens`) rides in the ``packed_seq_params`` megatron
+micro-batch's. So the layout (:class:`SlotLayout`) rides in the ``packed_seq_params`` megatron
 hands to every transformer layer, and hooks on each layer that holds multi-LoRA linears
 hand it to them (and so to the layer's MoE slot routing):
 
@@ -32,7 +32,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear
-from megatron_multilora.layers.slot_tokens import SlotTokens, check_ep_slots, check_token_counts
+from megatron_multilora.ops.slot_layout import SlotLayout, check_ep_slots, check_token_counts
 
 
 @dataclasses.dataclass
@@ -40,7 +40,7 @@ class SlotPackedSeqParams(PackedSeqParams):
     """megatron's ``PackedSeqParams`` plus the micro-batch's per-slot token layout. megatron
     passes the object through unchanged (and ``dataclasses.replace`` keeps the subclass)."""
 
-    slot_tokens: Optional[SlotTokens] = None
+    slot_layout: Optional[SlotLayout] = None
 
 
 def with_slot_layout(params: PackedSeqParams, tokens_per_adapter: Sequence[int],
@@ -51,18 +51,18 @@ def with_slot_layout(params: PackedSeqParams, tokens_per_adapter: Sequence[int],
     counts = check_token_counts(list(tokens_per_adapter), len(tokens_per_adapter))
     check_ep_slots(ep_slots, counts)
     fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(PackedSeqParams)}
-    return SlotPackedSeqParams(**fields, slot_tokens=SlotTokens(counts, ep_slots))
+    return SlotPackedSeqParams(**fields, slot_layout=SlotLayout(counts, ep_slots))
 
 
-def _hand(linears: list[MultiLoRALinear], tokens: SlotTokens) -> None:
+def _hand(linears: list[MultiLoRALinear], tokens: SlotLayout) -> None:
     if len(tokens.counts) != linears[0].n_adapters:
         check_token_counts(list(tokens.counts), linears[0].n_adapters)  # raises, naming both
     for linear in linears:
-        linear.slot_tokens = tokens
+        linear.slot_layout = tokens
 
 
-def _carried(params: Any) -> Optional[SlotTokens]:
-    return getattr(params, "slot_tokens", None)
+def _carried(params: Any) -> Optional[SlotLayout]:
+    return getattr(params, "slot_layout", None)
 
 
 def _layer_hooks(linears: list[MultiLoRALinear]):

@@ -17,6 +17,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from megatron_multilora.layers.factors import Factor
+
 
 class _SlotFactors(torch.autograd.Function):
     """Identity on ``w`` (the active slots' factors, read from the buffer) whose backward
@@ -40,14 +42,13 @@ class _SlotFactors(torch.autograd.Function):
 
 
 class SlotFactorBuffer:
-    """One factor (``"A"`` or ``"B"``) of every slot of a layer, held contiguously.
-
-    ``factor`` says where the rank dim is: A is ``[..., rank, in]``, B ``[..., out, rank]``.
+    """One factor (:data:`~.factors.A` or :data:`~.factors.B`) of every slot of a layer, held
+    contiguously; ``factor`` says where its rank dim is.
     The slots' Parameters are passed in on every call (the layer's current ones), so a
     Parameter replaced or re-pointed since is noticed rather than read stale.
     """
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], factor: str) -> None:
+    def __init__(self, params: Sequence[torch.nn.Parameter], factor: Factor) -> None:
         self.factor = factor
         self.realias(params)
 
@@ -72,8 +73,7 @@ class SlotFactorBuffer:
         ``r``: ``[G, ..., r, in]`` (A) or ``[G, ..., out, r]`` (B), differentiable w.r.t.
         ``params``; and, when it is a fresh copy rather than a view of the long-lived
         buffer, a function that rebuilds it (for :func:`.grouped_gemm.grouped_linear`)."""
-        index = ((slice(None), Ellipsis, slice(0, r), slice(None)) if self.factor == "A"
-                 else (slice(None), Ellipsis, slice(0, r)))
+        index = (slice(None), *self.factor.rank_index(r))
         if not self._aliased(slots, params):
             def stack() -> torch.Tensor:
                 return torch.stack(list(params))[index]

@@ -30,8 +30,7 @@ from megatron.core.transformer.moe.token_dispatcher import (
 )
 
 from megatron_multilora.layers.expert_lora import MultiLoRAGroupedExpertLinear
-from megatron_multilora.layers.grouped_gemm import Segments
-from megatron_multilora.layers.slot_tokens import SlotTokens
+from megatron_multilora.ops.slot_layout import Segments, SlotLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +51,7 @@ class ExpertSlotRouting:
     num_tokens: int
 
 
-def local_slot_ids(tokens: SlotTokens, rows: int, device: torch.device) -> torch.Tensor:
+def local_slot_ids(tokens: SlotLayout, rows: int, device: torch.device) -> torch.Tensor:
     """Slot id of each token this rank feeds to the MoE layer (its SP window, or all)."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if rows == tokens.total:
@@ -123,7 +122,7 @@ def build_expert_slot_routing(slot: torch.Tensor, tokens_per_expert: torch.Tenso
 def _slot_routing_hook(layer: MoELayer, experts: list[MultiLoRAGroupedExpertLinear]):
     def hook(module: torch.nn.Module, args: tuple) -> None:
         dispatched, tokens_per_expert = args[0], args[1]
-        tokens = experts[0].slot_tokens
+        tokens = experts[0].slot_layout
         if tokens is None:
             raise RuntimeError(f"{experts[0].full_name}: no token counts; pass packed_seq_params "
                                "carrying them or call set_tokens_per_adapter_slot(model, counts) "

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_multilora.layers.factors import FACTORS
 from megatron_multilora.layers.lifecycle import ModelOrChunks, multi_lora_modules, named_multi_lora_modules
 from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear
 
@@ -27,13 +28,8 @@ ParamView = Callable[[torch.nn.Parameter], torch.Tensor]
 
 
 def _factors(layer: MultiLoRALinear, idx: int):
-    slot = layer.adapters[idx]
-    return (("A", "linear_in.weight", slot.linear_in.weight),
-            ("B", "linear_out.weight", slot.linear_out.weight))
-
-
-def _cut(factor: str, t: torch.Tensor, rank: int) -> torch.Tensor:
-    return t[..., :rank, :] if factor == "A" else t[..., :rank]
+    """(factor, key suffix, Parameter) of slot ``idx``'s factors in ``layer``."""
+    return [(f, f"{f.child}.weight", f.weight(layer.adapters[idx])) for f in FACTORS]
 
 
 def _pipeline_group() -> Optional[dist.ProcessGroup]:
@@ -58,13 +54,13 @@ def get_slot_tensors(model: ModelOrChunks, idx: int,
     """Slot ``idx``'s factors as full fp32 CPU tensors cut to its rank (``value(param)``
     instead of the parameter, e.g. a gradient or an optimizer moment), for the whole model
     (every pipeline stage's layers). Collective: every rank must call it."""
-    multi_lora_modules(model)[0]._check_idx(idx)
+    multi_lora_modules(model)[0].adapters.check(idx)
     out = {}
     for path, layer in named_multi_lora_modules(model):
         rank = int(layer.adapters[idx].rank)
         for factor, name, param in _factors(layer, idx):
             local = (param if value is None else value(param)).detach().float()
-            out[f"{path}.adapter.{name}"] = _cut(factor, layer.gather_full(factor, local), rank).cpu()
+            out[f"{path}.adapter.{name}"] = factor.cut(layer.layout.gather(factor, local), rank).cpu()
     return {k: v for stage in _every_stage(out, _pipeline_group()) for k, v in stage.items()}
 
 
@@ -87,7 +83,7 @@ def set_slot_tensors(model: ModelOrChunks, idx: int, tensors: dict[str, torch.Te
     ``into(param)`` (e.g. optimizer state) and the slot itself is left alone.
     """
     layers = dict(named_multi_lora_modules(model))
-    next(iter(layers.values()))._check_idx(idx)
+    next(iter(layers.values())).adapters.check(idx)
     group = _pipeline_group()
     local_keys = {f"{p}.adapter.{n}" for p, layer in layers.items() for _, n, _ in _factors(layer, idx)}
     expected = set().union(*_every_stage(local_keys, group))  # the whole model's keys
@@ -103,13 +99,13 @@ def set_slot_tensors(model: ModelOrChunks, idx: int, tensors: dict[str, torch.Te
         for factor, name, param in _factors(layer, idx):
             full = tensors[f"{path}.adapter.{name}"]
             padded = torch.zeros(layer.full_shape(factor), dtype=torch.float32)
-            target = _cut(factor, padded, rank)
+            target = factor.cut(padded, rank)
             if target.shape != full.shape:
                 problem = problem or (f"{path}.adapter.{name}: shape {tuple(full.shape)} does "
                                       f"not fit this model (expected {tuple(target.shape)})")
                 continue
             target.copy_(full)
-            shards[param] = layer.local_shard(factor, padded)
+            shards[param] = layer.layout.shard(factor, padded)
     # A shape one stage refuses stops every stage: no stage loads alone.
     problems = [p for p in _every_stage(problem, group) if p is not None]
     if problems:
@@ -123,4 +119,4 @@ def set_slot_tensors(model: ModelOrChunks, idx: int, tensors: dict[str, torch.Te
             dest.copy_(shard.to(dest.dtype))
     if into is None:
         for layer in layers.values():
-            layer._apply_rank_mask(idx)
+            layer.adapters.mask_rank(idx)

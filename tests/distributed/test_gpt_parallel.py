@@ -13,6 +13,7 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
 import megatron_multilora as mm
+from megatron_multilora.layers.factors import A
 from megatron_multilora.training.slot_optimizer import slot_grad_norm
 from tests.distributed.conftest import assert_all_ranks, compare
 from tests.distributed.harness import (ALPHAS, DIM, N, RANKS, build, load_full_state, local_view,
@@ -102,8 +103,8 @@ def test_dist_checkpoint_saved_at_tp1_loads_at_tp2(layout, tmp_path, fully):
     failures = [k for k, v in full.items()
                 if not torch.equal(like[k].detach(), local_view(k, full, like[k], CFG))]
     want = torch.tensor(ALPHAS) / torch.tensor(RANKS)
-    if any(not torch.equal(layer.scale, want) for layer in mm.multi_lora_modules(model)):
-        failures.append(f"slot scales not restored: {mm.multi_lora_modules(model)[0].scale}")
+    if any(not torch.equal(layer.adapters.scale, want) for layer in mm.multi_lora_modules(model)):
+        failures.append(f"slot scales not restored: {mm.multi_lora_modules(model)[0].adapters.scale}")
     assert_all_ranks(failures)
 
 
@@ -129,10 +130,10 @@ def test_fully_sharded_checkpoint_and_export_equal_default_mode(layout, tmp_path
     mm.clear_adapter_slot(model, 0, init_key="fresh")
     mm.init_adapter_slot(model, 0, 3, 6.0)
     for path_name, layer in named_multi_lora_modules(model):
-        a = layer.gather_full("A", layer.adapters[0].linear_in.weight.detach())
-        if layer.sharding.rank_is_split and not (a[3:].abs().sum() == 0 and a[:3].abs().sum() > 0):
+        a = layer.layout.gather(A, layer.adapters[0].linear_in.weight.detach())
+        if layer.layout.rank_is_split and not (a[3:].abs().sum() == 0 and a[:3].abs().sum() > 0):
             failures.append(f"{path_name}: rank 3 not masked on the global rank rows")
-    rank_split = [layer.sharding.rank_is_split for layer in mm.multi_lora_modules(model)]
+    rank_split = [layer.layout.rank_is_split for layer in mm.multi_lora_modules(model)]
     if not any(rank_split):
         failures.append("no layer splits A's rank dim: the test does not test fully sharded")
     exported = get_slot_tensors(model, 0)

@@ -123,9 +123,13 @@ def test_ep2_step_matches_one_process(layout, dispatcher, aux_loss, monkeypatch)
     model = build(config)
     load_full_state(model, state, config)
     shapes = []
-    real = expert_lora.grouped_linear
-    monkeypatch.setattr(expert_lora, "grouped_linear",
-                        lambda x, w, seg, **kw: shapes.append(tuple(w.shape)) or real(x, w, seg, **kw))
+    real = expert_lora.lora_term  # what the expert layers compute their LoRA term with
+
+    def recording(x, a, b, *args):
+        shapes.extend([tuple(a[0].shape), tuple(b[0].shape)])
+        return real(x, a, b, *args)
+
+    monkeypatch.setattr(expert_lora, "lora_term", recording)
     d = parallel_state.get_data_parallel_rank()
     filler = step.filler_micro_batch(N, 1, PAD)
     mbs = step.equalize_micro_batches(micro_batches(d), filler)

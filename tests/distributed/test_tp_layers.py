@@ -13,7 +13,8 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from megatron_multilora import MultiLoRALinear
-from megatron_multilora.layers.slot_tokens import SlotTokens
+from megatron_multilora.layers.factors import A, B
+from megatron_multilora.ops.slot_layout import SlotLayout
 from tests.distributed.conftest import assert_all_ranks, compare
 from tests.reference import linear_config, lora_reference, random_slots
 
@@ -68,13 +69,13 @@ def test_tp2_layer_matches_unsharded_reference(layout, kind, sp, fully):
     # Fully sharded: A split on its rank dim (column) and B on its output dim (row) too.
     a_dim = {"row": 1, "column": 0 if fully else None}.get(kind)
     b_dim = {"column": 0, "row": 0 if fully else None}.get(kind)
-    assert (layer.sharding.a_split_dim, layer.sharding.b_split_dim) == (a_dim, b_dim)
+    assert (layer.layout.split_dim(A), layer.layout.split_dim(B)) == (a_dim, b_dim)
     with torch.no_grad():
         for i, f in enumerate(slots):
             layer.init_adapter_slot(i, f.rank, f.alpha)
             layer.adapters[i].linear_in.weight.copy_(f.a if a_dim is None else shard(f.a, a_dim))
             layer.adapters[i].linear_out.weight.copy_(f.b if b_dim is None else shard(f.b, b_dim))
-    layer.slot_tokens = SlotTokens(COUNTS)
+    layer.slot_layout = SlotLayout(COUNTS)
 
     # What each rank's base sees and produces under this layout.
     in_rows = sp and kind in ("column", "replicated")

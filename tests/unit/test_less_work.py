@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron_multilora import MultiLoRALinear
 from megatron_multilora.layers import multi_lora_linear
 from megatron_multilora.layers.expert_lora import MultiLoRAGroupedExpertLinear
-from megatron_multilora.layers.slot_tokens import SlotTokens
+from megatron_multilora.ops.slot_layout import SlotLayout
 from megatron_multilora.models.torch_modules import TorchGroupedLinear
 from megatron_multilora.layers.slot_routing import build_expert_slot_routing
 from tests.reference import linear_config, lora_reference, random_slots
@@ -55,7 +55,7 @@ def wrapped(counts):
             layer.init_adapter_slot(i, f.rank, f.alpha)
             layer.adapters[i].linear_in.weight.copy_(f.a)
             layer.adapters[i].linear_out.weight.copy_(f.b)
-    layer.slot_tokens = SlotTokens(counts)
+    layer.slot_layout = SlotLayout(counts)
     return layer, slots
 
 
@@ -139,24 +139,24 @@ def test_factor_copies_are_not_kept_for_backward(counts):
 
     layer, _ = wrapped(counts)
     copies, rebuilds = [], []
-    real = layer._slot_factors
+    real = layer.adapters.stack
 
     def recording(factor, slots, r):
         w, rebuild = real(factor, slots, r)
-        buffer = layer._factor_buffers[factor].buffer
+        buffer = layer.adapters.factor_buffers[factor].buffer
         if w.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
             assert rebuild is None
             return w, None
         copies.append(weakref.ref(w))
         return w, lambda: rebuilds.append(factor) or rebuild()
 
-    layer._slot_factors = recording
+    layer.adapters.stack = recording
     x = torch.randn(14, 1, IN, requires_grad=True)
     y = layer(x)
     gc.collect()
     assert len(copies) == (2 if 0 in counts else 0)
     assert all(ref() is None for ref in copies), "a copy of the factors is kept"
     y.sum().backward()  # backward rebuilds any copy and still gives every active slot's gradient
-    assert sorted(rebuilds) == (["A", "B"] if 0 in counts else [])
+    assert sorted(f.name for f in rebuilds) == (["A", "B"] if 0 in counts else [])
     for i, c in enumerate(counts):
         assert (layer.adapters[i].linear_in.weight.grad is not None) == (c > 0)

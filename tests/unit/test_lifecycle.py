@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import megatron_multilora as mm
-from megatron_multilora.layers.slot_tokens import narrow_counts_to_window
+from megatron_multilora.ops.slot_layout import narrow_counts_to_window
 from tests.unit.test_multi_lora_linear import COUNTS, DIM, IN, make_layer, output
 
 
@@ -42,7 +42,7 @@ def test_token_count_errors_name_the_problem():
     with pytest.raises(ValueError, match=r"slot indices in 0..3; bad entries: \[4\]"):
         mm.set_tokens_per_adapter_slot(model, [4, 0, 4, 8], ep_slots=[0, 2, 3, 4])
     mm.set_tokens_per_adapter_slot(model, [4, 0, 4, 8], ep_slots=[3, 1, 0, 2])
-    assert model.q.slot_tokens.ep_slots == (0, 1, 2, 3)
+    assert model.q.slot_layout.ep_slots == (0, 1, 2, 3)
     fresh = mm.MultiLoRALinear(torch.nn.Linear(4, 4), 2, 2, 1.0, "lonely")
     with pytest.raises(RuntimeError, match="set_tokens_per_adapter_slot"):
         fresh(torch.randn(3, 1, 4))
@@ -57,7 +57,7 @@ def test_init_adapter_slot_checks_rank_and_index():
         mm.init_adapter_slot(model, 4, 2, 1.0)
     mm.init_adapter_slot(model, 2, 3, 6.0)
     for layer in mm.multi_lora_modules(model):
-        assert layer.scale[2].item() == 2.0
+        assert layer.adapters.scale[2].item() == 2.0
         assert layer.adapters[2].linear_in.weight[3:].abs().sum() == 0
 
 
@@ -72,10 +72,10 @@ def test_clear_restores_deterministic_init_and_silences_slot():
         got, want = layer.adapters[1], ref.adapters[1]
         assert torch.equal(got.linear_in.weight, want.linear_in.weight)
         assert torch.equal(got.linear_out.weight, want.linear_out.weight)
-        assert got.alpha.item() == 0.0 and got.rank.item() == DIM and layer.scale[1] == 0
+        assert got.alpha.item() == 0.0 and got.rank.item() == DIM and layer.adapters.scale[1] == 0
     # An inactive slot's tokens see only the base.
     layer = model.q
-    layer.slot_tokens = mm.layers.slot_tokens.SlotTokens([0, 6, 0, 0])
+    layer.slot_layout = mm.ops.slot_layout.SlotLayout([0, 6, 0, 0])
     x = torch.randn(6, 1, IN)
     assert torch.equal(output(layer(x)), output(layer.to_wrap(x)))
 

@@ -138,7 +138,7 @@ def test_layout_set_on_the_model_goes_wrong_under_recompute(arch, recompute, mod
         plain = mb.packed_seq_params()
         return PackedSeqParams(
             **{f.name: getattr(plain, f.name) for f in dataclasses.fields(plain)
-               if f.name != "slot_tokens"})
+               if f.name != "slot_layout"})
 
     with pytest.raises(ValueError, match="tokens_per_adapter"):
         interleaved(model, A, B, set_on_model)
@@ -151,8 +151,8 @@ def test_layout_set_on_the_model_goes_wrong_under_recompute(arch, recompute, mod
 def test_packed_params_carry_the_layout_and_are_checked_against_the_model():
     params = A.packed_seq_params()
     assert isinstance(params, SlotPackedSeqParams)
-    assert params.slot_tokens.counts == tuple(A.counts) == (0, 7, 4)
-    assert dataclasses.replace(params, max_seqlen_q=99).slot_tokens is params.slot_tokens
+    assert params.slot_layout.counts == tuple(A.counts) == (0, 7, 4)
+    assert dataclasses.replace(params, max_seqlen_q=99).slot_layout is params.slot_layout
     model = build(DENSE, None)
     wrong = with_slot_layout(params, [3, 9])
     with pytest.raises(ValueError, match="2 entries but the model has 3 adapter slots"):
@@ -167,5 +167,5 @@ def test_linears_outside_transformer_layers_take_the_layout_from_the_model_call(
     params = A.packed_seq_params()
     forward(model, A, params)
     for path, linear in named_multi_lora_modules(model):
-        assert linear.slot_tokens is params.slot_tokens, path
+        assert linear.slot_layout is params.slot_layout, path
     assert isinstance(model.output_layer, mm.MultiLoRALinear)

@@ -6,7 +6,8 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from megatron_multilora import MultiLoRALinear
-from megatron_multilora.layers.slot_tokens import SlotTokens
+from megatron_multilora.layers.factors import A, B
+from megatron_multilora.ops.slot_layout import SlotLayout
 from tests.reference import linear_config, lora_reference, random_slots
 
 IN, OUT, DIM = 16, 24, 8
@@ -44,7 +45,7 @@ def make_layer(kind, in_f=IN, dtype=torch.float32, seed=0, **kwargs):
             if dtype != torch.float32:  # the reference uses the same rounded values
                 f.a.data.copy_(f.a.to(dtype).float())
                 f.b.data.copy_(f.b.to(dtype).float())
-    layer.slot_tokens = SlotTokens(COUNTS)
+    layer.slot_layout = SlotLayout(COUNTS)
     return layer, slots
 
 
@@ -154,7 +155,7 @@ def test_padded_rank_stays_zero_through_training(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_fresh_adapters_leave_base_output_unchanged(kind):
     layer = MultiLoRALinear(make_base(kind, IN, OUT), 3, DIM, 8.0, "fresh")
-    layer.slot_tokens = SlotTokens([2, 3, 1])
+    layer.slot_layout = SlotLayout([2, 3, 1])
     x = torch.randn(6, 1, IN)
     assert torch.equal(output(layer(x)), output(layer.to_wrap(x)))
 
@@ -167,8 +168,8 @@ def test_slot_buffer_reads_match_reference(monkeypatch, counts, aliased):
     slots), an indexed copy (a gap) or, once a Parameter no longer aliases it, stacked."""
     monkeypatch.setitem(globals(), "COUNTS", counts)
     layer, slots = make_layer("column")
-    for factor, name in (("A", "linear_in"), ("B", "linear_out")):
-        buffer = layer._factor_buffers[factor].buffer
+    for factor, name in ((A, "linear_in"), (B, "linear_out")):
+        buffer = layer.adapters.factor_buffers[factor].buffer
         assert all(getattr(layer.adapters[i], name).weight.data_ptr() == buffer[i].data_ptr()
                    for i in range(len(counts)))
     if not aliased:
@@ -193,7 +194,7 @@ def test_conversion_realiases_the_slot_buffer():
     layer, _ = make_layer("column")
     before = [s.linear_out.weight.detach().clone() for s in layer.adapters]
     layer.to(torch.float64)
-    buffer = layer._factor_buffers["B"].buffer
+    buffer = layer.adapters.factor_buffers[B].buffer
     assert buffer.dtype == torch.float64
     for i, slot in enumerate(layer.adapters):
         assert slot.linear_out.weight.data_ptr() == buffer[i].data_ptr()
@@ -248,7 +249,7 @@ def check_grouped_kernel_parity(monkeypatch, device: str, dtype: torch.dtype, re
             f.a.data.copy_(f.a.to(dtype).float())  # the reference uses the same rounded values
             f.b.data.copy_(f.b.to(dtype).float())
     layer.to(device)
-    layer.slot_tokens = SlotTokens(counts)
+    layer.slot_layout = SlotLayout(counts)
     x = torch.randn(sum(counts), IN, generator=torch.Generator().manual_seed(6)).to(dtype).float()
     x_l = x.to(device, dtype, copy=True).requires_grad_()
     x_r = x.clone().requires_grad_()

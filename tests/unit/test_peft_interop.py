@@ -25,7 +25,7 @@ def trained_like_slot(model, slot: int) -> None:
         for layer in mm.multi_lora_modules(model):
             for factor in (layer.adapters[slot].linear_in, layer.adapters[slot].linear_out):
                 factor.weight.copy_(0.2 * torch.randn(factor.weight.shape, generator=gen))
-            layer._apply_rank_mask(slot)
+            layer.adapters.mask_rank(slot)
 
 
 def merge_by_hand(hf_model, folder, model_type: str) -> None:

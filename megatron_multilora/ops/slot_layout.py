@@ -1,18 +1,62 @@
-"""Per-slot token spans of one packed micro-batch, as each layer needs to see them.
+"""A packed micro-batch's slot layout: which adapter slot owns which tokens (torch only).
 
 A micro-batch is packed adapter-major: the ``[s, b]`` tokens flattened sequence-major are
-slot 0's tokens, then slot 1's, and so on. A layer whose input is this rank's
-sequence-parallel shard sees only a window of those rows; its spans are the per-slot
-overlap with that window.
+slot 0's tokens, then slot 1's, and so on. :class:`SlotLayout` holds the per-slot counts (and,
+under expert parallelism, the slots whose rows can reach this rank's experts); a layer whose
+input is this rank's sequence-parallel shard sees only a window of those rows, its spans the
+per-slot overlap with that window, as :class:`Segments` (row groups for the grouped GEMMs,
+each row labelled with its slot). Packing (``data/``) builds the layout, the layers read it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence
 
 import torch
 
-from megatron_multilora.layers.grouped_gemm import Segments
+from megatron_multilora.ops.grouped_mm import group_offsets, group_sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    """Contiguous row groups of a 2-D activation: group g owns the rows up to ``offsets[g]``.
+
+    ``offsets`` are the int32 cumulative group ends ``torch._grouped_mm`` takes, on the
+    compute device; ``label_of_row`` is each row's group label (its adapter slot), for
+    per-row scaling and dropout. ``rows`` is the total. ``counts`` are the group sizes on the
+    host when known; :meth:`host_counts` reads them back from the device otherwise, which only
+    the per-group fallback needs (it syncs on an accelerator; the grouped kernel does not).
+    """
+
+    offsets: torch.Tensor
+    label_of_row: torch.Tensor
+    rows: int
+    counts: Optional[tuple[int, ...]] = None
+
+    @classmethod
+    def from_counts(cls, counts: Sequence[int], device: torch.device,
+                    labels: Optional[Sequence[int]] = None) -> "Segments":
+        """Groups of host-known sizes; ``labels[g]`` (default ``g``) labels group g's rows."""
+        counts = tuple(int(c) for c in counts)
+        host = torch.tensor(counts, dtype=torch.int64)
+        names = torch.arange(len(counts)) if labels is None else torch.tensor(labels, dtype=torch.int64)
+        rows = sum(counts)
+        return cls(offsets=group_offsets(counts, device),
+                   label_of_row=torch.repeat_interleave(names, host, output_size=rows).to(device),
+                   rows=rows, counts=counts)
+
+    @classmethod
+    def from_sorted_keys(cls, sorted_keys: torch.Tensor, num_groups: int,
+                         label_of_row: torch.Tensor) -> "Segments":
+        """Groups of rows already sorted by group id ``sorted_keys``, all on the device."""
+        ends = torch.searchsorted(sorted_keys, torch.arange(num_groups, device=sorted_keys.device),
+                                  right=True)
+        return cls(offsets=ends.to(torch.int32), label_of_row=label_of_row,
+                   rows=int(sorted_keys.numel()))
+
+    def host_counts(self) -> tuple[int, ...]:
+        return self.counts if self.counts is not None else group_sizes(self.offsets)
 
 
 def narrow_counts_to_window(counts: Sequence[int], start: int, rows: int) -> list[int]:
@@ -28,8 +72,8 @@ def narrow_counts_to_window(counts: Sequence[int], start: int, rows: int) -> lis
     return out
 
 
-class SlotTokens:
-    """Token counts per adapter slot for the next forward, shared by every wrapped layer.
+class SlotLayout:
+    """Token counts per adapter slot of one micro-batch, shared by every wrapped layer.
 
     ``active`` are the slots with tokens in this micro-batch: layers run their grouped GEMMs
     over those slots only, so an idle slot costs no GEMM work and gets no gradient. Segments
