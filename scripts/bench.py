@@ -73,8 +73,8 @@ from megatron_multilora.models.specs import transformer_engine_usable
 from megatron_multilora.models.torch_modules import TorchGroupedLinear
 from megatron_multilora.layers.slot_routing import build_expert_slot_routing
 from megatron_multilora.training.config import AdapterJob
-from megatron_multilora.training.schedule import per_slot_losses
-from megatron_multilora.training.step import SlotTrainStep, StepResult
+from megatron_multilora.training.step.schedule import per_slot_losses
+from megatron_multilora.training.step.train_step import SlotTrainStep, StepResult
 from megatron_multilora.training.trainer import start_job
 
 REPO = Path(__file__).resolve().parent.parent
@@ -413,7 +413,7 @@ def training_step(model: torch.nn.Module, slots: int, batches: list[list[list[Ex
     beforehand (as a data loader would: only training is timed)."""
     budget = max(one_batch_budget(examples) for examples in batches)
     train = SlotTrainStep([model], slots, budget, pad_multiple=1, pad_id=0)
-    return train, [(examples, [mb.to(device) for mb in train.pack(examples)])
+    return train, [(examples, [mb.to(device) for mb in train.batcher.ready(examples)])
                    for examples in batches]
 
 

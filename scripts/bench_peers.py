@@ -139,7 +139,7 @@ class _PeftLoop:
     def __init__(self, peft_model, job, steps: int) -> None:
         import torch
 
-        from megatron_multilora.training.slot_optimizer import lr_factor
+        from megatron_multilora.training.step.slot_optimizer import lr_factor
 
         self.model, self.job = peft_model, job
         self.params = [p for n, p in peft_model.named_parameters() if f".{job.name}." in n]
@@ -308,9 +308,9 @@ def _our_step_costs(spec: dict, jobs: list, batches, pad_id: int, median) -> dic
     from megatron_multilora.data.packing import pack_micro_batches
     from megatron_multilora.models.hf_config import hf_to_model_config, read_hf_config
     from megatron_multilora.models.hf_import import load_hf_checkpoint
-    from megatron_multilora.training.schedule import per_slot_losses
-    from megatron_multilora.training.slot_optimizer import SlotOptimizer
-    from megatron_multilora.training.step import SlotTrainStep
+    from megatron_multilora.training.step.schedule import per_slot_losses
+    from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
+    from megatron_multilora.training.step.train_step import SlotTrainStep
 
     mm.init_parallel(seed=spec["seed"])
     cfg = hf_to_model_config(read_hf_config(spec["hf_dir"]))

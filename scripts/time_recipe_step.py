@@ -24,8 +24,8 @@ import yaml
 import megatron_multilora as mm
 from megatron_multilora.data.datasets import Example
 from megatron_multilora.training.config import AdapterJob
-from megatron_multilora.training.slot_optimizer import SlotOptimizer
-from megatron_multilora.training.step import SlotTrainStep
+from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
+from megatron_multilora.training.step.train_step import SlotTrainStep
 
 SLOTS = [(16, 0.0), (8, 0.0), (16, 0.05), (12, 0.0)]  # (rank, dropout)
 
@@ -48,7 +48,7 @@ def main(kind: str) -> None:
     for i in range(13):
         slot_examples = [[Example(tuple(rng.randrange(3, 250) for _ in range(n + 1)), (True,) * n)
                           for n in (rng.randint(16, 128) for _ in range(16))] for _ in SLOTS]
-        micro_batches = train_step.pack(slot_examples)
+        micro_batches = train_step.batcher.ready(slot_examples)
         start = time.perf_counter()
         train_step(slot_examples, optimizers, micro_batches=micro_batches)
         if i >= 3:

@@ -19,7 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_multilora.data.datasets import Example
-from megatron_multilora.layers.micro_batch_layout import SlotPackedSeqParams, with_slot_layout
+from megatron_multilora.ops.slot_layout import SlotLayout
 
 T = TypeVar("T")
 
@@ -53,18 +53,20 @@ class MicroBatch:
                                    loss_mask=self.loss_mask.to(device),
                                    position_ids=self.position_ids.to(device))
 
-    def packed_seq_params(self) -> SlotPackedSeqParams:
-        """The ``thd`` packing description megatron's attention and RoPE take, carrying this
-        micro-batch's slot layout (``counts``, ``ep_slots``) to the multi-LoRA layers, so it
-        stays with the micro-batch through pipelining and recompute."""
+    def packed_seq_params(self) -> PackedSeqParams:
+        """The ``thd`` packing description megatron's attention and RoPE take (one sequence
+        per example, and one for the trailing pads)."""
         ends = torch.tensor([0] + self.seq_lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         ends = ends.to(self.tokens.device)
         longest = max(self.seq_lengths)
-        return with_slot_layout(PackedSeqParams(
+        return PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=ends, cu_seqlens_kv=ends, max_seqlen_q=longest,
             max_seqlen_kv=longest,
-            cp_group=parallel_state.get_context_parallel_group(check_initialized=False)),
-            self.counts, self.ep_slots)
+            cp_group=parallel_state.get_context_parallel_group(check_initialized=False))
+
+    def slot_layout(self) -> SlotLayout:
+        """Which slot owns which positions (``counts``, ``ep_slots``), for the adapted layers."""
+        return SlotLayout(self.counts, self.ep_slots)
 
     def padding_mask(self) -> torch.Tensor:
         """``[1, S]`` bool, True at the pad positions (megatron's MoE ``padding_mask``, which

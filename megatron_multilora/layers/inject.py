@@ -12,7 +12,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_multilora.layers.expert_lora import MultiLoRAGroupedExpertLinear
-from megatron_multilora.layers.lifecycle import ModelOrChunks, _chunks
+from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
 from megatron_multilora.parallel import collective_device
 from megatron_multilora.layers.micro_batch_layout import install_micro_batch_layout_hooks
 from megatron_multilora.layers.model_paths import global_named_modules
@@ -41,7 +41,7 @@ def _wrappable(module: torch.nn.Module) -> bool:
 def set_adapter_trainability(model: ModelOrChunks) -> int:
     """Freeze everything but adapter slot parameters; return the trainable count."""
     trainable = 0
-    for chunk in _chunks(model):
+    for chunk in model_chunks(model):
         for p in chunk.parameters():
             p.requires_grad_(False)
         for m in chunk.modules():
@@ -88,7 +88,7 @@ def apply_multi_lora(
     # leaves it exactly as it was (not half-wrapped, its base not frozen).
     planned: list[tuple[torch.nn.Module, str, MultiLoRALinear]] = []  # (parent, child, wrapper)
     wrapped = 0
-    for chunk in _chunks(model):
+    for chunk in model_chunks(model):
         config_sp = getattr(getattr(chunk, "config", None), "sequence_parallel", False)
         # Targets match, and wrappers are named by, global paths (the same under any
         # pipeline layout); the local name finds the module in this chunk.
@@ -134,7 +134,7 @@ def apply_multi_lora(
         raise ValueError(f"apply_multi_lora: no linear matched target_modules={list(target_modules)}")
     adapted_experts = {id(parent) for parent, _, w in planned
                        if isinstance(w, MultiLoRAGroupedExpertLinear)}
-    for chunk in _chunks(model):
+    for chunk in model_chunks(model):
         for layer in chunk.modules():
             if isinstance(layer, MoELayer) and id(layer.experts) in adapted_experts:
                 check_moe_config(layer)
@@ -142,7 +142,7 @@ def apply_multi_lora(
         setattr(parent, child, wrapper)
     install_moe_slot_routing(model)
     install_micro_batch_layout_hooks(model)
-    for chunk in _chunks(model):
+    for chunk in model_chunks(model):
         _keep_graph_through_recompute(chunk)
     set_adapter_trainability(model)
     return model

@@ -18,7 +18,8 @@ from megatron_multilora.ops.slot_layout import SlotLayout, check_ep_slots, check
 ModelOrChunks = Union[torch.nn.Module, Sequence[torch.nn.Module]]
 
 
-def _chunks(model: ModelOrChunks) -> list[torch.nn.Module]:
+def model_chunks(model: ModelOrChunks) -> list[torch.nn.Module]:
+    """The model as a list of chunks (one per virtual pipeline stage; one without)."""
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
@@ -26,7 +27,7 @@ def named_multi_lora_modules(model: ModelOrChunks) -> Iterator[tuple[str, MultiL
     """(path, layer) for every multi-LoRA layer. Paths are global (``decoder.layers.<global
     index>...``, see :mod:`.model_paths`), so each names one linear of the whole model under
     any pipeline layout; separate models given as chunks get ``chunkK.``."""
-    chunks = _chunks(model)
+    chunks = model_chunks(model)
     for prefix, chunk in zip(chunk_prefixes(chunks), chunks):
         for _, name, module in global_named_modules(chunk):
             if isinstance(module, MultiLoRALinear):
@@ -61,7 +62,7 @@ def set_tokens_per_adapter_slot(model: ModelOrChunks,
     ``ep_slots`` are the slots with tokens on any of them (it must include this rank's, and
     no rank's rows may belong to a slot outside it), and only those take part in the expert
     GEMMs; without it every slot does. The training step agrees it in one collective
-    (``training.step.align_with_expert_peers``).
+    (``training.step.micro_batches.align_with_expert_peers``).
     """
     layers = multi_lora_modules(model)
     counts = check_token_counts(tokens_per_adapter, layers[0].n_adapters)

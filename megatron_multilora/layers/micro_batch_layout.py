@@ -1,103 +1,118 @@
-"""A micro-batch's slot layout travels with the micro-batch, in its ``PackedSeqParams``.
+"""A micro-batch's slot layout travels with the micro-batch: the route from the micro-batch to
+every adapted linear.
 
-Under a pipeline schedule micro-batch k's backward runs after later micro-batches were
-forwarded. Backward itself uses what autograd saved, but activation recompute re-runs
-forwards during backward, and a layout stored once per model would by then be a later
-micro-batch's. So the layout (:class:`SlotLayout`) rides in the ``packed_seq_params`` megatron
-hands to every transformer layer, and hooks on each layer that holds multi-LoRA linears
-hand it to them (and so to the layer's MoE slot routing):
+::
 
-* a forward pre-hook reads the call's ``packed_seq_params``: this covers the plain forward
-  and the full-recompute re-run, to which megatron passes the same params object
-  (``TransformerBlock._checkpointed_forward`` closes over it);
-* under selective recompute, a forward hook registers a gradient hook on the layer's output
-  hidden states, which runs before any of the layer's backward: selective ``mlp``/``moe``/``shared_experts`` recompute
-  re-runs those modules (``tensor_parallel.checkpoint``) inside the layer's backward, without
-  the params, and must see its own micro-batch's layout again.
+    micro-batch (data/packing.py: counts, ep_slots -> SlotLayout)
+      -> a carrier megatron hands to every transformer layer of the call:
+           SlotPackedSeqParams (packed training/evaluation forwards), or
+           SlotInferenceContext (cached generation: [b, s] tokens, a KV cache)
+      -> the layer's forward pre-hook hands the SlotLayout to its multi-LoRA linears
+      -> the linears' grouped GEMMs, and the MoE layer's slot routing (slot_routing.py),
+         which reads it from the expert linears in its own pre-hook
+      -> recompute re-runs: full recompute calls the layer again with the same carrier;
+         selective recompute re-runs modules inside the layer's backward without it, so a
+         gradient hook on the layer's output hands the layout over again first.
 
-Multi-LoRA linears outside any transformer layer (e.g. an adapted ``output_layer``) are
-handed the layout by a pre-hook on the model chunk itself; nothing there is recomputed.
-Calls whose params carry no layout leave the linears as ``set_tokens_per_adapter_slot`` set
-them.
+Why it travels: under a pipeline schedule micro-batch k's backward runs after later
+micro-batches were forwarded, and activation recompute re-runs forwards during backward; a
+layout stored once per model would by then be a later micro-batch's. Multi-LoRA linears
+outside any transformer layer (e.g. an adapted ``output_layer``) get the layout from a
+pre-hook on the model chunk itself; nothing there is recomputed. A call that carries no
+layout leaves the linears as ``set_tokens_per_adapter_slot`` (the seed's API for users of the
+layers alone) set them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
+from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
 from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear
 from megatron_multilora.ops.slot_layout import SlotLayout, check_ep_slots, check_token_counts
 
 
 @dataclasses.dataclass
 class SlotPackedSeqParams(PackedSeqParams):
-    """megatron's ``PackedSeqParams`` plus the micro-batch's per-slot token layout. megatron
-    passes the object through unchanged (and ``dataclasses.replace`` keeps the subclass)."""
+    """megatron's ``PackedSeqParams`` plus the micro-batch's slot layout. megatron passes the
+    object through unchanged (and ``dataclasses.replace`` keeps the subclass)."""
 
     slot_layout: Optional[SlotLayout] = None
 
 
-def with_slot_layout(params: PackedSeqParams, tokens_per_adapter: Sequence[int],
+class SlotInferenceContext(StaticInferenceContext):
+    """megatron's static KV-cache context plus the slot layout of the next forward (set
+    before each one: prefill and decode steps lay slots out differently)."""
+
+    slot_layout: Optional[SlotLayout] = None
+
+
+def with_slot_layout(params: PackedSeqParams, layout: Union[SlotLayout, Sequence[int]],
                      ep_slots: Optional[Sequence[int]] = None) -> SlotPackedSeqParams:
-    """``params`` carrying the layout ``set_tokens_per_adapter_slot`` would set: slot i owns
-    the next ``tokens_per_adapter[i]`` tokens; ``ep_slots`` as there. The number of slots is
-    checked against the model's in the layers' hooks."""
-    counts = check_token_counts(list(tokens_per_adapter), len(tokens_per_adapter))
-    check_ep_slots(ep_slots, counts)
+    """``params`` carrying a slot layout: a :class:`SlotLayout`, or the counts
+    ``set_tokens_per_adapter_slot`` takes (slot i owns the next ``layout[i]`` tokens;
+    ``ep_slots`` as there). The number of slots is checked against the model's in the hooks."""
+    if not isinstance(layout, SlotLayout):
+        counts = check_token_counts(list(layout), len(layout))
+        check_ep_slots(ep_slots, counts)
+        layout = SlotLayout(counts, ep_slots)
     fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(PackedSeqParams)}
-    return SlotPackedSeqParams(**fields, slot_layout=SlotLayout(counts, ep_slots))
+    return SlotPackedSeqParams(**fields, slot_layout=layout)
 
 
-def _hand(linears: list[MultiLoRALinear], tokens: SlotLayout) -> None:
-    if len(tokens.counts) != linears[0].n_adapters:
-        check_token_counts(list(tokens.counts), linears[0].n_adapters)  # raises, naming both
+def _hand(linears: list[MultiLoRALinear], layout: SlotLayout) -> None:
+    if len(layout.counts) != linears[0].n_adapters:
+        check_token_counts(list(layout.counts), linears[0].n_adapters)  # raises, naming both
     for linear in linears:
-        linear.slot_layout = tokens
+        linear.slot_layout = layout
 
 
-def _carried(params: Any) -> Optional[SlotLayout]:
-    return getattr(params, "slot_layout", None)
+def _carried(call: dict[str, Any]) -> Optional[SlotLayout]:
+    """The layout a call's arguments carry, if any."""
+    for carrier in (call.get("packed_seq_params"), call.get("inference_context")):
+        layout = getattr(carrier, "slot_layout", None)
+        if layout is not None:
+            return layout
+    return None
 
 
 def _layer_hooks(linears: list[MultiLoRALinear]):
     def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        tokens = _carried(kwargs.get("packed_seq_params"))
-        if tokens is not None:
-            _hand(linears, tokens)
+        layout = _carried(kwargs)
+        if layout is not None:
+            _hand(linears, layout)
 
     def post_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        tokens = _carried(kwargs.get("packed_seq_params"))
+        layout = _carried(kwargs)
         hidden = output[0] if isinstance(output, (tuple, list)) else output
-        if tokens is not None and isinstance(hidden, torch.Tensor) and hidden.requires_grad:
-            hidden.register_hook(lambda grad: _hand(linears, tokens))
+        if layout is not None and isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            hidden.register_hook(lambda grad: _hand(linears, layout))
 
     return pre_hook, post_hook
 
 
 def _chunk_pre_hook(linears: list[MultiLoRALinear], signature: inspect.Signature):
     def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        params = kwargs.get("packed_seq_params")
-        if params is None and args:
-            params = signature.bind_partial(*args, **kwargs).arguments.get("packed_seq_params")
-        tokens = _carried(params)
-        if tokens is not None:
-            _hand(linears, tokens)
+        layout = _carried(signature.bind_partial(*args, **kwargs).arguments if args else kwargs)
+        if layout is not None:
+            _hand(linears, layout)
 
     return pre_hook
 
 
-def install_micro_batch_layout_hooks(model: torch.nn.Module | Sequence[torch.nn.Module]) -> None:
+def install_micro_batch_layout_hooks(model: ModelOrChunks) -> None:
     """Hook every transformer layer holding multi-LoRA linears (and each chunk holding some
-    outside its layers) to take the layout from the call's ``packed_seq_params``.
+    outside its layers) to take the layout from the call's carrier.
 
     Calling it again replaces the hooks, so linears wrapped since are included."""
-    for chunk in model if isinstance(model, (list, tuple)) else [model]:
+    for chunk in model_chunks(model):
         in_layers: set[int] = set()
         for layer in chunk.modules():
             if isinstance(layer, TransformerLayer):

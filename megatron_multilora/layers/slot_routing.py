@@ -30,6 +30,7 @@ from megatron.core.transformer.moe.token_dispatcher import (
 )
 
 from megatron_multilora.layers.expert_lora import MultiLoRAGroupedExpertLinear
+from megatron_multilora.layers.lifecycle import model_chunks
 from megatron_multilora.ops.slot_layout import Segments, SlotLayout
 
 
@@ -170,7 +171,7 @@ def install_moe_slot_routing(model: torch.nn.Module | list[torch.nn.Module]) -> 
     adapted experts.
     """
     hooked = 0
-    for chunk in model if isinstance(model, (list, tuple)) else [model]:
+    for chunk in model_chunks(model):
         for layer in chunk.modules():
             if not isinstance(layer, MoELayer):
                 continue

@@ -12,7 +12,7 @@ from megatron_multilora.checkpoint.adapter_files import import_adapter
 from megatron_multilora.data.datasets import Example
 from megatron_multilora.data.demo_tasks import exact_match
 from megatron_multilora.layers.lifecycle import ModelOrChunks, clear_adapter_slot
-from megatron_multilora.training import evaluation
+from megatron_multilora.training.step import evaluation, generation
 
 
 @dataclasses.dataclass
@@ -64,7 +64,7 @@ class AdapterTaskEval:
                 answers.append(record["completion"])
         if not prompts:
             return {}
-        outputs = evaluation.greedy_generate(
+        outputs = generation.greedy_generate(
             self.model, prompts, self.n_slots, self.max_new_tokens, self.tokenizer.eos_id,
             self.pad_multiple, self.tokenizer.pad_id)
         hits: dict[int, list[bool]] = {}

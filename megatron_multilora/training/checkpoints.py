@@ -37,7 +37,7 @@ from megatron_multilora.checkpoint.adapter_folders import CHECKPOINT_STATE
 from megatron_multilora.checkpoint.files import DamagedFolderError, verify_manifest, write_manifest
 from megatron_multilora.layers.lifecycle import ModelOrChunks, multi_lora_modules
 from megatron_multilora.layers.slot_tensors import get_slot_tensors, set_slot_tensors
-from megatron_multilora.training.slot_optimizer import SlotOptimizer
+from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 LATEST, SET_ASIDE = "latest.json", "set_aside"

@@ -84,8 +84,9 @@ from megatron_multilora.training.metrics import (
 )
 from megatron_multilora.training.job_requests import JobRequests
 from megatron_multilora.training.model_setup import build_run_model
-from megatron_multilora.training.slot_optimizer import SlotOptimizer
-from megatron_multilora.training.step import SlotTrainStep, agree_boundary
+from megatron_multilora.training.step.micro_batches import agree
+from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
+from megatron_multilora.training.step.train_step import SlotTrainStep
 from megatron_multilora.training.stop import STOP_REQUESTED, RunStopped, received
 
 
@@ -251,7 +252,7 @@ class Trainer:
         was asked; else return how many job requests rank 0 saw (agreed on every rank)."""
         agreed, self._agreed = self._agreed, None
         if agreed is None:  # no step since the last boundary agreed on it
-            agreed = agree_boundary(self._local_stop(), self._local_requests())
+            agreed = agree([], 0, (self._local_stop(), self._local_requests())).extras
         signum, requests = agreed
         if signum:
             checkpoint = self._save()
@@ -400,8 +401,8 @@ class Trainer:
         optimizers = {s.slot: self.optimizers[s.slot] for s in active}
         lrs = {slot: opt.lr for slot, opt in optimizers.items()}  # what this step uses
         result = self.train_step(slot_examples, optimizers, slot_order=order,
-                                 stop_signal=self._local_stop(), requests=self._local_requests())
-        self._agreed = (result.stop_signal, result.requests)  # for the coming step boundary
+                                 extras=(self._local_stop(), self._local_requests()))
+        self._agreed = result.extras  # for the coming step boundary
         stats = {}
         for state in active:
             job = self.run.adapters[state.index]

@@ -3,7 +3,7 @@
 import torch
 
 import megatron_multilora as mm
-from megatron_multilora.training.evaluation import greedy_generate
+from megatron_multilora.training.step.generation import greedy_generate
 from tests.distributed.conftest import assert_all_ranks
 from tests.distributed.harness import N, build
 

@@ -14,7 +14,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
 import megatron_multilora as mm
-from megatron_multilora.training.grad_sync import SlotGradSync
+from megatron_multilora.training.step.grad_sync import SlotGradSync
 from tests.distributed.conftest import assert_all_ranks, compare
 from tests.distributed.harness import ALPHAS, DIM, N, RANKS, micro_batch, step
 

@@ -17,8 +17,10 @@ from megatron.core import parallel_state
 from megatron_multilora.data.datasets import Example
 from megatron_multilora.data.packing import pack_micro_batches
 from megatron_multilora.layers import expert_lora
-from megatron_multilora.training import evaluation, schedule, step
-from megatron_multilora.training.grad_sync import SlotGradSync
+from megatron_multilora.training.step import evaluation, generation, schedule
+from megatron_multilora.training.step.grad_sync import SlotGradSync
+from megatron_multilora.training.step.micro_batches import MicroBatcher, agree
+from megatron_multilora.training.step.train_step import start_reducing_losses
 from tests.distributed.conftest import assert_all_ranks, compare
 from tests.distributed.harness import load_full_state
 
@@ -85,8 +87,8 @@ def train_step(model, mbs) -> torch.Tensor:
     """The recipe's step on this rank's (equalized) micro-batches; per-slot losses."""
     sync = SlotGradSync(model)
     sync.zero_grad(TRAINED)
-    denominators = step.global_loss_tokens(mbs, N)
-    losses = step.reduce_losses(schedule.per_slot_losses(model, mbs, denominators))
+    denominators = agree(mbs, N).loss_tokens
+    losses = start_reducing_losses(schedule.per_slot_losses(model, mbs, denominators))()
     sync.sync(TRAINED)
     return losses
 
@@ -116,7 +118,7 @@ def test_ep2_step_matches_one_process(layout, dispatcher, aux_loss, monkeypatch)
     layout(tp=1)
     ref, state, ref_losses, ref_grads = reference(config)
     ref_eval = [evaluation.eval_losses(ref, rank_data(d), 1000, 1, PAD) for d in (0, 1)]
-    ref_gen = [evaluation.greedy_generate(ref, prompts(d), N, 3, -1, 1, PAD) for d in (0, 1)]
+    ref_gen = [generation.greedy_generate(ref, prompts(d), N, 3, -1, 1, PAD) for d in (0, 1)]
     mm.destroy_parallel()
 
     layout(tp=1, ep=2)
@@ -131,8 +133,7 @@ def test_ep2_step_matches_one_process(layout, dispatcher, aux_loss, monkeypatch)
 
     monkeypatch.setattr(expert_lora, "lora_term", recording)
     d = parallel_state.get_data_parallel_rank()
-    filler = step.filler_micro_batch(N, 1, PAD)
-    mbs = step.equalize_micro_batches(micro_batches(d), filler)
+    mbs = MicroBatcher(model, N, BUDGET, 1, PAD).equalize(micro_batches(d))
     losses = train_step(model, mbs)
 
     failures: list[str] = []
@@ -151,7 +152,7 @@ def test_ep2_step_matches_one_process(layout, dispatcher, aux_loss, monkeypatch)
     monkeypatch.undo()
     got_eval = evaluation.eval_losses(model, rank_data(d), 1000, 1, PAD)
     compare(failures, got_eval.nan_to_num(), ref_eval[d].nan_to_num(), REL, "eval losses")
-    got_gen = evaluation.greedy_generate(model, prompts(d), N, 3, -1, 1, PAD)
+    got_gen = generation.greedy_generate(model, prompts(d), N, 3, -1, 1, PAD)
     if got_gen != ref_gen[d]:
         failures.append(f"generations {got_gen} != one process's {ref_gen[d]}")
     assert_all_ranks(failures)
@@ -175,8 +176,7 @@ def test_tp2_sp_step_keeps_sequence_padding_out_of_the_aux_loss(layout):
     layout(tp=2, sp=True)
     model = build(config, sp=True)
     load_full_state(model, state, config)
-    mbs = step.equalize_micro_batches(micro_batches(0, 2) + micro_batches(1, 2),
-                                      step.filler_micro_batch(N, 2, PAD))
+    mbs = MicroBatcher(model, N, BUDGET, 2, PAD).equalize(micro_batches(0, 2) + micro_batches(1, 2))
     failures: list[str] = []
     if not any(mb.n_pad for mb in mbs):
         failures.append("no micro-batch was padded: the test would not test padding")

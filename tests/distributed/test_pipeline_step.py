@@ -46,15 +46,11 @@ import megatron_multilora as mm
 from megatron_multilora.data.datasets import Example
 from megatron_multilora.data.packing import MicroBatch, pack_micro_batches
 from megatron_multilora.models.gpt import build_model_chunks
-from megatron_multilora.training import evaluation
-from megatron_multilora.training.schedule import micro_batch_multiple
 from megatron_multilora.training.config import AdapterJob
-from megatron_multilora.training.slot_optimizer import SlotOptimizer, slot_grad_norm
-from megatron_multilora.training.step import (
-    SlotTrainStep,
-    equalize_micro_batches,
-    global_loss_tokens,
-)
+from megatron_multilora.training.step import evaluation, generation
+from megatron_multilora.training.step.micro_batches import agree, micro_batch_multiple
+from megatron_multilora.training.step.slot_optimizer import SlotOptimizer, slot_grad_norms
+from megatron_multilora.training.step.train_step import SlotTrainStep
 from tests.distributed.conftest import assert_all_ranks, compare
 from tests.unit.test_step_schedule import reference
 
@@ -149,7 +145,7 @@ def check_step(layout, cfg: mm.GPTModelConfig, vpp: Optional[int] = None, tp: in
     want_norms = [torch.stack([g.norm() for g in want_grads[s].values()]).norm() for s in range(N)]
     if extras:
         want_eval = evaluation.eval_losses(ref, all_examples(), BUDGET, 1, PAD)
-        want_gen = evaluation.greedy_generate(ref, prompts(), N, 4, -1, 1, PAD, kv_cache=False)
+        want_gen = generation.greedy_generate(ref, prompts(), N, 4, -1, 1, PAD, kv_cache=False)
     del ref
 
     layout(pp=2, vpp=vpp, tp=tp, ep=ep, sp=tp > 1)
@@ -168,8 +164,7 @@ def check_step(layout, cfg: mm.GPTModelConfig, vpp: Optional[int] = None, tp: in
     dp, d = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     own = micro_batches(range(d, len(SHARES), dp), tp)
     # The filler in the middle: the micro-batch after it must train normally again.
-    mbs = equalize_micro_batches(own[:1] + [step.filler] + own[1:], step.filler,
-                                 micro_batch_multiple(model))
+    mbs = step.batcher.equalize(own[:1] + [step.batcher.filler] + own[1:])
     if len(model) != (vpp or 1):
         failures.append(f"{len(model)} model chunks for vpp={vpp}")
     if len({mb.tokens.size(1) for mb in mbs}) != 1 or len({mb.tokens.size(1) for mb in own}) == 1:
@@ -177,7 +172,7 @@ def check_step(layout, cfg: mm.GPTModelConfig, vpp: Optional[int] = None, tp: in
     if len(mbs) % micro_batch_multiple(model):
         failures.append(f"{len(mbs)} micro-batches for vpp={vpp}")
     step.grad_sync.zero_grad(range(N))
-    losses = step.losses(mbs, global_loss_tokens(mbs, N))
+    losses = step.losses(mbs, agree(mbs, N).loss_tokens)
     step.grad_sync.sync(range(N))
 
     compare(failures, losses, want_losses, REL_LOSS, "per-slot losses")
@@ -191,14 +186,14 @@ def check_step(layout, cfg: mm.GPTModelConfig, vpp: Optional[int] = None, tp: in
             if (want.abs().sum() > 0) != (s != IDLE):
                 failures.append(f"slot {s}: PP=1 gradient {key} is {'non' * (s == IDLE)}zero")
             compare(failures, got.get(key), want, REL_GRAD, f"slot {s} gradient {key}")
-        compare(failures, torch.tensor(slot_grad_norm(mm.slot_parameters(model, s))),
+        compare(failures, torch.tensor(slot_grad_norms({s: mm.slot_parameters(model, s)})[s]),
                 want_norms[s], REL_GRAD, f"slot {s} gradient norm")
     if extras:
         got_eval = evaluation.eval_losses(model, all_examples(), BUDGET, tp, PAD)
         if not torch.equal(got_eval.isnan(), want_eval.isnan()):  # nan: the idle slot
             failures.append(f"eval losses {got_eval} != {want_eval}")
         compare(failures, got_eval.nan_to_num(), want_eval.nan_to_num(), REL_GRAD, "eval losses")
-        got_gen = evaluation.greedy_generate(model, prompts(), N, 4, -1, tp, PAD)
+        got_gen = generation.greedy_generate(model, prompts(), N, 4, -1, tp, PAD)
         if got_gen != want_gen:
             failures.append(f"generations {got_gen} != {want_gen}")
     assert_all_ranks(failures)

@@ -81,12 +81,13 @@ def test_bf16_step_matches_fp32(monkeypatch, cfg):
 
 def _step_on(model, examples):
     """One SlotTrainStep's per-slot losses; slot gradients stay in ``main_grad``."""
-    from megatron_multilora.training.step import SlotTrainStep, global_loss_tokens
+    from megatron_multilora.training.step.micro_batches import agree
+    from megatron_multilora.training.step.train_step import SlotTrainStep
 
     step = SlotTrainStep(model, N, 64, 1, 0)
-    mbs = step.pack(examples)
+    mbs = step.batcher.ready(examples)
     step.grad_sync.zero_grad(range(N))
-    losses = step.losses(mbs, global_loss_tokens(mbs, N))
+    losses = step.losses(mbs, agree(mbs, N).loss_tokens)
     step.grad_sync.sync(range(N))
     return losses
 
@@ -154,7 +155,7 @@ def test_the_step_on_cuda_matches_a_plain_loop():
     tensors) against plain per-micro-batch forward/backward on the same model, fp32."""
     import megatron_multilora as mm
     from megatron_multilora.data.packing import pack_micro_batches
-    from megatron_multilora.training.step import global_loss_tokens
+    from megatron_multilora.training.step.micro_batches import agree
     from tests.unit.test_step_schedule import reference
 
     cfg = mm.GPTModelConfig(**DENSE_KW)
@@ -164,7 +165,7 @@ def test_the_step_on_cuda_matches_a_plain_loop():
     ref = _adapted(mm.build_gpt_model(cfg, calculate_per_token_loss=True))
     ref.load_state_dict(_tensors(model))
     mbs = [mb.to(torch.device("cuda")) for mb in pack_micro_batches(_examples(), 64, 1, 0)]
-    want_losses, want_grads = reference(ref, mbs, global_loss_tokens(mbs, N))
+    want_losses, want_grads = reference(ref, mbs, agree(mbs, N).loss_tokens)
     losses = _step_on(model, _examples())
     assert relative(losses, want_losses) < 1e-5
     assert set(want_grads) == {s for s in range(N) if _examples()[s]}
@@ -177,7 +178,7 @@ def test_slot_optimizer_resumes_on_cuda():
     """Save a slot optimizer's state after two steps, load it into a new one (as a resumed
     run does), and both take the same third step on the GPU."""
     from megatron_multilora.training.config import AdapterJob
-    from megatron_multilora.training.slot_optimizer import SlotOptimizer
+    from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     job = AdapterJob(name="a", dataset="unused.jsonl", rank=4, lr=1e-2, warmup_steps=1,

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 import megatron_multilora as mm
 from megatron_multilora.data.demo_tasks import WORD_TASKS, write_demo_datasets
 from megatron_multilora.models.tiny_hf import write_tiny_llama
-from megatron_multilora.training import evaluation
+from megatron_multilora.training.step import evaluation
 from megatron_multilora.training.config import load_run_config
 from megatron_multilora.training.metrics import read_metrics
 from tests.recipe.conftest import CONF

@@ -3,7 +3,7 @@
 import torch
 
 import megatron_multilora as mm
-from megatron_multilora.training import evaluation
+from megatron_multilora.training.step import evaluation, generation
 
 CFG = mm.GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                         ffn_hidden_size=48, vocab_size=64)
@@ -33,7 +33,7 @@ def prompts() -> list[tuple[int, list[int]]]:
 
 
 def generate(model, items, eos_id: int, kv_cache: bool) -> list[list[int]]:
-    return evaluation.greedy_generate(model, items, N_SLOTS, max_new_tokens=6, eos_id=eos_id,
+    return generation.greedy_generate(model, items, N_SLOTS, max_new_tokens=6, eos_id=eos_id,
                                       pad_multiple=1, pad_id=0, kv_cache=kv_cache)
 
 

@@ -63,9 +63,14 @@ def grads(model) -> dict[str, torch.Tensor | None]:
     return out
 
 
+def carrying(mb):
+    """``mb``'s packed params carrying its slot layout, as the training step passes them."""
+    return with_slot_layout(mb.packed_seq_params(), mb.slot_layout())
+
+
 def alone(model, mb):
     model.zero_grad(set_to_none=True)
-    loss = forward(model, mb, mb.packed_seq_params())
+    loss = forward(model, mb, carrying(mb))
     loss.backward()
     return loss.detach(), grads(model)
 
@@ -113,7 +118,7 @@ def test_interleaved_micro_batches_match_each_alone(arch, recompute, modules):
     fc1 = "decoder.layers.1.mlp." + ("experts.linear_fc1" if "num_moe_experts" in arch else "linear_fc1")
     want = [alone(model, mb) for mb in (A, B)]
     calls = count_forwards(model, fc1)
-    got = interleaved(model, A, B, lambda mb: mb.packed_seq_params())
+    got = interleaved(model, A, B, carrying)
     # Recompute really re-ran the adapted MLP during backward, after B's forward.
     assert calls[0] == (2 if recompute is None else 4)
     for g, w in zip(got, want):
@@ -136,9 +141,8 @@ def test_layout_set_on_the_model_goes_wrong_under_recompute(arch, recompute, mod
     def set_on_model(mb):
         mm.set_tokens_per_adapter_slot(model, mb.counts)
         plain = mb.packed_seq_params()
-        return PackedSeqParams(
-            **{f.name: getattr(plain, f.name) for f in dataclasses.fields(plain)
-               if f.name != "slot_layout"})
+        assert type(plain) is PackedSeqParams  # carries no layout
+        return plain
 
     with pytest.raises(ValueError, match="tokens_per_adapter"):
         interleaved(model, A, B, set_on_model)
@@ -149,7 +153,7 @@ def test_layout_set_on_the_model_goes_wrong_under_recompute(arch, recompute, mod
 
 
 def test_packed_params_carry_the_layout_and_are_checked_against_the_model():
-    params = A.packed_seq_params()
+    params = carrying(A)
     assert isinstance(params, SlotPackedSeqParams)
     assert params.slot_layout.counts == tuple(A.counts) == (0, 7, 4)
     assert dataclasses.replace(params, max_seqlen_q=99).slot_layout is params.slot_layout
@@ -164,7 +168,7 @@ def test_packed_params_carry_the_layout_and_are_checked_against_the_model():
 def test_linears_outside_transformer_layers_take_the_layout_from_the_model_call():
     model = build(DENSE, None, targets=["linear_qkv", "output_layer"])
     mm.set_tokens_per_adapter_slot(model, C.counts)  # stale: another micro-batch's counts
-    params = A.packed_seq_params()
+    params = carrying(A)
     forward(model, A, params)
     for path, linear in named_multi_lora_modules(model):
         assert linear.slot_layout is params.slot_layout, path

@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from megatron_multilora.training.config import AdapterJob
-from megatron_multilora.training.slot_optimizer import SlotOptimizer, lr_factor, slot_grad_norm
+from megatron_multilora.training.step.slot_optimizer import SlotOptimizer, lr_factor, slot_grad_norms
+
+
+def slot_grad_norm(params):
+    return slot_grad_norms({0: params})[0]
 
 
 def job(**kw) -> AdapterJob:

@@ -13,8 +13,9 @@ from megatron.core.transformer.moe.moe_utils import (
 import megatron_multilora as mm
 from megatron_multilora.data.datasets import Example
 from megatron_multilora.data.packing import pack_micro_batches
-from megatron_multilora.training import schedule
-from megatron_multilora.training.step import SlotTrainStep, global_loss_tokens
+from megatron_multilora.training.step import schedule
+from megatron_multilora.training.step.micro_batches import agree
+from megatron_multilora.training.step.train_step import SlotTrainStep
 
 N, DIM, VOCAB, PAD = 3, 8, 64, 0
 RANKS, ALPHAS = [8, 4, 2], [16.0, 4.0, 8.0]
@@ -81,9 +82,10 @@ def test_schedule_step_matches_a_plain_loop(cfg, monkeypatch):
     examples = slot_examples()
     plain = pack_micro_batches(examples, 32, 1, PAD)
     # The filler goes in the middle: the micro-batch after it must train normally again.
-    micro_batches = plain[:1] + [step.filler] + plain[1:]
-    assert len(plain) >= 2 and step.filler.n_pad == step.filler.tokens.size(1)
-    denominators = global_loss_tokens(plain, N)
+    filler = step.batcher.filler
+    micro_batches = plain[:1] + [filler] + plain[1:]
+    assert len(plain) >= 2 and filler.n_pad == filler.tokens.size(1)
+    denominators = agree(plain, N).loss_tokens
     want_losses, want_grads = reference(ref_model, plain, denominators)
 
     calls = []
@@ -141,7 +143,7 @@ def check_bf16_step(monkeypatch, device: str, cfg: mm.GPTModelConfig, rel: float
         step = SlotTrainStep([model], N, token_budget=32, pad_multiple=1, pad_id=PAD)
         micro_batches = pack_micro_batches(slot_examples(), 32, 1, PAD)
         step.grad_sync.zero_grad(range(N))
-        losses = step.losses(micro_batches, global_loss_tokens(micro_batches, N))
+        losses = step.losses(micro_batches, agree(micro_batches, N).loss_tokens)
         results.append((losses, [[p.main_grad.float().cpu() for p in mm.slot_parameters(model, s)]
                                  for s in range(N)]))
         assert calls or model is ref, "the bf16 step never ran the grouped kernel"

@@ -36,11 +36,6 @@ def _grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     return getattr(param, "main_grad", None) if hasattr(param, "main_grad") else param.grad
 
 
-def slot_grad_norm(params: list[torch.nn.Parameter]) -> float:
-    """The L2 norm of a slot's whole gradient (see :func:`slot_grad_norms`)."""
-    return slot_grad_norms({0: params})[0]
-
-
 def slot_grad_norms(params_by_slot: dict[int, list[torch.nn.Parameter]]) -> dict[int, float]:
     """The L2 norm of each slot's whole gradient, over all its TP and EP shards and pipeline
     stages (so clipping uses the adapter's global norm).

@@ -5,7 +5,7 @@ code path serves every layout): each model chunk (one per virtual pipeline stage
 next micro-batch, the last stage turns the chunk's output into a loss or other data, and
 megatron passes activations and their gradients between stages. Micro-batch size is 1 (a
 micro-batch is one packed sequence); under PP>1 every micro-batch of a call has the same
-length, given to the schedule as ``seq_length`` (see ``step.prepare_micro_batches``).
+length, given to the schedule as ``seq_length`` (``micro_batches.MicroBatcher.equalize``).
 """
 
 from __future__ import annotations
@@ -21,23 +21,11 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_multilora.data.packing import MicroBatch
-from megatron_multilora.layers.lifecycle import ModelOrChunks
+from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
+from megatron_multilora.training.step.micro_batches import chunk_inputs
 
 # loss_func(micro-batch, chunk output) -> what megatron's forward_step_calc_loss takes.
 LossFunc = Callable[[MicroBatch, torch.Tensor], Any]
-
-
-def model_chunks(model: ModelOrChunks) -> list[torch.nn.Module]:
-    """The model as megatron's schedules take it: a list of chunks (one per virtual stage)."""
-    return list(model) if isinstance(model, (list, tuple)) else [model]
-
-
-def micro_batch_multiple(model: ModelOrChunks) -> int:
-    """What a call's micro-batch count must be a multiple of: with virtual pipeline stages
-    the interleaved schedule runs micro-batches in groups of
-    ``microbatch_group_size_per_vp_stage`` (megatron's default: the PP size); else 1."""
-    chunks = model_chunks(model)
-    return chunks[0].config.microbatch_group_size_per_vp_stage if len(chunks) > 1 else 1
 
 
 def run_schedule(model: ModelOrChunks, micro_batches: Sequence[MicroBatch], loss_func: LossFunc,
@@ -46,9 +34,8 @@ def run_schedule(model: ModelOrChunks, micro_batches: Sequence[MicroBatch], loss
     """Run the micro-batches through the schedule; returns what the last stage's
     ``loss_func`` reported per micro-batch (empty on the other stages).
 
-    The chunk is called with tokens, positions, labels (unless ``forward_kwargs`` says
-    ``labels=None``), the micro-batch's ``PackedSeqParams`` and megatron's MoE padding
-    mask; ``loss_func(mb, output)`` returns megatron's ``(loss, num_tokens, data)`` or, with
+    The chunk is called with :func:`.micro_batches.chunk_inputs` and the labels (unless
+    ``forward_kwargs`` says ``labels=None``); ``loss_func(mb, output)`` returns megatron's ``(loss, num_tokens, data)`` or, with
     ``collect_non_loss_data``, the data alone. Forward-only calls run without autograd.
     """
     chunks = model_chunks(model)
@@ -63,19 +50,14 @@ def run_schedule(model: ModelOrChunks, micro_batches: Sequence[MicroBatch], loss
 
     def forward_step(data_iterator: Iterator[MicroBatch], chunk: torch.nn.Module, *_):
         mb = next(data_iterator)
-        only_pads = mb.n_pad == mb.tokens.size(1)
-        kwargs = {"labels": mb.labels, **forward_kwargs}
-        # Pads carry no loss, and megatron's padding mask keeps them out of MoE routers'
-        # auxiliary losses, through which they would otherwise change adapters' gradients.
-        # A micro-batch of pads only (a filler) cannot be masked (the aux loss would be 0/0).
         # The packed params carry the micro-batch's slot layout to the adapted layers (also to
         # their recompute re-runs, which may run after later micro-batches' forwards).
-        output = chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(),
-                       padding_mask=None if only_pads else _padding_mask(chunk, mb), **kwargs)
+        output = chunk(**chunk_inputs(chunk, mb), **{"labels": mb.labels, **forward_kwargs})
         if output.requires_grad:
-            # ... so a filler's aux-loss gradient is scaled to zero instead: it trains nothing.
+            # A filler's (pads only) aux-loss gradient is scaled to zero: it trains nothing.
             # Its backward runs whenever the schedule says; the hook fires as it starts, before
             # any layer's aux-loss backward, and every micro-batch sets its own scale.
+            only_pads = mb.n_pad == mb.tokens.size(1)
             output.register_hook(partial(_set_aux_loss_scale, 0.0 if only_pads else 1.0))
         return output, partial(loss_func, mb)
 
@@ -88,18 +70,6 @@ def run_schedule(model: ModelOrChunks, micro_batches: Sequence[MicroBatch], loss
             model=chunks, num_microbatches=len(mbs), seq_length=max(lengths),
             micro_batch_size=1, forward_only=forward_only,
             collect_non_loss_data=collect_non_loss_data)
-
-
-def _padding_mask(chunk: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
-    """The micro-batch's MoE padding mask as ``chunk`` takes it: megatron splits it over the
-    sequence-parallel ranks only in a chunk that embeds (first stage); a later stage's
-    hidden states are already this rank's sequence shard, so the mask must be too."""
-    mask = mb.padding_mask()
-    config = chunk.config
-    if config.sequence_parallel and not chunk.pre_process:
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        mask = mask.chunk(tp, dim=1)[parallel_state.get_tensor_model_parallel_rank()]
-    return mask
 
 
 def _set_aux_loss_scale(scale: float, grad: torch.Tensor) -> None:

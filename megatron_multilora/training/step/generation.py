@@ -1,70 +1,41 @@
-"""Held-out evaluation of many adapters at once: loss, and greedy generation.
+"""Greedy generation from many adapters at once: each prompt through its own slot.
 
-Evaluation runs the same packed, adapter-major batches as training, forward-only through
-megatron's pipeline schedule (training/schedule.py), so one forward serves every adapter;
-every rank evaluates the same samples (no data-parallel split), which keeps expert-parallel
-collectives in step and needs no reduction of the results. Results come from the last
-pipeline stage, broadcast to every stage.
+Every slot's prompts run in one batch, adapter-major, so one forward per new token serves
+every adapter. With the KV cache (dense models without sequence or pipeline parallelism),
+keys and values stay in megatron's static inference context and each step runs one new token
+per prompt; otherwise every step re-runs each prompt's whole prefix, packed, through the
+pipeline schedule. Both give the same tokens. Either way the slot layout reaches the adapted
+layers with the call (``layers/micro_batch_layout.py``), as in training.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 from megatron.core import parallel_state
 
 from megatron_multilora.data.datasets import Example
-from megatron_multilora.data.packing import MicroBatch, pack_micro_batches
-from megatron_multilora.layers.lifecycle import ModelOrChunks
-from megatron_multilora.training.schedule import (
-    from_last_stage,
-    micro_batch_multiple,
-    model_chunks,
-    per_slot_losses,
-    run_schedule,
-)
-from megatron_multilora.training.step import equalize_micro_batches, filler_micro_batch
+from megatron_multilora.data.packing import MicroBatch
+from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
+from megatron_multilora.layers.micro_batch_layout import SlotInferenceContext
+from megatron_multilora.ops.slot_layout import SlotLayout
+from megatron_multilora.training.step.evaluation import eval_mode
+from megatron_multilora.training.step.micro_batches import MicroBatcher
+from megatron_multilora.training.step.schedule import from_last_stage, run_schedule
 
 
-@contextlib.contextmanager
-def _eval_mode(chunks: list[torch.nn.Module]) -> Iterator[None]:
-    modes = [chunk.training for chunk in chunks]
-    for chunk in chunks:
-        chunk.eval()
-    try:
-        yield
-    finally:
-        for chunk, mode in zip(chunks, modes):
-            chunk.train(mode)
-
-
-def eval_losses(model: ModelOrChunks, slot_examples: Sequence[Sequence[Example]],
-                token_budget: int, pad_multiple: int, pad_id: int) -> torch.Tensor:
-    """``[n_slots]`` mean loss over each slot's examples' loss tokens (nan: no examples)."""
-    chunks = model_chunks(model)
-    filler = filler_micro_batch(len(slot_examples), pad_multiple, pad_id)
-    micro_batches = equalize_micro_batches(
-        pack_micro_batches(slot_examples, token_budget, pad_multiple, pad_id), filler,
-        micro_batch_multiple(chunks))
-    denominators = torch.zeros(len(slot_examples), dtype=torch.int64)
-    for mb in micro_batches:
-        denominators += mb.loss_tokens_per_slot()
-    with _eval_mode(chunks):
-        per_slot = per_slot_losses(chunks, micro_batches, denominators, forward_only=True)
-    return torch.where(denominators > 0, per_slot, torch.full_like(per_slot, float("nan"))).float()
-
-
-def _packed_prompts(seqs: list[tuple[int, list[int]]], n_slots: int, pad_multiple: int,
-                    pad_id: int) -> tuple[MicroBatch, list[int]]:
-    """Pack (slot, tokens) sequences, already slot-ordered, for one generation step; returns
-    the batch and the position of each sequence's last token."""
-    examples = [[] for _ in range(n_slots)]
+def _packed_prompts(seqs: list[tuple[int, list[int]]], batcher: MicroBatcher
+                    ) -> tuple[MicroBatch, list[int]]:
+    """Pack (slot, tokens) sequences, already slot-ordered, into one micro-batch (the batcher's
+    budget holds them all) for one generation step; returns it and the position of each
+    sequence's last token."""
+    examples: list[list[Example]] = [[] for _ in range(batcher.n_slots)]
     for slot, tokens in seqs:
         # A dummy next token: generation reads logits, not labels.
-        examples[slot].append(Example(tuple(tokens) + (pad_id,), (False,) * (len(tokens) - 1) + (True,)))
-    (mb,) = pack_micro_batches(examples, token_budget=10**9, pad_multiple=pad_multiple, pad_id=pad_id)
+        examples[slot].append(Example(tuple(tokens) + (batcher.pad_id,),
+                                      (False,) * (len(tokens) - 1) + (True,)))
+    (mb,) = batcher.pack(examples)
     ends, pos = [], 0
     for _, tokens in seqs:
         pos += len(tokens)
@@ -90,7 +61,7 @@ def greedy_generate(model: ModelOrChunks, prompts: Sequence[tuple[int, list[int]
     # pad_multiple > 1 means sequence parallelism: a [B, 1] decode step cannot be split.
     cached = (kv_cache and pad_multiple == 1 and len(chunks) == 1 and not _has_moe(chunks)
               and parallel_state.get_pipeline_model_parallel_world_size() == 1)
-    with _eval_mode(chunks):
+    with eval_mode(chunks):
         if not seqs or max_new_tokens < 1:
             generated = [[] for _ in seqs]
         elif cached:
@@ -122,15 +93,15 @@ def _generate_uncached(chunks: list[torch.nn.Module], seqs: list[tuple[int, list
                        pad_id: int) -> list[list[int]]:
     """Every step packs every (prefix + generated) sequence and runs it whole through the
     schedule; the last stage's argmax is broadcast to every stage."""
-    filler = filler_micro_batch(n_slots, pad_multiple, pad_id)
+    batcher = MicroBatcher(chunks, n_slots, 10**9, pad_multiple, pad_id)
     device = next(chunks[0].parameters()).device
     generated = [[] for _ in seqs]
     done = [False] * len(seqs)
     for _ in range(max_new_tokens):
-        mb, ends = _packed_prompts(seqs, n_slots, pad_multiple, pad_id)
+        mb, ends = _packed_prompts(seqs, batcher)
         # Pads after every prompt's last token (expert-parallel peers, pipeline shapes), and
         # fillers where virtual pipeline stages need more micro-batches.
-        mbs = equalize_micro_batches([mb], filler, micro_batch_multiple(chunks))
+        mbs = batcher.equalize([mb])
         store = run_schedule(chunks, mbs, _argmax_tokens, forward_only=True,
                              collect_non_loss_data=True, labels=None, runtime_gather_output=True)
         ids = store[0] if store else torch.zeros(mbs[0].tokens.size(1), dtype=torch.int64,
@@ -157,22 +128,18 @@ def _generate_cached(model: torch.nn.Module, seqs: list[tuple[int, list[int]]], 
     so only a single-slot batch is adapter-major); then every step feeds ``[B, 1]`` tokens,
     adapter-major as ``seqs`` is slot-sorted: a prompt's own next token while it lasts (its
     logits are ignored), else the token generated at the previous step."""
-    from megatron.core.inference.contexts import StaticInferenceContext
-
-    from megatron_multilora.layers.lifecycle import set_tokens_per_adapter_slot
-
     device = next(model.parameters()).device
     lengths = [len(tokens) for _, tokens in seqs]
     prefill = min(lengths)
     total = max(n + max_new_tokens for n in lengths)
-    context = StaticInferenceContext(max_batch_size=len(seqs), max_sequence_length=total)
+    context = SlotInferenceContext(max_batch_size=len(seqs), max_sequence_length=total)
     slots = [slot for slot, _ in seqs]
     per_slot = [slots.count(s) for s in range(n_slots)]
 
     def forward(tokens: list[list[int]], offset: int, counts: list[int]) -> list[int]:
         ids = torch.tensor(tokens, dtype=torch.int64, device=device)  # [b, s]
         positions = torch.arange(offset, offset + ids.size(1), device=device).expand_as(ids)
-        set_tokens_per_adapter_slot(model, counts)
+        context.slot_layout = SlotLayout(counts)  # rides with the call, as in training
         logits = model(ids, positions, None, inference_context=context, runtime_gather_output=True)
         return logits[:, -1].argmax(dim=-1).tolist()  # only the last position is materialised
 
