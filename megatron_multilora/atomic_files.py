@@ -15,7 +15,7 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any, Callable, Iterable, Iterator
 
 # Names of a write's temporary entries beside its target: ".<name>.tmp-<random>" while
 # written, ".<name>.old-<pid>" for the folder being replaced.
@@ -100,3 +100,9 @@ def remove_write_leftovers(folder: str | Path) -> list[str]:
         shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
         removed.append(entry.name)
     return removed
+
+
+def first_free(candidates: Iterable[Path]) -> Path:
+    """The first of ``candidates`` that does not exist (e.g. ``previous/1``, ``previous/2``,
+    ...), for moving something aside without overwriting what an earlier move left."""
+    return next(path for path in candidates if not path.exists())

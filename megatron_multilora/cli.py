@@ -1,7 +1,7 @@
 """``mmlora``: submit jobs to a serving training run, watch it, cancel jobs, stop it.
 
 A run launched with ``trainer.serve=true`` admits jobs at step boundaries; this command line
-talks to it only through the run directory's mailbox (:mod:`job_inbox`), so it works on any
+talks to it only through the run directory's mailbox (:mod:`.training.serve.inbox`), so it works on any
 machine that sees the run directory, whether the trainer is up or not::
 
     mmlora submit --run-dir R job.yaml     # validate a job completely, then hand it over
@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from megatron_multilora.training import job_inbox
-from megatron_multilora.training.job_states import ENDED, RUNNING
+from megatron_multilora.training.serve import inbox
+from megatron_multilora.training.jobs.states import ENDED, RUNNING
 
 if TYPE_CHECKING:
     from megatron_multilora.training.config import AdapterJob, RunConfig
@@ -102,12 +102,12 @@ def _when_seen(status: Optional[dict[str, Any]]) -> str:
 
 def submit(args: argparse.Namespace) -> int:
     run = _load_run(args.run_dir)
-    status = job_inbox.read_status(args.run_dir)
+    status = inbox.read_status(args.run_dir)
     spec = _read_spec(args.spec)
     job = _validated_job(spec, args.spec, run, status, args.run_dir)
     stored = {key: getattr(job, key) for key in spec}  # normalised types, absolute paths
     try:
-        job_inbox.submit(args.run_dir, stored)
+        inbox.submit(args.run_dir, stored)
     except FileExistsError:  # a racing submission of the same name landed first
         raise CommandError(_already_submitted(args.spec, job.name)) from None
     print(f"submitted job {job.name} to {args.run_dir}: the trainer adds it {_when_seen(status)}")
@@ -204,7 +204,7 @@ def _name_problems(name: str, where: str, run: RunConfig, run_dir: str) -> list[
     if name in {job.name for job in run.adapters}:
         return [f"{where}: name={name!r} is already a job of the run's config; choose another "
                 "name"]
-    if name in job_inbox.submitted_names(run_dir):
+    if name in inbox.submitted_names(run_dir):
         return [_already_submitted(where, name)]
     return []
 
@@ -228,22 +228,22 @@ def status(args: argparse.Namespace) -> int:
 def run_report(run_dir: str) -> dict[str, Any]:
     """The trainer's status merged with what it has not reported yet: submissions it has not
     seen, pending cancel requests, refused submissions (with the reason)."""
-    reported = job_inbox.read_status(run_dir)
+    reported = inbox.read_status(run_dir)
     trainer = {k: v for k, v in (reported or {}).items() if k != "jobs"} or None
     rows = [dict(row) for row in (reported or {}).get("jobs", [])]
     known = {row["name"] for row in rows}
-    decided = {e["name"]: e for e in job_inbox.read_events(run_dir)
+    decided = {e["name"]: e for e in inbox.read_events(run_dir)
                if e.get("event") in ("add", "refuse")}
-    for sub in job_inbox.submissions(run_dir, skip=known):
+    for sub in inbox.submissions(run_dir, skip=known):
         rows.append(_submission_row(sub, decided.get(sub.name)))
-    cancelling = job_inbox.cancel_requests(run_dir)
+    cancelling = inbox.cancel_requests(run_dir)
     for row in rows:
         row["cancel_requested"] = row["name"] in cancelling and row["status"] not in ENDED
     return {"run_dir": str(run_dir), "trainer": trainer, "trainer_alive": _trainer_alive(reported),
-            "stop_requested": job_inbox.stop_requested(run_dir), "jobs": rows}
+            "stop_requested": inbox.stop_requested(run_dir), "jobs": rows}
 
 
-def _submission_row(sub: job_inbox.Submission, event: Optional[dict[str, Any]]) -> dict[str, Any]:
+def _submission_row(sub: inbox.Submission, event: Optional[dict[str, Any]]) -> dict[str, Any]:
     # "added": the trainer took it but has not reported since.
     state = {None: "submitted", "add": "added", "refuse": "refused"}[event and event["event"]]
     row = {"name": sub.name, "status": state, "slot": None, "steps_done": 0,
@@ -272,7 +272,7 @@ def _header(report: dict[str, Any]) -> str:
     trainer = report["trainer"]
     if trainer is None:
         head = (f"{report['run_dir']}: the trainer has not reported yet (no "
-                f"{job_inbox.STATUS_FILE}); showing submissions only")
+                f"{inbox.STATUS_FILE}); showing submissions only")
     else:
         alive = {True: "alive", False: "not running", None: f"on host {trainer.get('host')} "
                  "(not checkable here)"}[report["trainer_alive"]]
@@ -325,7 +325,7 @@ def cancel(args: argparse.Namespace) -> int:
     if row is not None and row["status"] in ENDED + ("refused",):
         raise CommandError(f"job {args.name!r} in {args.run_dir} has already ended "
                            f"({row['status']}); there is nothing to cancel")
-    job_inbox.request_cancel(args.run_dir, args.name)
+    inbox.request_cancel(args.run_dir, args.name)
     print(f"cancel of {args.name} requested: the trainer stops it "
           f"{_when_seen(report['trainer'])}, exports its adapter as it stands (if it trained) "
           "and frees its slot")
@@ -334,8 +334,8 @@ def cancel(args: argparse.Namespace) -> int:
 
 def stop(args: argparse.Namespace) -> int:
     _run_config_path(args.run_dir)
-    status_now = job_inbox.read_status(args.run_dir)
-    job_inbox.request_stop(args.run_dir)
+    status_now = inbox.read_status(args.run_dir)
+    inbox.request_stop(args.run_dir)
     if _trainer_running(status_now):
         print("stop requested: the trainer stops after its current step with a checkpoint; "
               "resume the run with the same launch command")

@@ -75,7 +75,7 @@ from megatron_multilora.layers.slot_routing import build_expert_slot_routing
 from megatron_multilora.training.config import AdapterJob
 from megatron_multilora.training.step.schedule import per_slot_losses
 from megatron_multilora.training.step.train_step import SlotTrainStep, StepResult
-from megatron_multilora.training.trainer import start_job
+from megatron_multilora.training.jobs.board import start_job
 
 REPO = Path(__file__).resolve().parent.parent
 MiB = 2.0 ** 20

@@ -15,7 +15,7 @@ by scripts/make_demo_data.py (the tiny random HF Llama and the letter tasks):
   ``peft.get_peft_model`` with LoRA on the HF modules our targets map to (q/k/v/o, gate/up/
   down), torch AdamW and our LR schedule (``slot_optimizer.lr_factor``), the same token ids and
   loss masks (``datasets.load_dataset`` with the HF tokenizer, as the recipe's), the same sample
-  order (``JobQueue.next_samples`` with the run's seed), labels -100 outside the completion, so
+  order (``Job.next_samples`` with the run's seed), labels -100 outside the completion, so
   the loss is the mean over the job's loss tokens in its global batch, like ours.
 
 Held-out loss: the mean over the loss tokens of the first ``trainer.eval_samples`` records of
@@ -173,7 +173,7 @@ def peft_worker(spec: dict, job_indices: list[int], threads: int, result_file: s
     from megatron_multilora.data.datasets import load_dataset
     from megatron_multilora.data.tokenizer import HFTokenizer
     from megatron_multilora.training.config import AdapterJob
-    from megatron_multilora.training.jobs import JobQueue
+    from megatron_multilora.training.jobs.job import Job
 
     torch.manual_seed(spec["seed"])
     tok = HFTokenizer(AutoTokenizer.from_pretrained(spec["hf_dir"]))
@@ -191,11 +191,10 @@ def peft_worker(spec: dict, job_indices: list[int], threads: int, result_file: s
         for n, p in peft_model.named_parameters():
             p.requires_grad_(f".{job.name}." in n)
         loop = _PeftLoop(peft_model, job, steps)
-        queue = JobQueue([job], [len(data)], 1)
-        state = queue.states[0]
+        order = Job(job, data, [], [], steps)  # the recipe's sample order for this job
         times, losses = [time.time()], []
         for _ in range(steps):
-            picked = queue.next_samples(state, job.global_batch_size, len(data), spec["seed"])
+            picked = order.next_samples(job.global_batch_size, spec["seed"])
             losses.append(loop.step([data[i] for i in picked], tok.pad_id))
             times.append(time.time())
         out["jobs"][job.name] = {"step_end_times": times[1:], "loop_start": times[0],

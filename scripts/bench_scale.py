@@ -10,7 +10,7 @@ import torch
 
 import bench  # scripts/bench.py (the same module object when bench.py runs as a script)
 import megatron_multilora as mm
-from megatron_multilora.training.trainer import start_job
+from megatron_multilora.training.jobs.board import start_job
 
 SCALE_SLOTS = (1, 8, 32, 64)
 SCALE_EXAMPLES = 64  # in all, whatever the slot count: one per slot at 64 slots

@@ -16,6 +16,7 @@ pruned.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -29,6 +30,7 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from safetensors.torch import load_file, save_file
 
 from megatron_multilora.atomic_files import (
+    first_free,
     remove_write_leftovers,
     write_dir_atomic,
     write_json_atomic,
@@ -206,10 +208,9 @@ def prepare_checkpoint_folder(run_dir: str | Path, point: ResumePoint) -> list[s
     root = checkpoint_root(run_dir)
     done = []
     for folder, why in point.skipped.items():
-        dest = root / SET_ASIDE / folder.name
-        n = 1
-        while dest.exists():
-            dest, n = root / SET_ASIDE / f"{folder.name}.{n}", n + 1
+        aside = root / SET_ASIDE / folder.name
+        dest = first_free(itertools.chain([aside], (aside.with_name(f"{folder.name}.{n}")
+                                                    for n in itertools.count(1))))
         dest.parent.mkdir(exist_ok=True)
         os.replace(folder, dest)
         done.append(f"checkpoint {folder} not resumed: {why}; moved to {dest}")

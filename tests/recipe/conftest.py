@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 import megatron_multilora as mm
 from megatron_multilora.data.demo_tasks import write_demo_datasets
 from megatron_multilora.training.config import load_run_config, validate
-from megatron_multilora.training.metrics import read_metrics
+from megatron_multilora.training.report.metrics import read_metrics
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
 

@@ -19,7 +19,7 @@ from typing import Optional
 import psutil
 import pytest
 
-from megatron_multilora.training.metrics import read_metrics
+from megatron_multilora.training.report.metrics import read_metrics
 from tests.recipe.conftest import job, losses_by_adapter
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ from megatron_multilora.data.demo_tasks import WORD_TASKS, write_demo_datasets
 from megatron_multilora.models.tiny_hf import write_tiny_llama
 from megatron_multilora.training.step import evaluation
 from megatron_multilora.training.config import load_run_config
-from megatron_multilora.training.metrics import read_metrics
+from megatron_multilora.training.report.metrics import read_metrics
 from tests.recipe.conftest import CONF
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,8 +42,8 @@ def test_smollm2_config_trains_the_four_word_jobs_and_reports_the_base_model(tmp
     # The base row is the model without any adapter (every slot is free after finish).
     for task in WORD_TASKS:
         index = list(WORD_TASKS).index(task)
-        alone = evaluation.eval_losses(recipe.model, [recipe.eval_data[index], [], [], []],
-                                       run.trainer.micro_batch_tokens, 1, recipe.tokenizer.pad_id)
+        alone = evaluation.eval_losses(recipe.model, [recipe.board.jobs[index].eval, [], [], []],
+                                       run.trainer.micro_batch_tokens, 1, recipe.board.tokenizer.pad_id)
         assert torch.isclose(alone[0], torch.tensor(final["adapters"]["base"][f"loss_on_{task}"]))
         adapter, base_row = final["adapters"][task], final["adapters"]["base"]
         assert adapter[f"loss_on_{task}"] != base_row[f"loss_on_{task}"]

@@ -12,9 +12,9 @@ import pytest
 
 import megatron_multilora as mm
 from megatron_multilora.checkpoint.files import verify_manifest
-from megatron_multilora.training import job_inbox
+from megatron_multilora.training.serve import inbox
 from megatron_multilora.training.checkpoints import CheckpointError
-from megatron_multilora.training.metrics import read_metrics
+from megatron_multilora.training.report.metrics import read_metrics
 from megatron_multilora.training.stop import RunStopped, stop_on_signals
 from tests.recipe.conftest import compose_run, job, losses_by_adapter, run_in_process, QUIET
 
@@ -163,8 +163,8 @@ def test_starting_over_moves_the_earlier_run_aside(why, finished, demo_data, tmp
     # that found no checkpoint keeps it to replay what was submitted.
     assert moved == (["adapters", "checkpoints", "metrics.jsonl", "serve"]
                      if why.startswith("checkpoint.") else ["adapters", "metrics.jsonl"])
-    earlier = job_inbox.read_status(finished)["updated_at"]
-    assert job_inbox.read_status(run_dir)["updated_at"] > earlier  # written by the new run
+    earlier = inbox.read_status(finished)["updated_at"]
+    assert inbox.read_status(run_dir)["updated_at"] > earlier  # written by the new run
 
 
 def test_explicit_older_checkpoint_sets_the_newer_ones_aside(finished, demo_data, tmp_path, capsys):

@@ -16,8 +16,8 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from megatron_multilora.training import job_inbox
-from megatron_multilora.training.metrics import read_metrics
+from megatron_multilora.training.serve import inbox
+from megatron_multilora.training.report.metrics import read_metrics
 from tests.recipe.conftest import job, job_fields, losses_by_adapter
 from tests.recipe.test_cli import ROOT, finish, last_train_step, latest_step
 from tests.recipe.test_cli import command as launch_command
@@ -78,17 +78,17 @@ def wait_for(what, proc: subprocess.Popen, log: Path, timeout: float = 240):
 
 
 def event_step(run_dir: Path, kind: str, name: str) -> int | None:
-    return next((e["step"] for e in job_inbox.read_events(run_dir)
+    return next((e["step"] for e in inbox.read_events(run_dir)
                  if e["event"] == kind and e["name"] == name), None)
 
 
 def refusals(run_dir: Path) -> dict[str, str]:
     """The refused submissions' reasons, by name."""
-    return {e["name"]: e["reason"] for e in job_inbox.read_events(run_dir) if e["event"] == "refuse"}
+    return {e["name"]: e["reason"] for e in inbox.read_events(run_dir) if e["event"] == "refuse"}
 
 
 def status(run_dir: Path) -> dict:
-    return job_inbox.read_status(run_dir)
+    return inbox.read_status(run_dir)
 
 
 def job_row(run_dir: Path, name: str) -> dict:
@@ -173,8 +173,8 @@ def test_cancel_hands_the_slot_on_stop_checkpoints_and_a_job_submitted_while_dow
     # Submissions the trainer finds broken (written past `mmlora submit`, whose checks would
     # refuse them: a missing dataset, a reserved name) are refused and journaled; training
     # goes on.
-    job_inbox.submit(run, {"name": "ghost", "dataset": str(tmp_path / "gone.jsonl"), "max_steps": 5})
-    job_inbox.submit(run, job_fields("base", demo_data, "add", 5))
+    inbox.submit(run, {"name": "ghost", "dataset": str(tmp_path / "gone.jsonl"), "max_steps": 5})
+    inbox.submit(run, job_fields("base", demo_data, "add", 5))
     refused = wait_for(lambda: (r := refusals(run)).keys() >= {"ghost", "base"} and r, proc, log)
     assert "gone.jsonl" in refused["ghost"] and "'base' is reserved" in refused["base"]
     assert not {"ghost", "base"} & {j["name"] for j in status(run)["jobs"]}

@@ -44,7 +44,7 @@ def test_diverging_job_is_skipped_then_stopped_without_touching_the_others(demo_
     without, _ = run_in_process(tmp_path / "good", healthy)
     for name in ("rev", "add"):
         assert_same_curve(with_bad[name], without[name], REL, f"{name} loss")
-    states = {s.name: s for s in recipe.queue.states}
+    states = {s.name: s for s in recipe.board.jobs}
     assert states["boom"].status == "failed" and "non-finite" in states["boom"].reason
     assert states["rev"].status == states["add"].status == "done"
     assert not (tmp_path / "bad" / "adapters" / "boom").exists()
@@ -57,7 +57,7 @@ def test_queue_hands_a_finished_slot_to_the_next_job(demo_data, tmp_path):
     alone, _ = run_in_process(tmp_path / "third", [jobs[2]])
     # third reuses first's slot (weights, optimizer, schedule reset) and trains as if fresh
     assert_same_curve(queued["third"], alone["third"], REL, "third loss")
-    assert [s.steps_done for s in recipe.queue.states] == [3, 6, 4]
+    assert [s.steps_done for s in recipe.board.jobs] == [3, 6, 4]
     assert recipe.step == 7  # third ran steps 3..6 beside second
     for name in ("first", "second", "third"):
         config = json.loads((tmp_path / "queue" / "adapters" / name / "adapter_config.json").read_text())
@@ -191,7 +191,7 @@ def test_steps_per_job_shortens_every_job_with_a_complete_schedule(demo_data, tm
     jobs = [job("rev", demo_data, "reverse", 50, schedule="linear", warmup_steps=0),
             job("add", demo_data, "add", "null", epochs=3)]
     _, recipe = run_in_process(tmp_path / "run", jobs, ["trainer.steps_per_job=3"])
-    assert [(s.steps_done, s.status) for s in recipe.queue.states] == [(3, "done"), (3, "done")]
+    assert [(s.steps_done, s.status) for s in recipe.board.jobs] == [(3, "done"), (3, "done")]
     lrs = losses_by_adapter(tmp_path / "run", "lr")["rev"]
     assert lrs == pytest.approx([3e-3, 2e-3, 1e-3])  # the linear decay ran over 3 steps
     # Throughput counts every token processed; completion (loss) tokens are a part of them.

@@ -1,47 +1,103 @@
-"""The job queue: slots, start steps, budgets, data order and its state."""
+"""Jobs and the board of slots they train in: slots, start steps, budgets, data order, their
+checkpointed progress, ending and cancelling."""
+
+from pathlib import Path
 
 import pytest
 
-from megatron_multilora.training.config import AdapterJob
-from megatron_multilora.training.job_states import ACTIVE, DONE, QUEUED
-from megatron_multilora.training.jobs import JobQueue, planned_steps
+import megatron_multilora as mm
+from megatron_multilora.data.datasets import Example
+from megatron_multilora.training.config import AdapterJob, TrainerSettings
+from megatron_multilora.training.jobs.board import JobBoard
+from megatron_multilora.training.jobs.export import JobExporter
+from megatron_multilora.training.jobs.job import Job, planned_steps, total_steps
+from megatron_multilora.training.jobs.states import ACTIVE, CANCELLED, DONE, QUEUED
+
+CFG = mm.GPTModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32,
+                        vocab_size=32)
 
 
-def jobs():
-    return [AdapterJob(name="a", dataset="-", max_steps=3),
-            AdapterJob(name="b", dataset="-", epochs=2, global_batch_size=4),  # 10 samples -> 5
-            AdapterJob(name="c", dataset="-", max_steps=2, start_step=4)]
+def specs():
+    return [AdapterJob(name="a", dataset="-", max_steps=3, rank=4),
+            AdapterJob(name="b", dataset="-", epochs=2, global_batch_size=4, rank=2),  # 10 -> 5
+            AdapterJob(name="c", dataset="-", max_steps=2, start_step=4, rank=4)]
 
 
-def test_admission_respects_slots_and_start_steps():
-    q = JobQueue(jobs(), [10, 10, 10], slots=2)
-    assert [s.total_steps for s in q.states] == [3, 5, 2]
-    assert [s.name for s in q.admit(0)] == ["a", "b"] and q.admit(0) == []
-    q.release(q.states[0], DONE, "budget")
-    assert q.admit(3) == []  # c waits for its start step although a slot is free
-    (c,) = q.admit(4)
-    assert c.name == "c" and c.slot == 0 and c.status == ACTIVE
-    assert planned_steps(jobs(), JobQueue(jobs(), [10] * 3, 2).states, 2) == 6
+def job(spec: AdapterJob, steps_per_job=None) -> Job:
+    train = [Example((1, 2, 3), (False, True))] * 10
+    return Job(spec, train, [], [], total_steps(spec, len(train), steps_per_job))
+
+
+def board(tmp_path: Path, steps_per_job=None) -> JobBoard:
+    model = mm.apply_multi_lora(mm.build_gpt_model(CFG, calculate_per_token_loss=True), 2, 4, 1.0)
+    settings = TrainerSettings(max_steps=None, steps_per_job=steps_per_job, max_bad_steps=2)
+    lora = type("Lora", (), {"targets": ["linear_qkv"], "max_rank": 4})()
+    said = []
+    b = JobBoard(model, 2, settings, 1, None, JobExporter(tmp_path, model, CFG, lora, None, None),
+                 CFG, None, said.append)
+    b.jobs = [job(s, steps_per_job) for s in specs()]
+    b.said = said
+    return b
+
+
+def test_admission_respects_slots_and_start_steps(tmp_path):
+    b = board(tmp_path)
+    assert [j.total_steps for j in b.jobs] == [3, 5, 2]
+    assert [j.name for j in b.admit(0)] == ["a", "b"] and b.admit(0) == []
+    assert b.said[0] == "step 0: job a starts on slot 0 (3 steps)"
+    a = b.named("a")
+    a.steps_done = 3
+    assert b.retire(3) == [a] and a.status == DONE and a.slot is None and a.optimizer is None
+    assert (tmp_path / "adapters" / "a" / "adapter_config.json").is_file()  # exported
+    assert b.admit(3) == []  # c waits for its start step although a slot is free
+    (c,) = b.admit(4)
+    assert c.name == "c" and c.slot == 0 and c.status == ACTIVE and c.optimizer is not None
+    assert planned_steps([job(s) for s in specs()], 2) == 6
 
 
 def test_sample_order_is_reproducible_per_job_and_wraps_epochs():
-    q = JobQueue(jobs(), [10, 10, 10], slots=2)
-    a = q.states[0]
-    first = q.next_samples(a, 6, 10, seed=1) + q.next_samples(a, 6, 10, seed=1)
+    a = job(specs()[0])
+    first = a.next_samples(6, seed=1) + a.next_samples(6, seed=1)
     assert sorted(first[:10]) == list(range(10)) and (a.data_epoch, a.data_pos) == (1, 2)
-    again = JobQueue(jobs(), [10, 10, 10], slots=2)
-    assert again.next_samples(again.states[0], 12, 10, seed=1) == first
-    assert again.next_samples(again.states[1], 6, 10, seed=1) != first[:6]  # per job name
+    again = job(specs()[0])
+    assert again.next_samples(12, seed=1) == first
+    assert job(specs()[1]).next_samples(6, seed=1) != first[:6]  # per job name
 
-    restored = JobQueue(jobs(), [10, 10, 10], slots=2)
-    restored.load_state_dict(q.state_dict())
-    assert restored.next_samples(restored.states[0], 3, 10, 1) == q.next_samples(a, 3, 10, 1)
-    assert restored.states[2].status == QUEUED
+    restored = job(specs()[0])
+    restored.restore(a.progress())
+    assert restored.next_samples(3, 1) == a.next_samples(3, 1)
+
+
+def test_progress_round_trips_and_must_name_the_same_jobs(tmp_path):
+    b = board(tmp_path)
+    b.admit(0)
+    b.named("b").steps_done = 2
+    saved = b.progress()
+    fresh = board(tmp_path)
+    fresh.restore(saved)
+    assert [(j.status, j.slot, j.steps_done) for j in fresh.jobs] == [
+        (ACTIVE, 0, 0), (ACTIVE, 1, 2), (QUEUED, None, 0)]
+    short = board(tmp_path)
+    short.jobs = short.jobs[:2]
     with pytest.raises(ValueError, match="differ"):
-        JobQueue(jobs()[:2], [10, 10], 2).load_state_dict(q.state_dict())
+        short.restore(saved)
 
 
-def test_steps_per_job_replaces_every_jobs_budget():
-    q = JobQueue(jobs(), [10, 10, 10], slots=2, steps_per_job=4)
-    assert [s.total_steps for s in q.states] == [4, 4, 4]  # max_steps and epochs alike
-    assert planned_steps(jobs(), q.states, 2) == 8  # c starts at step 4 on the slot a frees
+def test_steps_per_job_replaces_every_jobs_budget(tmp_path):
+    b = board(tmp_path, steps_per_job=4)
+    assert [j.total_steps for j in b.jobs] == [4, 4, 4]  # max_steps and epochs alike
+    assert planned_steps(b.jobs, 2) == 8  # c starts at step 4 on the slot a frees
+
+
+def test_too_many_bad_steps_fail_a_job_and_cancel_ends_or_dequeues(tmp_path):
+    b = board(tmp_path)
+    b.admit(0)
+    b.named("a").bad_steps = 2
+    (a,) = b.retire(1)
+    assert a.status == "failed" and not (tmp_path / "adapters" / "a").exists()
+    b.cancel("b", 1)
+    b.cancel("c", 1)
+    assert [(j.status, j.reason) for j in b.jobs[1:]] == [
+        (CANCELLED, "cancelled after 0 steps; exported as it stood"),
+        (CANCELLED, "cancelled before it started")]
+    assert [j.name for j in b.exported()] == ["b"] and b.finished()

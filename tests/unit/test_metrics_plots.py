@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from megatron_multilora.training.metrics import (
+from megatron_multilora.training.report.metrics import (
     MetricsLogger,
     Progress,
     format_adapter_line,
     read_metrics,
 )
-from megatron_multilora.training.plots import format_table, plot_heatmap, plot_loss_curves
+from megatron_multilora.training.report.plots import format_table, plot_heatmap, plot_loss_curves
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -1,6 +1,6 @@
-"""Adapters x tasks: each adapter slot on a task's held-out data, loss and exact-match
-accuracy of greedy generations, and the final table of every exported adapter (and the base
-model alone) on every task."""
+"""Adapters x tasks: each adapter slot on a job's held-out data (its task), loss and
+exact-match accuracy of greedy generations, and the final table of every exported adapter
+(and the base model alone) on every task."""
 
 from __future__ import annotations
 
@@ -12,51 +12,47 @@ from megatron_multilora.checkpoint.adapter_files import import_adapter
 from megatron_multilora.data.datasets import Example
 from megatron_multilora.data.demo_tasks import exact_match
 from megatron_multilora.layers.lifecycle import ModelOrChunks, clear_adapter_slot
+from megatron_multilora.training.jobs.job import Job
 from megatron_multilora.training.step import evaluation, generation
 
 
 @dataclasses.dataclass
 class AdapterTaskTables:
-    """Rows: adapters; columns: the tasks with held-out data (indices into the jobs)."""
+    """Rows: adapters; columns: the tasks (jobs with held-out data)."""
 
-    tasks: list[int]
+    tasks: list[Job]
     losses: list[list[float]]
     accuracy: list[list[float]]
 
 
 class AdapterTaskEval:
-    """Held-out loss and accuracy of the adapters in ``model``'s slots on the jobs' data.
+    """Held-out loss and accuracy of the adapters in ``model``'s slots on jobs' held-out data
+    (``job.eval`` examples; ``job.eval_records`` with a prompt and a completion are generated
+    from). ``tokenizer`` has ``bos_id``, ``eos_id``, ``pad_id``, ``encode`` and ``decode``."""
 
-    ``eval_data[t]`` are task (job) ``t``'s tokenized held-out examples, ``eval_records[t]``
-    its raw records (those with a prompt and a completion are generated from); ``tokenizer``
-    has ``bos_id``, ``eos_id``, ``pad_id``, ``encode`` and ``decode``.
-    """
-
-    def __init__(self, model: ModelOrChunks, tokenizer, eval_data: Sequence[Sequence[Example]],
-                 eval_records: Sequence[Sequence[dict]], n_slots: int, token_budget: int,
+    def __init__(self, model: ModelOrChunks, tokenizer, n_slots: int, token_budget: int,
                  pad_multiple: int, max_new_tokens: int) -> None:
         self.model, self.tokenizer = model, tokenizer
-        self.eval_data, self.eval_records = eval_data, eval_records
         self.n_slots, self.token_budget = n_slots, token_budget
         self.pad_multiple, self.max_new_tokens = pad_multiple, max_new_tokens
 
-    def losses(self, slot_to_task: dict[int, int]) -> dict[int, float]:
+    def losses(self, slot_to_task: dict[int, Job]) -> dict[int, float]:
         """Each slot's mean loss on its task's examples (slots whose task has some)."""
         slot_examples: list[Sequence[Example]] = [[] for _ in range(self.n_slots)]
         for slot, task in slot_to_task.items():
-            slot_examples[slot] = self.eval_data[task]
+            slot_examples[slot] = task.eval
         if not any(slot_examples):
             return {}
         losses = evaluation.eval_losses(self.model, slot_examples, self.token_budget,
                                         self.pad_multiple, self.tokenizer.pad_id)
         return {slot: float(losses[slot]) for slot in slot_to_task if slot_examples[slot]}
 
-    def accuracy(self, slot_to_task: dict[int, int]) -> dict[int, float]:
+    def accuracy(self, slot_to_task: dict[int, Job]) -> dict[int, float]:
         """Exact-match accuracy of greedy generations, per slot, on its task's records
         (prompt/completion records only)."""
         prompts, answers = [], []
         for slot, task in slot_to_task.items():
-            for record in self.eval_records[task]:
+            for record in task.eval_records:
                 if "prompt" not in record:
                     continue
                 ids = [self.tokenizer.bos_id] + self.tokenizer.encode(record["prompt"])
@@ -72,11 +68,11 @@ class AdapterTaskEval:
             hits.setdefault(slot, []).append(exact_match(self.tokenizer.decode(out), answer))
         return {slot: sum(h) / len(h) for slot, h in hits.items()}
 
-    def tables(self, adapters: Sequence[Optional[Path]]) -> AdapterTaskTables:
+    def tables(self, adapters: Sequence[Optional[Path]], jobs: Sequence[Job]) -> AdapterTaskTables:
         """Every adapter folder (None: a cleared slot, i.e. the base model alone) on every
-        task with held-out data, ``n_slots`` adapters at a time; the slots used are cleared
+        job with held-out data, ``n_slots`` adapters at a time; the slots used are cleared
         afterwards."""
-        tasks = [t for t, data in enumerate(self.eval_data) if data]
+        tasks = [job for job in jobs if job.eval]
         losses = [[float("nan")] * len(tasks) for _ in adapters]
         accuracy = [[float("nan")] * len(tasks) for _ in adapters]
         for start in range(0, len(adapters), self.n_slots) if tasks else []:

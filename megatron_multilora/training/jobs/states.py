@@ -2,7 +2,7 @@
 ``serve/status.json`` and in ``mmlora status``. No imports, so the command line reads them
 without loading torch."""
 
-# A job's status (training.jobs.JobState.status).
+# A job's status (training.jobs.job.Job.status).
 QUEUED, ACTIVE, DONE, FAILED, CANCELLED = "queued", "active", "done", "failed", "cancelled"
 ENDED = (DONE, FAILED, CANCELLED)
 

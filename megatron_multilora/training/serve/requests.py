@@ -1,4 +1,4 @@
-"""Serve mode's decisions: what the run directory's mailbox (:mod:`.job_inbox`) asks for,
+"""Serve mode's decisions: what the run directory's mailbox (:mod:`.inbox`) asks for,
 turned into the jobs to add and cancel at a step boundary.
 
 Rank 0 counts the pending requests before each step (the count rides in the step's
@@ -15,11 +15,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from megatron_multilora.training import job_inbox
+from megatron_multilora.training.serve import inbox
 from megatron_multilora.training.config import AdapterJob
 
 # (job, problems) of a submission: the trainer's checks against the run
-Check = Callable[[job_inbox.Submission], tuple[Optional[AdapterJob], list[str]]]
+Check = Callable[[inbox.Submission], tuple[Optional[AdapterJob], list[str]]]
 
 
 class JobRequests:
@@ -36,7 +36,7 @@ class JobRequests:
         order, each with its start step), and the cancellations from ``step`` on scheduled
         for their boundaries; earlier decisions are the checkpoint's state."""
         jobs = []
-        for event in job_inbox.read_events(self.run_dir):
+        for event in inbox.read_events(self.run_dir):
             (self.cancel_handled if event["event"] == "cancel" else self.decided).add(event["name"])
             if event["step"] < step:
                 continue
@@ -49,8 +49,8 @@ class JobRequests:
     def pending(self) -> int:
         """Rank 0, before each step: submissions not decided yet and cancel requests not
         handled yet (file names only: cheap enough for every step)."""
-        return (len(job_inbox.submitted_names(self.run_dir) - self.decided)
-                + len(job_inbox.cancel_requests(self.run_dir) - self.cancel_handled))
+        return (len(inbox.submitted_names(self.run_dir) - self.decided)
+                + len(inbox.cancel_requests(self.run_dir) - self.cancel_handled))
 
     def decide(self, step: int, names: set[str], ended: set[str], check: Check,
                say: Callable[[str], None]) -> dict[str, list]:
@@ -58,7 +58,7 @@ class JobRequests:
         ``names``: the run's jobs; ``ended``: those that ended."""
         decision: dict[str, list] = {"add": [], "cancel": []}
         names = set(names)
-        for sub in job_inbox.submissions(self.run_dir, skip=self.decided):
+        for sub in inbox.submissions(self.run_dir, skip=self.decided):
             self.decided.add(sub.name)
             if sub.name in names:
                 job, problems = None, [f"a job named {sub.name} is already in the run"]
@@ -66,19 +66,19 @@ class JobRequests:
                 job, problems = check(sub)
             if problems:
                 reason = "; ".join(problems)
-                job_inbox.append_event(self.run_dir, {"event": "refuse", "name": sub.name,
+                inbox.append_event(self.run_dir, {"event": "refuse", "name": sub.name,
                                                       "step": step, "reason": reason})
                 say(f"step {step}: submitted job {sub.name} refused: {reason}")
                 continue
             added = {**dataclasses.asdict(job), "start_step": step}
-            job_inbox.append_event(self.run_dir, {"event": "add", "name": sub.name, "step": step,
+            inbox.append_event(self.run_dir, {"event": "add", "name": sub.name, "step": step,
                                                   "job": added})
             decision["add"].append(added)
             names.add(sub.name)
-        for name in sorted(job_inbox.cancel_requests(self.run_dir) - self.cancel_handled):
+        for name in sorted(inbox.cancel_requests(self.run_dir) - self.cancel_handled):
             self.cancel_handled.add(name)
             if name in names and name not in ended:
-                job_inbox.append_event(self.run_dir, {"event": "cancel", "name": name, "step": step})
+                inbox.append_event(self.run_dir, {"event": "cancel", "name": name, "step": step})
                 decision["cancel"].append(name)
         return decision
 

@@ -1,0 +1,1 @@
+"""Adapter jobs: the Job record, the board of slots they train in, their exports."""

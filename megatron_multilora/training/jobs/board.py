@@ -1,0 +1,188 @@
+"""The run's adapter jobs and the slots they train in.
+
+A job waits in the queue until its start step and a free slot; it starts from its
+``init_from`` folder (an adapter or a PEFT folder) or fresh weights, with its own optimizer;
+each step takes the next global batch of every training job; a job that reaches its budget is
+exported and its slot (weights, optimizer, schedule, gradients) handed on; one whose loss or
+gradients stay non-finite ``trainer.max_bad_steps`` steps in a row is stopped; a cancelled one
+is exported as it stands.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+from megatron_multilora.checkpoint.adapter_files import import_adapter
+from megatron_multilora.checkpoint.adapter_folders import FolderFormat, folder_format
+from megatron_multilora.checkpoint.peft_format import import_peft
+from megatron_multilora.data.datasets import Example, load_dataset, read_jsonl_records
+from megatron_multilora.data.packing import shard_for_data_parallel
+from megatron_multilora.layers.lifecycle import (
+    ModelOrChunks,
+    clear_adapter_slot,
+    init_adapter_slot,
+    slot_parameters,
+)
+from megatron_multilora.models.gpt_config import GPTModelConfig
+from megatron_multilora.training.config import AdapterJob, TrainerSettings, job_alpha
+from megatron_multilora.training.jobs.export import JobExporter
+from megatron_multilora.training.jobs.job import Job, planned_steps, total_steps
+from megatron_multilora.training.jobs.states import ACTIVE, CANCELLED, DONE, ENDED, FAILED, QUEUED
+from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
+from megatron_multilora.training.step.train_step import StepResult
+
+
+def start_job(model: ModelOrChunks, slot: int, job: AdapterJob, total_steps: int,
+              model_config: GPTModelConfig, hf_model_type: Optional[str] = None) -> SlotOptimizer:
+    """Put ``job``'s adapter into ``slot``: from its ``init_from`` folder (an adapter or a
+    PEFT folder; ``hf_model_type`` names the PEFT modules, default llama) or fresh weights;
+    returns the slot's optimizer for ``total_steps`` steps."""
+    if job.init_from and folder_format(job.init_from) is FolderFormat.PEFT:
+        import_peft(model, slot, job.init_from, model_config, hf_model_type or "llama")
+    elif job.init_from:
+        import_adapter(model, slot, job.init_from)
+    else:  # initialised from the job, not the slot: the same adapter in any slot
+        clear_adapter_slot(model, slot, init_key=job.name)
+    # An imported adapter keeps its own alpha (the config check refused a differing job alpha).
+    init_adapter_slot(model, slot, job.rank, job_alpha(job), job.dropout)
+    return SlotOptimizer(slot_parameters(model, slot), job, total_steps)
+
+
+class JobBoard:
+    """Every job of the run (config jobs first, then submitted ones) and its ``n_slots``
+    slots of ``model``. ``say`` prints a line on the main process."""
+
+    def __init__(self, model: ModelOrChunks, n_slots: int, settings: TrainerSettings, seed: int,
+                 tokenizer, exporter: JobExporter, model_config: GPTModelConfig,
+                 hf_model_type: Optional[str], say: Callable[[str], None]) -> None:
+        self.model, self.n_slots, self.settings, self.seed = model, n_slots, settings, seed
+        self.tokenizer, self.exporter, self.say = tokenizer, exporter, say
+        self.model_config, self.hf_model_type = model_config, hf_model_type
+        self.jobs: list[Job] = []
+
+    def add(self, spec: AdapterJob, source: str = "config") -> Job:
+        """Queue a job (from its ``start_step`` on, after the jobs before it), its data loaded."""
+        tr = self.settings
+        train = load_dataset(spec.dataset, self.tokenizer, tr.max_seq_len)
+        records = read_jsonl_records(spec.eval_dataset)[:tr.eval_samples] if spec.eval_dataset else []
+        held_out = (load_dataset(spec.eval_dataset, self.tokenizer, tr.max_seq_len)[:tr.eval_samples]
+                    if spec.eval_dataset else [])
+        job = Job(spec, train, held_out, records, total_steps(spec, len(train), tr.steps_per_job),
+                  source=source)
+        self.jobs.append(job)
+        return job
+
+    def named(self, name: str) -> Job:
+        return next(job for job in self.jobs if job.name == name)
+
+    def active(self) -> list[Job]:
+        return sorted((job for job in self.jobs if job.status == ACTIVE), key=lambda j: j.slot)
+
+    def finished(self) -> bool:
+        return all(job.status in ENDED for job in self.jobs)
+
+    def planned(self, step: int) -> int:
+        """The step at which every job will have finished if none fails (the progress
+        bar's total), capped by ``trainer.max_steps``."""
+        budget = step + planned_steps(self.jobs, self.n_slots)
+        return min(budget, self.settings.max_steps or budget)
+
+    def admit(self, step: int) -> list[Job]:
+        """Give free slots to queued jobs whose start step has come, in queue order."""
+        used = {job.slot for job in self.active()}
+        free = [k for k in range(self.n_slots) if k not in used]
+        started = []
+        for job in self.jobs:
+            if free and job.status == QUEUED and job.spec.start_step <= step:
+                job.status, job.slot = ACTIVE, free.pop(0)
+                job.optimizer = start_job(self.model, job.slot, job.spec, job.total_steps,
+                                          self.model_config, self.hf_model_type)
+                self.say(f"step {step}: job {job.name} starts on slot {job.slot} "
+                         f"({job.total_steps} steps)")
+                started.append(job)
+        return started
+
+    def global_batch(self, jobs: Sequence[Job], dp_rank: int, dp_size: int
+                     ) -> tuple[list[list[Example]], dict[int, int], list[int]]:
+        """This rank's examples per slot of ``jobs``' next global batches, each slot's tokens
+        over all ranks, and the packing order: by rank, so a micro-batch holds jobs of
+        similar rank and low-rank jobs do not pay for a high-rank one's computed rank."""
+        slot_examples: list[list[Example]] = [[] for _ in range(self.n_slots)]
+        tokens = {}
+        for job in jobs:
+            picked = job.next_samples(job.spec.global_batch_size, self.seed)
+            slot_examples[job.slot] = [job.train[i] for i in
+                                       shard_for_data_parallel(picked, dp_rank, dp_size)]
+            tokens[job.slot] = sum(len(job.train[i].tokens) for i in picked)
+        rank = {job.slot: job.spec.rank for job in jobs}
+        order = sorted(range(self.n_slots), key=lambda slot: rank.get(slot, 0))
+        return slot_examples, tokens, order
+
+    def record(self, step: int, jobs: Sequence[Job], result: StepResult, tokens: dict[int, int],
+               lrs: dict[int, float]) -> dict[str, dict[str, float]]:
+        """Count the step for each of ``jobs`` (a skipped one counts a bad step instead);
+        returns the metrics of those that stepped, by name (``lrs``: what the step used)."""
+        stats = {}
+        for job in jobs:
+            if job.slot in result.skipped:
+                job.bad_steps += 1
+                self.say(f"step {step}: job {job.name} has non-finite loss/gradients; step "
+                         f"skipped ({job.bad_steps}/{self.settings.max_bad_steps})")
+                continue
+            job.bad_steps = 0
+            job.steps_done += 1
+            stats[job.name] = {"loss": float(result.losses[job.slot]), "lr": lrs[job.slot],
+                               "grad_norm": result.grad_norms[job.slot],
+                               "tokens": tokens[job.slot],
+                               "loss_tokens": float(result.loss_tokens[job.slot])}
+        return stats
+
+    def retire(self, step: int) -> list[Job]:
+        """End the training jobs that failed too often or reached their budget."""
+        ended = []
+        for job in self.active():
+            if job.bad_steps >= self.settings.max_bad_steps:
+                self.end(job, FAILED, f"{job.bad_steps} non-finite steps in a row", step)
+            elif job.finished_budget:
+                self.end(job, DONE, f"{job.steps_done} steps", step)
+            else:
+                continue
+            ended.append(job)
+        return ended
+
+    def end(self, job: Job, status: str, reason: str, step: int) -> None:
+        """A training job ends: exported (unless it failed), its slot freed for the next."""
+        if status in (DONE, CANCELLED):
+            self.exporter.export(job, cancelled=status == CANCELLED)
+        slot = job.slot
+        job.status, job.reason, job.slot = status, reason, None
+        job.optimizer.zero_grad()
+        job.optimizer = None
+        clear_adapter_slot(self.model, slot)  # weights, rank, alpha back to a fresh slot
+        self.say(f"step {step}: job {job.name} {status} ({reason}); slot {slot} is free")
+
+    def cancel(self, name: str, step: int) -> None:
+        job = self.named(name)
+        if job.status == ACTIVE:
+            self.end(job, CANCELLED, f"cancelled after {job.steps_done} steps; exported as it "
+                                     "stood", step)
+        elif job.status == QUEUED:
+            job.status, job.reason = CANCELLED, "cancelled before it started"
+            self.say(f"step {step}: job {name} cancelled before it started")
+
+    def exported(self) -> list[Job]:
+        """Done jobs, jobs cancelled while training, and jobs trainer.max_steps cut short
+        (exported at the end of training)."""
+        return [job for job in self.jobs if job.status in (DONE, ACTIVE) or
+                (job.status == CANCELLED and self.exporter.folder(job).is_dir())]
+
+    def progress(self) -> list[dict]:
+        return [job.progress() for job in self.jobs]
+
+    def restore(self, progress: list[dict]) -> None:
+        """The jobs' progress from a checkpoint (which lists the same jobs)."""
+        if [p["name"] for p in progress] != [job.name for job in self.jobs]:
+            raise ValueError("the checkpoint's adapter jobs differ from the configured ones: "
+                             f"{[p['name'] for p in progress]} vs {[j.name for j in self.jobs]}")
+        for job, saved in zip(self.jobs, progress):
+            job.restore(saved)

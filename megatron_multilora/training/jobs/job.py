@@ -1,0 +1,106 @@
+"""One adapter job from its config entry to its end: the :class:`Job` record.
+
+Every rank keeps an identical copy of every job (all decisions derive from the config, the
+step and values already agreed across ranks), so no coordination is needed beyond the
+training step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from typing import Any, Optional
+
+import torch
+
+from megatron_multilora.data.datasets import Example
+from megatron_multilora.training.config import AdapterJob
+from megatron_multilora.training.jobs.states import ACTIVE, QUEUED
+from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
+
+# What a checkpoint keeps of a job's progress (the rest comes from its config entry).
+PROGRESS = ("total_steps", "status", "slot", "steps_done", "data_epoch", "data_pos", "bad_steps",
+            "reason")
+
+
+def total_steps(job: AdapterJob, dataset_size: int, steps_per_job: Optional[int] = None) -> int:
+    """The job's step budget: ``steps_per_job`` (the trainer-wide override) when given, else
+    its ``max_steps``, or ``epochs`` over its dataset."""
+    if steps_per_job is not None:
+        return steps_per_job
+    if job.max_steps is not None:
+        return job.max_steps
+    return max(1, math.ceil(job.epochs * dataset_size / job.global_batch_size))
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """A job's config entry (``spec``, never changed), its data, where it stands and, while
+    it trains, its slot and optimizer. ``data_epoch``/``data_pos`` index its shuffled sample
+    order; ``metrics`` holds its latest logged values (for ``mmlora status``)."""
+
+    spec: AdapterJob
+    train: list[Example]
+    eval: list[Example]
+    eval_records: list[dict]
+    total_steps: int
+    source: str = "config"  # or "submitted" (with mmlora submit)
+    status: str = QUEUED
+    slot: Optional[int] = None
+    steps_done: int = 0
+    data_epoch: int = 0
+    data_pos: int = 0
+    bad_steps: int = 0
+    reason: str = ""
+    optimizer: Optional[SlotOptimizer] = None
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def finished_budget(self) -> bool:
+        return self.steps_done >= self.total_steps
+
+    def next_samples(self, n: int, seed: int) -> list[int]:
+        """The job's next ``n`` sample indices: a fresh shuffle every epoch, seeded by (seed,
+        job name, epoch), so the order is reproducible, survives resume and does not depend
+        on which other jobs run."""
+        out, size = [], len(self.train)
+        while len(out) < n:
+            key = zlib.crc32(f"{seed}:{self.name}:{self.data_epoch}".encode())
+            order = torch.randperm(size, generator=torch.Generator().manual_seed(key)).tolist()
+            take = order[self.data_pos:self.data_pos + n - len(out)]
+            out += take
+            self.data_pos += len(take)
+            if self.data_pos >= size:
+                self.data_epoch, self.data_pos = self.data_epoch + 1, 0
+        return out
+
+    def progress(self) -> dict[str, Any]:
+        return {"name": self.name, **{key: getattr(self, key) for key in PROGRESS}}
+
+    def restore(self, progress: dict[str, Any]) -> None:
+        for key in PROGRESS:
+            setattr(self, key, progress[key])
+
+
+def planned_steps(jobs: list[Job], slots: int) -> int:
+    """Trainer steps until every job finishes if none fails: the queue, simulated."""
+    remaining = {i: j.total_steps - j.steps_done for i, j in enumerate(jobs)
+                 if j.status in (QUEUED, ACTIVE)}
+    running = {i for i, j in enumerate(jobs) if j.status == ACTIVE}
+    step = 0
+    while remaining:
+        for i in sorted(remaining):
+            if len(running) < slots and i not in running and jobs[i].spec.start_step <= step:
+                running.add(i)
+        for i in list(running):
+            remaining[i] -= 1
+            if remaining[i] <= 0:
+                running.discard(i)
+                del remaining[i]
+        step += 1
+    return step
