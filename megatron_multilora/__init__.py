@@ -29,6 +29,7 @@ _EXPORTS = {
     "build_gpt_model": "models.gpt",
     "destroy_parallel": "parallel",
     "init_parallel": "parallel",
+    "support_megatron_here": "platform",
     "ExpertSlotRouting": "layers.slot_routing",
     "install_moe_slot_routing": "layers.slot_routing",
 }

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-from megatron_multilora.platform import support_megatron_here
+from megatron_multilora.platform.cpu_support import cpu_support_active
+from megatron_multilora.validation import INIT_NAMES, layout_problems
 
 
 def collective_device() -> torch.device:
@@ -63,9 +64,11 @@ def init_parallel(
 ) -> None:
     """Initialize torch.distributed, megatron's parallel_state and RNG for one layout.
 
-    ``sequence_parallel`` is validated here (it needs tensor parallelism) and is otherwise a
+    The layout is checked against the world size first (the rules of
+    :func:`~megatron_multilora.validation.layout_problems`); ``sequence_parallel`` is otherwise a
     model-config setting. ``virtual_pipeline_model_parallel_size`` (interleaved schedule:
-    model chunks per pipeline rank) needs ``pipeline_model_parallel_size > 1``.
+    model chunks per pipeline rank) needs ``pipeline_model_parallel_size > 1``. Without CUDA,
+    :func:`~megatron_multilora.platform.support_megatron_here` must have run.
     ``timeout_s`` bounds every collective, so a mismatched rank fails instead of hanging.
     Call :func:`destroy_parallel` before initializing another layout.
 
@@ -76,28 +79,15 @@ def init_parallel(
     tp, pp, ep = (tensor_model_parallel_size, pipeline_model_parallel_size,
                   expert_model_parallel_size)
     vpp = virtual_pipeline_model_parallel_size
-    problems = [f"{name}={value} must be at least 1" for name, value in (
-        ("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
-        ("expert_model_parallel_size", ep), ("virtual_pipeline_model_parallel_size", vpp or 1))
-        if value < 1]
-    if sequence_parallel and tp == 1:
-        problems.append("sequence_parallel=True needs tensor_model_parallel_size > 1")
-    if vpp is not None and pp == 1:
-        problems.append(f"virtual_pipeline_model_parallel_size={vpp} needs "
-                        "pipeline_model_parallel_size > 1 (use None without pipelining)")
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    problems = layout_problems(world, tp, ep, pp, sequence_parallel, vpp, INIT_NAMES)
     if problems:
         raise ValueError("invalid parallel layout: " + "; ".join(problems))
-    support_megatron_here()
+    if not torch.cuda.is_available() and not cpu_support_active():
+        raise RuntimeError("megatron-core needs its CPU support on a machine without CUDA: call "
+                           "megatron_multilora.support_megatron_here() first (the recipe, the "
+                           "scripts and the tests do)")
     _init_process_group(timeout_s)
-    world = dist.get_world_size()
-    if world % (tp * pp):
-        raise ValueError(f"world size {world} is not divisible by tensor x pipeline parallel "
-                         f"size ({tp} x {pp})")
-    # megatron's expert grid is ep x expert-TP (1 here) x expert-DP inside each pipeline
-    # stage, so ep must divide the ranks of one stage.
-    if (world // pp) % ep:
-        raise ValueError(f"expert_model_parallel_size={ep} does not divide the {world // pp} "
-                         f"ranks of each pipeline stage (world {world} / pipeline {pp})")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(

@@ -27,7 +27,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 import megatron_multilora as mm  # light: its names load megatron on first use
-from megatron_multilora.training.config import ConfigError, RunConfig, load_run_config, validate
+from megatron_multilora.errors import RunError
+from megatron_multilora.training.checks import validate
+from megatron_multilora.training.config import ConfigError, RunConfig, load_run_config
 from megatron_multilora.training.stop import RunStopped, stop_on_signals
 
 
@@ -40,12 +42,14 @@ def checked_run(cfg: DictConfig, run_dir: str) -> RunConfig:
     return run
 
 
-def _report_and_exit(message: str, code: int) -> None:
+def _report_and_exit(message: str, code: int, printed: bool = False) -> None:
     """End this process with ``message`` as the launch's one visible error: printed once (by
-    the first process) and, under torchrun, written to the error file its failure summary
-    shows as the root cause, so the message is also the last thing a user reads."""
+    the first process; ``printed``: already) and, under torchrun, written to the error file
+    its failure summary shows as the root cause, so the message is also the last thing a user
+    reads."""
     if int(os.environ.get("RANK", "0")) == 0:
-        print(message, file=sys.stderr, flush=True)
+        if not printed:
+            print(message, file=sys.stderr, flush=True)
         error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
         if error_file:  # torchelastic's error-file format
             with open(error_file, "w") as f:
@@ -56,6 +60,18 @@ def _report_and_exit(message: str, code: int) -> None:
         # leave after rank 0 (which carries the message); torchrun ends them once it exits.
         time.sleep(5)
     sys.exit(code)
+
+
+def _checked_run_dir(path: str) -> str:
+    """``run_dir`` as Hydra's run folder, refused here when it is a file: Hydra creates the
+    folder before the recipe's own check runs, and would end in a FileExistsError traceback."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        _report_and_exit(f"the run cannot start:\n  - run_dir={path}: is a file, not a folder; "
+                         "choose another run_dir", 2)
+    return path
+
+
+OmegaConf.register_new_resolver("checked_run_dir", _checked_run_dir, replace=True)
 
 
 def _record_config(cfg: DictConfig, run_dir: Path) -> None:
@@ -79,6 +95,7 @@ def main(cfg: DictConfig) -> None:
     # Imported only now: it loads megatron (seconds), which a bad config is reported without.
     from megatron_multilora.training.trainer import Trainer
 
+    mm.support_megatron_here()  # CPU shims where CUDA is absent, TE stand-ins where TE is
     trainer = Trainer(run)
     try:
         # SIGTERM / Ctrl-C / `mmlora stop`: finish the step, save, stop (training/stop.py)
@@ -86,8 +103,12 @@ def main(cfg: DictConfig) -> None:
             trainer.setup()
             trainer.train()
     except RunStopped as stop:
-        trainer.stopped(stop)
-        sys.exit(stop.exit_code)
+        message = trainer.stopped(stop)
+        if stop.exit_code:  # a signal: schedulers see it, and torchrun's summary says why
+            _report_and_exit(message, stop.exit_code, printed=True)
+        sys.exit(0)
+    except RunError as err:  # a damaged file, a full disk: one clear message
+        _report_and_exit(str(err), 1)
     failed = trainer.finish()
     mm.destroy_parallel()
     if failed:

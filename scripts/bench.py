@@ -1097,6 +1097,7 @@ def parse_settings(argv: Optional[list[str]] = None) -> tuple[Settings, argparse
 
 
 def main() -> None:
+    mm.support_megatron_here()
     settings, args = parse_settings()
     if not (args.tp_worker or args.pp_worker):  # workers take OMP_NUM_THREADS=1 from torchrun
         torch.set_num_threads(settings.threads)

@@ -311,6 +311,7 @@ def _our_step_costs(spec: dict, jobs: list, batches, pad_id: int, median) -> dic
     from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
     from megatron_multilora.training.step.train_step import SlotTrainStep
 
+    mm.support_megatron_here()
     mm.init_parallel(seed=spec["seed"])
     cfg = hf_to_model_config(read_hf_config(spec["hf_dir"]))
     model = mm.build_gpt_model(cfg, calculate_per_token_loss=True)

@@ -58,6 +58,7 @@ def prompt_ids(folder: str, prompts: list[str], vocab: int) -> tuple[list[torch.
 
 
 def main() -> int:
+    mm.support_megatron_here()
     args = parse_args()
     from transformers import AutoModelForCausalLM
 

@@ -31,6 +31,7 @@ SLOTS = [(16, 0.0), (8, 0.0), (16, 0.05), (12, 0.0)]  # (rank, dropout)
 
 
 def main(kind: str) -> None:
+    mm.support_megatron_here()
     torch.set_num_threads(1)
     mm.init_parallel(seed=0)
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ weights. The slots and their lifecycle are the dense layer's (a :class:`~.slot_b
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 

@@ -14,6 +14,7 @@ import math
 import torch
 
 
+
 @dataclasses.dataclass(frozen=True)
 class Factor:
     name: str       # "A" or "B", as in the LoRA papers
@@ -39,11 +40,9 @@ A = Factor("A", "linear_in", -2)
 B = Factor("B", "linear_out", -1)
 FACTORS = (A, B)
 
-INIT_METHODS = ("xavier", "kaiming", "normal", "zero")
-
-
 def init_weight(method: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    """A fresh fp32 factor of ``shape`` drawn by ``method`` (one of :data:`INIT_METHODS`)."""
+    """A fresh fp32 factor of ``shape`` drawn by ``method`` (one of
+    :data:`megatron_multilora.validation.INIT_METHODS`)."""
     w = torch.empty(shape)
     if method == "xavier":
         torch.nn.init.xavier_normal_(w, generator=generator)

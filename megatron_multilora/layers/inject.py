@@ -19,15 +19,14 @@ from megatron_multilora.layers.model_paths import global_named_modules
 from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear
 from megatron_multilora.layers.sharding import base_kind
 from megatron_multilora.layers.slot_routing import check_moe_config, install_moe_slot_routing
+from megatron_multilora.validation import TARGETS
 
-DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
-
-def _matches(name: str, targets: Sequence[str]) -> bool:
+def _matches(name: str, target: str) -> bool:
     """A plain target matches the last path component; one with wildcards the whole path."""
-    last = name.rsplit(".", 1)[-1]
-    return any(fnmatch.fnmatchcase(name, t) if any(c in t for c in "*?[") else last == t
-               for t in targets)
+    if any(c in target for c in "*?["):
+        return fnmatch.fnmatchcase(name, target)
+    return name.rsplit(".", 1)[-1] == target
 
 
 def _wrappable(module: torch.nn.Module) -> bool:
@@ -57,7 +56,7 @@ def apply_multi_lora(
     n_adapters: int,
     dim: int,
     alpha: float,
-    target_modules: Sequence[str] = DEFAULT_TARGETS,
+    target_modules: Sequence[str] = TARGETS,
     column_init_method: str = "xavier",
     row_init_method: str = "zero",
     dropout: float = 0.0,
@@ -84,54 +83,19 @@ def apply_multi_lora(
     """
     if seed is None:
         seed = _first_stage_value(torch.initial_seed() % (2**31))
+    settings = dict(n_adapters=n_adapters, dim=dim, alpha=alpha, seed=seed,
+                    column_init_method=column_init_method, row_init_method=row_init_method,
+                    dropout=dropout, dropout_position=dropout_position)
     # Every wrapper is built and every check runs before the model is touched: an error
     # leaves it exactly as it was (not half-wrapped, its base not frozen).
     planned: list[tuple[torch.nn.Module, str, MultiLoRALinear]] = []  # (parent, child, wrapper)
-    wrapped = 0
+    matched: set[str] = set()
     for chunk in model_chunks(model):
-        config_sp = getattr(getattr(chunk, "config", None), "sequence_parallel", False)
-        # Targets match, and wrappers are named by, global paths (the same under any
-        # pipeline layout); the local name finds the module in this chunk.
-        for local, name, module in global_named_modules(chunk):
-            if isinstance(module, MultiLoRALinear):
-                if (module.n_adapters, module.dim) != (n_adapters, dim):
-                    raise ValueError(f"{name} is already wrapped with n_adapters="
-                                     f"{module.n_adapters}, dim={module.dim}; asked for "
-                                     f"n_adapters={n_adapters}, dim={dim}")
-                wrapped += 1
-                continue
-            if not name or not _matches(name, target_modules):
-                continue
-            ancestors = _ancestors(chunk, local)
-            if any(isinstance(m, MultiLoRALinear) for m in ancestors):
-                continue  # the base inside a wrapper
-            if any(isinstance(m, SequentialMLP) for m in ancestors):
-                raise ValueError(
-                    f"{name} is an expert of a SequentialMLP (megatron's moe_grouped_gemm=False "
-                    "experts): multi-LoRA adapts grouped experts (TEGroupedMLP) only; build the "
-                    "model with moe_grouped_gemm=True, or leave the experts out of "
-                    "target_modules (e.g. '*.self_attention.*' patterns)")
-            parent_name, _, child = local.rpartition(".")
-            parent = chunk.get_submodule(parent_name) if parent_name else chunk
-            gated = _is_gated_fc1(parent, child)
-            if isinstance(parent, TEGroupedMLP):
-                local = parent.num_local_experts
-                wrapper: MultiLoRALinear = MultiLoRAGroupedExpertLinear(
-                    module, n_adapters, dim, alpha, name, local, column_init_method,
-                    row_init_method, dropout, dropout_position,
-                    expert_offset=parallel_state.get_expert_model_parallel_rank() * local,
-                    seed=seed)
-            elif _wrappable(module):
-                wrapper = MultiLoRALinear(
-                    module, n_adapters, dim, alpha, name, column_init_method, row_init_method,
-                    dropout, dropout_position, sequence_parallel=config_sp,
-                    gated_output=gated, seed=seed, fully_sharded=fully_sharded)
-            else:
-                continue
-            planned.append((parent, child, wrapper))
-            wrapped += 1
-    if wrapped == 0:
-        raise ValueError(f"apply_multi_lora: no linear matched target_modules={list(target_modules)}")
+        planned += _plan(chunk, target_modules, settings, fully_sharded, matched)
+    unmatched = _everywhere_unmatched(set(target_modules) - matched)
+    if unmatched:
+        raise ValueError(f"apply_multi_lora: target_modules {sorted(unmatched)} matched no "
+                         "linear of the model (misspelt, or a pattern for layers it lacks)")
     adapted_experts = {id(parent) for parent, _, w in planned
                        if isinstance(w, MultiLoRAGroupedExpertLinear)}
     for chunk in model_chunks(model):
@@ -146,6 +110,62 @@ def apply_multi_lora(
         _keep_graph_through_recompute(chunk)
     set_adapter_trainability(model)
     return model
+
+
+def _plan(chunk: torch.nn.Module, targets: Sequence[str], settings: dict, fully_sharded: bool,
+          matched: set[str]) -> list[tuple[torch.nn.Module, str, MultiLoRALinear]]:
+    """The wrappers for ``chunk``'s target linears (checked, not installed); the targets
+    that matched (an already-wrapped linear counts) are added to ``matched``."""
+    planned = []
+    config_sp = getattr(getattr(chunk, "config", None), "sequence_parallel", False)
+    # Targets match, and wrappers are named by, global paths (the same under any pipeline
+    # layout); the local name finds the module in this chunk.
+    for local, name, module in global_named_modules(chunk):
+        hits = [t for t in targets if name and _matches(name, t)]
+        if isinstance(module, MultiLoRALinear):
+            if (module.n_adapters, module.dim) != (settings["n_adapters"], settings["dim"]):
+                raise ValueError(f"{name} is already wrapped with n_adapters={module.n_adapters}, "
+                                 f"dim={module.dim}; asked for n_adapters="
+                                 f"{settings['n_adapters']}, dim={settings['dim']}")
+            matched.update(hits)
+            continue
+        ancestors = _ancestors(chunk, local)
+        if not hits or any(isinstance(m, MultiLoRALinear) for m in ancestors):
+            continue  # not a target, or the base inside a wrapper
+        if any(isinstance(m, SequentialMLP) for m in ancestors):
+            raise ValueError(
+                f"{name} is an expert of a SequentialMLP (megatron's moe_grouped_gemm=False "
+                "experts): multi-LoRA adapts grouped experts (TEGroupedMLP) only; build the "
+                "model with moe_grouped_gemm=True, or leave the experts out of "
+                "target_modules (e.g. '*.self_attention.*' patterns)")
+        parent_name, _, child = local.rpartition(".")
+        parent = chunk.get_submodule(parent_name) if parent_name else chunk
+        if isinstance(parent, TEGroupedMLP):
+            local_experts = parent.num_local_experts
+            wrapper: MultiLoRALinear = MultiLoRAGroupedExpertLinear(
+                module, full_name=name, num_local_experts=local_experts,
+                expert_offset=parallel_state.get_expert_model_parallel_rank() * local_experts,
+                **settings)
+        elif _wrappable(module):
+            wrapper = MultiLoRALinear(module, full_name=name, sequence_parallel=config_sp,
+                                      gated_output=_is_gated_fc1(parent, child),
+                                      fully_sharded=fully_sharded, **settings)
+        else:
+            continue
+        planned.append((parent, child, wrapper))
+        matched.update(hits)
+    return planned
+
+
+def _everywhere_unmatched(unmatched: set[str]) -> set[str]:
+    """The targets no pipeline stage matched (collective over the pipeline group)."""
+    if (not parallel_state.model_parallel_is_initialized()
+            or parallel_state.get_pipeline_model_parallel_world_size() == 1):
+        return unmatched
+    stages: list = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+    torch.distributed.all_gather_object(stages, unmatched,
+                                        group=parallel_state.get_pipeline_model_parallel_group())
+    return set.intersection(*stages)
 
 
 def _first_stage_value(value: int) -> int:

@@ -27,12 +27,13 @@ import torch
 from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer.utils import sharded_state_dict_default
 
-from megatron_multilora.layers.factors import FACTORS, INIT_METHODS, A, B, Factor
+from megatron_multilora.layers.factors import FACTORS, A, B, Factor
 from megatron_multilora.layers.grouped_gemm import grouped_linear
 from megatron_multilora.layers.sharding import Layout, dense_layout
 from megatron_multilora.layers.slot_bank import LoRASlot, SlotBank
 from megatron_multilora.layers.slot_dropout import dropout_by_counts
 from megatron_multilora.ops.slot_layout import Segments, SlotLayout
+from megatron_multilora.validation import INIT_METHODS
 
 Stack = tuple[torch.Tensor, Optional[Callable[[], torch.Tensor]]]  # (factor stack, its rebuild)
 

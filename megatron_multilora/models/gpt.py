@@ -11,6 +11,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_multilora.models.gpt_config import GPTModelConfig
 from megatron_multilora.models.specs import gpt_block_spec
+from megatron_multilora.validation import model_layout_problems, schema_problems
 
 
 def transformer_config(
@@ -24,10 +25,7 @@ def transformer_config(
     ep = parallel_state.get_expert_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    problems = cfg.check(tp, pp, vpp)
-    if cfg.num_moe_experts is not None and cfg.num_moe_experts % ep:
-        problems.append(f"num_moe_experts={cfg.num_moe_experts} is not divisible by expert "
-                        f"parallel size {ep}")
+    problems = schema_problems(cfg) or model_layout_problems(cfg, tp, pp, vpp, ep)
     if problems:
         raise ValueError("invalid model config:\n  " + "\n  ".join(problems))
     if cfg.num_moe_experts is not None:
@@ -38,7 +36,7 @@ def transformer_config(
     elif cfg.recompute_granularity == "selective":
         overrides = {"recompute_granularity": "selective",
                      "recompute_modules": cfg.recompute_modules or ["core_attn"], **overrides}
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
@@ -78,6 +76,18 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         **overrides,
     )
+    if _renormalised_top1(cfg):
+        # megatron refuses a softmax over the one chosen logit (its weight is always 1, so the
+        # router would get no gradient); the base, router included, is frozen here, and that
+        # weight of 1 is exactly what a renormalising top-1 model (Mixtral with
+        # num_experts_per_tok=1) computes. It is constructed pre-softmax and switched back.
+        config.moe_router_pre_softmax = False
+    return config
+
+
+def _renormalised_top1(cfg: GPTModelConfig) -> bool:
+    return (cfg.num_moe_experts is not None and cfg.moe_router_topk == 1
+            and cfg.moe_router_score_function == "softmax" and not cfg.moe_router_pre_softmax)
 
 
 def _moe_settings(cfg: GPTModelConfig, ep: int) -> dict:
@@ -86,7 +96,7 @@ def _moe_settings(cfg: GPTModelConfig, ep: int) -> dict:
         moe_router_topk=cfg.moe_router_topk,
         moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
         moe_router_score_function=cfg.moe_router_score_function,
-        moe_router_pre_softmax=cfg.moe_router_pre_softmax,
+        moe_router_pre_softmax=cfg.moe_router_pre_softmax or _renormalised_top1(cfg),
         moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
         moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none",
         moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from megatron_multilora.validation import at_least, positive, ranged, within
+
 ACTIVATIONS = ("silu", "gelu", "relu")
 """The MLP activations: names of ``torch.nn.functional`` functions."""
 
@@ -17,49 +19,49 @@ ACTIVATIONS = ("silu", "gelu", "relu")
 class GPTModelConfig:
     """Architecture of a decoder-only GPT; every field maps onto megatron's config."""
 
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    num_query_groups: Optional[int] = None
+    num_layers: int = ranged(2, at_least(1))
+    hidden_size: int = ranged(64, at_least(1))
+    num_attention_heads: int = ranged(4, at_least(1))
+    num_query_groups: Optional[int] = ranged(None, at_least(1, optional=True))
     """Key/value heads (GQA); None means one per attention head."""
-    ffn_hidden_size: int = 128
-    vocab_size: int = 256
-    max_sequence_length: int = 512
+    ffn_hidden_size: int = ranged(128, at_least(1))
+    vocab_size: int = ranged(256, at_least(1))
+    max_sequence_length: int = ranged(512, at_least(1))
     normalization: str = "RMSNorm"
     """RMSNorm or LayerNorm."""
-    norm_epsilon: float = 1e-5
+    norm_epsilon: float = ranged(1e-5, positive())
     activation: str = "silu"
     """silu, gelu or relu."""
     gated_linear_unit: bool = True
     """fc1 produces [gate; up] and the MLP computes act(gate) * up (SwiGLU with silu)."""
     position_embedding_type: str = "rope"
     """rope, learned_absolute or none."""
-    rotary_base: int = 10000
+    rotary_base: int = ranged(10000, positive())
     add_bias_linear: bool = False
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
     qk_layernorm_across_heads: bool = False
     """With qk_layernorm: normalise q and k over the whole projection width (all heads, as
     OLMoE does) instead of each head on its own (Qwen3); RMSNorm only."""
-    kv_channels: Optional[int] = None
+    kv_channels: Optional[int] = ranged(None, at_least(1, optional=True))
     """Head dimension; None means hidden_size // num_attention_heads."""
     tie_word_embeddings: bool = False
-    init_method_std: float = 0.02
-    attention_dropout: float = 0.0
-    hidden_dropout: float = 0.0
+    init_method_std: float = ranged(0.02, positive())
+    attention_dropout: float = ranged(0.0, within(0.0, 1.0))
+    hidden_dropout: float = ranged(0.0, within(0.0, 1.0))
     # Mixture of experts (every layer's MLP when num_moe_experts is set).
-    num_moe_experts: Optional[int] = None
-    moe_router_topk: int = 2
-    moe_ffn_hidden_size: Optional[int] = None
+    num_moe_experts: Optional[int] = ranged(None, at_least(1, optional=True))
+    moe_router_topk: int = ranged(2, at_least(1))
+    moe_ffn_hidden_size: Optional[int] = ranged(None, at_least(1, optional=True))
     """Per-expert FFN width; None means ffn_hidden_size."""
     moe_router_score_function: str = "softmax"
     """softmax or sigmoid."""
     moe_router_pre_softmax: bool = False
     """Softmax over all experts before top-k (no renormalisation of the top-k probabilities);
     False applies softmax over the chosen top-k, i.e. renormalised."""
-    moe_aux_loss_coeff: float = 0.0
+    moe_aux_loss_coeff: float = ranged(0.0, at_least(0.0))
     """Load-balancing auxiliary loss weight; 0 disables it."""
-    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_intermediate_size: Optional[int] = ranged(None, at_least(1, optional=True))
     moe_token_dispatcher_type: str = "alltoall"
     """alltoall or allgather."""
     moe_shared_expert_gate: bool = False
@@ -101,10 +103,6 @@ class GPTModelConfig:
             if not 1 <= self.moe_router_topk <= self.num_moe_experts:
                 problems.append(f"moe_router_topk={self.moe_router_topk} must be in "
                                 f"1..num_moe_experts={self.num_moe_experts}")
-            if (self.moe_router_topk == 1 and self.moe_router_score_function == "softmax"
-                    and not self.moe_router_pre_softmax):
-                problems.append("moe_router_topk=1 with softmax needs moe_router_pre_softmax=True "
-                                "(a softmax over one chosen logit is always 1)")
             if self.moe_token_dispatcher_type not in ("alltoall", "allgather"):
                 problems.append(f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r}: "
                                 "use 'alltoall' or 'allgather'")

@@ -53,6 +53,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
+from megatron_multilora.errors import RunError
 from megatron_multilora.layers.lifecycle import hide_adapters, named_multi_lora_modules
 from megatron_multilora.models.gpt import build_gpt_model
 from megatron_multilora.models.gpt_config import GPTModelConfig
@@ -350,4 +351,8 @@ def load_hf_tokenizer(folder: str):
     it is only a test/extra dependency)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(folder)
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as err:  # transformers' message names no file to add
+        raise RunError(f"{folder}: its tokenizer does not load ({type(err).__name__}: {err}); "
+                       "save it into the folder (tokenizer.save_pretrained)") from None

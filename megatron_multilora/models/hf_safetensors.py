@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from megatron_multilora.errors import RunError
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -32,7 +34,7 @@ class SafetensorsFolder:
             with open(index) as f:
                 self._file_of: dict[str, str] = dict(json.load(f)["weight_map"])
         elif os.path.isfile(single):
-            with safe_open(single, framework="pt") as f:
+            with _opened(single) as f:
                 self._file_of = {name: SINGLE_FILE for name in f.keys()}
         else:
             raise FileNotFoundError(f"{folder}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
@@ -62,8 +64,11 @@ class SafetensorsFolder:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{self.folder}: {INDEX_FILE} lists {file} for {name!r}, "
                                         "but that file is missing")
-            self._handles[file] = self._stack.enter_context(safe_open(path, framework="pt"))
-        return self._handles[file].get_slice(name)
+            self._handles[file] = self._stack.enter_context(_opened(path))
+        try:
+            return self._handles[file].get_slice(name)
+        except Exception as err:  # safetensors' own errors name neither the file nor a fix
+            raise _damaged(os.path.join(self.folder, file), err) from None
 
     def shape(self, name: str) -> list[int]:
         return list(self._slice(name).get_shape())
@@ -73,4 +78,22 @@ class SafetensorsFolder:
         disk."""
         self.used.add(name)
         part = self._slice(name)
-        return part[index] if index else part[:]
+        try:
+            return part[index] if index else part[:]
+        except Exception as err:
+            raise _damaged(os.path.join(self.folder, self._file_of[name]), err) from None
+
+
+@contextlib.contextmanager
+def _opened(path: str):
+    try:
+        handle = safe_open(path, framework="pt")
+    except Exception as err:
+        raise _damaged(path, err) from None
+    with handle as f:
+        yield f
+
+
+def _damaged(path: str, err: Exception) -> RunError:
+    return RunError(f"{path} cannot be read ({type(err).__name__}: {err}): the file is damaged "
+                    "or incomplete; download or convert the model folder again")

@@ -69,6 +69,10 @@ class CPURNGStatesTracker:
             torch.set_rng_state(outer)
 
 
+def cpu_support_active() -> bool:
+    return _active
+
+
 def activate_cpu_support() -> bool:
     """Install the CPU shims once; return True when they are active.
 

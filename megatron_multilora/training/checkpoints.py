@@ -37,6 +37,7 @@ from megatron_multilora.atomic_files import (
 )
 from megatron_multilora.checkpoint.adapter_folders import CHECKPOINT_STATE
 from megatron_multilora.checkpoint.files import DamagedFolderError, verify_manifest, write_manifest
+from megatron_multilora.errors import RunError
 from megatron_multilora.layers.lifecycle import ModelOrChunks, multi_lora_modules
 from megatron_multilora.layers.slot_tensors import get_slot_tensors, set_slot_tensors
 from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
@@ -46,8 +47,9 @@ LATEST, SET_ASIDE = "latest.json", "set_aside"
 _STEP_FOLDER = re.compile(r"step_(\d{8})")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be resumed; the message names the file and what to do."""
+class CheckpointError(RunError):
+    """A checkpoint that cannot be written or resumed; the message names the file and what
+    to do."""
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -74,6 +76,7 @@ def save_training_checkpoint(run_dir: str | Path, step: int, model: ModelOrChunk
     dist.all_gather_object(rng, rng_state())
     root = checkpoint_root(run_dir)
     path = root / f"step_{step:08d}"
+    failure = [None]
     if dist.get_rank() == 0:
         def fill(tmp: Path) -> None:
             meta = {k: {n: v for n, v in s.items() if n != "tensors"} for k, s in slots.items()}
@@ -84,13 +87,29 @@ def save_training_checkpoint(run_dir: str | Path, step: int, model: ModelOrChunk
                           str(tmp / f"slot{k}.safetensors"))
             torch.save(rng, tmp / "rng.pt")
             write_manifest(tmp)  # last: a folder whose manifest verifies is complete
-        # Never overwritten: a step is saved once, and a resume sets newer folders aside.
-        write_dir_atomic(path, fill)
-        write_json_atomic(root / LATEST, {"step": step, "path": path.name})
-        for old in step_folders(root)[keep_last:] if keep_last > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+        try:
+            # Never overwritten: a step is saved once, and a resume sets newer folders aside.
+            write_dir_atomic(path, fill)  # a failed write leaves nothing behind
+            write_json_atomic(root / LATEST, {"step": step, "path": path.name})
+        except Exception as err:  # e.g. a full disk; every rank must hear of it
+            failure[0] = _write_failure(path, root, err)
+        else:
+            for old in step_folders(root)[keep_last:] if keep_last > 0 else []:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise CheckpointError(failure[0])
     return path
+
+
+def _write_failure(path: Path, root: Path, err: Exception) -> str:
+    """What to tell the user when checkpoint ``path`` could not be written."""
+    kept = step_folders(root)
+    previous = (f"the previous checkpoint {kept[0]} is intact and is the one a resume takes"
+                if kept else "there is no earlier checkpoint: a resume starts at step 0")
+    return (f"checkpoint {path} could not be written ({type(err).__name__}: {err}); nothing of "
+            f"it is left behind and {previous}. Free disk space (or fix the folder) and resume "
+            "with the same command.")
 
 
 def step_folders(root: Path) -> list[Path]:
@@ -278,3 +297,24 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def checkpoint_adapter(folder: Path, job: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The adapter of ``job``, training when ``folder`` was saved: its full tensors (the fp32
+    master weights) and its meta (``base_model``, ``dropout``, HF names), with ``rank`` and
+    ``alpha`` added. Raises CheckpointError naming what is missing."""
+    check_checkpoint(folder)
+    state = read_training_state(folder)
+    slots = {s["name"]: s["slot"] for s in state["trainer"]["queue"] if s["status"] == "active"}
+    if job not in slots:
+        names = ", ".join(sorted(slots)) or "none"
+        raise CheckpointError(f"job {job!r} was not training in {folder} (training then: {names}); "
+                              "finished jobs are exported under <run_dir>/adapters/")
+    if job not in state["trainer"].get("adapters", {}):
+        raise CheckpointError(f"{folder} does not record its jobs' base model (a checkpoint from "
+                              "an older version): export the job from a newer checkpoint")
+    slot = state["slots"][slots[job]]
+    tensors = _read(folder / f"slot{slots[job]}.safetensors", load_file)
+    params = {k[len("param/"):]: v for k, v in tensors.items() if k.startswith("param/")}
+    return params, {**state["trainer"]["adapters"][job], "rank": slot["rank"],
+                    "alpha": slot["alpha"]}

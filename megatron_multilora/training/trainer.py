@@ -23,14 +23,8 @@ from megatron_multilora.data.tokenizer import ByteTokenizer, HFTokenizer
 from megatron_multilora.models.hf_config import read_hf_config
 from megatron_multilora.models.hf_import import load_hf_tokenizer
 from megatron_multilora.parallel import destroy_parallel, init_parallel
-from megatron_multilora.training.config import (
-    AdapterJob,
-    RunConfig,
-    base_model_config,
-    job_problems,
-    name_problems,
-    to_plain,
-)
+from megatron_multilora.training.checks import job_problems, name_problems
+from megatron_multilora.training.config import AdapterJob, RunConfig, base_model_config, to_plain
 from megatron_multilora.training.jobs.board import JobBoard
 from megatron_multilora.training.jobs.export import JobExporter
 from megatron_multilora.training.jobs.job import Job
@@ -184,15 +178,19 @@ class Trainer:
                                   force)
 
     def _job_problems(self, job: AdapterJob, where: str) -> list[str]:
+        where = f"{where}: "
         return name_problems(job.name, where) + job_problems(job, where, self.run.lora.max_rank,
                                                             self.dp_size)
 
-    def stopped(self, stop: RunStopped) -> None:
-        """Say where a stopped run can be resumed; close the logger, tear down the layout."""
-        self.say(f"{stop}. Resume it with the same command (checkpoint.resume=auto, the "
-                 f"default) or with checkpoint.resume={stop.checkpoint}.")
+    def stopped(self, stop: RunStopped) -> str:
+        """Say where a stopped run can be resumed (returns the line); close the logger, tear
+        down the layout."""
+        line = (f"{stop}. Resume it with the same command (checkpoint.resume=auto, the "
+                f"default) or with checkpoint.resume={stop.checkpoint}.")
+        self.say(line)
         self.report.logger.close()
         destroy_parallel()
+        return line
 
     def finish(self) -> list[str]:
         """Evaluate every exported adapter on every task, print the tables and how each job

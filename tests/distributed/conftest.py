@@ -13,7 +13,7 @@ from typing import Optional
 import pytest
 import torch.distributed as dist
 
-from megatron_multilora import destroy_parallel, init_parallel
+from megatron_multilora import destroy_parallel, init_parallel, support_megatron_here
 
 TIMEOUT_S = 60.0
 WORST_REL_ERROR: dict[str, float] = {}  # per test, printed in the summary
@@ -42,6 +42,7 @@ def layout():
             pytest.skip(f"needs a world divisible by tp={tp} x pp={pp} and by ep={ep} x pp "
                         f"(world {WORLD})")
         destroy_parallel()
+        support_megatron_here()
         init_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                       pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
                       sequence_parallel=sp, seed=seed, timeout_s=TIMEOUT_S)

@@ -9,7 +9,6 @@ then the same processes re-initialise as pipeline stages.
 
 from __future__ import annotations
 
-import functools
 import re
 
 import pytest

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from megatron_multilora import destroy_parallel, init_parallel
+from megatron_multilora import destroy_parallel, init_parallel, support_megatron_here
 
 
 @pytest.fixture(autouse=True)
@@ -10,6 +10,7 @@ def single_gpu_parallel():
     if not torch.cuda.is_available():
         yield
         return
+    support_megatron_here()
     init_parallel(seed=0)
     yield
     destroy_parallel()

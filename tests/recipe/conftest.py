@@ -8,10 +8,17 @@ from hydra import compose, initialize_config_dir
 
 import megatron_multilora as mm
 from megatron_multilora.data.demo_tasks import write_demo_datasets
-from megatron_multilora.training.config import load_run_config, validate
+from megatron_multilora.training.checks import validate
+from megatron_multilora.training.config import load_run_config
 from megatron_multilora.training.report.metrics import read_metrics
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def megatron_here():
+    """In-process runs build megatron models (the recipe enables this itself)."""
+    mm.support_megatron_here()
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ from tests.recipe.conftest import job, losses_by_adapter
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+MMLORA = str(Path(sys.executable).parent / "mmlora")
 STEPS, SAVE_EVERY = 120, 20
 
 
@@ -44,11 +45,11 @@ def command(run_dir: Path, demo: Optional[Path], extra: list[str] = (), nproc: i
             "logging.plots=false", *extra]
 
 
-def launch(cmd: list[str], log: Path) -> subprocess.Popen:
+def launch(cmd: list[str], log: Path, cwd: Path = ROOT) -> subprocess.Popen:
     launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in os.environ.items() if k not in launcher}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
@@ -83,12 +84,14 @@ def latest_step(run_dir: Path) -> int:
 
 @pytest.fixture(scope="module")
 def whole(demo_data, tmp_path_factory) -> tuple[Path, str]:
-    """The uninterrupted run, every output on: (run_dir, console output)."""
+    """The uninterrupted run, every output on, launched as users do, with ``mmlora train``
+    from a folder outside the checkout: (run_dir, console output)."""
     tmp = tmp_path_factory.mktemp("whole")
-    out = finish(launch(command(tmp / "run", demo_data, ["logging.plots=true",
-                                                         "logging.wandb_mode=offline",
-                                                         "trainer.eval_interval=60"]),
-                        tmp / "run.log"), tmp / "run.log")
+    overrides = command(tmp / "run", demo_data, ["logging.plots=true", "logging.wandb_mode=offline",
+                                                 "trainer.eval_interval=60"])[5:]
+    out = finish(launch([MMLORA, "train", "--nproc", "2", *overrides], tmp / "run.log", cwd=tmp),
+                 tmp / "run.log")
+    assert "mmlora train: torchrun --standalone --nproc-per-node 2" in out
     return tmp / "run", out
 
 
@@ -130,13 +133,14 @@ def test_killed_run_resumes_stops_on_sigterm_and_resumes_again_identically(whole
                                                                           tmp_path):
     run_dir, saved, stopped_at = tmp_path / "run", *killed[1:]
     shutil.copytree(killed[0], run_dir)
-    # Resume, then stop it with SIGTERM to torchrun (what a scheduler or `kill` sends; Ctrl-C's
-    # SIGINT takes the same path): the workers finish the step, save it and exit.
+    # Resume with `mmlora train`, then stop it with SIGTERM to the launcher (what a scheduler
+    # or `kill` sends; Ctrl-C's SIGINT takes the same path): torchrun passes it to the
+    # workers, which finish the step, save it and exit.
     log = tmp_path / "resume.log"
-    proc = launch(command(run_dir, demo_data), log)
+    proc = launch([MMLORA, "train", "--nproc", "2", *command(run_dir, demo_data)[5:]], log)
     workers = wait_for_step(proc, run_dir, stopped_at + 10, log)
     os.killpg(proc.pid, signal.SIGTERM)
-    assert proc.wait(timeout=120) != 0  # torchrun SIGKILLs workers 30 s after its signal
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM  # torchrun SIGKILLs workers after 30 s
     _, alive = psutil.wait_procs(workers, timeout=30)
     assert not alive, f"workers still running after torchrun ended: {alive}"
     out = log.read_text()
@@ -145,6 +149,10 @@ def test_killed_run_resumes_stops_on_sigterm_and_resumes_again_identically(whole
     assert stopped_at + 10 <= stop < STEPS and last_train_step(run_dir) == stop
     assert f"stopped by SIGTERM after step {stop}; checkpoint {run_dir / 'checkpoints'}" in out, \
         out[-3000:]
+    # The launch ends in one line that reads as a stop, not in torchrun's traceback.
+    assert out.rstrip().endswith("mmlora train: stopped by SIGTERM (the workers' last line says "
+                                 "where they stopped and how to resume)"), out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
 
     log = tmp_path / "resume2.log"
     out = finish(launch(command(run_dir, demo_data), log), log)
@@ -153,6 +161,25 @@ def test_killed_run_resumes_stops_on_sigterm_and_resumes_again_identically(whole
     for name in ("rev", "add"):
         assert len(got[name]) == STEPS  # logged steps after each checkpoint were dropped, rerun
         assert got[name] == want[name], f"{name}: resumed trajectory differs"
+
+
+def test_sigterm_to_one_worker_stops_every_rank_and_torchrun_names_the_stop(demo_data, tmp_path):
+    """A scheduler may signal the workers rather than torchrun: the signalled rank's stop is
+    agreed by all at the step boundary, and torchrun's summary shows the stop line as its
+    root cause instead of a bare exit code."""
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    proc = launch(command(run_dir, demo_data, save_every=1000), log)
+    workers = wait_for_step(proc, run_dir, 2, log)
+    rank1 = next(w for w in workers if "multi_lora_finetune.py" in " ".join(w.cmdline())
+                 and w.environ().get("RANK") == "1")
+    rank1.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) != 0
+    out = log.read_text()
+    stop = latest_step(run_dir)
+    assert 2 <= stop < STEPS and last_train_step(run_dir) == stop
+    line = f"stopped by SIGTERM after step {stop}; checkpoint {run_dir / 'checkpoints'}"
+    assert line in out, out[-3000:]  # rank 0's own line: it stopped at the same boundary
+    assert f"traceback : {line}" in out, out[-3000:]
 
 
 def test_killed_run_resumes_under_another_tp_layout(whole, killed, demo_data, tmp_path):

@@ -9,7 +9,8 @@ from hydra import compose, initialize_config_dir
 from megatron_multilora.data.demo_tasks import write_demo_datasets
 from megatron_multilora.models.tiny_hf import write_tiny_llama
 from megatron_multilora.training import config as schema
-from megatron_multilora.training.config import load_run_config, validate
+from megatron_multilora.training.checks import validate
+from megatron_multilora.training.config import load_run_config
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 # Group options that only work beside another choice: expert parallelism needs a MoE model.

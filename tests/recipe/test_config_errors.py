@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_multilora.training.config import ConfigError, base_model_config, validate
+from megatron_multilora.training.checks import validate
+from megatron_multilora.training.config import ConfigError, base_model_config
 from tests.recipe.conftest import CONF, compose_run, job
 
 
@@ -26,7 +27,7 @@ def test_all_problems_reported_at_once(demo_data, tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as err:
         validate(run)
     msg = str(err.value)
-    assert "adapters.0 (big): rank=16 is outside 1..lora.max_rank=7" in msg
+    assert "adapters.0.rank=16: exceeds lora.max_rank=7" in msg
     assert "lora.max_rank=7 must be a multiple of it" in msg
     assert "num_attention_heads=3 is not divisible by tensor parallel size 2" in msg
     assert "/no/such/file.jsonl" in msg
@@ -34,7 +35,7 @@ def test_all_problems_reported_at_once(demo_data, tmp_path, monkeypatch):
     assert "3 adapter jobs but lora.slots=2 and trainer.queue_jobs=false" in msg
 
     run = compose_run([f"adapters=[{job('base', demo_data, 'add', 3)}]"])
-    with pytest.raises(ConfigError, match="adapters.0: the name 'base' is reserved"):
+    with pytest.raises(ConfigError, match="adapters.0.name='base': reserved"):
         validate(run)
 
     run = compose_run([f"hf_dir={tmp_path}/nowhere", f"adapters=[{job('a', demo_data, 'add', 3)}]"])
@@ -51,7 +52,7 @@ def test_impossible_pipeline_layouts_are_named(demo_data, monkeypatch):
             validate(compose_run(["hf_dir=null", jobs, *overrides]), check_files=False)
         return str(err.value)
 
-    assert "parallel.vpp=2 needs parallel.pp > 1; without pipelining use parallel.vpp=null" in \
+    assert "parallel.vpp=2 needs parallel.pp > 1; without pipelining leave it null" in \
         problems("parallel.vpp=2")
     msg = problems("parallel.pp=2", "parallel.vpp=2", "model.num_layers=6")
     assert ("model: num_layers=6 does not split into pipeline 2 x virtual stages 2 = 4 equal "
@@ -98,7 +99,7 @@ def test_recipe_validates_before_touching_the_process_group(demo_data, tmp_path)
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose("config", overrides=["hf_dir=null",
                                            f"adapters=[{job('a', demo_data, 'add', 3, lr=-1)}]"])
-    with pytest.raises(ConfigError, match="alpha and lr must be positive"):
+    with pytest.raises(ConfigError, match=r"adapters.0.lr=-1(.0)?: must be > 0"):
         checked_run(cfg, str(tmp_path))  # before main imports and builds the trainer
 
 
@@ -120,7 +121,11 @@ def test_the_recipe_module_and_config_checks_load_no_megatron_wandb_or_transform
     assert out.stdout.strip() == "[]"
 
 
-def test_bad_config_under_torchrun_fails_clearly_and_leaves_the_run_dir_alone(demo_data, tmp_path):
+@pytest.mark.parametrize("override,message", [
+    ("adapters.0.lr=-1", "adapters.0.lr=-1.0: must be > 0"),
+    ("trainer.max_steps=-1", "trainer.max_steps=-1: must be >= 1 (or null)")])
+def test_bad_config_under_torchrun_fails_clearly_and_leaves_the_run_dir_alone(demo_data, tmp_path,
+                                                                             override, message):
     run_dir = tmp_path / "run"
     earlier = {run_dir / "hydra" / "config.yaml": "the earlier run's config\n",
                run_dir / "multi_lora_finetune.log": "the earlier run's log\n",
@@ -132,7 +137,7 @@ def test_bad_config_under_torchrun_fails_clearly_and_leaves_the_run_dir_alone(de
     start = time.perf_counter()
     proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node=2",
                            "recipes/multi_lora_finetune.py", f"run_dir={run_dir}", "hf_dir=null",
-                           f"data_dir={demo_data}", "adapters.0.lr=-1"],
+                           f"data_dir={demo_data}", override],
                           cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=300)
     seconds = time.perf_counter() - start
@@ -140,9 +145,99 @@ def test_bad_config_under_torchrun_fails_clearly_and_leaves_the_run_dir_alone(de
     # The message is the last thing shown (the root cause of torchrun's summary), and the
     # processes print it once, not once per rank.
     lines = [line.strip() for line in proc.stdout.splitlines() if line.strip("= \n")]
-    assert lines[-2:] == ["traceback : the run cannot start:",
-                          "- adapters.0 (reverse): alpha and lr must be positive"], proc.stdout
-    assert proc.stdout.count("alpha and lr must be positive") == 2, proc.stdout
+    assert lines[-2:] == ["traceback : the run cannot start:", f"- {message}"], proc.stdout
+    assert proc.stdout.count(message) == 2, proc.stdout
     assert sorted(p for p in run_dir.rglob("*") if p.is_file()) == sorted(earlier)
     assert all(path.read_text() == text for path, text in earlier.items())
-    print(f"bad config reported in {seconds:.1f} s")
+    assert seconds < 60, f"a bad config took {seconds:.0f} s to report under torchrun"
+
+
+@pytest.mark.parametrize("override,message", [
+    ("adapters.0.max_steps=0", "adapters.0.max_steps=0: must be >= 1 (or null)"),
+    ("adapters.0.warmup_steps=-2", "adapters.0.warmup_steps=-2: must be >= 0"),
+    ("adapters.0.grad_clip=-1.0", "adapters.0.grad_clip=-1.0: must be > 0 (or null)"),
+    ("adapters.0.dropout=1.0", "adapters.0.dropout=1.0: must be in [0.0, 1.0)"),
+    ("trainer.max_steps=-1", "trainer.max_steps=-1: must be >= 1 (or null)"),
+    ("trainer.max_seq_len=0", "trainer.max_seq_len=0: must be >= 2"),
+    ("trainer.precision=fp16", "trainer.precision='fp16': must be one of 'fp32', 'bf16'"),
+    ("lora.slots=0", "lora.slots=0: must be >= 1"),
+    ("lora.column_init_method=gaussian",
+     "lora.column_init_method='gaussian': must be one of 'xavier', 'kaiming', 'normal', 'zero'"),
+    ("lora.targets=[linear_qkv,linear_fc_2]",
+     "lora.targets.1='linear_fc_2': no such linear; did you mean 'linear_fc2'?"),
+    ("model.num_layers=0", "model.num_layers=0: must be >= 1"),
+    ("checkpoint.resume=atuo", "checkpoint.resume='atuo': not auto, never, or a checkpoint folder; "
+                               "did you mean 'auto'?"),
+    ("checkpoint.keep_last=-1", "checkpoint.keep_last=-1: must be >= 0"),
+])
+def test_every_setting_is_checked_for_its_range(demo_data, override, message):
+    """Each was accepted silently (a negative clip flipped the gradient) or caught only after
+    the model was built; now the check names the key, the value and what is allowed."""
+    fields = job("a", demo_data, "add", 3, warmup_steps=0, grad_clip=1.0, dropout=0.0)
+    run = compose_run(["hf_dir=null", f"adapters=[{fields}]", override])
+    start = time.perf_counter()
+    with pytest.raises(ConfigError) as err:
+        validate(run)
+    assert time.perf_counter() - start < 3  # no model is built, nothing is imported
+    assert message in str(err.value), str(err.value)
+    assert str(err.value).count("\n  - ") == 1, str(err.value)  # that problem alone
+
+
+def test_the_run_dir_and_checkpoint_to_resume_are_checked(demo_data, tmp_path):
+    jobs = f"adapters=[{job('a', demo_data, 'add', 3)}]"
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(ConfigError, match=f"run_dir={afile}: is a file, not a folder"):
+        validate(compose_run(["hf_dir=null", jobs, f"run_dir={afile}"]))
+    not_a_checkpoint = tmp_path / "some-folder"
+    not_a_checkpoint.mkdir()
+    with pytest.raises(ConfigError, match=f"checkpoint.resume={not_a_checkpoint}: not a training "
+                                          "checkpoint .it has no state.pt."):
+        validate(compose_run(["hf_dir=null", jobs, f"checkpoint.resume={not_a_checkpoint}"]))
+
+
+def test_a_damaged_model_folder_is_named(demo_data, tmp_path):
+    from megatron_multilora.models.tiny_hf import write_tiny_llama
+
+    base = write_tiny_llama(tmp_path / "hf", hidden_size=64)
+    weights = base / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # an interrupted download
+    (base / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError) as err:
+        validate(compose_run([f"hf_dir={base}", f"adapters=[{job('a', demo_data, 'add', 3)}]"]))
+    assert f"hf_dir: {weights}: truncated" in str(err.value)
+    assert "no tokenizer files" in str(err.value)
+
+
+def test_every_schema_field_has_a_range_rule_or_another_check():
+    """What is checked elsewhere: names and paths (files, folders), free text, booleans,
+    choices the model's own check covers, lists checked field by field."""
+    import dataclasses
+
+    from megatron_multilora.models.gpt_config import GPTModelConfig
+    from megatron_multilora.training import config as schema
+
+    elsewhere = {"name", "dataset", "eval_dataset", "init_from", "targets", "fully_sharded", "sp",
+                 "queue_jobs", "serve", "wandb_project", "plots", "resume", "hf_dir", "run_dir",
+                 "data_dir", "model", "lora", "adapters", "parallel", "trainer", "logging",
+                 "checkpoint"}
+    checked_by_model = {f.name for f in dataclasses.fields(GPTModelConfig)
+                        if f.type in ("str", "bool", "Optional[str]", "Optional[list[str]]")}
+    for cls in (schema.AdapterJob, schema.LoRASettings, schema.ParallelSettings,
+                schema.TrainerSettings, schema.LoggingSettings, schema.CheckpointSettings,
+                schema.RunConfig, GPTModelConfig):
+        for field in dataclasses.fields(cls):
+            if field.name in elsewhere or (cls is GPTModelConfig and field.name in checked_by_model):
+                continue
+            assert "rule" in field.metadata, f"{cls.__name__}.{field.name} has no range rule"
+
+
+def test_a_run_dir_that_is_a_file_is_refused_before_hydra_creates_it(demo_data, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder\n")
+    proc = subprocess.run([sys.executable, "recipes/multi_lora_finetune.py", f"run_dir={afile}",
+                           "hf_dir=null", f"data_dir={demo_data}"], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f"run_dir={afile}: is a file, not a folder" in proc.stderr
+    assert "Traceback" not in proc.stderr and afile.read_text() == "not a folder\n"

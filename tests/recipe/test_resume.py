@@ -224,3 +224,36 @@ def test_bf16_run_resumes_from_its_fp32_master_weights(demo_data, tmp_path, caps
     out = resume(run_dir, demo_data, capsys, [*bf16[len(SAVES):], f"checkpoint.resume={older}"])
     assert f"resumed from {older} at step 2" in out
     assert records(run_dir) == records(finished)
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_clear_error_and_resumes_exactly(
+        finished, demo_data, tmp_path, capsys, monkeypatch):
+    """The write of step 4's checkpoint fails as on a full disk: the run ends with one message
+    naming that checkpoint and the intact previous one; nothing half-written is left; a rerun
+    resumes from step 2 and logs exactly the uninterrupted run's records."""
+    import errno
+
+    from megatron_multilora.training import checkpoints
+
+    real = checkpoints.save_file
+
+    def full_disk(tensors, filename, *args, **kwargs):
+        if "step_00000004" in str(Path(filename).parent.name) or ".step_00000004" in filename:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoints, "save_file", full_disk)
+    run_dir = tmp_path / "run"
+    with pytest.raises(CheckpointError) as err:
+        run_in_process(run_dir, jobs(demo_data), SAVES)
+    mm.destroy_parallel()
+    message = str(err.value)
+    assert f"checkpoint {step_dir(run_dir, 4)} could not be written" in message
+    assert "No space left on device" in message
+    assert f"the previous checkpoint {step_dir(run_dir, 2)} is intact" in message
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest.json",
+                                                                          "step_00000002"]
+    monkeypatch.setattr(checkpoints, "save_file", real)
+    out = resume(run_dir, demo_data, capsys)
+    assert f"resumed from {step_dir(run_dir, 2)} at step 2" in out
+    assert records(run_dir) == records(finished)

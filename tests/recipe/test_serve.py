@@ -176,7 +176,7 @@ def test_cancel_hands_the_slot_on_stop_checkpoints_and_a_job_submitted_while_dow
     inbox.submit(run, {"name": "ghost", "dataset": str(tmp_path / "gone.jsonl"), "max_steps": 5})
     inbox.submit(run, job_fields("base", demo_data, "add", 5))
     refused = wait_for(lambda: (r := refusals(run)).keys() >= {"ghost", "base"} and r, proc, log)
-    assert "gone.jsonl" in refused["ghost"] and "'base' is reserved" in refused["base"]
+    assert "gone.jsonl" in refused["ghost"] and "name='base': reserved" in refused["base"]
     assert not {"ghost", "base"} & {j["name"] for j in status(run)["jobs"]}
 
     cancelled = mmlora("cancel", "--run-dir", run, "add")

@@ -3,17 +3,13 @@ alone), isolation of a diverging job, the job queue, precision and recompute."""
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from megatron_multilora import cli
 from megatron_multilora.training.config import ConfigError
 from tests.recipe.conftest import compose_run, job, losses_by_adapter, run_in_process
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import export_peft  # noqa: E402  (scripts/ is not a package)
 
 REL = 1e-5
 
@@ -101,25 +97,35 @@ def test_moe_model_trains_expert_adapters(demo_data, tmp_path):
     assert config["base_model"]["num_moe_experts"] == 4
 
 
-def test_export_peft_cli_from_adapter_folder_and_checkpoint(demo_data, tmp_path):
+def export(*argv) -> int:
+    return cli.main(["export", *map(str, argv)])
+
+
+def test_mmlora_export_from_adapter_folder_and_checkpoint(demo_data, tmp_path, capsys):
     from safetensors.torch import load_file
 
     _, recipe = run_in_process(tmp_path / "run", [job("rev", demo_data, "reverse", 4),
                                                   job("add", demo_data, "add", 8)],
                                ["checkpoint.save_interval=4"])
-    assert export_peft.main([str(tmp_path / "run" / "adapters" / "rev"), str(tmp_path / "a")]) == 0
+    assert export(tmp_path / "run" / "adapters" / "rev", tmp_path / "a") == 0
     # at step 4 "add" was still training: export it from that checkpoint
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000004"
-    with pytest.raises(SystemExit, match="was not training"):
-        export_peft.main([str(ckpt), str(tmp_path / "x"), "--job", "rev"])
-    assert export_peft.main([str(ckpt), str(tmp_path / "b"), "--job", "add"]) == 0
+    capsys.readouterr()
+    assert export(ckpt, tmp_path / "x", "--job", "rev") == 2
+    assert "was not training" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    assert export(ckpt, tmp_path / "x") == 2
+    assert "name the adapter with --job" in capsys.readouterr().err
+    assert export(ckpt, tmp_path / "b", "--job", "add") == 0
     a = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "b" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and len(a) == 2 * 2 * 7  # 2 layers x 7 HF modules x (A, B)
     config = json.loads((tmp_path / "b" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"]) == (8, 16.0)
-    with pytest.raises(SystemExit, match="--overwrite"):
-        export_peft.main([str(tmp_path / "run" / "adapters" / "rev"), str(tmp_path / "a")])
+    capsys.readouterr()
+    assert export(tmp_path / "run" / "adapters" / "rev", tmp_path / "a") == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert export(tmp_path / "nowhere", tmp_path / "c") == 2
+    assert str(tmp_path / "nowhere") in capsys.readouterr().err and not (tmp_path / "c").exists()
 
 
 def test_hf_base_model_run_exports_peft_adapters_peft_can_load(demo_data, tmp_path):
@@ -205,7 +211,7 @@ def test_init_from_keeps_the_adapters_alpha_project_and_rslora_peft(demo_data, t
     exported = tmp_path / "first" / "adapters" / "rev"
     # The same adapter as a PEFT rsLoRA folder: lora_alpha / sqrt(r) is the same scale 4 / 8.
     peft_dir = tmp_path / "peft"
-    assert export_peft.main([str(exported), str(peft_dir)]) == 0
+    assert export(exported, peft_dir) == 0
     config = json.loads((peft_dir / "adapter_config.json").read_text())
     config.update(use_rslora=True, lora_alpha=4 / math.sqrt(8))
     (peft_dir / "adapter_config.json").write_text(json.dumps(config))
@@ -242,8 +248,7 @@ def test_export_peft_from_a_checkpoint_of_an_hf_run_uses_the_hf_architecture(dem
     (tmp_path / "run" / "hydra").mkdir()
     OmegaConf.save(OmegaConf.structured(compose_run(overrides)), tmp_path / "run" / "hydra" / "config.yaml")
     out = tmp_path / "add-peft"
-    assert export_peft.main([str(tmp_path / "run" / "checkpoints" / "step_00000002"), str(out),
-                             "--job", "add"]) == 0
+    assert export(tmp_path / "run" / "checkpoints" / "step_00000002", out, "--job", "add") == 0
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(base.resolve())
     assert config["lora_dropout"] == 0.05  # the job's value, not its float32 copy

@@ -61,8 +61,13 @@ def test_wildcard_targets_and_model_chunks():
     # Separate models (no virtual pipeline stages) keep their paths apart by chunk.
     assert [n for n, _ in mm.layers.lifecycle.named_multi_lora_modules(chunks)] == [
         f"chunk{k}.decoder.layers.0.self_attention.linear_qkv" for k in range(2)]
-    with pytest.raises(ValueError, match="no linear matched"):
+    with pytest.raises(ValueError, match="matched no linear"):
         mm.apply_multi_lora(gpt(), N, DIM, 8.0, target_modules=["linear_nope"])
+    # One misspelt target among good ones used to wrap nothing there, silently.
+    model = gpt()
+    with pytest.raises(ValueError, match=r"\['linear_fc_2'\] matched no linear"):
+        mm.apply_multi_lora(model, N, DIM, 8.0, target_modules=["linear_qkv", "linear_fc_2"])
+    assert not any(isinstance(m, mm.MultiLoRALinear) for m in model.modules())  # left as it was
 
 
 def test_base_checkpoint_keys_unchanged_and_fresh_adapters_are_a_noop():
@@ -115,17 +120,20 @@ def test_builder_variants_train_through_adapters(variant):
 
 
 def test_init_parallel_rejects_unsupported_layouts():
-    with pytest.raises(ValueError, match=r"world size 1 is not divisible by tensor x pipeline "
-                                         r"parallel size \(1 x 2\)"):
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size=1 x "
+                                         r"pipeline_model_parallel_size=2 must divide the world "
+                                         r"size 1"):
         mm.init_parallel(pipeline_model_parallel_size=2)
     with pytest.raises(ValueError, match="virtual_pipeline_model_parallel_size=2 needs "
                                          "pipeline_model_parallel_size > 1"):
         mm.init_parallel(virtual_pipeline_model_parallel_size=2)
-    with pytest.raises(ValueError, match="expert_model_parallel_size=2 does not divide the 1 "
-                                         "ranks of each pipeline stage"):
+    with pytest.raises(ValueError, match="expert_model_parallel_size=2 must divide the 1 "
+                                         "processes of each pipeline stage"):
         mm.init_parallel(expert_model_parallel_size=2)
-    with pytest.raises(ValueError, match="sequence_parallel=True needs"):
+    with pytest.raises(ValueError, match="sequence_parallel=true needs"):
         mm.init_parallel(sequence_parallel=True)
-    with pytest.raises(ValueError, match="world size 1 is not divisible"):
+    with pytest.raises(ValueError, match="must divide the world size 1"):
         mm.init_parallel(tensor_model_parallel_size=2)
+    with pytest.raises(ValueError, match="expert_model_parallel_size=0: must be at least 1"):
+        mm.init_parallel(expert_model_parallel_size=0)
     mm.init_parallel(seed=1234)  # the session's layout is still usable

@@ -69,6 +69,7 @@ def broken(*args):
     raise RuntimeError("boom")
 
 bench.RUN_SECTION["layers"] = broken
+bench.mm.support_megatron_here()
 settings, _ = bench.parse_settings(["--quick", "--threads", "1"])
 sys.exit(1 if bench.run_benchmark(settings, Path({str(tmp_path)!r}), ("layers", "jobs")) else 0)
 """

@@ -101,13 +101,13 @@ BAD_SPECS = {
     "dataset file missing": (dict(dataset="nope.jsonl"), ["dataset", "nope.jsonl: file not found"]),
     "rank above max": (dict(rank=32), ["rank=32", "lora.max_rank=16"]),
     "config name": (dict(name="reverse"), ["'reverse' is already a job of the run's config"]),
-    "base": (dict(name="base"), ["'base' is reserved"]),
+    "base": (dict(name="base"), ["name='base': reserved"]),
     "slash in name": (dict(name="a/b"), ["name='a/b'", "letters, digits"]),
     "leading dot": (dict(name=".hidden"), ["name='.hidden'"]),
     "start_step": (dict(start_step=5), ["start_step: remove it"]),
-    "both budgets": (dict(epochs=1.0), ["exactly one of max_steps and epochs"]),
-    "no budget": (dict(max_steps=...), ["exactly one of max_steps and epochs"]),
-    "bad init_from": (dict(init_from="no-such-adapter"), ["init_from", "is not a folder"]),
+    "both budgets": (dict(epochs=1.0), ["give exactly one of them"]),
+    "no budget": (dict(max_steps=...), ["give exactly one of them"]),
+    "bad init_from": (dict(init_from="no-such-adapter"), ["init_from", "not a folder"]),
 }
 
 
@@ -140,14 +140,14 @@ def test_submit_lists_every_problem_at_once(run_dir, data, tmp_path):
                                          rnak=4))
     code, _, err = run_cli("submit", "--run-dir", run_dir, spec)
     assert code == 2
-    for text in ("'base' is reserved", "start_step", "unknown key 'rnak'; did you mean 'rank'?",
-                 "rank=32", "exactly one of max_steps and epochs"):
+    for text in ("name='base': reserved", "start_step", "unknown key 'rnak'; did you mean 'rank'?",
+                 "rank=32", "give exactly one of them"):
         assert text in err
     # A mistyped field leaves the per-job checks out: they would check its default instead.
     spec = spec_file(tmp_path, good_spec(data, rank="x", max_steps=..., lr=[1]))
     code, _, err = run_cli("submit", "--run-dir", run_dir, spec)
     assert code == 2 and "rank: Value 'x'" in err and "lr: " in err
-    assert "exactly one of max_steps" not in err and "full_key" not in err
+    assert "give exactly one" not in err and "full_key" not in err
 
 
 def test_submit_refuses_a_duplicate_of_a_submitted_name(run_dir, data, tmp_path):
@@ -163,7 +163,7 @@ def test_submit_checks_the_batch_against_the_reported_data_parallel_size(run_dir
     inbox.write_status(run_dir, live_status(dp_size=2))
     spec = spec_file(tmp_path, good_spec(data, global_batch_size=3))
     code, _, err = run_cli("submit", "--run-dir", run_dir, spec)
-    assert code == 2 and "global_batch_size=3 must be a multiple of the data-parallel size 2" in err
+    assert code == 2 and "global_batch_size=3: must be a multiple of the data-parallel size 2" in err
 
 
 @pytest.mark.parametrize("text,expected", [("name: [unclosed", "not valid YAML or JSON"),
@@ -387,3 +387,17 @@ def test_no_command_loads_torch_or_megatron(run_dir, data, tmp_path):
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [[0, 0, 0, 0], []], done.stdout
     assert inbox.submitted_names(run_dir) == {"newjob"} and inbox.stop_requested(run_dir)
+
+
+def test_version_and_the_verbs_a_user_looks_for():
+    from importlib import metadata
+
+    code, out, _ = run_cli("--version")
+    assert code == 0 and out.strip() == f"mmlora (megatron-multilora) {metadata.version('megatron-multilora')}"
+    code, out, _ = run_cli("--help")
+    assert code == 0 and all(verb in out for verb in ("train", "export", "submit", "status",
+                                                       "cancel", "stop"))
+    code, _, err = run_cli("train", "--nproc", "0")
+    assert code == 2 and "--nproc 0: give at least 1 process" in err
+    code, _, err = run_cli("export", "only-one-argument")
+    assert code == 2 and "out" in err

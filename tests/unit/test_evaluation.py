@@ -3,7 +3,7 @@
 import torch
 
 import megatron_multilora as mm
-from megatron_multilora.training.step import evaluation, generation
+from megatron_multilora.training.step import generation
 
 CFG = mm.GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                         ffn_hidden_size=48, vocab_size=64)

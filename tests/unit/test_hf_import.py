@@ -234,3 +234,24 @@ def test_reading_config_json_names_the_file(tmp_path):
     (tmp_path / "config.json").write_text('["llama"]')
     with pytest.raises(ValueError, match=r"config\.json: not a JSON object"):
         read_hf_config(tmp_path)
+
+
+def test_renormalised_top1_moe_imports_exactly(tmp_path):
+    """Mixtral with one expert per token renormalises its top-1 probability to 1.0: megatron's
+    softmax over the chosen logit gives the same (it refuses it only for router training)."""
+    hf_model = make_hf_model("mixtral", num_experts_per_tok=1)
+    model, cfg = load_hf_model(save(hf_model, tmp_path))
+    assert cfg.moe_router_topk == 1 and not cfg.moe_router_pre_softmax
+    assert max_logit_diff(hf_model, model) <= TOL
+
+
+def test_a_weights_file_damaged_after_the_check_is_named(tmp_path):
+    """The config check finds a truncated file first; one damaged later (or read without the
+    check) still ends in a message naming it, not safetensors' own error."""
+    from megatron_multilora.errors import RunError
+
+    folder = save(make_hf_model("llama"), tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-4096])
+    with pytest.raises(RunError, match=f"{weights} cannot be read .*damaged or incomplete"):
+        load_hf_model(folder)

@@ -12,7 +12,7 @@ from megatron_multilora.data.datasets import Example
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_multilora.data.packing import pack_micro_batches
-from megatron_multilora.layers.inject import DEFAULT_TARGETS
+from megatron_multilora.validation import TARGETS
 from megatron_multilora.layers.lifecycle import named_multi_lora_modules
 from megatron_multilora.layers.micro_batch_layout import SlotPackedSeqParams, with_slot_layout
 
@@ -23,7 +23,7 @@ MOE = dict(num_layers=2, hidden_size=16, num_attention_heads=4, ffn_hidden_size=
 
 
 def build(arch: dict, recompute: str | None, modules: list[str] | None = None,
-          targets=DEFAULT_TARGETS):
+          targets=TARGETS):
     cfg = mm.GPTModelConfig(vocab_size=VOCAB, recompute_granularity=recompute,
                             recompute_modules=modules, **arch)
     torch.manual_seed(0)

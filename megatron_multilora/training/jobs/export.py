@@ -1,6 +1,6 @@
 """Where a job's adapter goes when it ends: ``adapters/<name>/`` (the project's format) and,
 on a Hugging Face base, ``peft/<name>/`` (PEFT, for peft and vLLM), with the meta that lets
-either be rebuilt or exported again later (``scripts/export_peft.py``, ``mmlora export``)."""
+either be rebuilt or exported again later (``mmlora export``)."""
 
 from __future__ import annotations
 

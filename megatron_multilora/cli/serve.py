@@ -1,15 +1,9 @@
-"""``mmlora``: submit jobs to a serving training run, watch it, cancel jobs, stop it.
+"""``mmlora submit | status | cancel | stop``: talk to a serving training run.
 
-A run launched with ``trainer.serve=true`` admits jobs at step boundaries; this command line
-talks to it only through the run directory's mailbox (:mod:`.training.serve.inbox`), so it works on any
-machine that sees the run directory, whether the trainer is up or not::
-
-    mmlora submit --run-dir R job.yaml     # validate a job completely, then hand it over
-    mmlora status --run-dir R [--json]     # the trainer's state and a row per job
-    mmlora cancel --run-dir R NAME         # stop one job at the next step boundary
-    mmlora stop --run-dir R                # checkpoint and end the run after this step
-
-Every refusal exits with code 2 and writes nothing.
+A run launched with ``trainer.serve=true`` admits jobs at step boundaries; these commands talk
+to it only through the run directory's mailbox (:mod:`megatron_multilora.training.serve.inbox`),
+so they work on any machine that sees the run directory, whether the trainer is up or not.
+Torch-free: each answers in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -20,24 +14,18 @@ import difflib
 import json
 import os
 import socket
-import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
+from megatron_multilora.cli.command import CommandError, Commands
 from megatron_multilora.training.serve import inbox
 from megatron_multilora.training.jobs.states import ENDED, RUNNING
 
 if TYPE_CHECKING:
     from megatron_multilora.training.config import AdapterJob, RunConfig
 
-EXIT_REFUSED = 2
 PATH_FIELDS = ("dataset", "eval_dataset", "init_from")
-REQUIRED_FIELDS = ("name", "dataset")
-
-
-class CommandError(Exception):
-    """A refused command; the message says what was wrong, where, and how to fix it."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,7 +123,8 @@ def _read_spec(path: str) -> dict[str, Any]:
 def _validated_job(spec: dict[str, Any], where: str, run: RunConfig,
                    status: Optional[dict[str, Any]], run_dir: str) -> AdapterJob:
     """The spec as a job with absolute paths; raises CommandError listing every problem."""
-    from megatron_multilora.training.config import ConfigError, adapter_job, job_problems
+    from megatron_multilora.training.checks import job_problems
+    from megatron_multilora.training.config import ConfigError, adapter_job
 
     problems, usable = _field_problems(spec, where)
     job = None
@@ -152,7 +141,7 @@ def _validated_job(spec: dict[str, Any], where: str, run: RunConfig,
             if getattr(job, field) is not None:
                 setattr(job, field, os.path.abspath(os.path.expanduser(getattr(job, field))))
         dp = int(status.get("dp_size", 1)) if status else 1
-        problems += job_problems(job, where, run.lora.max_rank, dp, check_files=True)
+        problems += job_problems(job, f"{where}: ", run.lora.max_rank, dp, check_files=True)
     if problems:
         raise CommandError(f"the job in {where} cannot be submitted; fix it and submit again:"
                            "\n  - " + "\n  - ".join(problems))
@@ -164,12 +153,13 @@ def _field_problems(spec: dict[str, Any], where: str
     """Unknown, forbidden, missing and mistyped fields, each checked on its own so that all
     of them are reported at once; and the fields the per-job checks can run on (None when a
     field they need is missing or mistyped: checking a default instead would mislead)."""
-    from omegaconf import OmegaConf
+    from omegaconf import MISSING, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     from megatron_multilora.training.config import AdapterJob
 
     fields = [f.name for f in dataclasses.fields(AdapterJob) if f.name != "start_step"]
+    required = [f.name for f in dataclasses.fields(AdapterJob) if f.default == MISSING]
     problems, usable, complete = [], {}, True
     for key, value in spec.items():
         if key == "start_step":
@@ -180,7 +170,7 @@ def _field_problems(spec: dict[str, Any], where: str
             hint = f"did you mean {close[0]!r}? " if close else ""
             problems.append(f"{where}: unknown key {key!r}; {hint}an adapters entry has the "
                             f"fields {', '.join(fields)}")
-        elif value is None and key in REQUIRED_FIELDS:
+        elif value is None and key in required:
             complete = False  # reported as missing below
         else:
             try:
@@ -189,7 +179,7 @@ def _field_problems(spec: dict[str, Any], where: str
             except OmegaConfBaseException as err:
                 problems.append(f"{where}: {key}: {str(err.msg).splitlines()[0]}")
                 complete = False
-    for key in REQUIRED_FIELDS:
+    for key in required:
         if spec.get(key) is None:
             problems.append(f"{where}: {key}: missing; every job needs a {key}")
             complete = False
@@ -197,9 +187,9 @@ def _field_problems(spec: dict[str, Any], where: str
 
 
 def _name_problems(name: str, where: str, run: RunConfig, run_dir: str) -> list[str]:
-    from megatron_multilora.training.config import name_problems
+    from megatron_multilora.training.checks import name_problems
 
-    if problems := name_problems(name, where):
+    if problems := name_problems(name, f"{where}: "):
         return problems
     if name in {job.name for job in run.adapters}:
         return [f"{where}: name={name!r} is already a job of the run's config; choose another "
@@ -345,45 +335,13 @@ def stop(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------
-# Entry point
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="mmlora", description="Submit jobs to a serving training run (launched with "
-        "trainer.serve=true), watch it, cancel jobs, stop it.")
-    commands = parser.add_subparsers(dest="command_name", required=True, metavar="COMMAND")
-
-    def command(name: str, run: Callable[[argparse.Namespace], int], help_: str
-                ) -> argparse.ArgumentParser:
-        sub = commands.add_parser(name, help=help_, description=help_)
-        sub.add_argument("--run-dir", required=True, help="the run's run_dir")
-        sub.set_defaults(run=run)
-        return sub
-
-    command("submit", submit, "validate a job spec and hand it to the serving trainer"
-            ).add_argument("spec", help="YAML or JSON file: one `adapters` entry (name, "
-                           "dataset, rank, max_steps or epochs, ...)")
-    command("status", status, "show the trainer's state and every job"
-            ).add_argument("--json", action="store_true", help="print the data as JSON")
-    command("cancel", cancel, "stop a job at the next step boundary").add_argument(
-        "name", help="the job's name")
-    command("stop", stop, "stop the run after its current step, with a checkpoint")
-    return parser
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    try:
-        args = _parser().parse_args(argv)
-    except SystemExit as exit_:  # --help (0) or a usage error (2), already printed
-        return int(exit_.code or 0)
-    try:
-        return args.run(args)
-    except CommandError as err:
-        print(f"mmlora {args.command_name}: error: {err}", file=sys.stderr)
-        return EXIT_REFUSED
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def add_commands(commands: Commands) -> None:
+    commands.add("submit", submit, "validate a job spec and hand it to the serving trainer",
+                 run_dir=True).add_argument("spec", help="YAML or JSON file: one `adapters` "
+                                            "entry (name, dataset, rank, max_steps or epochs, ...)")
+    commands.add("status", status, "show the trainer's state and every job", run_dir=True
+                 ).add_argument("--json", action="store_true", help="print the data as JSON")
+    commands.add("cancel", cancel, "stop a job at the next step boundary", run_dir=True
+                 ).add_argument("name", help="the job's name")
+    commands.add("stop", stop, "stop the run after its current step, with a checkpoint",
+                 run_dir=True)

@@ -1,0 +1,5 @@
+import sys
+
+from megatron_multilora.cli import main
+
+sys.exit(main())

@@ -1,0 +1,81 @@
+"""``mmlora train``: the training recipe under torchrun, as torchtune's ``tune run`` does.
+
+    mmlora train [--nproc N] [OVERRIDE ...]
+
+runs ``torchrun --standalone --nproc-per-node N recipes/multi_lora_finetune.py OVERRIDE ...``
+in this process (rank 0's output only, one torch thread per process when there are several)
+and ends in one line instead of torchrun's traceback: a stop by signal (Ctrl-C, a
+scheduler's SIGTERM, either to this process or to the workers) exits 128 + the signal, a
+failed worker with its own exit status (2: a refused config) and its message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+from megatron_multilora.cli.command import CommandError, Commands
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "multi_lora_finetune.py"
+
+
+def torchrun_arguments(nproc: int, all_ranks: bool, overrides: list[str]) -> list[str]:
+    arguments = ["--standalone", "--nproc-per-node", str(nproc)]
+    if nproc > 1 and not all_ranks:
+        arguments += ["--local-ranks-filter", "0"]  # the trainer reports from rank 0
+    return [*arguments, str(RECIPE), *overrides]
+
+
+def _failure_line(rank: int, code: int, message: object, shown: bool) -> str:
+    """What ended the launch: the recipe writes its message to torchelastic's error file
+    (rank 0 also prints it); a crash without one is only in that rank's output."""
+    line = f"mmlora train: rank {rank} exited with status {code}"
+    if isinstance(message, dict):
+        return f"{line}: {message['message']}" if not shown else f"{line} (its message is above)"
+    if shown:
+        return f"{line} (its output is above)"
+    return f"{line}; only rank 0's output is shown: rerun with --all-ranks to see rank {rank}'s"
+
+
+def train(args: argparse.Namespace) -> int:
+    if not RECIPE.is_file():
+        raise CommandError(f"the recipe {RECIPE} is not here: mmlora train runs from a checkout "
+                           "of the repository (pip install -e .), which holds recipes/ and conf/")
+    if args.nproc < 1:
+        raise CommandError(f"--nproc {args.nproc}: give at least 1 process")
+    # Imported here: the serve commands stay torch-free.
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    if args.nproc > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # the processes share the cores
+    arguments = torchrun_arguments(args.nproc, args.all_ranks, args.overrides)
+    print(f"mmlora train: torchrun {' '.join(arguments)}", flush=True)
+    try:
+        run(get_args_parser().parse_args(arguments))
+    except SignalException as stop:  # torchrun passed the signal on and waited for the workers
+        print(f"mmlora train: stopped by {signal.Signals(stop.sigval).name} (the workers' last "
+              "line says where they stopped and how to resume)", file=sys.stderr)
+        return 128 + stop.sigval
+    except ChildFailedError as failed:
+        rank, failure = failed.get_first_failure()
+        code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+        shown = rank == 0 or args.nproc == 1 or args.all_ranks
+        print(_failure_line(rank, code, failure.message, shown), file=sys.stderr)
+        return code
+    return 0
+
+
+def add_commands(commands: Commands) -> None:
+    sub = commands.add("train", train, "train adapter jobs: the recipe under torchrun")
+    sub.add_argument("--nproc", type=int, default=1,
+                     help="processes (data/tensor/expert/pipeline parallel ranks); default 1")
+    sub.add_argument("--all-ranks", action="store_true",
+                     help="show every process's output, not only rank 0's")
+    sub.add_argument("overrides", nargs=argparse.REMAINDER, metavar="OVERRIDE",
+                     help="Hydra overrides, e.g. trainer.steps_per_job=50 parallel=tp2 "
+                          "--config-name smollm2")

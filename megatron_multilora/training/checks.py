@@ -1,0 +1,214 @@
+"""The config check: every problem with a run's config, found at once, in seconds, before
+anything is built or written. Every setting's range (the rules on the schema's fields), the
+parallel layout against the launch's world size and the model's shape against it
+(:mod:`megatron_multilora.validation`, the rules shared with ``init_parallel`` and the model
+builder), the base model folder, the run directory, the checkpoint to resume, and each job:
+its name, budget, batch, rank, data files and ``init_from`` adapter. The same per-job checks
+serve ``mmlora submit`` and the trainer's re-check of a submission.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import re
+from pathlib import Path
+
+from megatron_multilora.checkpoint.adapter_folders import (
+    CHECKPOINT_STATE,
+    FolderFormat,
+    declared_rank_alpha,
+    folder_format,
+)
+from megatron_multilora.training.config import AdapterJob, ConfigError, RunConfig, base_model_config
+from megatron_multilora.validation import (
+    CONFIG_NAMES,
+    TARGETS,
+    layout_problems,
+    model_layout_problems,
+    schema_problems,
+)
+
+# A job's name becomes a file name (its adapter folder, serve/submitted/<name>.json).
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def world_size() -> int:
+    """The launch's world size, known from torchrun's environment before any process group."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def validate(run: RunConfig, check_files: bool = True) -> None:
+    """Raise ConfigError listing every problem with ``run`` for this launch's world size."""
+    world, par, tr = world_size(), run.parallel, run.trainer
+    problems = schema_problems(run, skip=("adapters", "model"))  # those: below
+    if not problems:  # the layout rules assume sizes of at least 1
+        problems += layout_problems(world, par.tp, par.ep, par.pp, par.sp, par.vpp, CONFIG_NAMES)
+    if run.lora.fully_sharded and run.lora.max_rank % max(par.tp, 1):
+        problems.append(f"lora.fully_sharded=true splits the rank over parallel.tp={par.tp} ranks: "
+                        f"lora.max_rank={run.lora.max_rank} must be a multiple of it")
+    problems += _target_problems(run.lora.targets)
+    problems += _model_problems(run, check_files)
+    if not run.adapters and not tr.serve:
+        problems.append("adapters: no adapter jobs configured (or set trainer.serve=true and "
+                        "submit jobs with mmlora submit)")
+    if not tr.queue_jobs and len(run.adapters) > run.lora.slots:
+        problems.append(f"{len(run.adapters)} adapter jobs but lora.slots={run.lora.slots} and "
+                        "trainer.queue_jobs=false")
+    names = [job.name for job in run.adapters]
+    if len(set(names)) != len(names):
+        problems.append(f"adapter names must be unique: {names}")
+    dp = max(world // max(par.tp * par.pp, 1), 1)
+    for i, job in enumerate(run.adapters):
+        problems += name_problems(job.name, f"adapters.{i}.")
+        problems += job_problems(job, f"adapters.{i}.", run.lora.max_rank, dp, check_files)
+    if check_files:
+        problems += _run_dir_problems(run.run_dir) + _resume_problems(run)
+    if problems:
+        raise ConfigError("the run cannot start:\n  - " + "\n  - ".join(problems))
+
+
+def _target_problems(targets: list[str]) -> list[str]:
+    if not targets:
+        return ["lora.targets: empty; name the linears to adapt, e.g. [linear_qkv, linear_proj]"]
+    problems = []
+    for i, target in enumerate(targets):
+        if any(c in target for c in "*?[") or target in TARGETS:
+            continue
+        close = difflib.get_close_matches(target, TARGETS, n=1)
+        problems.append(f"lora.targets.{i}={target!r}: no such linear; "
+                        f"{f'did you mean {close[0]!r}? ' if close else ''}use one of "
+                        f"{', '.join(TARGETS)} or a wildcard pattern over module paths")
+    return problems
+
+
+def _model_problems(run: RunConfig, check_files: bool) -> list[str]:
+    """The base model: its folder (when ``hf_dir`` is given), each field's range, its shape
+    against the layout, and the trainer's sequence lengths against it."""
+    from megatron_multilora.models.hf_folder import folder_problems
+
+    if run.hf_dir is not None and check_files:
+        found = folder_problems(run.hf_dir)
+        if found:
+            return [f"hf_dir: {p}" for p in found]
+    try:
+        model = base_model_config(run)
+    except (OSError, ValueError) as err:
+        return [f"hf_dir: {err}"]
+    problems = schema_problems(model, "model.")
+    if problems:
+        return problems
+    par, tr = run.parallel, run.trainer
+    problems = [f"model: {p}" for p in model_layout_problems(model, par.tp, par.pp, par.vpp, par.ep)]
+    if model.num_moe_experts is None and par.ep > 1:
+        problems.append("parallel.ep > 1 needs a MoE model (model.num_moe_experts)")
+    if tr.max_seq_len > tr.micro_batch_tokens:
+        problems.append(f"trainer.max_seq_len={tr.max_seq_len} exceeds trainer.micro_batch_tokens="
+                        f"{tr.micro_batch_tokens}")
+    if tr.max_seq_len > model.max_sequence_length:
+        problems.append(f"trainer.max_seq_len={tr.max_seq_len} exceeds model.max_sequence_length="
+                        f"{model.max_sequence_length}")
+    return problems
+
+
+def _run_dir_problems(run_dir: str) -> list[str]:
+    path = Path(run_dir)
+    if path.exists() and not path.is_dir():
+        return [f"run_dir={run_dir}: is a file, not a folder; choose another run_dir"]
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    if not path.exists() and parent is not None and not os.access(parent, os.W_OK):
+        return [f"run_dir={run_dir}: cannot be created ({parent} is not writable)"]
+    return []
+
+
+def _resume_problems(run: RunConfig) -> list[str]:
+    resume = run.checkpoint.resume
+    if resume in ("auto", "never"):
+        return []
+    path = Path(resume)
+    if not path.is_dir():
+        close = difflib.get_close_matches(resume, ("auto", "never"), n=1)
+        return [f"checkpoint.resume={resume!r}: not auto, never, or a checkpoint folder"
+                + (f"; did you mean {close[0]!r}?" if close else "")]
+    if not (path / CHECKPOINT_STATE).is_file():
+        return [f"checkpoint.resume={resume}: not a training checkpoint (it has no "
+                f"{CHECKPOINT_STATE}); pass one of <run_dir>/checkpoints/step_*, or auto"]
+    return []
+
+
+def name_problems(name: str, where: str) -> list[str]:
+    """What is wrong with a job's name on its own (config and submitted jobs); ``where``
+    prefixes each problem (``adapters.0.``, or ``<file>: ``)."""
+    if not _NAME.fullmatch(name):
+        return [f"{where}name={name!r}: use letters, digits, '.', '_' and '-', starting with a "
+                "letter or digit (the name becomes a file name)"]
+    if name == "base":  # the final tables' row of the base model alone
+        return [f"{where}name='base': reserved for the base model's row in the final tables; "
+                "choose another name"]
+    return []
+
+
+def job_problems(job: AdapterJob, where: str, max_rank: int, dp: int,
+                 check_files: bool = True) -> list[str]:
+    """What is wrong with one adapter job on a run of ``max_rank`` slots and ``dp``
+    data-parallel ranks: each field's range, then what depends on the run or on several
+    fields, then its files (config and submitted jobs). ``where`` prefixes each problem
+    (``adapters.0.``, or ``<file>: ``)."""
+    problems = schema_problems(job, where)
+    if job.rank > max_rank:
+        problems.append(f"{where}rank={job.rank}: exceeds lora.max_rank={max_rank}")
+    if job.global_batch_size % dp:
+        problems.append(f"{where}global_batch_size={job.global_batch_size}: must be a multiple "
+                        f"of the data-parallel size {dp}")
+    if (job.max_steps is None) == (job.epochs is None):
+        problems.append(f"{where}max_steps={job.max_steps}, epochs={job.epochs}: give exactly one "
+                        "of them")
+    return problems + (_file_problems(job, where) if check_files else [])
+
+
+def _file_problems(job: AdapterJob, where: str) -> list[str]:
+    from megatron_multilora.data.datasets import DatasetError, read_jsonl_records
+
+    problems = []
+    for field in ("dataset", "eval_dataset"):
+        path = getattr(job, field)
+        if path is None:
+            continue
+        try:
+            read_jsonl_records(path)
+        except DatasetError as err:
+            problems.append(f"{where}{field}: {err}")
+    if job.init_from is not None and not os.path.isdir(job.init_from):
+        problems.append(f"{where}init_from={job.init_from}: not a folder")
+    elif job.init_from is not None:
+        problems += [f"{where}{p}" for p in _init_from_problems(job)]
+    return problems
+
+
+def _init_from_problems(job: AdapterJob) -> list[str]:
+    """The folder must hold an adapter (either format), and a started adapter keeps its rank
+    and alpha: the job must not state others."""
+    try:
+        found = folder_format(job.init_from)
+    except (OSError, ValueError) as err:
+        return [f"init_from: {err}"]
+    if found is FolderFormat.TRAINING_CHECKPOINT:
+        return [f"init_from {job.init_from} is {found.value}, not an adapter folder; start from "
+                "an exported one (<run_dir>/adapters/<name> or <run_dir>/peft/<name>)"]
+    saved = declared_rank_alpha(job.init_from)
+    if saved is None:
+        return [f"init_from {job.init_from}: its adapter_config.json does not declare a rank "
+                "and alpha"]
+    rank, alpha = saved
+    problems = []
+    if rank != job.rank:
+        problems.append(f"init_from {job.init_from} holds a rank-{rank} adapter but rank="
+                        f"{job.rank}; set rank={rank} (a started adapter keeps its rank)")
+    # The saved alpha went through float32: equal up to that precision is the same alpha.
+    if job.alpha is not None and not math.isclose(job.alpha, alpha, rel_tol=1e-6):
+        problems.append(f"init_from {job.init_from} holds an adapter with alpha={alpha:.7g} but "
+                        f"alpha={job.alpha:g}; set alpha={alpha:.7g} or leave alpha unset (a "
+                        "started adapter keeps its scale)")
+    return problems
+

@@ -1,0 +1,128 @@
+"""What a run's settings must satisfy, each rule written once. Torch-free: everything here is
+checked before anything is built or written.
+
+* **Ranges of single settings**: a :class:`Rule` rides on each schema field (``ranged``),
+  and :func:`schema_problems` checks a whole config against them, naming the full key, the
+  value and what is allowed (the config check, ``mmlora submit``, the model builder).
+* **The parallel layout against the world size** (:func:`layout_problems`): the config check
+  and :func:`~megatron_multilora.parallel.init_parallel`.
+* **A model's shape against the layout** (:func:`model_layout_problems`): the config check
+  and the model builder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Optional
+
+# Names settings take, shared by the config schema and the layers that use them.
+INIT_METHODS = ("xavier", "kaiming", "normal", "zero")
+"""How a LoRA factor is initialised."""
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""The linears multi-LoRA wraps by name (wildcard patterns over module paths also work)."""
+SCHEDULES = ("constant", "linear", "cosine")
+"""Learning-rate schedules after warmup."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """``ok(value)`` must hold; ``allowed`` says what is, in words; ``optional``: null too."""
+
+    allowed: str
+    ok: Callable[[Any], bool]
+    optional: bool = False
+
+    def problem(self, key: str, value: Any) -> Optional[str]:
+        try:
+            fine = self.optional if value is None else self.ok(value)
+        except TypeError:
+            fine = False
+        if fine:
+            return None
+        return f"{key}={value!r}: must be {self.allowed}{' (or null)' if self.optional else ''}"
+
+
+def at_least(low: float, optional: bool = False) -> Rule:
+    return Rule(f">= {low}", lambda v: v >= low, optional)
+
+
+def positive(optional: bool = False) -> Rule:
+    return Rule("> 0", lambda v: v > 0 and math.isfinite(v), optional)
+
+
+def within(low: float, high: float, optional: bool = False) -> Rule:
+    """``low <= value < high``."""
+    return Rule(f"in [{low}, {high})", lambda v: low <= v < high, optional)
+
+
+def one_of(*values: Any) -> Rule:
+    named = [v for v in values if v is not None]
+    return Rule(f"one of {', '.join(repr(v) for v in named)}", lambda v: v in named,
+                None in values)
+
+
+def ranged(default: Any, rule: Rule) -> Any:
+    """A dataclass field with ``default`` whose values ``rule`` checks."""
+    return dataclasses.field(default=default, metadata={"rule": rule})
+
+
+def schema_problems(config: Any, prefix: str = "", skip: tuple[str, ...] = ()) -> list[str]:
+    """Every value of ``config`` (a dataclass, nested dataclasses and lists of them; not the
+    fields in ``skip``) that breaks its field's rule, by full key (e.g.
+    ``adapters.0.grad_clip=-1.0: must be > 0``)."""
+    problems = []
+    for field in dataclasses.fields(config):
+        if field.name in skip:
+            continue
+        key, value = f"{prefix}{field.name}", getattr(config, field.name)
+        rule = field.metadata.get("rule")
+        if rule is not None and (problem := rule.problem(key, value)):
+            problems.append(problem)
+        if dataclasses.is_dataclass(value):
+            problems += schema_problems(value, key + ".")
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if dataclasses.is_dataclass(item):
+                    problems += schema_problems(item, f"{key}.{i}.")
+    return problems
+
+
+# The layout's sizes as the config names them and as init_parallel's arguments do.
+CONFIG_NAMES = {"tp": "parallel.tp", "ep": "parallel.ep", "pp": "parallel.pp",
+                "vpp": "parallel.vpp", "sp": "parallel.sp"}
+INIT_NAMES = {"tp": "tensor_model_parallel_size", "ep": "expert_model_parallel_size",
+              "pp": "pipeline_model_parallel_size", "vpp": "virtual_pipeline_model_parallel_size",
+              "sp": "sequence_parallel"}
+
+
+def layout_problems(world: int, tp: int, ep: int, pp: int, sp: bool, vpp: Optional[int],
+                    names: dict[str, str]) -> list[str]:
+    """What keeps the layout from running on ``world`` processes (``names``: how to call the
+    sizes, :data:`CONFIG_NAMES` or :data:`INIT_NAMES`)."""
+    n = names
+    low = [f"{n[k]}={v}" for k, v in (("tp", tp), ("ep", ep), ("pp", pp), ("vpp", vpp or 1))
+           if v < 1]
+    if low:
+        return [f"{', '.join(low)}: must be at least 1"]
+    problems = []
+    if world % (tp * pp):
+        problems.append(f"{n['tp']}={tp} x {n['pp']}={pp} must divide the world size {world}")
+    elif (world // pp) % ep:  # megatron's expert grid lies within each pipeline stage
+        problems.append(f"{n['ep']}={ep} must divide the {world // pp} processes of each "
+                        f"pipeline stage (world size {world} / {n['pp']}={pp})")
+    if sp and tp == 1:
+        problems.append(f"{n['sp']}=true needs {n['tp']} > 1")
+    if vpp is not None and pp == 1:
+        problems.append(f"{n['vpp']}={vpp} needs {n['pp']} > 1; without pipelining leave it "
+                        "null")
+    return problems
+
+
+def model_layout_problems(model: Any, tp: int, pp: int, vpp: Optional[int], ep: int) -> list[str]:
+    """What keeps ``model`` (a ``GPTModelConfig``) from splitting over the layout."""
+    problems = model.check(max(tp, 1), max(pp, 1), vpp if (vpp or 0) >= 1 else None)
+    if model.num_moe_experts is not None and ep >= 1 and model.num_moe_experts % ep:
+        problems.append(f"num_moe_experts={model.num_moe_experts} is not divisible by expert "
+                        f"parallel size {ep}")
+    return problems
