@@ -183,6 +183,14 @@ def test_every_setting_is_checked_for_its_range(demo_data, override, message):
     assert str(err.value).count("\n  - ") == 1, str(err.value)  # that problem alone
 
 
+def test_a_negative_epoch_count_is_refused(demo_data):
+    """It trained one step."""
+    fields = job("a", demo_data, "add", "null", epochs=-1)
+    with pytest.raises(ConfigError) as err:
+        validate(compose_run(["hf_dir=null", f"adapters=[{fields}]"]))
+    assert str(err.value).endswith("\n  - adapters.0.epochs=-1.0: must be > 0 (or null)"), err.value
+
+
 def test_the_run_dir_and_checkpoint_to_resume_are_checked(demo_data, tmp_path):
     jobs = f"adapters=[{job('a', demo_data, 'add', 3)}]"
     afile = tmp_path / "afile"
