@@ -11,7 +11,7 @@ slot token counts cannot segment them; the MoE layer's routing hook
 sorts rows by (slot, expert). The LoRA term is then :func:`.multi_lora_linear.lora_term` over
 ``N * E`` groups. Expert weights are never tensor-split (expert tensor parallel size 1):
 factors are split over expert-parallel ranks by whole experts
-(:class:`~.sharding.ExpertParallel`) and tagged ``allreduce=False`` like megatron's expert
+(:class:`~.expert_sharding.ExpertParallel`) and tagged ``allreduce=False`` like megatron's expert
 weights. The slots and their lifecycle are the dense layer's (a :class:`~.slot_bank.SlotBank`).
 """
 
@@ -23,7 +23,8 @@ import torch
 
 from megatron_multilora.layers.factors import A, B
 from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear, Stack, check_settings, lora_term
-from megatron_multilora.layers.sharding import ExpertParallel, owns_output
+from megatron_multilora.layers.expert_sharding import ExpertParallel
+from megatron_multilora.layers.layout import owns_output
 from megatron_multilora.layers.slot_dropout import dropout_by_row
 
 

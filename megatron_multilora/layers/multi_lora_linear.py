@@ -29,7 +29,8 @@ from megatron.core.transformer.utils import sharded_state_dict_default
 
 from megatron_multilora.layers.factors import FACTORS, A, B, Factor
 from megatron_multilora.layers.grouped_gemm import grouped_linear
-from megatron_multilora.layers.sharding import Layout, dense_layout
+from megatron_multilora.layers.layout import Layout
+from megatron_multilora.layers.sharding import dense_layout
 from megatron_multilora.layers.slot_bank import LoRASlot, SlotBank
 from megatron_multilora.layers.slot_dropout import dropout_by_counts
 from megatron_multilora.ops.slot_layout import Segments, SlotLayout
@@ -208,7 +209,7 @@ class MultiLoRALinear(torch.nn.Module):
         seg_in = self._segments(x2.size(0), in_shard, x2.device)
         rates = [bank.rates[s] for s in slots]
         if self.dropout_position == "pre":
-            x2 = dropout_by_counts(x2, seg_in.counts, rates, self.training, layout.input_varies)
+            x2 = dropout_by_counts(x2, seg_in.counts, rates, self.training, layout.varies("input"))
         r = bank.compute_rank(slots, layout.rank_is_split)
         # A copied factor stack is rebuilt for backward rather than kept: nothing but the
         # slots' own parameters grows with the number of slots.
@@ -218,7 +219,7 @@ class MultiLoRALinear(torch.nn.Module):
         if self.dropout_position == "post":
             lora = dropout_by_counts(lora, self._segments(lora.size(0), out_shard,
                                                           lora.device).counts,
-                                     rates, self.training, layout.output_varies)
+                                     rates, self.training, layout.varies("output"))
         return lora
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:

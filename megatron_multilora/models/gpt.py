@@ -14,6 +14,16 @@ from megatron_multilora.models.specs import gpt_block_spec
 from megatron_multilora.validation import model_layout_problems, schema_problems
 
 
+# GPTModelConfig fields that TransformerConfig takes as they are, under the same name
+_SAME_NAMED = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+               "ffn_hidden_size", "kv_channels", "normalization", "gated_linear_unit",
+               "add_bias_linear", "add_qkv_bias", "qk_layernorm", "init_method_std",
+               "attention_dropout", "hidden_dropout")
+_MOE_SAME_NAMED = ("num_moe_experts", "moe_router_topk", "moe_router_score_function",
+                   "moe_aux_loss_coeff", "moe_shared_expert_intermediate_size",
+                   "moe_token_dispatcher_type", "moe_shared_expert_gate", "moe_router_dtype")
+
+
 def transformer_config(
     cfg: GPTModelConfig,
     sequence_parallel: bool = False,
@@ -37,22 +47,9 @@ def transformer_config(
         overrides = {"recompute_granularity": "selective",
                      "recompute_modules": cfg.recompute_modules or ["core_attn"], **overrides}
     config = TransformerConfig(
-        num_layers=cfg.num_layers,
-        hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_query_groups,
-        ffn_hidden_size=cfg.ffn_hidden_size,
-        kv_channels=cfg.kv_channels,
-        normalization=cfg.normalization,
+        **{field: getattr(cfg, field) for field in _SAME_NAMED},
         layernorm_epsilon=cfg.norm_epsilon,
         activation_func=getattr(F, cfg.activation),
-        gated_linear_unit=cfg.gated_linear_unit,
-        add_bias_linear=cfg.add_bias_linear,
-        add_qkv_bias=cfg.add_qkv_bias,
-        qk_layernorm=cfg.qk_layernorm,
-        init_method_std=cfg.init_method_std,
-        attention_dropout=cfg.attention_dropout,
-        hidden_dropout=cfg.hidden_dropout,
         tensor_model_parallel_size=tp,
         sequence_parallel=sequence_parallel,
         params_dtype=params_dtype,
@@ -92,17 +89,10 @@ def _renormalised_top1(cfg: GPTModelConfig) -> bool:
 
 def _moe_settings(cfg: GPTModelConfig, ep: int) -> dict:
     return dict(
-        num_moe_experts=cfg.num_moe_experts,
-        moe_router_topk=cfg.moe_router_topk,
+        **{field: getattr(cfg, field) for field in _MOE_SAME_NAMED},
         moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
-        moe_router_score_function=cfg.moe_router_score_function,
         moe_router_pre_softmax=cfg.moe_router_pre_softmax or _renormalised_top1(cfg),
-        moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
         moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none",
-        moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
-        moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
-        moe_shared_expert_gate=cfg.moe_shared_expert_gate,
-        moe_router_dtype=cfg.moe_router_dtype,
         moe_grouped_gemm=True,
         moe_permute_fusion=False,
         expert_model_parallel_size=ep,

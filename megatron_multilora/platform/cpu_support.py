@@ -84,6 +84,14 @@ def activate_cpu_support() -> bool:
     if torch.cuda.is_available():
         return False
 
+    _warn_on_another_megatron()
+    _patch_devices_and_rng()
+    _patch_modules()
+    _active = True
+    return True
+
+
+def _warn_on_another_megatron() -> None:
     from megatron.core import package_info
 
     if package_info.__version__ != CHECKED_MEGATRON_VERSION:
@@ -93,6 +101,8 @@ def activate_cpu_support() -> bool:
             package_info.__version__,
         )
 
+
+def _patch_devices_and_rng() -> None:
     # mappings.py, layers.py (SP buffers), rotary get_emb and the MoE router allocate on
     # torch.cuda.current_device(); returning "cpu" puts those tensors on the CPU.
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
@@ -109,6 +119,9 @@ def activate_cpu_support() -> bool:
     mp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     mp_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
 
+
+def _patch_modules() -> None:
+    """The megatron modules that reach for CUDA or a collective where the CPU has neither."""
     # moe/token_dispatcher.py: the alltoall dispatcher creates a torch.cuda.Stream at init and
     # moves split sizes to the host on it; gloo also needs host split sizes.
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
@@ -135,9 +148,6 @@ def activate_cpu_support() -> bool:
 
     LanguageModule.setup_embeddings_and_output_layer = _on_cpu_tensors(
         LanguageModule.setup_embeddings_and_output_layer)
-
-    _active = True
-    return True
 
 
 def _on_cpu_tensors(method):

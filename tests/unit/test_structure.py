@@ -1,0 +1,101 @@
+"""The package's shape, checked from its source: imports point one way (layers <-
+models/data <- checkpoint <- training <- cli), modules import no circle, and functions and
+files stay short enough to read."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "megatron_multilora"
+# Each part of the package and its level: a part imports only parts of lower levels.
+LEVELS = {
+    "errors": 0, "validation": 0, "atomic_files": 0, "platform": 0, "ops": 0,
+    "parallel": 1,
+    "layers": 2,
+    "models": 3, "data": 3,
+    "checkpoint": 4,
+    "training": 5,
+    "cli": 6,
+}
+MAX_FUNCTION_LINES, MAX_FILE_LINES = 60, 400
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The package's modules ``path`` imports, anywhere in it (a function's import too)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # ``from package import module`` names a module; ``from module import name`` not
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        else:
+            continue
+        out.update(name for name in names if name in MODULES)
+    return out
+
+
+def part(module: str) -> str:
+    return module.split(".")[1] if "." in module else "__init__"
+
+
+def test_every_part_of_the_package_has_a_level():
+    parts = {part(m) for m in MODULES} - {"__init__"}
+    assert parts == set(LEVELS), f"give {sorted(parts - set(LEVELS))} a level in LEVELS"
+
+
+def test_imports_point_down():
+    upward = []
+    for module, path in MODULES.items():
+        if module == "megatron_multilora":  # the facade: it exposes the public API lazily
+            continue
+        for target in imported_modules(path):
+            mine, theirs = part(module), part(target)
+            if mine != theirs and (theirs == "__init__" or LEVELS[theirs] >= LEVELS[mine]):
+                upward.append(f"{module} imports {target}")
+    assert not upward, "imports that run back up or sideways:\n" + "\n".join(sorted(upward))
+
+
+def test_no_module_imports_a_circle():
+    graph = {m: imported_modules(p) - {m} for m, p in MODULES.items()}
+    graph = {m: {t for t in targets if not m.startswith(t + ".")} for m, targets in graph.items()}
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    circles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                circles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def test_functions_and_files_are_short():
+    long = []
+    for module, path in MODULES.items():
+        source = path.read_text()
+        if source.count("\n") >= MAX_FILE_LINES:
+            long.append(f"{path.name}: {source.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines >= MAX_FUNCTION_LINES:
+                    long.append(f"{module}.{node.name}: {lines} lines")
+    assert not long, (f"functions of {MAX_FUNCTION_LINES}+ lines or files of {MAX_FILE_LINES}+:\n"
+                      + "\n".join(long))
