@@ -10,15 +10,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "${SKIP_SETUP:-0}" = 1 ] || bash scripts/setup.sh
-TORCHRUN=(env OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2
-          --local-ranks-filter 0)
+TRAIN=(.venv/bin/mmlora train --nproc 2)  # torchrun, rank 0's output, 1 thread per process
 
 if [ "${1:-}" = "--tiny" ]; then
     shift
     if [ ! -f data/demo/sort.eval.jsonl ] || [ ! -f data/demo/tiny-llama/config.json ]; then
         .venv/bin/python scripts/make_demo_data.py --out-dir data/demo
     fi
-    exec "${TORCHRUN[@]}" recipes/multi_lora_finetune.py "$@"
+    exec "${TRAIN[@]}" "$@"
 fi
 
 MODEL=data/smollm2-135m-instruct
@@ -36,7 +35,7 @@ fi
 if [ ! -f data/demo-words/double.eval.jsonl ]; then
     .venv/bin/python scripts/make_demo_data.py --out-dir data/demo-words --tasks words
 fi
-"${TORCHRUN[@]}" recipes/multi_lora_finetune.py --config-name smollm2 "$@"
+"${TRAIN[@]}" --config-name smollm2 "$@"
 echo "demo: greedy generations, base model vs each adapter (transformers + peft):"
 ADAPTERS=() EVAL_FILES=()
 for task in reverse_words sort_words capitalize double; do

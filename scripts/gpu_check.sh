@@ -12,11 +12,11 @@
 #                (dense, MoE), the step vs a plain loop, optimizer and RNG resume on the GPU
 #   recipe-dense the recipe for 5 steps per job in bf16 on the tiny dense model
 #   recipe-moe   the same on the tiny MoE (built from its config)
-#   bench        scripts/bench.py --device cuda, every section's rows written as it completes
+#   bench        python -m benchmarks --device cuda, every section's rows written as it completes
 #
 # Results land in ${OUT:-benchmarks/gpu}/ as each stage finishes (7 files): gpu_check.md
 # (the report: one row per stage, and what one GPU cannot check), env.txt, tests.log,
-# recipe.log, bench.log, and bench.py's gpu.md and gpu.json. Exit status 0 when every stage
+# recipe.log, bench.log, and the benchmark's gpu.md and gpu.json. Exit status 0 when every stage
 # that ran passed.
 #
 #   bash scripts/gpu_wheels.sh            # here, once (needs PyPI): .whl/, a few MB
@@ -57,7 +57,7 @@ logging.plots=false checkpoint.resume=never ${*:2} >> \"$RESULTS/recipe.log\" 2>
 CMD[recipe-dense]="\"$PYTHON\" scripts/make_demo_data.py --out-dir $WORK/data \
 >> \"$RESULTS/recipe.log\" 2>&1 && $(recipe dense)"
 CMD[recipe-moe]=$(recipe moe hf_dir=null model=tiny_moe)
-CMD[bench]="\"$PYTHON\" scripts/bench.py --device cuda --skip-tp --skip-pp --out-dir \"$RESULTS\" \
+CMD[bench]="\"$PYTHON\" -m benchmarks --device cuda --skip-tp --skip-pp --out-dir \"$RESULTS\" \
 > \"$RESULTS/bench.log\" 2>&1"
 declare -A LOG=([tests]=tests.log [recipe-dense]=recipe.log [recipe-moe]=recipe.log [bench]=bench.log
                 [env]=env.txt)

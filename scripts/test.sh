@@ -13,8 +13,8 @@ run_pytest() {
     return "$rc"
 }
 
-echo "test: single-process tests (units, then the recipe in process and from the CLI)"
-run_pytest .venv/bin/python -m pytest tests/unit tests/recipe "$@"
+echo "test: single-process tests (units, the recipe in process and from the CLI, the benchmark smoke tests)"
+run_pytest .venv/bin/python -m pytest tests/unit tests/recipe tests/bench "$@"
 for world in 2 4; do
     echo "test: multi-process tests (torchrun, $world processes, gloo)"
     OMP_NUM_THREADS=1 run_pytest .venv/bin/torchrun --standalone --nproc-per-node "$world" \

@@ -44,7 +44,7 @@ from megatron_multilora.atomic_files import write_dir_atomic
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-def _hf_parts(megatron_rest: str, model_type: str) -> Optional[list[str]]:
+def hf_module_names(megatron_rest: str, model_type: str) -> Optional[list[str]]:
     """HF module names (below ``model.layers.L.``) a Megatron linear splits into; ``{e}``
     stands for the expert index."""
     experts = ("block_sparse_moe.experts.{e}." if model_type == "mixtral" else "mlp.experts.{e}.")
@@ -98,7 +98,7 @@ def to_peft_tensors(full: dict[str, torch.Tensor], cfg: GPTModelConfig,
     paths = sorted({k.split(".adapter.")[0] for k in full})
     for path in paths:
         m = _LAYER.match(path)
-        parts = _hf_parts(m.group(2), model_type) if m else None
+        parts = hf_module_names(m.group(2), model_type) if m else None
         if parts is None:
             raise ValueError(f"{path}: no Hugging Face counterpart for this linear")
         layer, rest = int(m.group(1)), m.group(2)
@@ -178,7 +178,7 @@ def import_peft(model: ModelOrChunks, idx: int, folder: str | Path, cfg: GPTMode
     remaining = dict(peft)
     full = {}
     for path, (layer, rest) in _layers(model).items():
-        parts = _hf_parts(rest, model_type)
+        parts = hf_module_names(rest, model_type)
         layer_module = next(m for p, m in named_multi_lora_modules(model) if p == path)
         n_experts = (layer_module.num_local_experts * _ep_size()
                      if hasattr(layer_module, "num_local_experts") else None)

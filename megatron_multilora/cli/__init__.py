@@ -38,10 +38,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    parser = _parser()
     try:
-        args = _parser().parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra and not hasattr(args, "overrides"):
+            parser.parse_args(argv)  # argparse's own error for arguments no command takes
     except SystemExit as exit_:  # --help / --version (0) or a usage error (2), already printed
         return int(exit_.code or 0)
+    if extra:
+        args.overrides = extra
     try:
         return args.run(args)
     except CommandError as err:

@@ -20,7 +20,7 @@ class Commands:
 
     def add(self, name: str, run: Callable[[argparse.Namespace], int], help_: str,
             run_dir: bool = False) -> argparse.ArgumentParser:
-        sub = self._sub.add_parser(name, help=help_, description=help_)
+        sub = self._sub.add_parser(name, help=help_, description=help_, allow_abbrev=False)
         if run_dir:
             sub.add_argument("--run-dir", required=True, help="the run's run_dir")
         sub.set_defaults(run=run)

@@ -76,6 +76,8 @@ def add_commands(commands: Commands) -> None:
                      help="processes (data/tensor/expert/pipeline parallel ranks); default 1")
     sub.add_argument("--all-ranks", action="store_true",
                      help="show every process's output, not only rank 0's")
-    sub.add_argument("overrides", nargs=argparse.REMAINDER, metavar="OVERRIDE",
-                     help="Hydra overrides, e.g. trainer.steps_per_job=50 parallel=tp2 "
-                          "--config-name smollm2")
+    # Every argument the command does not know is the recipe's (Hydra's), in order.
+    sub.set_defaults(overrides=[])
+    sub.usage = "mmlora train [-h] [--nproc N] [--all-ranks] [OVERRIDE ...]"
+    sub.epilog = ("OVERRIDE: what the recipe takes, e.g. trainer.steps_per_job=50 parallel=tp2 "
+                  "--config-name smollm2 (Hydra's overrides and flags)")

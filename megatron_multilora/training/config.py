@@ -61,8 +61,8 @@ class AdapterJob:
     """constant, linear or cosine decay after warmup, down to min_lr_ratio * lr."""
     min_lr_ratio: float = ranged(0.0, Rule("in [0, 1]", lambda v: 0.0 <= v <= 1.0))
     weight_decay: float = ranged(0.0, at_least(0.0))
-    grad_clip: Optional[float] = ranged(1.0, positive(optional=True))
-    """Clip this adapter's gradient norm; null disables clipping."""
+    grad_clip: Optional[float] = ranged(1.0, at_least(0.0, optional=True))
+    """Clip this adapter's gradient norm to this; 0 or null: no clipping."""
     global_batch_size: int = ranged(8, at_least(1))
     """Samples per optimizer step, over all data-parallel ranks."""
     max_steps: Optional[int] = ranged(None, at_least(1, optional=True))
@@ -156,8 +156,8 @@ class LoggingSettings:
 
 @dataclasses.dataclass
 class CheckpointSettings:
-    save_interval: Optional[int] = ranged(MISSING, at_least(1, optional=True))
-    """Save every this many trainer steps (and at the end); null: only at the end."""
+    save_interval: Optional[int] = ranged(MISSING, at_least(0, optional=True))
+    """Save every this many trainer steps (and at the end); 0 or null: only at the end."""
     keep_last: int = ranged(MISSING, at_least(0))
     """Checkpoints kept (the newest); 0: all."""
     resume: str = MISSING

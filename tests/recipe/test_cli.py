@@ -89,8 +89,9 @@ def whole(demo_data, tmp_path_factory) -> tuple[Path, str]:
     tmp = tmp_path_factory.mktemp("whole")
     overrides = command(tmp / "run", demo_data, ["logging.plots=true", "logging.wandb_mode=offline",
                                                  "trainer.eval_interval=60"])[5:]
-    out = finish(launch([MMLORA, "train", "--nproc", "2", *overrides], tmp / "run.log", cwd=tmp),
-                 tmp / "run.log")
+    # Hydra's own flags pass through; --nproc may come anywhere.
+    out = finish(launch([MMLORA, "train", "--config-name", "config", *overrides, "--nproc", "2"],
+                        tmp / "run.log", cwd=tmp), tmp / "run.log")
     assert "mmlora train: torchrun --standalone --nproc-per-node 2" in out
     return tmp / "run", out
 

@@ -155,7 +155,7 @@ def test_bad_config_under_torchrun_fails_clearly_and_leaves_the_run_dir_alone(de
 @pytest.mark.parametrize("override,message", [
     ("adapters.0.max_steps=0", "adapters.0.max_steps=0: must be >= 1 (or null)"),
     ("adapters.0.warmup_steps=-2", "adapters.0.warmup_steps=-2: must be >= 0"),
-    ("adapters.0.grad_clip=-1.0", "adapters.0.grad_clip=-1.0: must be > 0 (or null)"),
+    ("adapters.0.grad_clip=-1.0", "adapters.0.grad_clip=-1.0: must be >= 0.0 (or null)"),
     ("adapters.0.dropout=1.0", "adapters.0.dropout=1.0: must be in [0.0, 1.0)"),
     ("trainer.max_steps=-1", "trainer.max_steps=-1: must be >= 1 (or null)"),
     ("trainer.max_seq_len=0", "trainer.max_seq_len=0: must be >= 2"),

@@ -1,4 +1,6 @@
-"""scripts/bench.py --quick runs end to end and reports every row with positive figures."""
+"""The benchmark package runs end to end (``python -m benchmarks --quick``) and reports every
+row with positive figures; the slow tier (``-m slow``): CI runs it, a quick local loop may
+leave it out with ``-m "not slow"``."""
 
 import json
 import math
@@ -6,27 +8,38 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 TIMED_ROWS = ["1a", "2a", "3a", "1b", "2b", "3b", "1c", "2c", "1d", "2d", "4", "5"]
 TP_ROWS = ["6a", "6b"]
 PP_ROWS = ["7a", "7b"]
 SCALE_ROWS = ["8a", "8b", "8c", "9"]  # after the TP and PP sections
 
+pytestmark = pytest.mark.slow
+
+
+def benchmark(*args: str, out_dir: Path) -> None:
+    # One thread: two threads stall badly when other processes load the cores.
+    subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--threads", "1",
+                    "--out-dir", str(out_dir), *args], check=True, cwd=REPO, timeout=240,
+                   stdout=subprocess.DEVNULL)
+
+
+def assert_measured(row: dict, markdown: str) -> None:
+    for key in ("a_value", "b_value", "ratio"):
+        assert math.isfinite(row[key]) and row[key] > 0, (row["id"], key, row[key])
+    assert f"| {row['id']} |" in markdown and f"- **{row['id']}**:" in markdown
+
 
 def test_quick_benchmark_writes_every_row(tmp_path):
-    # One thread: two threads stall badly when other processes load the cores.
-    subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--quick", "--skip-tp",
-                    "--skip-pp", "--threads", "1", "--out-dir", str(tmp_path)], check=True, cwd=REPO,
-                   timeout=240, stdout=subprocess.DEVNULL)
+    benchmark("--skip-tp", "--skip-pp", out_dir=tmp_path)
     report = json.loads((tmp_path / "cpu.json").read_text())
     markdown = (tmp_path / "cpu.md").read_text()
     rows = {row["id"]: row for row in report["rows"]}
     assert list(rows) == TIMED_ROWS + TP_ROWS + PP_ROWS + SCALE_ROWS
     for row_id in TIMED_ROWS + SCALE_ROWS:
-        row = rows[row_id]
-        for key in ("a_value", "b_value", "ratio"):
-            assert math.isfinite(row[key]) and row[key] > 0, (row_id, key, row[key])
-        assert f"| {row_id} |" in markdown and f"- **{row_id}**:" in markdown
+        assert_measured(rows[row_id], markdown)
     for row_id, flag in [(r, "--skip-tp") for r in TP_ROWS] + [(r, "--skip-pp") for r in PP_ROWS]:
         assert rows[row_id]["skipped"].startswith(f"skipped: {flag}")
         assert f"| {row_id} |" in markdown
@@ -38,9 +51,7 @@ def test_quick_benchmark_writes_every_row(tmp_path):
 def test_quick_pp_section_alone(tmp_path):
     """--only pp: PP=1 here, PP=2 and DP=2 in 2 processes; the layouts train alike; the full
     report is left alone."""
-    subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--quick", "--only", "pp",
-                    "--threads", "1", "--out-dir", str(tmp_path)], check=True, cwd=REPO,
-                   timeout=240, stdout=subprocess.DEVNULL)
+    benchmark("--only", "pp", out_dir=tmp_path)
     assert not (tmp_path / "cpu.json").exists()
     report = json.loads((tmp_path / "cpu-only-pp.json").read_text())
     markdown = (tmp_path / "cpu-only-pp.md").read_text()
@@ -48,9 +59,7 @@ def test_quick_pp_section_alone(tmp_path):
     assert list(rows) == PP_ROWS and report["meta"]["sections"] == ["pp"]
     for row_id in PP_ROWS:
         row = rows[row_id]
-        for key in ("a_value", "b_value", "ratio"):
-            assert math.isfinite(row[key]) and row[key] > 0, (row_id, key, row[key])
-        assert f"| {row_id} |" in markdown and f"- **{row_id}**:" in markdown
+        assert_measured(row, markdown)
         assert "differ by at most" in row["note"]
         assert float(row["note"].split("at most ")[1].split()[0]) < 1e-5, row["note"]
     assert set(report["samples_s"]["trainer step PP"]) == {"PP=2", "DP=2", "PP=1 one process"}
@@ -62,16 +71,17 @@ def test_a_failing_section_keeps_the_others(tmp_path):
     code = f"""
 import sys
 from pathlib import Path
-sys.path.insert(0, {str(REPO / "scripts")!r})
-import bench
+import megatron_multilora as mm
+from benchmarks import run
+from benchmarks.settings import parse_settings
 
 def broken(*args):
     raise RuntimeError("boom")
 
-bench.RUN_SECTION["layers"] = broken
-bench.mm.support_megatron_here()
-settings, _ = bench.parse_settings(["--quick", "--threads", "1"])
-sys.exit(1 if bench.run_benchmark(settings, Path({str(tmp_path)!r}), ("layers", "jobs")) else 0)
+run.RUN_SECTION["layers"] = broken
+mm.support_megatron_here()
+settings, _ = parse_settings(["--quick", "--threads", "1"])
+sys.exit(1 if run.run_benchmark(settings, Path({str(tmp_path)!r}), ("layers", "jobs")) else 0)
 """
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=240,
                           capture_output=True, text=True)
@@ -85,18 +95,40 @@ sys.exit(1 if bench.run_benchmark(settings, Path({str(tmp_path)!r}), ("layers", 
     assert "- sections: layers (FAILED), jobs (done)" in markdown
 
 
+def test_our_step_costs_build_the_recipes_run(tmp_path):
+    """Rows 10i-10k, our side: the recipe's default run composed from conf/ on the demo data,
+    its model built and its jobs started as the trainer does; every part timed."""
+    data = tmp_path / "demo"
+    subprocess.run([sys.executable, "scripts/make_demo_data.py", "--out-dir", str(data)],
+                   cwd=REPO, check=True, capture_output=True, timeout=120)
+    code = f"""
+import json, sys
+from pathlib import Path
+from benchmarks.peers.spec import job_spec
+from benchmarks.peers.step_costs import step_cost_worker
+spec = job_spec(Path({str(data)!r}), 5)
+step_cost_worker(spec, "ours", {str(tmp_path / 'ours.json')!r}, reps=2, warmup=1)
+print(json.dumps(spec))
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=240,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    spec = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [j["name"] for j in spec["jobs"]] == ["reverse", "uppercase", "add", "sort"]
+    assert spec["targets"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                               "down_proj"]
+    costs = json.loads((tmp_path / "ours.json").read_text())
+    assert all(costs[part] > 0 for part in ("frozen", "lora", "step")), costs
+    assert costs["lora"] > costs["frozen"], costs  # the adapters' GEMMs cost something
+
+
 def test_versions_without_git(monkeypatch):
     """The GPU machine's image may have no git: the report then names no commit."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench", bench)  # its dataclasses look their module up
-    spec.loader.exec_module(bench)
+    from benchmarks import report
 
     def no_git(*args, **kwargs):
         raise FileNotFoundError("git")
 
-    monkeypatch.setattr(bench.subprocess, "run", no_git)
-    found = bench.versions()
+    monkeypatch.setattr(report.subprocess, "run", no_git)
+    found = report.versions()
     assert "git" not in found and found["torch"] and found["megatron-core"]
