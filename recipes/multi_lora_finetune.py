@@ -1,7 +1,7 @@
 """Fine-tune N LoRA adapter jobs at once on one frozen Megatron-core model.
 
-    torchrun --standalone --nproc-per-node 2 recipes/multi_lora_finetune.py \
-        [adapters.0.lr=3e-4 trainer.steps_per_job=50 parallel.tp=2 ...]
+    mmlora train --nproc 2 [adapters.0.lr=3e-4 trainer.steps_per_job=50 parallel.tp=2 ...]
+    torchrun --standalone --nproc-per-node 2 recipes/multi_lora_finetune.py [...]   # the same
 
 The story: check the config, start the parallel layout, build the model and wrap it with
 adapter slots, load every job's data, then train (megatron_multilora/training/trainer.py).

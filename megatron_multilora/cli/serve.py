@@ -37,8 +37,8 @@ def _run_config_path(run_dir: str) -> Path:
     if not path.is_file():
         raise CommandError(
             f"{run_dir} is not a run directory ({path} does not exist): launch the trainer "
-            f"first, e.g. `torchrun ... recipes/multi_lora_finetune.py run_dir={run_dir} "
-            "trainer.serve=true`, or pass the --run-dir of a launched run")
+            f"first, e.g. `mmlora train --nproc 2 run_dir={run_dir} trainer.serve=true`, or "
+            "pass the --run-dir of a launched run")
     return path
 
 

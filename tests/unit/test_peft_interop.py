@@ -1,7 +1,7 @@
 """A slot exported in PEFT format, loaded with ``peft.PeftModel.from_pretrained`` on the
 transformers model, gives the Megatron model's logits with only that slot active (fp32).
 
-qwen2_moe: PEFT skips its expert LoRA conversion (known gap, see the README), so there the
+qwen2_moe: PEFT skips its expert LoRA conversion (known gap, see docs/reference.md), so there the
 reference is transformers with the exported deltas merged by hand.
 """
 
