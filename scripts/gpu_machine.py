@@ -112,7 +112,7 @@ def repo_imports() -> dict[str, str]:
     local = {p.stem for p in (REPO / "scripts").glob("*.py")} | {
         p.name for p in REPO.iterdir() if p.is_dir()}
     found: dict[str, str] = {}
-    for folder in ("megatron_multilora", "recipes", "scripts", "tests"):
+    for folder in ("megatron_multilora", "benchmarks", "recipes", "scripts", "tests"):
         for f in sorted((REPO / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(f.read_text())):
                 if isinstance(node, ast.Import):
