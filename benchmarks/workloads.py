@@ -111,7 +111,7 @@ def slot_and_single_batches(s: Settings, vocab: int, device: torch.device,
 def model_step(model: torch.nn.Module, mb: MicroBatch) -> None:
     """Forward+backward of one packed micro-batch through the recipe's schedule, each
     adapter's loss normalised by its own loss tokens."""
-    per_slot_losses([model], [mb], mb.loss_tokens_per_slot())
+    per_slot_losses([model], [mb], mb.loss_units_per_slot())
 
 
 def timed_model_step(model: torch.nn.Module, mb: MicroBatch) -> Callable[[], None]:

@@ -72,7 +72,10 @@ IMPORT_OF = {"pyyaml": "yaml", "pillow": "PIL", "scikit-learn": "sklearn",
              "opencv-python-headless": "cv2", "huggingface-hub": "huggingface_hub"}
 # Imported by the repository but not by anything gpu_check.sh runs there.
 NOT_NEEDED = {"wandb": "imported only when logging.wandb_mode is not 'disabled' (gpu_check.sh "
-                       "disables it)"}
+                       "disables it)",
+              "datasets": "imported only for Parquet, JSON and save_to_disk datasets (gpu_check.sh "
+                          "reads JSONL)",
+              "trl": "imported only by the CPU tests that compare with TRL"}
 PLATFORMS = re.compile(r"any|manylinux(1|2010|2014|_2_(\d+))_x86_64")
 MAX_GLIBC = 28  # what every carried wheel needs at most (the image is newer)
 

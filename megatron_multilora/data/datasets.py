@@ -1,37 +1,39 @@
-"""JSONL fine-tuning datasets: validation with file:line errors, tokenization, truncation.
+"""A job's dataset: records read and validated (file:line or file:record errors), columns
+renamed, tokenized and truncated into :class:`Example` s.
 
-Each non-blank line of a dataset file is one record, in one of two forms::
-
-    {"prompt": "12+7=", "completion": "19"}
-    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
-
-Only what the model should produce is trained: the completion and eos, or the assistant
-messages and eos (see ``ByteTokenizer.encode_chat``).
+A dataset is a JSONL file (one record per non-blank line), a Parquet or JSON file, or a
+Hugging Face ``datasets`` folder (``save_to_disk``); the last three are read with the
+``datasets`` library. ``columns`` maps a record form's field to the dataset's column (e.g.
+``{"prompt": "question", "completion": "answer"}``). The forms (what each objective reads)
+are in :mod:`.record_forms`; only what the model should produce is trained.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator, Mapping, Optional, Union
 
-from megatron_multilora.data.tokenizer import CHAT_ROLES, Tokenizer
-
-_EXPECTED = ('expected {"prompt": str, "completion": str} or '
-             '{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}')
+from megatron_multilora.data.record_forms import EXPECTED, PROBLEMS, answer_ids
+from megatron_multilora.data.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
 class Example:
-    """One tokenized record.
+    """One tokenized sequence.
 
     ``loss_mask[i]`` says whether predicting ``tokens[i + 1]`` from position ``i`` counts in
-    the loss, so ``len(loss_mask) == len(tokens) - 1``.
+    the loss, so ``len(loss_mask) == len(tokens) - 1``. ``values``: the loss's other
+    per-token inputs by name (one float per loss-mask entry: e.g. sampled log-probs,
+    advantages, reference log-probs). ``units``: what the example adds to its adapter's loss
+    normaliser (default: its loss tokens; e.g. 1 per preference pair or per sequence).
     """
 
     tokens: tuple[int, ...]
     loss_mask: tuple[bool, ...]
+    values: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    units: Optional[int] = None
 
     def __post_init__(self) -> None:
         if len(self.tokens) < 2:
@@ -39,52 +41,44 @@ class Example:
         if len(self.loss_mask) != len(self.tokens) - 1:
             raise ValueError(f"loss_mask has {len(self.loss_mask)} entries for "
                              f"{len(self.tokens)} tokens; expected {len(self.tokens) - 1}")
+        bad = [k for k, v in self.values.items() if len(v) != len(self.loss_mask)]
+        if bad:
+            raise ValueError(f"values {bad} need one entry per loss-mask entry "
+                             f"({len(self.loss_mask)})")
+
+    @property
+    def loss_units(self) -> int:
+        return sum(self.loss_mask) if self.units is None else self.units
+
+
+# What packing keeps together in one micro-batch: an example, or a group (a preference pair).
+Packable = Union[Example, tuple[Example, ...]]
 
 
 class DatasetError(ValueError):
-    """A dataset file problem; the message starts with ``"path:line: "`` or ``"path: "``."""
+    """A dataset problem; the message starts with ``"path:line: "`` (JSONL), ``"path: record
+    n: "`` (other formats) or ``"path: "``."""
 
 
-def _record_problem(record: object) -> str | None:
-    """What is wrong with one parsed record, or None if it is a valid record."""
-    if not isinstance(record, dict):
-        return f"expected a JSON object, got {type(record).__name__}; {_EXPECTED}"
-    keys = set(record)
-    if keys == {"prompt", "completion"}:
-        for key in ("prompt", "completion"):
-            if not isinstance(record[key], str):
-                return f'"{key}" must be a string, got {type(record[key]).__name__}'
-        if not record["completion"]:
-            return '"completion" is empty; there would be nothing to train on'
-        return None
-    if keys == {"messages"}:
-        messages = record["messages"]
-        if not isinstance(messages, list) or not messages:
-            return '"messages" must be a non-empty list of {"role": ..., "content": ...} objects'
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or set(message) != {"role", "content"}:
-                return (f'messages[{i}] must be an object with exactly "role" and "content", '
-                        f"got {message!r:.80}")
-            if message["role"] not in CHAT_ROLES:
-                return f"messages[{i}]: unknown role {message['role']!r}; expected one of {CHAT_ROLES}"
-            if not isinstance(message["content"], str):
-                return (f'messages[{i}]: "content" must be a string, '
-                        f"got {type(message['content']).__name__}")
-        if not any(m["role"] == "assistant" for m in messages):
-            return 'no "assistant" message; there would be nothing to train on'
-        return None
-    return f"unexpected keys {sorted(keys)}; {_EXPECTED}"
+def rename_columns(record: dict, columns: Optional[Mapping[str, str]]) -> dict:
+    """``record`` with each ``columns`` value (a dataset column) renamed to its key (the
+    form's field); columns not mapped stay as they are."""
+    if not columns:
+        return record
+    out = {k: v for k, v in record.items() if k not in columns.values()}
+    for ours, theirs in columns.items():
+        if theirs in record:
+            out[ours] = record[theirs]
+    return out
 
 
-def _numbered_records(path: str | Path) -> Iterator[tuple[int, dict]]:
-    """Yield ``(1-based line number, record)`` for each non-blank line, validated."""
+def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
     try:
         handle = open(path, "rb")
     except FileNotFoundError:
         raise DatasetError(f"{path}: file not found") from None
     except OSError as e:
         raise DatasetError(f"{path}: cannot open ({e.strerror})") from None
-    seen = False
     with handle:
         # Read bytes and decode line by line, so bad UTF-8 is reported with its line too.
         for number, raw in enumerate(handle, start=1):
@@ -95,27 +89,73 @@ def _numbered_records(path: str | Path) -> Iterator[tuple[int, dict]]:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield f"{path}:{number}", json.loads(line)
             except json.JSONDecodeError as e:
                 raise DatasetError(f"{path}:{number}: malformed JSON ({e.msg} at column "
                                    f"{e.colno}); expected one JSON object per line") from None
-            problem = _record_problem(record)
-            if problem is not None:
-                raise DatasetError(f"{path}:{number}: {problem}")
-            seen = True
-            yield number, record
+
+
+def _library_records(path: Path) -> Iterator[tuple[str, Any]]:
+    """Parquet/JSON files and ``save_to_disk`` folders, through the ``datasets`` library."""
+    try:
+        import datasets
+    except ImportError:
+        raise DatasetError(f"{path}: reading this format needs the datasets library "
+                           "(pip install datasets); or convert it to JSONL") from None
+    try:
+        if path.is_dir():
+            table = datasets.load_from_disk(str(path))
+            if isinstance(table, datasets.DatasetDict):
+                raise DatasetError(f"{path}: a DatasetDict with splits {list(table)}; give one "
+                                   f"split's folder (e.g. {path / next(iter(table))})")
+        else:
+            kind = "parquet" if path.suffix == ".parquet" else "json"
+            table = datasets.load_dataset(kind, data_files=str(path), split="train")
+    except DatasetError:
+        raise
+    except Exception as e:  # the library's own errors: a bad file is the user's to fix
+        raise DatasetError(f"{path}: cannot read it with the datasets library "
+                           f"({type(e).__name__}: {str(e)[:200]})") from None
+    for i, record in enumerate(table):
+        yield f"{path}: record {i}", record
+
+
+def _numbered_records(path: str | Path, form: str, columns: Optional[Mapping[str, str]]
+                      ) -> Iterator[tuple[str, dict]]:
+    """Yield ``(where, record)`` for each record (columns renamed), validated for ``form``."""
+    path = Path(path)
+    if not path.exists():
+        raise DatasetError(f"{path}: file not found")
+    reader = _jsonl_records if path.is_file() and path.suffix not in (".parquet", ".json") \
+        else _library_records
+    seen = False
+    for where, record in reader(path):
+        if not isinstance(record, dict):
+            raise DatasetError(f"{where}: expected a JSON object, got {type(record).__name__}; "
+                               f"{EXPECTED[form]}")
+        record = rename_columns(record, columns)
+        problem = PROBLEMS[form](record)
+        if problem is not None:
+            mapped = f" (columns {dict(columns)})" if columns else ""
+            raise DatasetError(f"{where}: {problem}{mapped}")
+        seen = True
+        yield where, record
     if not seen:
-        raise DatasetError(f"{path}: no records (the file is empty or blank); {_EXPECTED}, "
-                           "one per line")
+        raise DatasetError(f"{path}: no records (the file is empty or blank); {EXPECTED[form]}, "
+                           "one per record")
+
+
+def read_records(path: str | Path, form: str = "completion",
+                 columns: Optional[Mapping[str, str]] = None) -> list[dict]:
+    """Read and validate a dataset's records for ``form`` (see :mod:`.record_forms`), in
+    order, columns renamed. Needs no tokenizer, so a run's data can be checked before any
+    model is built. Raises DatasetError naming the file and record of the first bad one."""
+    return [record for _, record in _numbered_records(path, form, columns)]
 
 
 def read_jsonl_records(path: str | Path) -> list[dict]:
-    """Parse and validate a JSONL dataset file into its records, in file order.
-
-    Needs no tokenizer, so a run's data can be checked before any model is built.
-    Raises DatasetError naming ``path:line`` for the first bad line.
-    """
-    return [record for _, record in _numbered_records(path)]
+    """A completion-form dataset's records (see :func:`read_records`)."""
+    return read_records(path)
 
 
 def _truncate(ids: list[int], trained: list[bool], max_seq_len: int) -> tuple[list[int], list[bool]]:
@@ -134,40 +174,73 @@ def _truncate(ids: list[int], trained: list[bool], max_seq_len: int) -> tuple[li
     return ids[:max_seq_len], trained[:max_seq_len]
 
 
+def _example(ids: list[int], trained: list[bool], max_seq_len: int, units: Optional[int] = None
+             ) -> Example:
+    # trained[0] is bos's flag, which never becomes a label.
+    if not any(trained[1:]):
+        raise ValueError("the record has no tokens to train on")
+    ids, trained = _truncate(ids, trained, max_seq_len)
+    return Example(tokens=tuple(ids), loss_mask=tuple(trained[1:]), units=units)
+
+
+def _check_len(max_seq_len: int) -> None:
+    if max_seq_len < 2:
+        raise ValueError(f"max_seq_len must be >= 2 (one input and one label), got {max_seq_len}")
+
+
 def tokenize_record(record: dict, tokenizer: Tokenizer, max_seq_len: int) -> Example:
-    """Tokenize one record into an Example of at most ``max_seq_len`` tokens.
+    """Tokenize one completion-form record into an Example of at most ``max_seq_len`` tokens.
 
     prompt/completion: ``[bos] + prompt + completion + [eos]``, loss on predicting the
     completion and eos. chat: ``tokenizer.encode_chat``, loss on the assistant tokens and
     eos. Too-long sequences lose the start of the prompt first; the loss mask always keeps
     at least one True. Raises ValueError for an invalid record or ``max_seq_len < 2``.
     """
-    if max_seq_len < 2:
-        raise ValueError(f"max_seq_len must be >= 2 (one input and one label), got {max_seq_len}")
-    problem = _record_problem(record)
+    _check_len(max_seq_len)
+    problem = PROBLEMS["completion"](record)
     if problem is not None:
         raise ValueError(problem)
     if "messages" in record:
         ids, trained = tokenizer.encode_chat(record["messages"])
     else:
-        prompt = [tokenizer.bos_id] + tokenizer.encode(record["prompt"])
-        completion = tokenizer.encode(record["completion"]) + [tokenizer.eos_id]
-        ids, trained = prompt + completion, [False] * len(prompt) + [True] * len(completion)
-    # trained[0] is bos's flag, which never becomes a label.
-    if not any(trained[1:]):
-        raise ValueError("the record has no tokens to train on")
-    ids, trained = _truncate(ids, trained, max_seq_len)
-    return Example(tokens=tuple(ids), loss_mask=tuple(trained[1:]))
+        ids, trained = answer_ids(record["prompt"], record["completion"], tokenizer)
+    return _example(ids, trained, max_seq_len)
 
 
-def load_dataset(path: str | Path, tokenizer: Tokenizer, max_seq_len: int) -> list[Example]:
-    """Read, validate and tokenize a JSONL dataset; errors name ``path:line``."""
-    if max_seq_len < 2:
-        raise ValueError(f"max_seq_len must be >= 2 (one input and one label), got {max_seq_len}")
+def tokenize_pair(record: dict, tokenizer: Tokenizer, max_seq_len: int) -> tuple[Example, Example]:
+    """A preference record as (chosen, rejected) examples, each the prompt and its answer;
+    the pair counts one loss unit (on the chosen one)."""
+    _check_len(max_seq_len)
+    problem = PROBLEMS["preference"](record)
+    if problem is not None:
+        raise ValueError(problem)
+    chosen = _example(*answer_ids(record["prompt"], record["chosen"], tokenizer), max_seq_len, 1)
+    rejected = _example(*answer_ids(record["prompt"], record["rejected"], tokenizer),
+                        max_seq_len, 0)
+    return chosen, rejected
+
+
+def load_dataset(path: str | Path, tokenizer: Tokenizer, max_seq_len: int,
+                 columns: Optional[Mapping[str, str]] = None) -> list[Example]:
+    """Read, validate and tokenize a completion-form dataset; errors name file and record."""
+    _check_len(max_seq_len)
     examples = []
-    for number, record in _numbered_records(path):
+    for where, record in _numbered_records(path, "completion", columns):
         try:
             examples.append(tokenize_record(record, tokenizer, max_seq_len))
         except ValueError as e:
-            raise DatasetError(f"{path}:{number}: {e}") from e
+            raise DatasetError(f"{where}: {e}") from e
     return examples
+
+
+def load_pairs(path: str | Path, tokenizer: Tokenizer, max_seq_len: int,
+               columns: Optional[Mapping[str, str]] = None) -> list[tuple[Example, Example]]:
+    """Read, validate and tokenize a preference dataset into (chosen, rejected) pairs."""
+    _check_len(max_seq_len)
+    pairs = []
+    for where, record in _numbered_records(path, "preference", columns):
+        try:
+            pairs.append(tokenize_pair(record, tokenizer, max_seq_len))
+        except ValueError as e:
+            raise DatasetError(f"{where}: {e}") from e
+    return pairs

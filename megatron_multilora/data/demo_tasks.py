@@ -146,6 +146,36 @@ def write_demo_datasets(out_dir: str | Path, n_train: int = 512, n_eval: int = 6
     return paths
 
 
+def _pair(record: dict) -> dict:
+    """A preference pair: the task's answer over echoing the input (what an untrained model
+    tends to do)."""
+    echo = record["prompt"].rstrip("=").strip()
+    echo = " " + echo if record["completion"].startswith(" ") else echo
+    return {"prompt": record["prompt"], "chosen": record["completion"], "rejected": echo}
+
+
+def write_post_training_datasets(out_dir: str | Path, n_train: int = 512, n_eval: int = 64,
+                                 seed: int = 0, task_set: str = "letters"
+                                 ) -> dict[str, dict[str, Path]]:
+    """Next to :func:`write_demo_datasets`' files (written too), for every task: preference
+    pairs ``{task}.pairs.{train,eval}.jsonl`` (the answer chosen, the echoed input
+    rejected) and prompts ``{task}.prompts.{train,eval}.jsonl`` (``{"prompt", "answer"}``,
+    for a reward); the same records as the task's completion files. Returns ``{task:
+    {"pairs_train", "pairs_eval", "prompts_train", "prompts_eval": path}}``."""
+    written = write_demo_datasets(out_dir, n_train, n_eval, seed, task_set)
+    out: dict[str, dict[str, Path]] = {}
+    for task, paths in written.items():
+        out[task] = {}
+        for split in ("train", "eval"):
+            records = [json.loads(line) for line in paths[split].read_text().splitlines()]
+            out[task][f"pairs_{split}"] = paths[split].with_name(f"{task}.pairs.{split}.jsonl")
+            out[task][f"prompts_{split}"] = paths[split].with_name(f"{task}.prompts.{split}.jsonl")
+            _write_jsonl(out[task][f"pairs_{split}"], [_pair(r) for r in records])
+            _write_jsonl(out[task][f"prompts_{split}"],
+                         [{"prompt": r["prompt"], "answer": r["completion"]} for r in records])
+    return out
+
+
 def exact_match(prediction: str, completion: str) -> bool:
     """Whether a generated answer equals the reference, ignoring surrounding whitespace."""
     return prediction.strip() == completion.strip()

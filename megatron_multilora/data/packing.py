@@ -18,7 +18,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_multilora.data.datasets import Example
+from megatron_multilora.data.datasets import Example, Packable
 from megatron_multilora.ops.slot_layout import SlotLayout
 
 T = TypeVar("T")
@@ -44,6 +44,8 @@ class MicroBatch:
     seq_lengths: list[int]  # positions per example, then the trailing pads as sequence(s)
     n_pad: int = 0  # trailing positions that hold no example
     ep_slots: Optional[tuple[int, ...]] = None
+    values: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # [1, S] float32
+    units: Optional[list[int]] = None  # each slot's loss units here (default: its loss tokens)
 
     def to(self, device: torch.device) -> "MicroBatch":
         """This micro-batch with its tensors on ``device`` (itself when already there)."""
@@ -51,7 +53,8 @@ class MicroBatch:
             return self
         return dataclasses.replace(self, tokens=self.tokens.to(device), labels=self.labels.to(device),
                                    loss_mask=self.loss_mask.to(device),
-                                   position_ids=self.position_ids.to(device))
+                                   position_ids=self.position_ids.to(device),
+                                   values={k: v.to(device) for k, v in self.values.items()})
 
     def packed_seq_params(self) -> PackedSeqParams:
         """The ``thd`` packing description megatron's attention and RoPE take (one sequence
@@ -74,10 +77,19 @@ class MicroBatch:
         size = self.tokens.size(1)
         return (torch.arange(size, device=self.tokens.device) >= size - self.n_pad).view(1, size)
 
-    def loss_tokens_per_slot(self) -> torch.Tensor:
-        """``[n_slots]`` int64: positions with loss_mask 1 in each slot's span."""
-        spans = torch.split(self.loss_mask[0], self.counts)
+    def loss_units_per_slot(self) -> torch.Tensor:
+        """``[n_slots]`` int64: what each slot's examples here add to its loss normaliser
+        (their ``Example.loss_units``: by default the positions with loss_mask 1)."""
+        if self.units is not None:
+            return torch.tensor(self.units, dtype=torch.int64)
+        spans = torch.split(self.loss_mask.cpu()[0], self.counts)
         return torch.stack([span.sum() for span in spans]).to(torch.int64)
+
+    def sequence_ids(self) -> torch.Tensor:
+        """``[S]`` int64: the index of the packed sequence each position belongs to."""
+        lengths = torch.tensor(self.seq_lengths, device=self.tokens.device)
+        return torch.repeat_interleave(torch.arange(len(self.seq_lengths), device=lengths.device),
+                                       lengths, output_size=self.tokens.size(1))
 
 
 def pad_micro_batch(mb: MicroBatch, length: int, pad_id: int) -> MicroBatch:
@@ -94,6 +106,7 @@ def pad_micro_batch(mb: MicroBatch, length: int, pad_id: int) -> MicroBatch:
     return dataclasses.replace(
         mb, tokens=torch.cat([mb.tokens, pads], 1), labels=torch.cat([mb.labels, pads], 1),
         loss_mask=torch.cat([mb.loss_mask, mb.loss_mask.new_zeros(1, extra)], 1),
+        values={k: torch.cat([v, v.new_zeros(1, extra)], 1) for k, v in mb.values.items()},
         position_ids=torch.cat([mb.position_ids, torch.arange(
             extra, dtype=mb.position_ids.dtype, device=mb.position_ids.device).view(1, extra)], 1),
         counts=counts, seq_lengths=[*mb.seq_lengths, extra], n_pad=mb.n_pad + extra)
@@ -108,20 +121,28 @@ def _build(items: list[tuple[int, Example]], n_slots: int, pad_multiple: int,
     positions: list[int] = []
     lengths: list[int] = []
     counts = [0] * n_slots
+    units = [0] * n_slots
     examples_per_slot = [0] * n_slots
+    names = sorted({k for _, example in items for k in example.values})
+    values: dict[str, list[float]] = {k: [] for k in names}
     for slot, example in items:
         n = len(example.tokens) - 1
         tokens += example.tokens[:-1]
         labels += example.tokens[1:]
         loss += example.loss_mask
+        for k in names:
+            values[k] += example.values.get(k, (0.0,) * n)
         positions += range(n)
         lengths.append(n)
         counts[slot] += n
+        units[slot] += example.loss_units
         examples_per_slot[slot] += 1
     n_pad = -len(tokens) % pad_multiple
     tokens += [pad_id] * n_pad
     labels += [pad_id] * n_pad
     loss += [False] * n_pad
+    for k in names:
+        values[k] += [0.0] * n_pad
     positions += range(n_pad)
     if n_pad:  # the pads form one more sequence: they attend only among themselves
         lengths.append(n_pad)
@@ -136,23 +157,26 @@ def _build(items: list[tuple[int, Example]], n_slots: int, pad_multiple: int,
         examples_per_slot=examples_per_slot,
         seq_lengths=lengths,
         n_pad=n_pad,
+        values={k: torch.tensor(v, dtype=torch.float32).view(1, size) for k, v in values.items()},
+        units=units,
     )
 
 
-def pack_micro_batches(slot_examples: Sequence[Sequence[Example]], token_budget: int,
+def pack_micro_batches(slot_examples: Sequence[Sequence[Packable]], token_budget: int,
                        pad_multiple: int = 1, pad_id: int = 0,
                        slot_order: Optional[Sequence[int]] = None) -> list[MicroBatch]:
     """Greedily pack every slot's examples into adapter-major micro-batches.
 
-    ``slot_examples[s]`` are adapter slot ``s``'s examples (possibly none). Slots are taken
-    in ``slot_order`` (default: slot order); e.g. ordered by LoRA rank, each micro-batch holds
-    slots of similar rank, and the layers compute at the largest rank present in it. Within
-    a micro-batch positions are always in slot order. An example of ``L`` tokens takes
-    ``L - 1`` positions; a new micro-batch starts when the next example would take the
-    current one past ``token_budget`` positions. Each micro-batch is then
-    padded to a multiple of ``pad_multiple`` (e.g. the sequence-parallel size), which can
-    exceed ``token_budget`` only when the budget is not itself such a multiple.
-    Raises ValueError for an example longer than ``token_budget`` positions.
+    ``slot_examples[s]`` are adapter slot ``s``'s examples (possibly none), each an Example
+    or a group of them (e.g. a preference pair) that stays in one micro-batch, in order.
+    Slots are taken in ``slot_order`` (default: slot order); e.g. ordered by LoRA rank, each
+    micro-batch holds slots of similar rank, and the layers compute at the largest rank
+    present in it. Within a micro-batch positions are always in slot order. An example of
+    ``L`` tokens takes ``L - 1`` positions; a new micro-batch starts when the next example
+    (group) would take the current one past ``token_budget`` positions. Each micro-batch is
+    then padded to a multiple of ``pad_multiple`` (e.g. the sequence-parallel size), which
+    can exceed ``token_budget`` only when the budget is not itself such a multiple.
+    Raises ValueError for an example (group) longer than ``token_budget`` positions.
     """
     if token_budget < 1 or pad_multiple < 1:
         raise ValueError(f"token_budget and pad_multiple must be >= 1, "
@@ -165,16 +189,18 @@ def pack_micro_batches(slot_examples: Sequence[Sequence[Example]], token_budget:
     current: list[tuple[int, Example]] = []
     used = 0
     for slot in order:
-        for i, example in enumerate(slot_examples[slot]):
-            n = len(example.tokens) - 1
+        for i, item in enumerate(slot_examples[slot]):
+            group = item if isinstance(item, tuple) else (item,)
+            n = sum(len(example.tokens) - 1 for example in group)
             if n > token_budget:
                 raise ValueError(
                     f"slot {slot} example {i} takes {n} positions, more than token_budget "
-                    f"{token_budget}; truncate examples to max_seq_len <= token_budget")
+                    f"{token_budget}; truncate examples to max_seq_len <= token_budget"
+                    f"{' / 2 (a preference pair packs both answers together)' if len(group) > 1 else ''}")
             if used + n > token_budget:
                 batches.append(_build(_slot_major(current), n_slots, pad_multiple, pad_id))
                 current, used = [], 0
-            current.append((slot, example))
+            current += [(slot, example) for example in group]
             used += n
     if current:
         batches.append(_build(_slot_major(current), n_slots, pad_multiple, pad_id))

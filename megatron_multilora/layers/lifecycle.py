@@ -131,6 +131,21 @@ def hide_adapters(model: ModelOrChunks) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def adapters_off(model: ModelOrChunks) -> Iterator[None]:
+    """Every slot's LoRA term scaled by 0 inside: the model computes its base alone (the
+    reference policy of DPO and of GRPO's KL), with the same micro-batches and layouts."""
+    banks = [layer.adapters for layer in multi_lora_modules(model)]
+    saved = [bank.scale.clone() for bank in banks]
+    try:
+        for bank in banks:
+            bank.scale.zero_()
+        yield
+    finally:
+        for bank, scale in zip(banks, saved):
+            bank.scale.copy_(scale)
+
+
 def adapter_state_dict(model: ModelOrChunks, idx: int) -> dict[str, torch.Tensor]:
     """Slot ``idx``'s tensors (this rank's shards) under slot-free names, ready to save.
 

@@ -21,7 +21,13 @@ from megatron_multilora.checkpoint.adapter_folders import (
     declared_rank_alpha,
     folder_format,
 )
-from megatron_multilora.training.config import AdapterJob, ConfigError, RunConfig, base_model_config
+from megatron_multilora.training.config import (
+    OBJECTIVE_FORMS,
+    AdapterJob,
+    ConfigError,
+    RunConfig,
+    base_model_config,
+)
 from megatron_multilora.validation import (
     CONFIG_NAMES,
     TARGETS,
@@ -63,6 +69,9 @@ def validate(run: RunConfig, check_files: bool = True) -> None:
     for i, job in enumerate(run.adapters):
         problems += name_problems(job.name, f"adapters.{i}.")
         problems += job_problems(job, f"adapters.{i}.", run.lora.max_rank, dp, check_files)
+        if job.objective == "grpo" and job.grpo.max_new_tokens >= tr.max_seq_len:
+            problems.append(f"adapters.{i}.grpo.max_new_tokens={job.grpo.max_new_tokens}: must be "
+                            f"below trainer.max_seq_len={tr.max_seq_len} (the prompt needs room)")
     if check_files:
         problems += _run_dir_problems(run.run_dir) + _resume_problems(run)
     if problems:
@@ -164,11 +173,24 @@ def job_problems(job: AdapterJob, where: str, max_rank: int, dp: int,
     if (job.max_steps is None) == (job.epochs is None):
         problems.append(f"{where}max_steps={job.max_steps}, epochs={job.epochs}: give exactly one "
                         "of them")
-    return problems + (_file_problems(job, where) if check_files else [])
+    if job.objective == "grpo" and not problems:
+        problems += _reward_problems(job, where)
+    return problems + (_file_problems(job, where) if check_files and not problems else [])
+
+
+def _reward_problems(job: AdapterJob, where: str) -> list[str]:
+    from megatron_multilora.training.objectives.rewards import RewardError, load_reward
+
+    try:
+        load_reward(job.grpo.reward)
+    except RewardError as err:
+        return [f"{where}grpo.{err}"]
+    return []
 
 
 def _file_problems(job: AdapterJob, where: str) -> list[str]:
-    from megatron_multilora.data.datasets import DatasetError, read_jsonl_records
+    from megatron_multilora.data.datasets import DatasetError, read_records
+    from megatron_multilora.training.objectives.rewards import BUILT_IN
 
     problems = []
     for field in ("dataset", "eval_dataset"):
@@ -176,9 +198,16 @@ def _file_problems(job: AdapterJob, where: str) -> list[str]:
         if path is None:
             continue
         try:
-            read_jsonl_records(path)
+            records = read_records(path, OBJECTIVE_FORMS[job.objective], job.columns)
         except DatasetError as err:
             problems.append(f"{where}{field}: {err}")
+            continue
+        if job.objective == "grpo" and job.grpo.reward in BUILT_IN and field == "dataset":
+            missing = next((i for i, r in enumerate(records) if "answer" not in r), None)
+            if missing is not None:
+                problems.append(f"{where}{field}: {path}: record {missing} has no \"answer\", "
+                                f"which grpo.reward={job.grpo.reward} compares the completion "
+                                "with (map a column to it with columns: {answer: <column>})")
     if job.init_from is not None and not os.path.isdir(job.init_from):
         problems.append(f"{where}init_from={job.init_from}: not a folder")
     elif job.init_from is not None:

@@ -20,7 +20,7 @@ from megatron_multilora.training.checkpoints import (
     restore_training_checkpoint,
     save_training_checkpoint,
 )
-from megatron_multilora.training.config import AdapterJob, RunConfig
+from megatron_multilora.training.config import RunConfig, adapter_job
 from megatron_multilora.training.jobs.board import JobBoard
 from megatron_multilora.training.report.metrics import METRICS_FILE, keep_first_records
 from megatron_multilora.training.serve.inbox import SERVE_DIR
@@ -60,7 +60,7 @@ class RunCheckpoints:
         dist.barrier()
         saved = read_training_state(point.path)
         for job in saved["trainer"].get("submitted", []):  # added before the checkpoint
-            self.board.add(AdapterJob(**job), source="submitted")
+            self.board.add(adapter_job(job, f"submitted job {job['name']}"), source="submitted")
         self.board.restore(saved["trainer"]["queue"])
         by_slot = {job.slot: job for job in self.board.active()}
         optimizers = restore_training_checkpoint(

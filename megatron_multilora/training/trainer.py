@@ -24,11 +24,24 @@ from megatron_multilora.models.hf_config import read_hf_config
 from megatron_multilora.models.hf_import import load_hf_tokenizer
 from megatron_multilora.parallel import destroy_parallel, init_parallel
 from megatron_multilora.training.checks import job_problems, name_problems
-from megatron_multilora.training.config import AdapterJob, RunConfig, base_model_config, to_plain
+from megatron_multilora.training.config import (
+    AdapterJob,
+    RunConfig,
+    adapter_job,
+    base_model_config,
+    to_plain,
+)
 from megatron_multilora.training.jobs.board import JobBoard
 from megatron_multilora.training.jobs.export import JobExporter
 from megatron_multilora.training.jobs.job import Job
-from megatron_multilora.training.jobs.states import FAILED, FINISHED, IDLE, STOPPED, TRAINING
+from megatron_multilora.training.jobs.states import (
+    ACTIVE,
+    FAILED,
+    FINISHED,
+    IDLE,
+    STOPPED,
+    TRAINING,
+)
 from megatron_multilora.training.model_setup import build_run_model
 from megatron_multilora.training.report.run_report import RunReport
 from megatron_multilora.training.report.tables import AdapterTaskEval
@@ -68,7 +81,8 @@ class Trainer:
         exporter = JobExporter(Path(run.run_dir), self.model, self.model_config, run.lora,
                                run.hf_dir, self.hf_model_type)
         self.board = JobBoard(self.model, run.lora.slots, tr, run.seed, tokenizer, exporter,
-                              self.model_config, self.hf_model_type, self.say)
+                              self.model_config, self.hf_model_type, self.say,
+                              self.train_step.batcher)
         for spec in run.adapters:
             self.board.add(spec)
         self.mailbox = ServeMailbox(Path(run.run_dir), self.is_main, self.dp_size,
@@ -77,7 +91,7 @@ class Trainer:
         self.checkpoints = RunCheckpoints(run, self.model, self.board, self.is_main, self.say)
         self.step = self.checkpoints.resume()
         for job in self.mailbox.replay(self.step, {job.name for job in self.board.jobs}):
-            self.board.add(AdapterJob(**job), source="submitted")
+            self.board.add(adapter_job(job, f"submitted job {job['name']}"), source="submitted")
         self._agreed: Optional[tuple[int, ...]] = None  # (stop signal, requests) of the last step
         self.report = RunReport(run, self.is_main,
                                 {**to_plain(run), "model": dataclasses.asdict(self.model_config)})
@@ -113,10 +127,13 @@ class Trainer:
 
     def train_one_step(self, active: list[Job]) -> dict[str, dict[str, float]]:
         """One trainer step of the ``active`` jobs; returns the metrics of those that stepped."""
-        slot_examples, tokens, order = self.board.global_batch(active, self.dp_rank, self.dp_size)
+        slot_examples, tokens, order = self.board.global_batch(self.step, active, self.dp_rank,
+                                                               self.dp_size)
+        active = [job for job in active if job.status == ACTIVE]  # a reward may have failed one
         lrs = {job.slot: job.optimizer.lr for job in active}  # what this step uses
         result = self.train_step(slot_examples, {job.slot: job.optimizer for job in active},
-                                 slot_order=order, extras=self._local_extras())
+                                 slot_order=order, extras=self._local_extras(),
+                                 objectives={job.slot: job.objective for job in active})
         self._agreed = result.extras  # for the coming step boundary
         return self.board.record(self.step, active, result, tokens, lrs)
 
@@ -136,7 +153,8 @@ class Trainer:
         added, cancels = (self.mailbox.decide(self.step, self.board, self.say) if requests
                           else ([], self.mailbox.cancels_at(self.step)))
         for spec in added:
-            job = self.board.add(AdapterJob(**spec), source="submitted")
+            job = self.board.add(adapter_job(spec, f"submitted job {spec['name']}"),
+                                 source="submitted")
             self.say(f"step {self.step}: submitted job {job.name} joins the queue "
                      f"({job.total_steps} steps)")
         for name in cancels:

@@ -78,7 +78,7 @@ def reference(config):
     ref = build(config)
     state = {k: v.clone() for k, v in ref.state_dict().items() if torch.is_tensor(v)}
     all_mbs = micro_batches(0) + micro_batches(1)
-    denominators = sum(mb.loss_tokens_per_slot() for mb in all_mbs)
+    denominators = sum(mb.loss_units_per_slot() for mb in all_mbs)
     losses = schedule.per_slot_losses(ref, all_mbs, denominators)
     return ref, state, losses, {s: grads(ref, s, main_grad=False) for s in TRAINED}
 
@@ -87,7 +87,7 @@ def train_step(model, mbs) -> torch.Tensor:
     """The recipe's step on this rank's (equalized) micro-batches; per-slot losses."""
     sync = SlotGradSync(model)
     sync.zero_grad(TRAINED)
-    denominators = agree(mbs, N).loss_tokens
+    denominators = agree(mbs, N).loss_units
     losses = start_reducing_losses(schedule.per_slot_losses(model, mbs, denominators))()
     sync.sync(TRAINED)
     return losses

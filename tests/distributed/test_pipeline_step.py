@@ -140,7 +140,7 @@ def check_step(layout, cfg: mm.GPTModelConfig, vpp: Optional[int] = None, tp: in
     want_proj = last_proj_weight(ref, cfg).detach().clone()
     adapters = {s: mm.get_slot_tensors(ref, s) for s in range(N)}
     ref_mbs = micro_batches(range(len(SHARES)), 1)
-    want_losses, _ = reference(ref[0], ref_mbs, sum(mb.loss_tokens_per_slot() for mb in ref_mbs))
+    want_losses, _ = reference(ref[0], ref_mbs, sum(mb.loss_units_per_slot() for mb in ref_mbs))
     want_grads = {s: grads(ref, s, "grad") for s in range(N)}
     want_norms = [torch.stack([g.norm() for g in want_grads[s].values()]).norm() for s in range(N)]
     if extras:
@@ -172,7 +172,7 @@ def check_step(layout, cfg: mm.GPTModelConfig, vpp: Optional[int] = None, tp: in
     if len(mbs) % micro_batch_multiple(model):
         failures.append(f"{len(mbs)} micro-batches for vpp={vpp}")
     step.grad_sync.zero_grad(range(N))
-    losses = step.losses(mbs, agree(mbs, N).loss_tokens)
+    losses = step.losses(mbs, agree(mbs, N).loss_units)
     step.grad_sync.sync(range(N))
 
     compare(failures, losses, want_losses, REL_LOSS, "per-slot losses")

@@ -87,7 +87,7 @@ def _step_on(model, examples):
     step = SlotTrainStep(model, N, 64, 1, 0)
     mbs = step.batcher.ready(examples)
     step.grad_sync.zero_grad(range(N))
-    losses = step.losses(mbs, agree(mbs, N).loss_tokens)
+    losses = step.losses(mbs, agree(mbs, N).loss_units)
     step.grad_sync.sync(range(N))
     return losses
 
@@ -165,7 +165,7 @@ def test_the_step_on_cuda_matches_a_plain_loop():
     ref = _adapted(mm.build_gpt_model(cfg, calculate_per_token_loss=True))
     ref.load_state_dict(_tensors(model))
     mbs = [mb.to(torch.device("cuda")) for mb in pack_micro_batches(_examples(), 64, 1, 0)]
-    want_losses, want_grads = reference(ref, mbs, agree(mbs, N).loss_tokens)
+    want_losses, want_grads = reference(ref, mbs, agree(mbs, N).loss_units)
     losses = _step_on(model, _examples())
     assert relative(losses, want_losses) < 1e-5
     assert set(want_grads) == {s for s in range(N) if _examples()[s]}

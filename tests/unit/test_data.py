@@ -199,14 +199,14 @@ def test_pack_pads_to_multiple_in_last_used_slot():
     assert b.tokens[0, 5:].tolist() == [7, 7, 7] and b.labels[0, 5:].tolist() == [7, 7, 7]
     assert b.loss_mask[0].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
     assert b.seq_lengths == [3, 2, 3]  # the pads are one more sequence: they see only pads
-    assert b.loss_tokens_per_slot().tolist() == [3, 0, 0]
-    assert b.loss_tokens_per_slot().dtype == torch.int64
+    assert b.loss_units_per_slot().tolist() == [3, 0, 0]
+    assert b.loss_units_per_slot().dtype == torch.int64
 
 
-def test_loss_tokens_per_slot_counts_masked_labels():
+def test_loss_units_per_slot_counts_masked_labels():
     mixed = Example((1, 2, 3, 4), (False, True, True))
     (b,) = pack_micro_batches([[mixed, mixed], [], [example(5)]], token_budget=32)
-    assert b.loss_tokens_per_slot().tolist() == [4, 0, 4]
+    assert b.loss_units_per_slot().tolist() == [4, 0, 4]
 
 
 def test_pack_rejects_examples_over_budget_and_handles_empty_input():

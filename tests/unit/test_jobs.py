@@ -10,6 +10,7 @@ from megatron_multilora.data.datasets import Example
 from megatron_multilora.training.config import AdapterJob, TrainerSettings
 from megatron_multilora.training.jobs.board import JobBoard
 from megatron_multilora.training.jobs.export import JobExporter
+from megatron_multilora.training.objectives.sft import SFT
 from megatron_multilora.training.jobs.job import Job, planned_steps, total_steps
 from megatron_multilora.training.jobs.states import ACTIVE, CANCELLED, DONE, QUEUED
 
@@ -25,7 +26,7 @@ def specs():
 
 def job(spec: AdapterJob, steps_per_job=None) -> Job:
     train = [Example((1, 2, 3), (False, True))] * 10
-    return Job(spec, train, [], [], total_steps(spec, len(train), steps_per_job))
+    return Job(spec, SFT(), train, [], [], total_steps(spec, len(train), steps_per_job))
 
 
 def board(tmp_path: Path, steps_per_job=None) -> JobBoard:
@@ -34,7 +35,7 @@ def board(tmp_path: Path, steps_per_job=None) -> JobBoard:
     lora = type("Lora", (), {"targets": ["linear_qkv"], "max_rank": 4})()
     said = []
     b = JobBoard(model, 2, settings, 1, None, JobExporter(tmp_path, model, CFG, lora, None, None),
-                 CFG, None, said.append)
+                 CFG, None, said.append, None)
     b.jobs = [job(s, steps_per_job) for s in specs()]
     b.said = said
     return b

@@ -85,7 +85,7 @@ def test_schedule_step_matches_a_plain_loop(cfg, monkeypatch):
     filler = step.batcher.filler
     micro_batches = plain[:1] + [filler] + plain[1:]
     assert len(plain) >= 2 and filler.n_pad == filler.tokens.size(1)
-    denominators = agree(plain, N).loss_tokens
+    denominators = agree(plain, N).loss_units
     want_losses, want_grads = reference(ref_model, plain, denominators)
 
     calls = []
@@ -143,7 +143,7 @@ def check_bf16_step(monkeypatch, device: str, cfg: mm.GPTModelConfig, rel: float
         step = SlotTrainStep([model], N, token_budget=32, pad_multiple=1, pad_id=PAD)
         micro_batches = pack_micro_batches(slot_examples(), 32, 1, PAD)
         step.grad_sync.zero_grad(range(N))
-        losses = step.losses(micro_batches, agree(micro_batches, N).loss_tokens)
+        losses = step.losses(micro_batches, agree(micro_batches, N).loss_units)
         results.append((losses, [[p.main_grad.float().cpu() for p in mm.slot_parameters(model, s)]
                                  for s in range(N)]))
         assert calls or model is ref, "the bf16 step never ran the grouped kernel"

@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence
 from megatron_multilora.checkpoint.adapter_files import import_adapter
 from megatron_multilora.checkpoint.adapter_folders import FolderFormat, folder_format
 from megatron_multilora.checkpoint.peft_format import import_peft
-from megatron_multilora.data.datasets import Example, load_dataset, read_jsonl_records
+from megatron_multilora.data.datasets import Packable
 from megatron_multilora.data.packing import shard_for_data_parallel
 from megatron_multilora.layers.lifecycle import (
     ModelOrChunks,
@@ -28,6 +28,10 @@ from megatron_multilora.training.config import AdapterJob, TrainerSettings, job_
 from megatron_multilora.training.jobs.export import JobExporter
 from megatron_multilora.training.jobs.job import Job, planned_steps, total_steps
 from megatron_multilora.training.jobs.states import ACTIVE, CANCELLED, DONE, ENDED, FAILED, QUEUED
+from megatron_multilora.training.objectives.registry import objective_of
+from megatron_multilora.training.objectives.objective import RunTools
+from megatron_multilora.training.objectives.rewards import load_reward
+from megatron_multilora.training.objectives.rollouts import reward_stats
 from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
 from megatron_multilora.training.step.train_step import StepResult
 
@@ -50,25 +54,28 @@ def start_job(model: ModelOrChunks, slot: int, job: AdapterJob, total_steps: int
 
 class JobBoard:
     """Every job of the run (config jobs first, then submitted ones) and its ``n_slots``
-    slots of ``model``. ``say`` prints a line on the main process."""
+    slots of ``model``; ``batcher`` packs for those slots (the objectives' own passes).
+    ``say`` prints a line on the main process."""
 
     def __init__(self, model: ModelOrChunks, n_slots: int, settings: TrainerSettings, seed: int,
                  tokenizer, exporter: JobExporter, model_config: GPTModelConfig,
-                 hf_model_type: Optional[str], say: Callable[[str], None]) -> None:
+                 hf_model_type: Optional[str], say: Callable[[str], None], batcher) -> None:
         self.model, self.n_slots, self.settings, self.seed = model, n_slots, settings, seed
         self.tokenizer, self.exporter, self.say = tokenizer, exporter, say
         self.model_config, self.hf_model_type = model_config, hf_model_type
         self.jobs: list[Job] = []
+        self.tools = RunTools(model, batcher, tokenizer, seed, settings.max_seq_len, self._fail)
+        self._step = 0
 
     def add(self, spec: AdapterJob, source: str = "config") -> Job:
-        """Queue a job (from its ``start_step`` on, after the jobs before it), its data loaded."""
+        """Queue a job (from its ``start_step`` on, after the jobs before it), its data loaded
+        by its objective."""
         tr = self.settings
-        train = load_dataset(spec.dataset, self.tokenizer, tr.max_seq_len)
-        records = read_jsonl_records(spec.eval_dataset)[:tr.eval_samples] if spec.eval_dataset else []
-        held_out = (load_dataset(spec.eval_dataset, self.tokenizer, tr.max_seq_len)[:tr.eval_samples]
-                    if spec.eval_dataset else [])
-        job = Job(spec, train, held_out, records, total_steps(spec, len(train), tr.steps_per_job),
-                  source=source)
+        objective = objective_of(spec)
+        data = objective.load(spec, self.tokenizer, tr.max_seq_len, tr.eval_samples)
+        job = Job(spec, objective, data.train, data.eval, data.eval_records,
+                  total_steps(spec, len(data.train), tr.steps_per_job), source=source,
+                  reward=load_reward(spec.grpo.reward) if spec.objective == "grpo" else None)
         self.jobs.append(job)
         return job
 
@@ -102,21 +109,29 @@ class JobBoard:
                 started.append(job)
         return started
 
-    def global_batch(self, jobs: Sequence[Job], dp_rank: int, dp_size: int
-                     ) -> tuple[list[list[Example]], dict[int, int], list[int]]:
-        """This rank's examples per slot of ``jobs``' next global batches, each slot's tokens
-        over all ranks, and the packing order: by rank, so a micro-batch holds jobs of
-        similar rank and low-rank jobs do not pay for a high-rank one's computed rank."""
-        slot_examples: list[list[Example]] = [[] for _ in range(self.n_slots)]
+    def global_batch(self, step: int, jobs: Sequence[Job], dp_rank: int, dp_size: int
+                     ) -> tuple[list[list[Packable]], dict[int, tuple[int, int]], list[int]]:
+        """What each objective needs first (DPO's references, GRPO's samples: a job whose
+        reward fails ends here, the others go on), then this rank's examples per slot of the
+        jobs' next global batches, each slot's (tokens, loss tokens) over all ranks, and the
+        packing order: by rank, so a micro-batch holds jobs of similar rank and low-rank
+        jobs do not pay for a high-rank one's computed rank."""
+        self._step = step
+        for kind in {type(job.objective): None for job in jobs}:
+            kind.prepare([job for job in jobs if type(job.objective) is kind], self.tools)
+        slot_examples: list[list[Packable]] = [[] for _ in range(self.n_slots)]
         tokens = {}
-        for job in jobs:
-            picked = job.next_samples(job.spec.global_batch_size, self.seed)
-            slot_examples[job.slot] = [job.train[i] for i in
-                                       shard_for_data_parallel(picked, dp_rank, dp_size)]
-            tokens[job.slot] = sum(len(job.train[i].tokens) for i in picked)
+        for job in (job for job in jobs if job.status == ACTIVE):
+            items = job.objective.batch(job, self.seed)
+            slot_examples[job.slot] = shard_for_data_parallel(items, dp_rank, dp_size)
+            flat = [e for item in items for e in (item if isinstance(item, tuple) else (item,))]
+            tokens[job.slot] = (sum(len(e.tokens) for e in flat), sum(sum(e.loss_mask) for e in flat))
         rank = {job.slot: job.spec.rank for job in jobs}
         order = sorted(range(self.n_slots), key=lambda slot: rank.get(slot, 0))
         return slot_examples, tokens, order
+
+    def _fail(self, job: Job, reason: str) -> None:
+        self.end(job, FAILED, reason, self._step)
 
     def record(self, step: int, jobs: Sequence[Job], result: StepResult, tokens: dict[int, int],
                lrs: dict[int, float]) -> dict[str, dict[str, float]]:
@@ -133,8 +148,10 @@ class JobBoard:
             job.steps_done += 1
             stats[job.name] = {"loss": float(result.losses[job.slot]), "lr": lrs[job.slot],
                                "grad_norm": result.grad_norms[job.slot],
-                               "tokens": tokens[job.slot],
-                               "loss_tokens": float(result.loss_tokens[job.slot])}
+                               "tokens": tokens[job.slot][0], "loss_tokens": tokens[job.slot][1],
+                               **{name: float(value) for name, value in
+                                  zip(job.objective.metrics, result.metrics[job.slot])},
+                               **(reward_stats(job.rollout) if job.rollout else {})}
         return stats
 
     def retire(self, step: int) -> list[Job]:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_multilora.data.datasets import Example
 from megatron_multilora.training.config import AdapterJob
+from megatron_multilora.training.objectives.objective import Objective
+from megatron_multilora.training.objectives.rollouts import Rollout
 from megatron_multilora.training.jobs.states import ACTIVE, QUEUED
 from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
 
@@ -26,23 +27,29 @@ PROGRESS = ("total_steps", "status", "slot", "steps_done", "data_epoch", "data_p
 
 def total_steps(job: AdapterJob, dataset_size: int, steps_per_job: Optional[int] = None) -> int:
     """The job's step budget: ``steps_per_job`` (the trainer-wide override) when given, else
-    its ``max_steps``, or ``epochs`` over its dataset."""
+    its ``max_steps``, or ``epochs`` over its dataset (a GRPO job steps ``inner_steps``
+    times on each batch of prompts)."""
     if steps_per_job is not None:
         return steps_per_job
     if job.max_steps is not None:
         return job.max_steps
-    return max(1, math.ceil(job.epochs * dataset_size / job.global_batch_size))
+    per_batch = job.grpo.inner_steps if job.objective == "grpo" else 1
+    return max(1, math.ceil(job.epochs * dataset_size / job.global_batch_size) * per_batch)
 
 
 @dataclasses.dataclass(eq=False)
 class Job:
-    """A job's config entry (``spec``, never changed), its data, where it stands and, while
-    it trains, its slot and optimizer. ``data_epoch``/``data_pos`` index its shuffled sample
-    order; ``metrics`` holds its latest logged values (for ``mmlora status``)."""
+    """A job's config entry (``spec``, never changed), its objective, its data (what the
+    objective loads: examples, pairs or prompt records), where it stands and, while it
+    trains, its slot and optimizer. ``data_epoch``/``data_pos`` index its shuffled sample
+    order; ``metrics`` holds its latest logged values (for ``mmlora status``). What an
+    objective keeps between steps: ``prepared`` (DPO: the data carries its reference
+    log-probs), ``rollout`` (GRPO: the samples being trained on), ``reward`` (GRPO)."""
 
     spec: AdapterJob
-    train: list[Example]
-    eval: list[Example]
+    objective: Objective
+    train: list
+    eval: list
     eval_records: list[dict]
     total_steps: int
     source: str = "config"  # or "submitted" (with mmlora submit)
@@ -55,6 +62,9 @@ class Job:
     reason: str = ""
     optimizer: Optional[SlotOptimizer] = None
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    prepared: bool = False
+    rollout: Optional[Rollout] = None
+    reward: Optional[Callable[..., float]] = None
 
     @property
     def name(self) -> str:
@@ -80,11 +90,14 @@ class Job:
         return out
 
     def progress(self) -> dict[str, Any]:
-        return {"name": self.name, **{key: getattr(self, key) for key in PROGRESS}}
+        return {"name": self.name, **{key: getattr(self, key) for key in PROGRESS},
+                "rollout": self.rollout.to_plain() if self.rollout else None}
 
     def restore(self, progress: dict[str, Any]) -> None:
         for key in PROGRESS:
             setattr(self, key, progress[key])
+        saved = progress.get("rollout")
+        self.rollout = Rollout.from_plain(saved) if saved else None
 
 
 def planned_steps(jobs: list[Job], slots: int) -> int:

@@ -22,6 +22,10 @@ from megatron_multilora.training.report.metrics import (
 from megatron_multilora.training.report.tables import AdapterTaskEval
 
 
+# What every step records; anything else is an objective's metric.
+_PER_STEP = ("loss", "lr", "grad_norm", "tokens", "loss_tokens")
+
+
 class RunReport:
     """The run's metrics log and console output (the main process prints, every rank calls)."""
 
@@ -62,7 +66,11 @@ class RunReport:
                               "lr": items[-1]["lr"], "grad_norm": items[-1]["grad_norm"],
                               "tokens_per_s": sum(i["tokens"] for i in items) / max(seconds, 1e-9),
                               "loss_tokens_per_s": (sum(i["loss_tokens"] for i in items)
-                                                    / max(seconds, 1e-9))}
+                                                    / max(seconds, 1e-9)),
+                              # the objective's own metrics (e.g. DPO's margin, GRPO's
+                              # reward): the window's mean
+                              **{key: sum(i[key] for i in items) / len(items)
+                                 for key in items[-1] if key not in _PER_STEP}}
         self.restart_window(step)
         if not adapters:
             return
@@ -77,10 +85,10 @@ class RunReport:
     def log_eval(self, step: int, board: JobBoard, tasks: AdapterTaskEval) -> None:
         """Every training job's adapter on its own held-out data: loss and accuracy."""
         on_own_task = {job.slot: job for job in board.active()}
-        losses = tasks.losses(on_own_task)
-        if not losses:
+        results = tasks.evaluate(on_own_task)
+        if not results:
             return
-        adapters = {on_own_task[slot].name: {"loss": loss} for slot, loss in losses.items()}
+        adapters = {on_own_task[slot].name: values for slot, values in results.items()}
         for slot, acc in tasks.accuracy(on_own_task).items():
             adapters[on_own_task[slot].name]["accuracy"] = acc
         for name, metrics in adapters.items():

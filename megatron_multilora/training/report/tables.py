@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron_multilora.checkpoint.adapter_files import import_adapter
-from megatron_multilora.data.datasets import Example
 from megatron_multilora.data.demo_tasks import exact_match
 from megatron_multilora.layers.lifecycle import ModelOrChunks, clear_adapter_slot
 from megatron_multilora.training.jobs.job import Job
@@ -36,16 +35,26 @@ class AdapterTaskEval:
         self.n_slots, self.token_budget = n_slots, token_budget
         self.pad_multiple, self.max_new_tokens = pad_multiple, max_new_tokens
 
-    def losses(self, slot_to_task: dict[int, Job]) -> dict[int, float]:
-        """Each slot's mean loss on its task's examples (slots whose task has some)."""
-        slot_examples: list[Sequence[Example]] = [[] for _ in range(self.n_slots)]
+    def evaluate(self, slot_to_task: dict[int, Job]) -> dict[int, dict[str, float]]:
+        """Each slot's mean loss on its task's examples by the task's objective, and the
+        objective's metrics (slots whose task has examples)."""
+        slot_examples: list[Sequence] = [[] for _ in range(self.n_slots)]
+        objectives = [None] * self.n_slots
         for slot, task in slot_to_task.items():
             slot_examples[slot] = task.eval
+            objectives[slot] = task.objective.eval_objective()
         if not any(slot_examples):
             return {}
-        losses = evaluation.eval_losses(self.model, slot_examples, self.token_budget,
-                                        self.pad_multiple, self.tokenizer.pad_id)
-        return {slot: float(losses[slot]) for slot in slot_to_task if slot_examples[slot]}
+        table = evaluation.eval_results(self.model, slot_examples, self.token_budget,
+                                        self.pad_multiple, self.tokenizer.pad_id, objectives)
+        return {slot: {"loss": float(table[slot, 0]),
+                       **{name: float(v) for name, v in
+                          zip(objectives[slot].metrics, table[slot, 1:])}}
+                for slot in slot_to_task if slot_examples[slot]}
+
+    def losses(self, slot_to_task: dict[int, Job]) -> dict[int, float]:
+        """Each slot's mean loss on its task's examples (slots whose task has some)."""
+        return {slot: values["loss"] for slot, values in self.evaluate(slot_to_task).items()}
 
     def accuracy(self, slot_to_task: dict[int, Job]) -> dict[int, float]:
         """Exact-match accuracy of greedy generations, per slot, on its task's records

@@ -10,14 +10,15 @@ broadcast to every stage.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
-from megatron_multilora.data.datasets import Example
+from megatron_multilora.data.datasets import Packable
 from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
 from megatron_multilora.training.step.micro_batches import MicroBatcher
-from megatron_multilora.training.step.schedule import per_slot_losses
+from megatron_multilora.training.objectives.objective import Objective
+from megatron_multilora.training.step.schedule import per_slot_results
 
 
 @contextlib.contextmanager
@@ -32,17 +33,25 @@ def eval_mode(chunks: list[torch.nn.Module]) -> Iterator[None]:
             chunk.train(mode)
 
 
-def eval_losses(model: ModelOrChunks, slot_examples: Sequence[Sequence[Example]],
-                token_budget: int, pad_multiple: int, pad_id: int) -> torch.Tensor:
-    """``[n_slots]`` mean loss over each slot's examples' loss tokens (nan: no examples)."""
+def eval_results(model: ModelOrChunks, slot_examples: Sequence[Sequence[Packable]],
+                 token_budget: int, pad_multiple: int, pad_id: int,
+                 objectives: Optional[Sequence[Optional[Objective]]] = None) -> torch.Tensor:
+    """``[n_slots, 1 + MAX_METRICS]``: each slot's mean loss over its examples' loss units by
+    its objective (``objectives[s]``, default SFT), then the objective's metrics (nan: no
+    examples)."""
     chunks = model_chunks(model)
     micro_batches = MicroBatcher(chunks, len(slot_examples), token_budget, pad_multiple,
                                  pad_id).ready(slot_examples)
     denominators = torch.zeros(len(slot_examples), dtype=torch.int64)
     for mb in micro_batches:
-        denominators += mb.loss_tokens_per_slot()
+        denominators += mb.loss_units_per_slot()
     with eval_mode(chunks):
-        per_slot = per_slot_losses(chunks, micro_batches, denominators, forward_only=True)
-    return torch.where(denominators > 0, per_slot, torch.full_like(per_slot, float("nan"))).float()
+        table = per_slot_results(chunks, micro_batches, denominators, True, objectives)
+    return torch.where((denominators > 0)[:, None], table,
+                       torch.full_like(table, float("nan"))).float()
 
 
+def eval_losses(model: ModelOrChunks, slot_examples: Sequence[Sequence[Packable]],
+                token_budget: int, pad_multiple: int, pad_id: int) -> torch.Tensor:
+    """``[n_slots]`` mean loss over each slot's examples' loss tokens (nan: no examples)."""
+    return eval_results(model, slot_examples, token_budget, pad_multiple, pad_id)[:, 0]

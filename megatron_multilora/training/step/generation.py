@@ -1,4 +1,4 @@
-"""Greedy generation from many adapters at once: each prompt through its own slot.
+"""Generation from many adapters at once: each prompt through its own slot.
 
 Every slot's prompts run in one batch, adapter-major, so one forward per new token serves
 every adapter. With the KV cache (dense models without sequence or pipeline parallelism),
@@ -6,11 +6,17 @@ keys and values stay in megatron's static inference context and each step runs o
 per prompt; otherwise every step re-runs each prompt's whole prefix, packed, through the
 pipeline schedule. Both give the same tokens. Either way the slot layout reaches the adapted
 layers with the call (``layers/micro_batch_layout.py``), as in training.
+
+Each next token is chosen by a ``Pick`` from its row's logits (greedy: the argmax; sampling:
+``step/sampling.py``, whose draws are keyed per row and token so that a row's samples do
+not depend on the other rows), and its log-prob under the model (temperature 1) is kept.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from functools import partial
+from typing import Callable, Sequence, Union
 
 import torch
 from megatron.core import parallel_state
@@ -23,6 +29,34 @@ from megatron_multilora.ops.slot_layout import SlotLayout
 from megatron_multilora.training.step.evaluation import eval_mode
 from megatron_multilora.training.step.micro_batches import MicroBatcher
 from megatron_multilora.training.step.schedule import from_last_stage, run_schedule
+
+# pick(logits [B, V] float32, prompt index of each row, tokens generated so far by each row)
+# -> the next token of each row ([B] int64).
+Pick = Callable[[torch.Tensor, list[int], list[int]], torch.Tensor]
+
+
+def greedy(logits: torch.Tensor, rows: list[int], generated: list[int]) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+@dataclasses.dataclass
+class Generation:
+    """One prompt's continuation: its tokens (without eos), the model's log-prob of each
+    token it chose (eos included when it ended with one), and whether it did."""
+
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    ended: bool = False
+
+
+def _choose(pick: Pick, logits: torch.Tensor, rows: list[int], generated: list[int]
+            ) -> torch.Tensor:
+    """``[B, 2]`` float64: each row's chosen token and its log-prob (one tensor, so a
+    pipeline broadcasts both at once; token ids are exact in float64)."""
+    logits = logits.float()
+    tokens = pick(logits, rows, generated).to(logits.device)
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens.view(-1, 1)).flatten()
+    return torch.stack([tokens.double(), logprobs.double()], dim=1)
 
 
 def _packed_prompts(seqs: list[tuple[int, list[int]]], batcher: MicroBatcher
@@ -44,11 +78,12 @@ def _packed_prompts(seqs: list[tuple[int, list[int]]], batcher: MicroBatcher
 
 
 @torch.no_grad()
-def greedy_generate(model: ModelOrChunks, prompts: Sequence[tuple[int, list[int]]], n_slots: int,
-                    max_new_tokens: int, eos_id: int, pad_multiple: int, pad_id: int,
-                    kv_cache: bool = True) -> list[list[int]]:
-    """Greedy continuations (until ``eos_id``, at most ``max_new_tokens``) of ``(slot, prompt
-    tokens)`` pairs, every slot's prompts in one batch.
+def generate(model: ModelOrChunks, prompts: Sequence[tuple[int, list[int]]], n_slots: int,
+             max_new_tokens: Union[int, Sequence[int]], eos_id: int, pad_multiple: int,
+             pad_id: int, kv_cache: bool = True, pick: Pick = greedy) -> list[Generation]:
+    """Continuations (until ``eos_id``, at most ``max_new_tokens``: one for all, or one per
+    prompt) of ``(slot, prompt tokens)`` pairs, every slot's prompts in one batch, each next
+    token chosen by ``pick``.
 
     With ``kv_cache`` (dense models without sequence or pipeline parallelism; the others
     fall back) keys and values are kept in megatron's static inference context, so each
@@ -56,23 +91,59 @@ def greedy_generate(model: ModelOrChunks, prompts: Sequence[tuple[int, list[int]
     through the pipeline schedule. Both give the same tokens.
     """
     chunks = model_chunks(model)
+    limits = ([max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int)
+              else list(max_new_tokens))
     order = sorted(range(len(prompts)), key=lambda i: prompts[i][0])  # adapter-major
     seqs = [(prompts[i][0], list(prompts[i][1])) for i in order]
     # pad_multiple > 1 means sequence parallelism: a [B, 1] decode step cannot be split.
     cached = (kv_cache and pad_multiple == 1 and len(chunks) == 1 and not _has_moe(chunks)
               and parallel_state.get_pipeline_model_parallel_world_size() == 1)
+    run = _Run(seqs, order, [limits[i] for i in order], eos_id, pick)
     with eval_mode(chunks):
-        if not seqs or max_new_tokens < 1:
-            generated = [[] for _ in seqs]
-        elif cached:
-            generated = _generate_cached(chunks[0], seqs, n_slots, max_new_tokens, eos_id, pad_id)
-        else:
-            generated = _generate_uncached(chunks, seqs, n_slots, max_new_tokens, eos_id,
-                                           pad_multiple, pad_id)
-    result: list[list[int]] = [[] for _ in prompts]
+        if seqs and max(limits, default=0) >= 1:
+            if cached:
+                _generate_cached(chunks[0], run, n_slots, pad_id)
+            else:
+                _generate_uncached(chunks, run, n_slots, pad_multiple, pad_id)
+    result: list[Generation] = [Generation() for _ in prompts]
     for k, i in enumerate(order):
-        result[i] = generated[k]
+        result[i] = run.out[k]
     return result
+
+
+def greedy_generate(model: ModelOrChunks, prompts: Sequence[tuple[int, list[int]]], n_slots: int,
+                    max_new_tokens: int, eos_id: int, pad_multiple: int, pad_id: int,
+                    kv_cache: bool = True) -> list[list[int]]:
+    """Greedy continuations' tokens (see :func:`generate`)."""
+    return [g.tokens for g in generate(model, prompts, n_slots, max_new_tokens, eos_id,
+                                       pad_multiple, pad_id, kv_cache)]
+
+
+class _Run:
+    """The sequences being continued (adapter-major), what each has produced, and when each
+    is done: at eos, or at its own limit."""
+
+    def __init__(self, seqs: list[tuple[int, list[int]]], rows: list[int], limits: list[int],
+                 eos_id: int, pick: Pick) -> None:
+        self.seqs, self.rows, self.limits, self.eos_id, self.pick = seqs, rows, limits, eos_id, pick
+        self.out = [Generation() for _ in seqs]
+        self.done = [limit < 1 for limit in limits]
+
+    def choose(self, logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
+        return _choose(self.pick, logits, [self.rows[k] for k in ks],
+                       [len(self.out[k].tokens) for k in ks])
+
+    def take(self, k: int, token: int, logprob: float) -> None:
+        """Sequence k's next token (ignored once it is done)."""
+        if self.done[k]:
+            return
+        out = self.out[k]
+        out.logprobs.append(logprob)
+        if token == self.eos_id:
+            out.ended = self.done[k] = True
+            return
+        out.tokens.append(token)
+        self.done[k] = len(out.tokens) >= self.limits[k]
 
 
 def _has_moe(chunks: list[torch.nn.Module]) -> bool:
@@ -83,93 +154,79 @@ def _has_moe(chunks: list[torch.nn.Module]) -> bool:
     return any(isinstance(m, MoELayer) for chunk in chunks for m in chunk.modules())
 
 
-def _argmax_tokens(mb: MicroBatch, logits: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
-    """The last stage's greedy choice at every position of ``mb`` (``[S]`` int64)."""
-    return logits[0].argmax(dim=-1)
+def _chosen_at_ends(run: _Run, ends: list[int], mb: MicroBatch, logits: torch.Tensor,
+                    non_loss_data: bool = True) -> torch.Tensor:
+    """The last stage's choice for every sequence of ``mb`` (``[B, 2]``, see ``_choose``)."""
+    return run.choose(logits[0, ends], list(range(len(ends))))
 
 
-def _generate_uncached(chunks: list[torch.nn.Module], seqs: list[tuple[int, list[int]]],
-                       n_slots: int, max_new_tokens: int, eos_id: int, pad_multiple: int,
-                       pad_id: int) -> list[list[int]]:
+def _generate_uncached(chunks: list[torch.nn.Module], run: _Run, n_slots: int,
+                       pad_multiple: int, pad_id: int) -> None:
     """Every step packs every (prefix + generated) sequence and runs it whole through the
-    schedule; the last stage's argmax is broadcast to every stage."""
+    schedule; the last stage's choices are broadcast to every stage."""
     batcher = MicroBatcher(chunks, n_slots, 10**9, pad_multiple, pad_id)
     device = next(chunks[0].parameters()).device
-    generated = [[] for _ in seqs]
-    done = [False] * len(seqs)
-    for _ in range(max_new_tokens):
-        mb, ends = _packed_prompts(seqs, batcher)
+    for _ in range(max(run.limits)):
+        mb, ends = _packed_prompts(run.seqs, batcher)
         # Pads after every prompt's last token (expert-parallel peers, pipeline shapes), and
         # fillers where virtual pipeline stages need more micro-batches.
         mbs = batcher.equalize([mb])
-        store = run_schedule(chunks, mbs, _argmax_tokens, forward_only=True,
+        store = run_schedule(chunks, mbs, partial(_chosen_at_ends, run, ends), forward_only=True,
                              collect_non_loss_data=True, labels=None, runtime_gather_output=True)
-        ids = store[0] if store else torch.zeros(mbs[0].tokens.size(1), dtype=torch.int64,
-                                                 device=device)
-        next_ids = from_last_stage(ids)[ends].tolist()
-        for k, token in enumerate(next_ids):
-            if done[k]:
-                continue
-            if token == eos_id:
-                done[k] = True
-            else:
-                generated[k].append(token)
-                seqs[k][1].append(token)
-        if all(done):
+        chosen = store[0] if store else torch.zeros(len(ends), 2, dtype=torch.float64,
+                                                    device=device)
+        for k, (token, logprob) in enumerate(from_last_stage(chosen).tolist()):
+            if not run.done[k]:
+                run.take(k, int(token), logprob)
+                if not run.done[k]:
+                    run.seqs[k][1].append(int(token))
+        if all(run.done):
             break
-    return generated
 
 
-def _generate_cached(model: torch.nn.Module, seqs: list[tuple[int, list[int]]], n_slots: int,
-                     max_new_tokens: int, eos_id: int, pad_id: int) -> list[list[int]]:
+def _generate_cached(model: torch.nn.Module, run: _Run, n_slots: int, pad_id: int) -> None:
     """Megatron's static batching: all sequences advance one position per step, so they
     share one KV-cache offset (and RoPE position). The first ``min prompt length`` positions
     run at once (prefill, one forward per slot: a ``[b, s]`` batch flattens sequence-major,
     so only a single-slot batch is adapter-major); then every step feeds ``[B, 1]`` tokens,
-    adapter-major as ``seqs`` is slot-sorted: a prompt's own next token while it lasts (its
-    logits are ignored), else the token generated at the previous step."""
+    adapter-major as the sequences are slot-sorted: a prompt's own next token while it
+    lasts (its prediction is ignored), else the token chosen at the previous step."""
+    seqs = run.seqs
     device = next(model.parameters()).device
     lengths = [len(tokens) for _, tokens in seqs]
     prefill = min(lengths)
-    total = max(n + max_new_tokens for n in lengths)
+    total = max(n + limit for n, limit in zip(lengths, run.limits))
     context = SlotInferenceContext(max_batch_size=len(seqs), max_sequence_length=total)
     slots = [slot for slot, _ in seqs]
     per_slot = [slots.count(s) for s in range(n_slots)]
 
-    def forward(tokens: list[list[int]], offset: int, counts: list[int]) -> list[int]:
+    def forward(tokens: list[list[int]], offset: int, counts: list[int], ks: list[int]) -> list:
         ids = torch.tensor(tokens, dtype=torch.int64, device=device)  # [b, s]
         positions = torch.arange(offset, offset + ids.size(1), device=device).expand_as(ids)
         context.slot_layout = SlotLayout(counts)  # rides with the call, as in training
         logits = model(ids, positions, None, inference_context=context, runtime_gather_output=True)
-        return logits[:, -1].argmax(dim=-1).tolist()  # only the last position is materialised
+        return run.choose(logits[:, -1], ks).tolist()  # only the last position is materialised
 
-    next_ids: list[int] = []
+    chosen: list = []
     start = 0
     for slot, n in enumerate(per_slot):
         if n:
             context.batch_size_offset = start
-            next_ids += forward([tokens[:prefill] for _, tokens in seqs[start:start + n]], 0,
-                                [n * prefill if s == slot else 0 for s in range(n_slots)])
+            chosen += forward([tokens[:prefill] for _, tokens in seqs[start:start + n]], 0,
+                              [n * prefill if s == slot else 0 for s in range(n_slots)],
+                              list(range(start, start + n)))
             start += n
     context.batch_size_offset = 0
-    generated = [[] for _ in seqs]
-    done = [False] * len(seqs)
-    position = prefill  # of the token each sequence's ``next_ids`` entry predicts
+    position = prefill  # of the token each sequence's ``chosen`` entry predicts
     while True:
-        for k, token in enumerate(next_ids):
-            if done[k] or position < lengths[k]:
-                continue  # still inside the prompt: the prediction is not used
-            if token == eos_id:
-                done[k] = True
-            else:
-                generated[k].append(token)
-                done[k] = len(generated[k]) == max_new_tokens
-        if all(done):
+        for k, (token, logprob) in enumerate(chosen):
+            if position >= lengths[k]:  # else still inside the prompt: not used
+                run.take(k, int(token), logprob)
+        if all(run.done):
             break
         feed = [seqs[k][1][position] if position < lengths[k]
-                else (pad_id if done[k] else generated[k][-1])
+                else (pad_id if run.done[k] else run.out[k].tokens[-1])
                 for k in range(len(seqs))]
         context.sequence_len_offset = position
-        next_ids = forward([[t] for t in feed], position, per_slot)
+        chosen = forward([[t] for t in feed], position, per_slot, list(range(len(seqs))))
         position += 1
-    return generated

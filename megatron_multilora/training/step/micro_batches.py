@@ -5,7 +5,7 @@ From each slot's examples to what a model chunk is called with, in one place:
 1. **pack** (``data/packing.py``): adapter-major single-sequence micro-batches under a token
    budget, each padded to a multiple of the sequence-parallel size;
 2. **agree** (training): one collective over the world settles the most micro-batches any
-   data-parallel peer packed, each slot's loss tokens over its global batch, and the caller's
+   data-parallel peer packed, each slot's loss units over its global batch, and the caller's
    extra integers (e.g. a stop signal); evaluation and generation agree their count over the
    data-parallel group only;
 3. **equalise**: loss-free fillers up to the agreed count (rounded up to the interleaved
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_multilora.data.datasets import Example
+from megatron_multilora.data.datasets import Packable
 from megatron_multilora.data.packing import MicroBatch, pack_micro_batches, pad_micro_batch
 from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
 from megatron_multilora.layers.micro_batch_layout import with_slot_layout
@@ -39,18 +39,18 @@ from megatron_multilora.parallel import collective_device
 @dataclasses.dataclass
 class Agreement:
     """What every rank agreed on before a step: the most micro-batches any data-parallel peer
-    packed, each slot's loss tokens over the data-parallel group (``[n_slots]`` int64), and
+    packed, each slot's loss units over the data-parallel group (``[n_slots]`` int64), and
     the largest value any rank of the world gave for each of the caller's extras."""
 
     micro_batches: int
-    loss_tokens: torch.Tensor
+    loss_units: torch.Tensor
     extras: tuple[int, ...] = ()
 
 
 def agree(micro_batches: list[MicroBatch], n_slots: int,
           extras: Sequence[int] = ()) -> Agreement:
     """One collective over the whole world instead of one per question: each rank writes its
-    own row (extras, micro-batch count, loss tokens per slot) of a zeroed table that is summed,
+    own row (extras, micro-batch count, loss units per slot) of a zeroed table that is summed,
     so every rank reads every row (exact integers) and takes its data-parallel peers' max count
     and token sums and the world's max of each extra. Every rank of the world must call it."""
     k = len(extras)
@@ -58,7 +58,7 @@ def agree(micro_batches: list[MicroBatch], n_slots: int,
     row[:k] = torch.tensor(list(extras), dtype=torch.int64)
     row[k] = len(micro_batches)
     for mb in micro_batches:
-        row[k + 1:] += mb.loss_tokens_per_slot()
+        row[k + 1:] += mb.loss_units_per_slot()
     if dist.get_world_size() == 1:
         return Agreement(int(row[k]), row[k + 1:], tuple(int(v) for v in row[:k]))
     table = torch.zeros(dist.get_world_size(), row.numel(), dtype=torch.int64)
@@ -101,7 +101,7 @@ class MicroBatcher:
         self.count_multiple = micro_batch_multiple(model)
         self.filler = filler_micro_batch(n_slots, pad_multiple, pad_id)
 
-    def pack(self, slot_examples: Sequence[Sequence[Example]], exclude: Iterable[int] = (),
+    def pack(self, slot_examples: Sequence[Sequence[Packable]], exclude: Iterable[int] = (),
              slot_order: Optional[Sequence[int]] = None) -> list[MicroBatch]:
         """This rank's micro-batches of every slot's examples but ``exclude``'s, before any
         agreement (``slot_order`` as in ``pack_micro_batches``)."""
@@ -110,7 +110,7 @@ class MicroBatcher:
         return pack_micro_batches(kept, self.token_budget, self.pad_multiple, self.pad_id,
                                   slot_order=slot_order)
 
-    def ready(self, slot_examples: Sequence[Sequence[Example]], exclude: Iterable[int] = (),
+    def ready(self, slot_examples: Sequence[Sequence[Packable]], exclude: Iterable[int] = (),
               slot_order: Optional[Sequence[int]] = None) -> list[MicroBatch]:
         """Packed and equalised, the count agreed over the data-parallel group."""
         return self.equalize(self.pack(slot_examples, exclude, slot_order))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from functools import partial
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,8 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_multilora.data.packing import MicroBatch
 from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
+from megatron_multilora.training.objectives.objective import MAX_METRICS, Objective
+from megatron_multilora.training.objectives.sft import SFT
 from megatron_multilora.training.step.micro_batches import chunk_inputs
 
 # loss_func(micro-batch, chunk output) -> what megatron's forward_step_calc_loss takes.
@@ -90,47 +92,70 @@ def _aux_loss_scale_kept(device: torch.device) -> Iterator[None]:
         MoEAuxLossAutoScaler.main_loss_backward_scale = saved
 
 
-def normalised_loss(weight_per_slot: torch.Tensor, mb: MicroBatch, token_loss: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """The last stage's loss of one micro-batch: token t of slot s weighs
-    ``loss_mask_t * weight_per_slot[s]``; returns megatron's ``(loss, num_tokens, data)`` with
-    the per-slot sums (float64) as data. Used with ``calculate_per_token_loss=True``, so
-    megatron divides by neither the token count nor the number of micro-batches."""
-    slot_of_token = torch.repeat_interleave(
-        torch.arange(len(mb.counts), device=token_loss.device),
-        torch.tensor(mb.counts, device=token_loss.device), output_size=sum(mb.counts))
-    weights = mb.loss_mask[0] * weight_per_slot[slot_of_token]
-    # where(): a token that does not count (padding, prompt) must not carry a non-finite loss
-    # into its slot's sum.
-    contrib = torch.where(weights > 0, token_loss[0].float() * weights,
-                          torch.zeros((), device=weights.device))
-    per_slot = torch.zeros(len(mb.counts), dtype=torch.float64, device=weights.device)
-    per_slot.index_add_(0, slot_of_token, contrib.detach().double())
-    num_tokens = mb.loss_mask.sum().to(torch.int)
-    return contrib.sum(), num_tokens, {"per_slot": per_slot}
+def objective_loss(objectives: Sequence[Objective], weights: Sequence[float], mb: MicroBatch,
+                   token_loss: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The last stage's loss of one micro-batch: each slot's span goes to its objective
+    (``objectives[s]``), whose loss and metric sums weigh ``weights[s]`` (1 / the slot's loss
+    units; 0: the slot does not count). Returns megatron's ``(loss, num_tokens, data)`` with
+    the per-slot table (float64 ``[n_slots, 1 + MAX_METRICS]``: loss, then the objective's
+    metrics) as data. Used with ``calculate_per_token_loss=True``, so megatron divides by
+    neither the token count nor the number of micro-batches."""
+    mask = mb.loss_mask[0]
+    # where(): a token that does not count (padding, prompt) must not carry a non-finite
+    # log-prob into its slot's sum.
+    logprobs = torch.where(mask > 0, -token_loss[0].float(), torch.zeros((), device=mask.device))
+    sequence = mb.sequence_ids()
+    table = torch.zeros(len(mb.counts), 1 + MAX_METRICS, dtype=torch.float64, device=mask.device)
+    total = logprobs.new_zeros(())
+    start = 0
+    for slot, count in enumerate(mb.counts):
+        span = slice(start, start + count)
+        start += count
+        if not count or not weights[slot]:
+            continue
+        seq = sequence[span]
+        loss, metrics = objectives[slot].span_loss(
+            logprobs[span], mask[span], {k: v[0, span] for k, v in mb.values.items()},
+            seq - seq[0])
+        total = total + loss * weights[slot]
+        table[slot, 0] = loss.detach().double() * weights[slot]
+        table[slot, 1:1 + metrics.numel()] = metrics.double() * weights[slot]
+    return total, mask.sum().to(torch.int), {"per_slot": table}
 
 
-def per_slot_losses(model: ModelOrChunks, micro_batches: Sequence[MicroBatch],
-                    denominators: torch.Tensor, forward_only: bool = False) -> torch.Tensor:
+def per_slot_results(model: ModelOrChunks, micro_batches: Sequence[MicroBatch],
+                     denominators: torch.Tensor, forward_only: bool = False,
+                     objectives: Optional[Sequence[Optional[Objective]]] = None) -> torch.Tensor:
     """Forward (and backward) the micro-batches; returns each adapter's summed normalised
-    loss over this rank's micro-batches, on every pipeline stage (float64, on the CPU).
+    loss and metrics over this rank's micro-batches (``[n_slots, 1 + MAX_METRICS]``, column
+    0 the loss), on every pipeline stage (float64, on the CPU).
 
-    Token t of slot s weighs ``loss_mask_t / denominators[s]`` (0 where a slot has no loss
-    tokens), so summed over data-parallel ranks each adapter's value is its mean token loss.
+    Slot s's loss and metric sums weigh ``1 / denominators[s]`` (its loss units over the
+    global batch; 0 where it has none), so summed over data-parallel ranks each adapter's
+    values are means over its global batch. ``objectives[s]``: slot s's objective (default,
+    and where None: SFT).
     """
     chunks = model_chunks(model)
     if not chunks[0].config.calculate_per_token_loss:
         raise ValueError("build the model with calculate_per_token_loss=True: the per-adapter "
                          "losses are normalised here, megatron must not divide them again")
     device = next(chunks[0].parameters()).device
-    weight_per_slot = torch.where(denominators > 0, 1.0 / denominators.clamp(min=1).double(),
-                                  torch.zeros((), dtype=torch.float64)).float().to(device)
-    store = run_schedule(chunks, micro_batches, partial(normalised_loss, weight_per_slot),
+    n = denominators.numel()
+    weights = [1.0 / float(d) if d > 0 else 0.0 for d in denominators.tolist()]
+    chosen = [SFT() if o is None else o for o in (objectives or [None] * n)]
+    store = run_schedule(chunks, micro_batches, partial(objective_loss, chosen, weights),
                          forward_only=forward_only)
-    per_slot = torch.zeros(denominators.numel(), dtype=torch.float64, device=device)
+    per_slot = torch.zeros(n, 1 + MAX_METRICS, dtype=torch.float64, device=device)
     for data in store:
         per_slot += data["per_slot"]
     return from_last_stage(per_slot).cpu()  # read back once per call, not per micro-batch
+
+
+def per_slot_losses(model: ModelOrChunks, micro_batches: Sequence[MicroBatch],
+                    denominators: torch.Tensor, forward_only: bool = False) -> torch.Tensor:
+    """Each adapter's SFT loss column of :func:`per_slot_results` (``[n_slots]``)."""
+    return per_slot_results(model, micro_batches, denominators, forward_only)[:, 0]
 
 
 def from_last_stage(tensor: torch.Tensor) -> torch.Tensor:

@@ -22,13 +22,14 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_multilora.data.datasets import Example
+from megatron_multilora.data.datasets import Packable
 from megatron_multilora.data.packing import MicroBatch
 from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
 from megatron_multilora.parallel import collective_device
 from megatron_multilora.training.step.grad_sync import SlotGradSync
 from megatron_multilora.training.step.micro_batches import MicroBatcher, agree
-from megatron_multilora.training.step.schedule import per_slot_losses
+from megatron_multilora.training.objectives.objective import Objective
+from megatron_multilora.training.step.schedule import per_slot_results
 from megatron_multilora.training.step.slot_optimizer import SlotOptimizer, slot_grad_norms
 
 
@@ -51,14 +52,16 @@ def start_reducing_losses(per_slot: torch.Tensor) -> Callable[[], torch.Tensor]:
 @dataclasses.dataclass
 class StepResult:
     """What one step did: every adapter's loss over its global batch (``[n_slots]``, the
-    same on every rank), the gradient norm of each slot that stepped, the slots skipped for a
-    non-finite loss or gradient, each adapter's loss tokens (``[n_slots]``), and the extras
-    agreed before the step (the world's max of each)."""
+    same on every rank) and its objective's metrics (``[n_slots, MAX_METRICS]``, in the
+    order of ``Objective.metrics``), the gradient norm of each slot that stepped, the slots
+    skipped for a non-finite loss or gradient, each adapter's loss units (``[n_slots]``),
+    and the extras agreed before the step (the world's max of each)."""
 
     losses: torch.Tensor
+    metrics: torch.Tensor
     grad_norms: dict[int, float]
     skipped: set[int]
-    loss_tokens: torch.Tensor
+    loss_units: torch.Tensor
     extras: tuple[int, ...] = ()
 
 
@@ -77,21 +80,28 @@ class SlotTrainStep:
         self.grad_sync = SlotGradSync(self.model)
         self.batcher = MicroBatcher(self.model, n_slots, token_budget, pad_multiple, pad_id)
 
-    def losses(self, micro_batches: list[MicroBatch], loss_tokens: torch.Tensor,
-               forward_only: bool = False) -> torch.Tensor:
+    def losses(self, micro_batches: list[MicroBatch], loss_units: torch.Tensor,
+               forward_only: bool = False,
+               objectives: Optional[dict[int, Objective]] = None) -> torch.Tensor:
         """Each adapter's loss over the global batch (reduced over data-parallel ranks, on
         every stage); with ``forward_only=False`` its gradients accumulate in ``main_grad``."""
-        return start_reducing_losses(per_slot_losses(self.model, micro_batches, loss_tokens,
-                                                     forward_only))()
+        return start_reducing_losses(per_slot_results(
+            self.model, micro_batches, loss_units, forward_only,
+            self._per_slot(objectives)))()[:, 0]
 
-    def __call__(self, slot_examples: Sequence[Sequence[Example]],
+    def _per_slot(self, objectives: Optional[dict[int, Objective]]) -> list[Optional[Objective]]:
+        return [(objectives or {}).get(s) for s in range(self.n_slots)]
+
+    def __call__(self, slot_examples: Sequence[Sequence[Packable]],
                  optimizers: dict[int, SlotOptimizer], slot_order: Optional[Sequence[int]] = None,
                  micro_batches: Optional[list[MicroBatch]] = None,
-                 extras: Sequence[int] = ()) -> StepResult:
+                 extras: Sequence[int] = (),
+                 objectives: Optional[dict[int, Objective]] = None) -> StepResult:
         """One step of the slots in ``optimizers`` on this rank's ``slot_examples`` (its
         data-parallel share of each slot's global batch); ``micro_batches``: their packing
         when already done (equalised). ``extras`` are agreed over all ranks in the step's
-        first collective and come back in the result. Every rank of the world must call it.
+        first collective and come back in the result. ``objectives``: each slot's objective
+        (default SFT). Every rank of the world must call it.
 
         A slot whose loss or gradient norm is not finite is left out: the step is redone
         without the adapters found to fail on their own samples, and they do not step.
@@ -105,16 +115,18 @@ class SlotTrainStep:
             micro_batches = self.batcher.equalize(local, agreed.micro_batches)
         else:
             agreed = agree(micro_batches, self.n_slots, extras)
-        loss_tokens = agreed.loss_tokens
+        loss_units = agreed.loss_units
+        per_slot = self._per_slot(objectives)
         skipped: set[int] = set()
         while True:
             # Only the training slots' gradients are reset and reduced: free slots cost nothing.
             self.grad_sync.zero_grad(optimizers)
-            reduced_losses = start_reducing_losses(
-                per_slot_losses(self.model, micro_batches, loss_tokens))
+            reduced = start_reducing_losses(
+                per_slot_results(self.model, micro_batches, loss_units, objectives=per_slot))
             stepping = [s for s in optimizers if s not in skipped]
             self.grad_sync.sync(stepping)
-            losses = reduced_losses()
+            table = reduced()
+            losses = table[:, 0]
             norms = slot_grad_norms({s: optimizers[s].params for s in stepping})
             failing = {s for s, norm in norms.items()
                        if not (math.isfinite(norm) and math.isfinite(float(losses[s])))}
@@ -122,20 +134,22 @@ class SlotTrainStep:
                 break
             # A non-finite adapter can poison the others through masked attention (0 * inf):
             # find which fail on their own samples, and redo the step without them.
-            skipped |= self._failing_alone(slot_examples, loss_tokens, failing, slot_order)
+            skipped |= self._failing_alone(slot_examples, loss_units, failing, slot_order,
+                                           objectives)
             micro_batches = self.batcher.ready(slot_examples, skipped, slot_order)
         for s in stepping:
             optimizers[s].step(norms[s])
-        return StepResult(losses, norms, skipped, loss_tokens, agreed.extras)
+        return StepResult(losses, table[:, 1:], norms, skipped, loss_units, agreed.extras)
 
-    def _failing_alone(self, slot_examples: Sequence[Sequence[Example]], loss_tokens: torch.Tensor,
-                       candidates: set[int], slot_order: Optional[Sequence[int]]) -> set[int]:
+    def _failing_alone(self, slot_examples: Sequence[Sequence[Packable]], loss_units: torch.Tensor,
+                       candidates: set[int], slot_order: Optional[Sequence[int]],
+                       objectives: Optional[dict[int, Objective]]) -> set[int]:
         """The candidates whose loss is non-finite on their own samples (all of them when
         none is, i.e. only their combination fails)."""
         culprits = set()
         for slot in sorted(candidates):
             alone = self.batcher.ready(slot_examples, set(range(self.n_slots)) - {slot},
                                        slot_order)
-            if not math.isfinite(float(self.losses(alone, loss_tokens, forward_only=True)[slot])):
+            if not math.isfinite(float(self.losses(alone, loss_units, True, objectives)[slot])):
                 culprits.add(slot)
         return culprits or set(candidates)

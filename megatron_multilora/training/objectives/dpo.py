@@ -1,0 +1,94 @@
+"""Direct preference optimisation (Rafailov et al. 2023) against the frozen base.
+
+A record is a (chosen, rejected) pair packed as two adjacent sequences of one micro-batch;
+the chosen one's tokens carry ``chosen = 1``, both carry ``ref_logprobs``, the base's own
+log-probs of their targets (the adapter off), computed once when the job starts. With
+``h = (logp_c - ref_c) - (logp_r - ref_r)`` over the answers' tokens:
+
+* ``sigmoid``: ``-(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h)`` (``e`` the label
+  smoothing);
+* ``ipo``: ``(h - 1 / (2 beta))^2`` on length-averaged log-probs.
+
+A pair is one loss unit: the loss is the mean over the global batch's pairs, as are the
+rewards ``beta (logp - ref)`` of each answer, their margin and the preference accuracy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from megatron_multilora.data.datasets import Example, load_pairs, read_records
+from megatron_multilora.training.objectives.objective import JobData, Objective, RunTools
+from megatron_multilora.training.step.reference import target_logprobs
+
+
+class DPO(Objective):
+    name = "dpo"
+    form = "preference"
+    metrics = ("chosen_reward", "rejected_reward", "margin", "preference_accuracy")
+
+    def __init__(self, beta: float, loss_type: str, label_smoothing: float) -> None:
+        self.beta, self.loss_type, self.label_smoothing = beta, loss_type, label_smoothing
+
+    def load(self, spec: Any, tokenizer, max_seq_len: int, eval_samples: int) -> JobData:
+        """Train and held-out pairs (the eval loss is the DPO loss on held-out pairs); string
+        pairs are also generated from, their chosen answer the expected one."""
+        train = load_pairs(spec.dataset, tokenizer, max_seq_len, spec.columns)
+        if not spec.eval_dataset:
+            return JobData(train, [], [])
+        held_out = load_pairs(spec.eval_dataset, tokenizer, max_seq_len, spec.columns)
+        records = read_records(spec.eval_dataset, "preference", spec.columns)[:eval_samples]
+        return JobData(train, held_out[:eval_samples],
+                       [{"prompt": r["prompt"], "completion": r["chosen"]} for r in records
+                        if isinstance(r["prompt"], str) and isinstance(r["chosen"], str)])
+
+    @classmethod
+    def prepare(cls, jobs: Sequence[Any], tools: RunTools) -> None:
+        """The base's log-probs of every pair of the jobs not yet prepared (when they start
+        or resume), computed once, forward only, with the adapters off."""
+        todo = [job for job in jobs if not job.prepared]
+        for job in todo:
+            job.train, job.eval = (with_references(pairs, job.slot, tools)
+                                   for pairs in (job.train, job.eval))
+            job.prepared = True
+
+    def span_loss(self, logprobs, mask, values, sequence):
+        n = int(sequence[-1]) + 1
+        per_seq = logprobs.new_zeros(n).index_add(0, sequence, (logprobs - values["ref_logprobs"]) * mask)
+        chosen = torch.zeros(n, device=mask.device).index_add(0, sequence, values["chosen"] * mask) > 0
+        first = chosen.nonzero().flatten()  # each pair's chosen sequence; its rejected one follows
+        c, r = per_seq[first], per_seq[first + 1]
+        if self.loss_type == "ipo":
+            lengths = mask.new_zeros(n).index_add(0, sequence, mask)
+            c, r = c / lengths[first], r / lengths[first + 1]
+        h = c - r
+        if self.loss_type == "ipo":
+            loss = (h - 1.0 / (2.0 * self.beta)) ** 2
+        else:
+            e = self.label_smoothing
+            loss = -(1.0 - e) * F.logsigmoid(self.beta * h) - e * F.logsigmoid(-self.beta * h)
+        cr, rr = self.beta * c.detach(), self.beta * r.detach()
+        metrics = torch.stack([cr.sum(), rr.sum(), (cr - rr).sum(), (cr > rr).float().sum()])
+        return loss.sum(), metrics
+
+
+def with_references(pairs: list[tuple[Example, Example]], slot: int, tools: RunTools
+                    ) -> list[tuple[Example, Example]]:
+    """``pairs`` with each token's reference log-prob (``ref_logprobs``) and the chosen
+    answers marked (``chosen``)."""
+    if not pairs:
+        return pairs
+    slot_examples: list[list] = [[] for _ in range(tools.batcher.n_slots)]
+    slot_examples[slot] = pairs
+    refs = iter(target_logprobs(tools.model, slot_examples, tools.batcher)[slot])
+    out = []
+    for chosen, rejected in pairs:
+        ones = (1.0,) * len(chosen.loss_mask)
+        out.append((dataclasses.replace(chosen, values={"ref_logprobs": tuple(next(refs)),
+                                                        "chosen": ones}),
+                    dataclasses.replace(rejected, values={"ref_logprobs": tuple(next(refs))})))
+    return out

@@ -1,0 +1,54 @@
+"""Sampling that does not depend on the batch: each row's draws are keyed by (its key, the
+token's index), so a row gets the same samples whichever rows share its generation pass, on
+every layout and after a resume.
+
+A row's next token is drawn from its softmax at its ``temperature``, restricted to the
+smallest set of most likely tokens whose probability reaches its ``top_p`` (nucleus), by
+inverting the distribution's CDF at one uniform number drawn from a generator seeded with
+the row's key and the token's index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import Sequence
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSampling:
+    """How one row samples: its key (e.g. ``seed:job:rollout:row``), temperature, top-p."""
+
+    key: str
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+def uniform(key: str, index: int) -> float:
+    """The uniform number in [0, 1) of draw ``index`` for ``key``."""
+    seed = zlib.crc32(f"{key}:{index}".encode())
+    return float(torch.rand((), generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+
+
+class KeyedSampler:
+    """A generation ``Pick`` for prompts ``rows[i]`` (by prompt index)."""
+
+    def __init__(self, rows: Sequence[RowSampling]) -> None:
+        self.rows = list(rows)
+
+    def __call__(self, logits: torch.Tensor, rows: list[int], generated: list[int]) -> torch.Tensor:
+        spec = [self.rows[i] for i in rows]
+        temperature = torch.tensor([s.temperature for s in spec], dtype=torch.float64)
+        top_p = torch.tensor([s.top_p for s in spec], dtype=torch.float64)
+        u = torch.tensor([uniform(s.key, t) for s, t in zip(spec, generated)], dtype=torch.float64)
+        probs = torch.softmax(logits.cpu().double() / temperature[:, None], dim=-1)
+        ordered, index = probs.sort(dim=-1, descending=True, stable=True)
+        # Keep a token while the more likely ones do not yet reach top_p (the first always).
+        kept = torch.where(ordered.cumsum(-1) - ordered < top_p[:, None], ordered,
+                           torch.zeros((), dtype=torch.float64))
+        cdf = kept.cumsum(-1)
+        at = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
+        at = at.clamp(max=logits.size(-1) - 1)
+        return index.gather(1, at).flatten()
