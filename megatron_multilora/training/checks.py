@@ -173,9 +173,10 @@ def job_problems(job: AdapterJob, where: str, max_rank: int, dp: int,
     if (job.max_steps is None) == (job.epochs is None):
         problems.append(f"{where}max_steps={job.max_steps}, epochs={job.epochs}: give exactly one "
                         "of them")
-    if job.objective == "grpo" and not problems:
+    if job.objective == "grpo":
         problems += _reward_problems(job, where)
-    return problems + (_file_problems(job, where) if check_files and not problems else [])
+    known = job.objective in OBJECTIVE_FORMS  # else its record form is unknown
+    return problems + (_file_problems(job, where) if check_files and known else [])
 
 
 def _reward_problems(job: AdapterJob, where: str) -> list[str]:

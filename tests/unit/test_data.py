@@ -311,3 +311,27 @@ def test_hf_tokenizer_wrapper_encodes_records_and_masks_assistant_turns():
                                  {"role": "assistant", "content": "world"}])
     assert tok.decode([i for i, m in zip(ids, mask) if m]) == "<assistant>world\n"
     assert tok.decode([i for i, m in zip(ids, mask) if not m]) == "<user>hello\n"
+
+
+def test_parquet_json_and_save_to_disk_datasets_read_like_jsonl(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from megatron_multilora.data.datasets import DatasetError, read_records
+
+    rows = [{"question": "1+1=", "solution": "2"}, {"question": "2+2=", "solution": "4"}]
+    table = datasets.Dataset.from_list(rows)
+    table.to_parquet(str(tmp_path / "d.parquet"))
+    table.to_json(str(tmp_path / "d.json"), lines=False)
+    table.save_to_disk(str(tmp_path / "folder"))
+    columns = {"prompt": "question", "completion": "solution"}
+    want = [{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2=", "completion": "4"}]
+    for path in ("d.parquet", "d.json", "folder"):
+        assert read_records(tmp_path / path, columns=columns) == want, path
+    with pytest.raises(DatasetError, match=r"d.parquet: record 0: unexpected keys \['prompt', "
+                                           r"'solution'\].* \(columns"):
+        read_records(tmp_path / "d.parquet", columns={"prompt": "question"})
+    datasets.DatasetDict({"train": table}).save_to_disk(str(tmp_path / "splits"))
+    with pytest.raises(DatasetError, match="a DatasetDict with splits \\['train'\\]; give one split"):
+        read_records(tmp_path / "splits")
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet")
+    with pytest.raises(DatasetError, match="broken.parquet: cannot read it with the datasets library"):
+        read_records(tmp_path / "broken.parquet")

@@ -1,0 +1,202 @@
+"""SFT, DPO and GRPO jobs in one run, through the recipe: each job trains as if alone (the
+same trajectory, samples and exported adapter), a GRPO job's rewards and KL are reported,
+and a job whose reward fails ends alone while the others go on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_multilora.data.demo_tasks import write_post_training_datasets
+from megatron_multilora.training.checkpoints import read_training_state
+from megatron_multilora.training.report.metrics import read_metrics
+from megatron_multilora.training.checks import validate
+from megatron_multilora.training.config import ConfigError
+from tests.recipe.conftest import compose_run, run_in_process
+
+STEPS = 6
+REL = 1e-5
+# Metrics that depend on the run's speed, not on its training.
+TIMING = {"tokens_per_s", "loss_tokens_per_s"}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("post")
+    write_post_training_datasets(out, n_train=32, n_eval=8, seed=0)
+    return out
+
+
+def fields(name: str, data: Path, **extra) -> str:
+    values = {"name": name, "rank": 8, "alpha": 16, "lr": 3e-3, "max_steps": STEPS,
+              "warmup_steps": 1, **extra}
+    return "{" + ",".join(f"{k}:{v}" for k, v in values.items()) + "}"
+
+
+def sft(data: Path) -> str:
+    return fields("sft", data, dataset=f"{data}/add.train.jsonl",
+                  eval_dataset=f"{data}/add.eval.jsonl", global_batch_size=4)
+
+
+def dpo(data: Path) -> str:
+    return fields("dpo", data, objective="dpo", dataset=f"{data}/reverse.pairs.train.jsonl",
+                  eval_dataset=f"{data}/reverse.pairs.eval.jsonl", global_batch_size=4,
+                  rank=4, alpha=8, lr=1e-2, dpo="{beta:0.5}")
+
+
+def grpo(data: Path, reward: str = "tests.recipe.rewards:letters", name: str = "grpo") -> str:
+    return fields(name, data, objective="grpo", dataset=f"{data}/sort.prompts.train.jsonl",
+                  eval_dataset=f"{data}/sort.prompts.eval.jsonl", global_batch_size=2, lr=1e-2,
+                  grpo=f"{{group_size:4,max_new_tokens:6,kl_coef:0.05,inner_steps:2,"
+                       f"temperature:1.0,top_p:0.9,reward:'{reward}'}}")
+
+
+OVERRIDES = ["lora.slots=3", "model.hidden_size=64", "model.ffn_hidden_size=128",
+             "trainer.eval_interval=3", "trainer.eval_samples=4", "trainer.max_new_tokens=6",
+             "checkpoint.save_interval=4", "checkpoint.resume=never"]
+
+
+def train_records(run_dir: Path) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for record in read_metrics(run_dir / "metrics.jsonl"):
+        if record["kind"] == "train":
+            for name, metrics in record["adapters"].items():
+                out.setdefault(name, []).append({k: v for k, v in metrics.items()
+                                                 if k not in TIMING})
+    return out
+
+
+def assert_same_records(want: list[dict], got: list[dict], what: str) -> None:
+    assert len(want) == len(got) == STEPS, (what, len(want), len(got))
+    for step, (w, g) in enumerate(zip(want, got), start=1):
+        assert w.keys() == g.keys(), (what, step)
+        for key in w:
+            # rewards and margins are differences of log-prob sums (~10): float32 rounding of
+            # those, not the value's own size, bounds how equal they can be
+            scale = max(abs(w[key]), 0.1)
+            assert abs(w[key] - g[key]) <= REL * scale, f"{what} step {step} {key}: {w[key]} vs {g[key]}"
+
+
+def rollout(run_dir: Path, step: int, name: str) -> dict:
+    state = read_training_state(run_dir / "checkpoints" / f"step_{step:08d}")
+    (progress,) = [p for p in state["trainer"]["queue"] if p["name"] == name]
+    return progress["rollout"]
+
+
+@pytest.fixture(scope="module")
+def runs(data, tmp_path_factory) -> dict[str, Path]:
+    """The three jobs together, and each alone (the same slots and settings)."""
+    tmp = tmp_path_factory.mktemp("runs")
+    out = {}
+    for what, jobs in (("mixed", [sft(data), dpo(data), grpo(data)]), ("sft", [sft(data)]),
+                       ("dpo", [dpo(data)]), ("grpo", [grpo(data)])):
+        run_in_process(tmp / what, jobs, OVERRIDES)
+        out[what] = tmp / what
+    return out
+
+
+@pytest.mark.parametrize("name", ["sft", "dpo", "grpo"])
+def test_each_objective_trains_in_a_mixed_step_as_alone(runs, name):
+    mixed, alone = train_records(runs["mixed"])[name], train_records(runs[name])[name]
+    assert alone[-1]["loss"] != alone[0]["loss"]  # it trained
+    assert_same_records(alone, mixed, name)
+    a = load_file(str(runs[name] / "adapters" / name / "adapter.safetensors"))
+    b = load_file(str(runs["mixed"] / "adapters" / name / "adapter.safetensors"))
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert (a[key] - b[key]).norm() <= REL * max(float(a[key].norm()), 1e-12), key
+
+
+def test_grpo_samples_do_not_depend_on_the_other_jobs(runs):
+    alone, mixed = rollout(runs["grpo"], 4, "grpo"), rollout(runs["mixed"], 4, "grpo")
+    assert alone["index"] == 1  # steps 3 and 4 trained on the second rollout
+    assert [e["tokens"] for e in alone["examples"]] == [e["tokens"] for e in mixed["examples"]]
+    assert alone["rewards"] == mixed["rewards"]
+    assert len(set(alone["rewards"])) > 1  # the rewards vary: the advantages are not all zero
+
+
+def test_objective_metrics_are_reported(runs):
+    records = train_records(runs["mixed"])
+    assert {"chosen_reward", "rejected_reward", "margin", "preference_accuracy"} <= records["dpo"][0].keys()
+    assert {"reward_mean", "reward_std", "kl", "clip_fraction"} <= records["grpo"][0].keys()
+    assert records["grpo"][-1]["kl"] > 0  # the adapter has moved away from the base
+    assert records["dpo"][-1]["margin"] > records["dpo"][0]["margin"]
+    evals = [r for r in read_metrics(runs["mixed"] / "metrics.jsonl") if r["kind"] == "eval"]
+    assert "preference_accuracy" in evals[0]["adapters"]["dpo"]
+    assert "loss" in evals[0]["adapters"]["grpo"]
+
+
+@pytest.mark.parametrize("reward,why", [("raises", "raised RuntimeError: the grader is down"),
+                                        ("not_a_number", "returned 'high'")])
+def test_a_failing_reward_ends_its_job_alone(data, tmp_path, capsys, reward, why):
+    _, trainer = run_in_process(tmp_path / "run", [sft(data), grpo(data, f"tests.recipe.rewards:{reward}", "bad")],
+                                OVERRIDES)
+    out = capsys.readouterr().out
+    jobs = {job.name: job for job in trainer.board.jobs}
+    assert jobs["bad"].status == "failed" and why in jobs["bad"].reason
+    assert f"{data}/sort.prompts.train.jsonl record" in jobs["bad"].reason
+    assert jobs["sft"].status == "done" and jobs["sft"].steps_done == STEPS
+    assert "job bad failed" in out
+
+
+def problems(jobs: list[str], *overrides: str) -> str:
+    """The config check's message for a run of ``jobs``: it must refuse it, at once."""
+    run = compose_run(["hf_dir=null", f"adapters=[{','.join(jobs)}]", *overrides])
+    with pytest.raises(ConfigError) as err:
+        validate(run)
+    return str(err.value)
+
+
+def test_bad_preference_and_prompt_records_are_named_by_file_and_line(data, tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "a=", "chosen": "b", "rejected": "c"}\n'
+                     '{"prompt": "a=", "chosen": "b"}\n')
+    msg = problems([fields("p", data, objective="dpo", dataset=pairs, global_batch_size=2)])
+    assert f"adapters.0.dataset: {pairs}:2: missing 'rejected'" in msg
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a=", "answer": "b"}\n{"prompt": "c="}\n')
+    msg = problems([fields("g", data, objective="grpo", dataset=prompts, global_batch_size=2)])
+    assert (f"adapters.0.dataset: {prompts}: record 1 has no \"answer\", which "
+            "grpo.reward=exact_match compares the completion with") in msg
+    # a column mapping makes the same file readable
+    columns = tmp_path / "columns.jsonl"
+    columns.write_text('{"question": "a=", "solution": "b"}\n')
+    validate(compose_run(["hf_dir=null", "adapters=[" + fields(
+        "g", data, objective="grpo", dataset=columns, global_batch_size=2,
+        columns="{prompt:question,answer:solution}") + "]"]))
+
+
+@pytest.mark.parametrize("setting,message", [
+    ("group_size:1", "adapters.0.grpo.group_size=1: must be >= 2"),
+    ("top_p:0", "adapters.0.grpo.top_p=0.0: must be in (0, 1]"),
+    ("clip_low:1.5", "adapters.0.grpo.clip_low=1.5: must be in [0.0, 1.0)"),
+    ("aggregation:sum", "adapters.0.grpo.aggregation='sum': must be one of 'token_mean', "
+                        "'sequence_mean'"),
+    ("reward:'nosuch.module:score'", "adapters.0.grpo.reward='nosuch.module:score': cannot import "
+                                     "nosuch.module (ModuleNotFoundError"),
+    ("reward:'tests.recipe.rewards:nothing'", "tests.recipe.rewards has no function 'nothing'"),
+    ("max_new_tokens:64", "adapters.0.grpo.max_new_tokens=64: must be below "
+                          "trainer.max_seq_len=64"),
+])
+def test_grpo_settings_out_of_range_are_refused(data, setting, message):
+    job = fields("g", data, objective="grpo", dataset=f"{data}/sort.prompts.train.jsonl",
+                 global_batch_size=2, grpo="{" + setting + "}")
+    assert message in problems([job], "trainer.max_seq_len=64")
+
+
+def test_an_unknown_objective_is_refused(data):
+    msg = problems([fields("x", data, objective="ppo", dataset=f"{data}/add.train.jsonl",
+                           global_batch_size=2)])
+    assert msg.endswith("\n  - adapters.0.objective='ppo': must be one of 'sft', 'dpo', 'grpo'"), msg
+
+
+def test_dpo_settings_out_of_range_are_refused(data):
+    job = fields("p", data, objective="dpo", dataset=f"{data}/reverse.pairs.train.jsonl",
+                 global_batch_size=2, dpo="{beta:0,loss_type:hinge}")
+    msg = problems([job])
+    assert "adapters.0.dpo.beta=0.0: must be > 0" in msg
+    assert "adapters.0.dpo.loss_type='hinge': must be one of 'sigmoid', 'ipo'" in msg
