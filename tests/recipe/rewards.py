@@ -7,6 +7,14 @@ def letters(prompt, completion, record):
     return sum(c.islower() for c in completion) / max(len(completion), 1)
 
 
+def slow_letters(prompt, completion, record):
+    """:func:`letters`, slowly (a rollout takes a while: a test can stop the run mid-way)."""
+    import time
+
+    time.sleep(0.05)
+    return letters(prompt, completion, record)
+
+
 def raises(prompt, completion, record):
     raise RuntimeError("the grader is down")
 
