@@ -93,7 +93,9 @@ def submit(args: argparse.Namespace) -> int:
     status = inbox.read_status(args.run_dir)
     spec = _read_spec(args.spec)
     job = _validated_job(spec, args.spec, run, status, args.run_dir)
-    stored = {key: getattr(job, key) for key in spec}  # normalised types, absolute paths
+    # normalised types, absolute paths; an objective's settings as plain values
+    stored = {key: dataclasses.asdict(v) if dataclasses.is_dataclass(v := getattr(job, key)) else v
+              for key in spec}
     try:
         inbox.submit(args.run_dir, stored)
     except FileExistsError:  # a racing submission of the same name landed first

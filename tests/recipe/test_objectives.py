@@ -18,6 +18,7 @@ from megatron_multilora.training.checks import validate
 from megatron_multilora.training.config import ConfigError
 from tests.recipe.conftest import compose_run, run_in_process
 from tests.recipe.test_cli import TORCHRUN, finish, last_train_step, latest_step, launch, wait_for_step
+from tests.recipe.test_serve import launch as launch_killed_at_end  # noqa: F401 (a fixture)
 
 STEPS = 6
 REL = 1e-5
@@ -100,7 +101,7 @@ def runs(data, tmp_path_factory) -> dict[str, Path]:
     and together on the tiny MoE model."""
     tmp = tmp_path_factory.mktemp("runs")
     out = {}
-    for what, jobs, extra in (("mixed", mixed(data), []), ("sft", [sft(data)], []),
+    for what, jobs, extra in (("mixed", mixed(data), ["logging.plots=true"]), ("sft", [sft(data)], []),
                               ("dpo", [dpo(data)], []), ("grpo", [grpo(data)], []),
                               ("moe", mixed(data), ["model=tiny_moe"])):
         run_in_process(tmp / what, jobs, [*OVERRIDES, *extra])
@@ -193,6 +194,7 @@ def test_objective_metrics_are_reported(runs):
     evals = [r for r in read_metrics(runs["mixed"] / "metrics.jsonl") if r["kind"] == "eval"]
     assert "preference_accuracy" in evals[0]["adapters"]["dpo"]
     assert "loss" in evals[0]["adapters"]["grpo"]
+    assert (runs["mixed"] / "reward_curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.parametrize("reward,why", [("raises", "raised RuntimeError: the grader is down"),
@@ -265,3 +267,46 @@ def test_dpo_settings_out_of_range_are_refused(data):
     msg = problems([job])
     assert "adapters.0.dpo.beta=0.0: must be > 0" in msg
     assert "adapters.0.dpo.loss_type='hinge': must be one of 'sigmoid', 'ipo'" in msg
+
+
+def test_dpo_and_grpo_jobs_submitted_to_a_serving_trainer_train_and_export(data, tmp_path,
+                                                                          launch_killed_at_end):
+    """`mmlora submit` of a DPO and a GRPO job (YAML specs) into a serving 2-process run:
+    both train next to its SFT job and export; a DPO spec whose data lacks "rejected" is
+    refused by `mmlora submit` itself, naming the file and line."""
+    import yaml
+
+    from tests.recipe.test_serve import command as serve_command
+    from tests.recipe.test_serve import mmlora, status, submit, wait_for
+
+    run, log = tmp_path / "run", tmp_path / "run.log"
+    proc = launch_killed_at_end(serve_command(run, [sft(data).replace(f"max_steps:{STEPS}", "max_steps:40")],
+                                ["trainer.serve=true", "lora.slots=3"]), log)
+    wait_for(lambda: last_train_step(run) >= 1, proc, log)
+    specs = {"pdpo": {"objective": "dpo", "dataset": f"{data}/reverse.pairs.train.jsonl",
+                      "global_batch_size": 4, "dpo": {"beta": 0.5}},
+             "pgrpo": {"objective": "grpo", "dataset": f"{data}/sort.prompts.train.jsonl",
+                       "global_batch_size": 2, "grpo": {"group_size": 4, "max_new_tokens": 6,
+                                                        "reward": "tests.recipe.rewards:letters"}}}
+    for name, extra in specs.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({"name": name, "rank": 4, "alpha": 8, "lr": 1e-2,
+                                        "max_steps": 4, **extra}))
+        submit(run, path)
+    bad_data = tmp_path / "bad.jsonl"
+    bad_data.write_text('{"prompt": "a=", "chosen": "b"}\n')
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"name": "bad", "objective": "dpo", "dataset": str(bad_data),
+                                   "max_steps": 2, "global_batch_size": 2}))
+    refused = mmlora("submit", "--run-dir", run, bad)
+    assert refused.returncode != 0 and f"{bad_data}:1: missing 'rejected'" in refused.stderr
+    wait_for(lambda: {j["name"]: j["status"] for j in status(run)["jobs"]}.get("pgrpo") == "done"
+             and {j["name"]: j["status"] for j in status(run)["jobs"]}.get("pdpo") == "done",
+             proc, log)
+    assert mmlora("stop", "--run-dir", run).returncode == 0
+    finish(proc, log)
+    records = train_records(run)
+    assert "preference_accuracy" in records["pdpo"][0] and "reward_mean" in records["pgrpo"][0]
+    assert len(records["pdpo"]) == len(records["pgrpo"]) == 4
+    for name in specs:
+        assert (run / "adapters" / name / "adapter.safetensors").is_file()

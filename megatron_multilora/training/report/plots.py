@@ -34,10 +34,12 @@ def _save_atomic(fig: Figure, out_png: str | Path) -> Path:
     return Path(out_png)
 
 
-def plot_loss_curves(records: list[dict], out_png: str | Path, kind: str = "train") -> Path:
-    """Plot each adapter's loss against step from ``kind`` records (see ``read_metrics``).
+def plot_loss_curves(records: list[dict], out_png: str | Path, kind: str = "train",
+                     metric: str = "loss") -> Path:
+    """Plot each adapter's ``metric`` (e.g. ``reward_mean``) against step from ``kind``
+    records (see ``read_metrics``); adapters that do not report it are left out.
 
-    Missing or non-finite losses are left out. Where a resumed run logged a step again, the
+    Missing or non-finite values are left out. Where a resumed run logged a step again, the
     later value wins, so the curve follows the run that continued.
     """
     selected = [r for r in records if r.get("kind") == kind]
@@ -47,9 +49,9 @@ def plot_loss_curves(records: list[dict], out_png: str | Path, kind: str = "trai
     for record in selected:
         for name, metrics in record["adapters"].items():
             points = curves.setdefault(name, {})
-            loss = metrics.get("loss")
-            if loss is not None and math.isfinite(loss):
-                points[record["step"]] = loss
+            value = metrics.get(metric)
+            if value is not None and math.isfinite(value):
+                points[record["step"]] = value
     fig, ax = plt.subplots(figsize=(8, 5), layout="constrained")
     for name, points in curves.items():
         if not points:
@@ -60,8 +62,8 @@ def plot_loss_curves(records: list[dict], out_png: str | Path, kind: str = "trai
     if ax.lines:
         ax.legend(title="adapter")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title(f"{kind} loss per adapter")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{kind} {metric} per adapter")
     ax.grid(alpha=0.3)
     return _save_atomic(fig, out_png)
 

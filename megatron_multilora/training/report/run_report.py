@@ -141,6 +141,10 @@ class RunReport:
 
         plot_loss_curves(records, self.run_dir / "loss_curves.png")
         plots = [self.run_dir / "loss_curves.png"]
+        if any("reward_mean" in m for r in records if r["kind"] == "train"
+               for m in r["adapters"].values()):  # RL jobs: their reward curves
+            plots.append(plot_loss_curves(records, self.run_dir / "reward_curves.png",
+                                          metric="reward_mean"))
         if names and tasks:
             plot_heatmap(tables.losses, names, tasks, self.run_dir / "adapter_task_loss.png",
                          "held-out loss: adapter (row) x task (column), lower is better")
