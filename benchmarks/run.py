@@ -16,6 +16,7 @@ from benchmarks.layers_and_models import section_layers_models
 from benchmarks.memory import section_memory
 from benchmarks.peers.rows import section_peers
 from benchmarks.pipeline_parallel import pp_model_config, section_pp
+from benchmarks.post_training import section_post
 from benchmarks.report import Results, Row, hardware, load_average, markdown, versions
 from benchmarks.scaling import section_scaling, section_width, width_config
 from benchmarks.settings import SECTIONS, Settings
@@ -28,6 +29,7 @@ RUN_SECTION = {
     "models": lambda s, d, c, o: section_layers_models("models", s, d, c, o),
     "jobs": section_jobs, "memory": section_memory, "tp": section_tp, "pp": section_pp,
     "scaling": section_scaling, "width": section_width, "peers": section_peers,
+    "post": section_post,
 }
 
 

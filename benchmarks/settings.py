@@ -25,7 +25,7 @@ QUICK = dict(rounds=2, warmup=1, slots=8, rank=8, layer_hidden=128, layer_tokens
              width_layers=1, width_tokens=64, width_rounds=2, peer_steps=5, peer_rounds=1)
 
 
-SECTIONS = ("layers", "models", "jobs", "memory", "tp", "pp", "scaling", "width")
+SECTIONS = ("layers", "models", "jobs", "memory", "tp", "pp", "scaling", "width", "post")
 """What a run without ``--only`` runs."""
 
 

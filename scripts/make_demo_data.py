@@ -1,6 +1,8 @@
 """Write what the main job trains on: the demo tasks' train/eval JSONL files (see
-megatron_multilora.data.demo_tasks) and, for the letter tasks, the tiny random base model, a
-Hugging Face Llama folder with a byte-level tokenizer (see megatron_multilora.models.tiny_hf).
+megatron_multilora.data.demo_tasks), each task's preference pairs and prompts for DPO and
+GRPO jobs (<task>.pairs.*.jsonl, <task>.prompts.*.jsonl) and, for the letter tasks, the tiny
+random base model, a Hugging Face Llama folder with a byte-level tokenizer (see
+megatron_multilora.models.tiny_hf).
 
     python scripts/make_demo_data.py --out-dir data/demo [--n-train 512] [--n-eval 64] [--seed 0]
     python scripts/make_demo_data.py --out-dir data/demo-words --tasks words   # SmolLM2 demo
@@ -11,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from megatron_multilora.data.demo_tasks import TASK_SETS, write_demo_datasets
+from megatron_multilora.data.demo_tasks import TASK_SETS, write_post_training_datasets
 
 
 def main() -> None:
@@ -25,11 +27,12 @@ def main() -> None:
     parser.add_argument("--no-base-model", action="store_true",
                         help="skip the tiny base model (<out-dir>/tiny-llama; letters only)")
     args = parser.parse_args()
-    paths = write_demo_datasets(args.out_dir, n_train=args.n_train, n_eval=args.n_eval,
-                                seed=args.seed, task_set=args.tasks)
+    paths = write_post_training_datasets(args.out_dir, n_train=args.n_train, n_eval=args.n_eval,
+                                         seed=args.seed, task_set=args.tasks)
     for task, split_paths in paths.items():
-        print(f"{task}: train {split_paths['train']} ({args.n_train} records), "
-              f"eval {split_paths['eval']} ({args.n_eval} records)")
+        print(f"{task}: {args.n_train} train and {args.n_eval} eval records each as completions "
+              f"({task}.{{train,eval}}.jsonl), pairs ({task}.pairs.*) and prompts "
+              f"({task}.prompts.*) in {args.out_dir}")
     if args.tasks == "letters" and not args.no_base_model:
         from megatron_multilora.models.tiny_hf import write_tiny_llama
 
