@@ -1,6 +1,6 @@
 """What the post-training demo achieved, from its runs' metrics: each GRPO job's reward curve
-and held-out exact match before (its starting adapter, the warmup run's) and after, each DPO
-job's held-out preference accuracy and margin over its evaluations.
+and each DPO job's held-out preference accuracy and margin over its evaluations; for the jobs
+that start from a warmup adapter, held-out exact match before (the warmup run's) and after.
 
     python scripts/post_train_report.py runs/post-train   # reads <run>-warmup too
 """
@@ -13,6 +13,8 @@ from pathlib import Path
 from megatron_multilora.training.report.metrics import read_metrics
 
 BARS = " .:-=+*#%@"
+# The demo's jobs that start from a warmup adapter (conf/jobs/post3.yaml), by that adapter.
+STARTS = {"sort_rl": "sort_words", "prefer_reversed": "reverse_words"}
 
 
 def curve(values: list[float]) -> str:
@@ -21,10 +23,11 @@ def curve(values: list[float]) -> str:
     return "".join(BARS[min(len(BARS) - 1, int(v / top * (len(BARS) - 1)))] for v in values)
 
 
-def final_accuracy(run_dir: Path, adapter: str, task: str) -> float | None:
+def final(run_dir: Path, adapter: str, task: str, what: str = "accuracy") -> float | None:
+    """``adapter``'s ``what`` (accuracy or loss) on ``task`` in the run's final table."""
     finals = [r for r in read_metrics(run_dir / "metrics.jsonl")
               if r["kind"] == "eval" and "base" in r["adapters"]]
-    return finals[-1]["adapters"].get(adapter, {}).get(f"accuracy_on_{task}") if finals else None
+    return finals[-1]["adapters"].get(adapter, {}).get(f"{what}_on_{task}") if finals else None
 
 
 def main() -> None:
@@ -39,19 +42,25 @@ def main() -> None:
         rewards = [r["adapters"][name]["reward_mean"] for r in train
                    if "reward_mean" in r["adapters"].get(name, {})]
         if rewards:
-            start = final_accuracy(Path(f"{args.run_dir}-warmup"), "sort_words", "sort_words")
-            end = final_accuracy(args.run_dir, name, name)
             print(f"{name} (GRPO): reward mean by logged step |{curve(rewards)}| "
                   f"{rewards[0]:.2f} -> {rewards[-1]:.2f}")
-            if start is not None and end is not None:
-                print(f"{name}: held-out exact match {start:.2f} (its starting adapter) -> "
-                      f"{end:.2f} after GRPO ({end - start:+.2f})")
         accuracy = [(r["step"], r["adapters"][name]) for r in evals
                     if "preference_accuracy" in r["adapters"].get(name, {})]
         if accuracy:
             steps = ", ".join(f"step {s}: {m['preference_accuracy']:.2f} (margin {m['margin']:.2f})"
                               for s, m in accuracy)
             print(f"{name} (DPO): held-out preference accuracy {steps}")
+        last = next((r["adapters"][name] for r in reversed(train) if name in r["adapters"]), {})
+        if "preference_accuracy" in last:
+            print(f"{name} (DPO): held-out DPO loss {final(args.run_dir, 'base', name, 'loss'):.3f} "
+                  f"(base) -> {final(args.run_dir, name, name, 'loss'):.3f}; last step's preference "
+                  f"accuracy {last['preference_accuracy']:.2f}, margin {last['margin']:.2f}")
+        start, end = (final(folder, adapter, task) for folder, adapter, task in (
+            (Path(f"{args.run_dir}-warmup"), STARTS.get(name), STARTS.get(name)),
+            (args.run_dir, name, name)))
+        if start is not None and end is not None:
+            print(f"{name}: held-out exact match {start:.2f} (its starting adapter) -> "
+                  f"{end:.2f} ({end - start:+.2f})")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 from megatron_multilora.data.record_forms import EXPECTED, PROBLEMS, answer_ids
 from megatron_multilora.data.tokenizer import Tokenizer
@@ -220,27 +220,26 @@ def tokenize_pair(record: dict, tokenizer: Tokenizer, max_seq_len: int) -> tuple
     return chosen, rejected
 
 
+def _load(path: str | Path, form: str, tokenize: Callable[[dict, Tokenizer, int], Any],
+          tokenizer: Tokenizer, max_seq_len: int, columns: Optional[Mapping[str, str]]) -> list:
+    """Every record of ``path`` in ``form``, tokenized; errors name the file and record."""
+    _check_len(max_seq_len)
+    out = []
+    for where, record in _numbered_records(path, form, columns):
+        try:
+            out.append(tokenize(record, tokenizer, max_seq_len))
+        except ValueError as e:
+            raise DatasetError(f"{where}: {e}") from e
+    return out
+
+
 def load_dataset(path: str | Path, tokenizer: Tokenizer, max_seq_len: int,
                  columns: Optional[Mapping[str, str]] = None) -> list[Example]:
     """Read, validate and tokenize a completion-form dataset; errors name file and record."""
-    _check_len(max_seq_len)
-    examples = []
-    for where, record in _numbered_records(path, "completion", columns):
-        try:
-            examples.append(tokenize_record(record, tokenizer, max_seq_len))
-        except ValueError as e:
-            raise DatasetError(f"{where}: {e}") from e
-    return examples
+    return _load(path, "completion", tokenize_record, tokenizer, max_seq_len, columns)
 
 
 def load_pairs(path: str | Path, tokenizer: Tokenizer, max_seq_len: int,
                columns: Optional[Mapping[str, str]] = None) -> list[tuple[Example, Example]]:
     """Read, validate and tokenize a preference dataset into (chosen, rejected) pairs."""
-    _check_len(max_seq_len)
-    pairs = []
-    for where, record in _numbered_records(path, "preference", columns):
-        try:
-            pairs.append(tokenize_pair(record, tokenizer, max_seq_len))
-        except ValueError as e:
-            raise DatasetError(f"{where}: {e}") from e
-    return pairs
+    return _load(path, "preference", tokenize_pair, tokenizer, max_seq_len, columns)

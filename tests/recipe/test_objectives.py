@@ -4,11 +4,9 @@ and a job whose reward fails ends alone while the others go on."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from megatron_multilora.data.demo_tasks import write_post_training_datasets
@@ -270,7 +268,7 @@ def test_dpo_settings_out_of_range_are_refused(data):
 
 
 def test_dpo_and_grpo_jobs_submitted_to_a_serving_trainer_train_and_export(data, tmp_path,
-                                                                          launch_killed_at_end):
+                                                                          launch_killed_at_end):  # noqa: F811
     """`mmlora submit` of a DPO and a GRPO job (YAML specs) into a serving 2-process run:
     both train next to its SFT job and export; a DPO spec whose data lacks "rejected" is
     refused by `mmlora submit` itself, naming the file and line."""

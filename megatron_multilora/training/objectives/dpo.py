@@ -28,7 +28,6 @@ from megatron_multilora.training.step.reference import target_logprobs
 
 class DPO(Objective):
     name = "dpo"
-    form = "preference"
     metrics = ("chosen_reward", "rejected_reward", "margin", "preference_accuracy")
 
     def __init__(self, beta: float, loss_type: str, label_smoothing: float) -> None:

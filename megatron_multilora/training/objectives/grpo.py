@@ -22,7 +22,6 @@ from megatron_multilora.training.objectives.token_losses import kl_to_reference,
 
 class GRPO(Objective):
     name = "grpo"
-    form = "prompt"
     metrics = ("kl", "clip_fraction")
 
     def __init__(self, clip_low: float, clip_high: float, kl_coef: float) -> None:

@@ -52,7 +52,6 @@ class Objective:
     """One job's objective (its settings held by the instance). The defaults are SFT's."""
 
     name: ClassVar[str]
-    form: ClassVar[str]  # the record form its data comes in (data/record_forms.py)
     metrics: ClassVar[tuple[str, ...]] = ()  # reported per step, means over loss units
 
     def load(self, spec: Any, tokenizer, max_seq_len: int, eval_samples: int) -> JobData:

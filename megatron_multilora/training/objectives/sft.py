@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import torch
-
 from megatron_multilora.training.objectives.objective import Objective
 from megatron_multilora.training.objectives.token_losses import cross_entropy
 
 
 class SFT(Objective):
     name = "sft"
-    form = "completion"
 
     def span_loss(self, logprobs, mask, values, sequence):
         return cross_entropy(logprobs, mask).sum(), logprobs.new_zeros(0)
