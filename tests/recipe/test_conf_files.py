@@ -6,7 +6,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from megatron_multilora.data.demo_tasks import write_demo_datasets
+from megatron_multilora.data.demo_tasks import write_post_training_datasets
 from megatron_multilora.models.tiny_hf import write_tiny_llama
 from megatron_multilora.training import config as schema
 from megatron_multilora.training.checks import validate
@@ -14,20 +14,24 @@ from megatron_multilora.training.config import load_run_config
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 # Group options that only work beside another choice: expert parallelism needs a MoE model.
-PARTNERS = {"parallel=ep2": ["model=tiny_moe", "hf_dir=null"]}
+# The post-training jobs start from the demo's first-phase adapters, which a run writes.
+NO_WARMUP = ["adapters.1.init_from=null", "adapters.2.init_from=null"]
+PARTNERS = {"parallel=ep2": ["model=tiny_moe", "hf_dir=null"], "jobs=post3": NO_WARMUP,
+            "post_train": NO_WARMUP}
 
 
 def test_every_yaml_file_in_conf_composes_loads_and_validates(tmp_path, monkeypatch):
     data = tmp_path / "data"
-    write_demo_datasets(data, n_train=16, n_eval=4, seed=0)
-    write_demo_datasets(data, n_train=16, n_eval=4, seed=0, task_set="words")  # jobs=words4
+    write_post_training_datasets(data, n_train=16, n_eval=4, seed=0)
+    write_post_training_datasets(data, n_train=16, n_eval=4, seed=0, task_set="words")  # words4
     write_tiny_llama(data / "tiny-llama")  # the default hf_dir, ${data_dir}/tiny-llama
     monkeypatch.setenv("WORLD_SIZE", "2")  # the 2-process layouts (tp2, ep2, pp2) need it
     files = sorted(p.relative_to(CONF) for p in CONF.rglob("*.yaml"))
     top = [f.stem for f in files if len(f.parts) == 1]
     options = [f"{f.parts[0]}={f.stem}" for f in files if len(f.parts) == 2]
-    assert len(files) == 14 and top == ["config", "smollm2"], files
-    runs = [(name, [f"data_dir={data}", f"hf_dir={data / 'tiny-llama'}"]) for name in top]
+    assert len(files) == 17 and top == ["config", "post_train", "smollm2"], files
+    runs = [(name, [f"data_dir={data}", f"hf_dir={data / 'tiny-llama'}", *PARTNERS.get(name, [])])
+            for name in top]
     for option in options:
         # A model option is used when no HF base overrides it.
         extra = ["hf_dir=null"] if option.startswith("model=") else []
@@ -43,7 +47,7 @@ def test_every_yaml_file_in_conf_composes_loads_and_validates(tmp_path, monkeypa
                 assert (run.parallel.tp, run.parallel.sp) == (2, True)
             if chosen.get("parallel") == "pp2":
                 assert (run.parallel.pp, run.parallel.vpp) == (2, None)
-    assert len(runs) == 2 + 12
+    assert len(runs) == 3 + 14
 
 
 def test_run_wide_settings_have_their_defaults_only_in_conf():
