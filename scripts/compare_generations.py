@@ -36,13 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_multilora.data.datasets import read_jsonl_records
+    from megatron_multilora.data.datasets import read_records
     from megatron_multilora.data.demo_tasks import exact_match
     from megatron_multilora.data.tokenizer import HFTokenizer
 
     rows: list[tuple[str, str | None]] = [(p, None) for p in args.prompts or []]
     for path in args.eval_files:
-        rows += [(r["prompt"], r["completion"]) for r in read_jsonl_records(path)[:args.per_file]]
+        rows += [(r["prompt"], r["completion"]) for r in read_records(path)[:args.per_file]]
     rows = rows or [(p, None) for p in DEFAULT_PROMPTS]
     tok = HFTokenizer(AutoTokenizer.from_pretrained(args.base))
     base = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32).eval()

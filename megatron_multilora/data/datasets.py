@@ -55,6 +55,11 @@ class Example:
 Packable = Union[Example, tuple[Example, ...]]
 
 
+def examples_of(item: Packable) -> tuple[Example, ...]:
+    """The examples a packable item holds, in order."""
+    return item if isinstance(item, tuple) else (item,)
+
+
 class DatasetError(ValueError):
     """A dataset problem; the message starts with ``"path:line: "`` (JSONL), ``"path: record
     n: "`` (other formats) or ``"path: "``."""
@@ -151,11 +156,6 @@ def read_records(path: str | Path, form: str = "completion",
     order, columns renamed. Needs no tokenizer, so a run's data can be checked before any
     model is built. Raises DatasetError naming the file and record of the first bad one."""
     return [record for _, record in _numbered_records(path, form, columns)]
-
-
-def read_jsonl_records(path: str | Path) -> list[dict]:
-    """A completion-form dataset's records (see :func:`read_records`)."""
-    return read_records(path)
 
 
 def _truncate(ids: list[int], trained: list[bool], max_seq_len: int) -> tuple[list[int], list[bool]]:

@@ -18,7 +18,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_multilora.data.datasets import Example, Packable
+from megatron_multilora.data.datasets import Example, Packable, examples_of
 from megatron_multilora.ops.slot_layout import SlotLayout
 
 T = TypeVar("T")
@@ -190,7 +190,7 @@ def pack_micro_batches(slot_examples: Sequence[Sequence[Packable]], token_budget
     used = 0
     for slot in order:
         for i, item in enumerate(slot_examples[slot]):
-            group = item if isinstance(item, tuple) else (item,)
+            group = examples_of(item)
             n = sum(len(example.tokens) - 1 for example in group)
             if n > token_budget:
                 raise ValueError(

@@ -12,7 +12,7 @@ from megatron_multilora.data.datasets import (
     DatasetError,
     Example,
     load_dataset,
-    read_jsonl_records,
+    read_records,
     tokenize_record,
 )
 from megatron_multilora.data.demo_tasks import (
@@ -77,11 +77,11 @@ def test_encode_chat_rejects_bad_messages(message, needle):
 
 # --- reading and tokenizing --------------------------------------------------------------
 
-def test_read_jsonl_records_accepts_both_forms_and_skips_blank_lines(tmp_path):
+def test_read_records_accepts_both_forms_and_skips_blank_lines(tmp_path):
     chat = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
     path = write_lines(tmp_path, [json.dumps({"prompt": "p", "completion": "c"}), "  ",
                                   json.dumps(chat)])
-    assert read_jsonl_records(path) == [{"prompt": "p", "completion": "c"}, chat]
+    assert read_records(path) == [{"prompt": "p", "completion": "c"}, chat]
 
 
 @pytest.mark.parametrize("bad_line, needle", [
@@ -93,23 +93,23 @@ def test_read_jsonl_records_accepts_both_forms_and_skips_blank_lines(tmp_path):
     ('{"messages": [{"role": "user", "content": "hi"}]}', 'no "assistant" message'),
     ('{"messages": [{"role": "robot", "content": "hi"}]}', "unknown role"),
 ])
-def test_read_jsonl_records_errors_name_file_and_line(tmp_path, bad_line, needle):
+def test_read_records_errors_name_file_and_line(tmp_path, bad_line, needle):
     good = json.dumps({"prompt": "p", "completion": "c"})
     path = write_lines(tmp_path, [good, "", bad_line])  # the bad record is on line 3
     with pytest.raises(DatasetError) as info:
-        read_jsonl_records(path)
+        read_records(path)
     assert str(info.value).startswith(f"{path}:3: ")
     assert needle in str(info.value)
 
 
-def test_read_jsonl_records_file_level_errors(tmp_path):
+def test_read_records_file_level_errors(tmp_path):
     missing = tmp_path / "missing.jsonl"
     with pytest.raises(DatasetError, match="file not found") as info:
-        read_jsonl_records(missing)
+        read_records(missing)
     assert str(info.value).startswith(f"{missing}: ")
     empty = write_lines(tmp_path, ["", "   "])
     with pytest.raises(DatasetError, match="no records") as info:
-        read_jsonl_records(empty)
+        read_records(empty)
     assert str(info.value).startswith(f"{empty}: ")
 
 
@@ -251,7 +251,7 @@ def test_write_demo_datasets_files_are_valid_and_disjoint(tmp_path):
     paths = write_demo_datasets(tmp_path / "demo", n_train=200, n_eval=40, seed=0)
     assert set(paths) == set(TASKS)
     for task, split in paths.items():
-        train, held_out = read_jsonl_records(split["train"]), read_jsonl_records(split["eval"])
+        train, held_out = read_records(split["train"]), read_records(split["eval"])
         assert split["train"].name == f"{task}.train.jsonl"
         assert len(train) == 200 and len(held_out) == 40
         assert train == make_examples(task, 200, seed=0)
@@ -266,7 +266,7 @@ def test_word_tasks_share_one_input_distribution_and_answer_correctly(tmp_path):
               "capitalize": lambda w: [x.capitalize() for x in w],
               "double": lambda w: [x for x in w for _ in (0, 1)]}
     for task, split in paths.items():
-        for record in read_jsonl_records(split["train"]) + read_jsonl_records(split["eval"]):
+        for record in read_records(split["train"]) + read_records(split["eval"]):
             words = record["prompt"].removesuffix(" =").split(" ")
             assert len(set(words)) == 3 and set(words) <= set(WORDS)
             assert record["completion"] == " " + " ".join(answer[task](words))

@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence
 from megatron_multilora.checkpoint.adapter_files import import_adapter
 from megatron_multilora.checkpoint.adapter_folders import FolderFormat, folder_format
 from megatron_multilora.checkpoint.peft_format import import_peft
-from megatron_multilora.data.datasets import Packable
+from megatron_multilora.data.datasets import Packable, examples_of
 from megatron_multilora.data.packing import shard_for_data_parallel
 from megatron_multilora.layers.lifecycle import (
     ModelOrChunks,
@@ -124,7 +124,7 @@ class JobBoard:
         for job in (job for job in jobs if job.status == ACTIVE):
             items = job.objective.batch(job, self.seed)
             slot_examples[job.slot] = shard_for_data_parallel(items, dp_rank, dp_size)
-            flat = [e for item in items for e in (item if isinstance(item, tuple) else (item,))]
+            flat = [e for item in items for e in examples_of(item)]
             tokens[job.slot] = (sum(len(e.tokens) for e in flat), sum(sum(e.loss_mask) for e in flat))
         rank = {job.slot: job.spec.rank for job in jobs}
         order = sorted(range(self.n_slots), key=lambda slot: rank.get(slot, 0))
