@@ -65,10 +65,6 @@ class SDPAttention(MegatronModule):
             if attention_mask is not None or mask_type != AttnMaskType.causal:
                 raise ValueError("SDPAttention runs packed (thd) sequences causally, without a mask")
             return self._packed(query, key, value, packed_seq_params)
-        groups = query.size(2) // key.size(2)
-        if groups > 1:
-            key = key.repeat_interleave(groups, dim=2)
-            value = value.repeat_interleave(groups, dim=2)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         keep = None if attention_mask is None else ~attention_mask
@@ -81,8 +77,11 @@ class SDPAttention(MegatronModule):
         dropout_p = self.dropout_p if self.training else 0.0
         # Heads are TP-sharded, so dropout draws from the tensor-parallel stream.
         with tensor_parallel.get_cuda_rng_tracker().fork():
+            # enable_gqa: query groups share their key/value heads without copying them (a
+            # copy of the whole KV cache per layer and token, when generating).
             return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p,
-                                                  is_causal=causal, scale=self.softmax_scale)
+                                                  is_causal=causal, scale=self.softmax_scale,
+                                                  enable_gqa=k.size(1) != q.size(1))
 
     def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 params: PackedSeqParams) -> torch.Tensor:
@@ -90,10 +89,6 @@ class SDPAttention(MegatronModule):
         only, as batches of sequences of similar length right-padded to the longest (a causal
         row never reads its own sequence's padding; pad rows are dropped)."""
         layout = _packed_layout(params, query.device)
-        groups = query.size(1) // key.size(1)
-        if groups > 1:
-            key = key.repeat_interleave(groups, dim=1)
-            value = value.repeat_interleave(groups, dim=1)
         outs = []
         for rows in layout.buckets:  # rows: [n, longest] indices into the packed tokens
             q, k, v = (t[rows].permute(0, 2, 1, 3) for t in (query, key, value))  # [n, h, L, d]

@@ -82,10 +82,16 @@ def test_group_normalised_advantages():
 
 def test_keyed_sampler_draws_per_row_not_per_batch():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
-    rows = [RowSampling(f"k{i}", temperature=1.0, top_p=1.0) for i in range(3)]
-    together = KeyedSampler(rows)(logits, [0, 1, 2], [0, 0, 0])
-    alone = KeyedSampler(rows)(logits[1:2], [1], [0])
-    assert together[1] == alone[0]
+    # Rows with and without a nucleus in one batch draw as they do alone.
+    rows = [RowSampling(f"k{i}", temperature=1.0, top_p=p) for i, p in enumerate((1.0, 0.5, 1.0))]
+    for t in range(10):
+        together = KeyedSampler(rows)(logits, [0, 1, 2], [t] * 3)
+        for i in range(3):
+            assert together[i] == KeyedSampler(rows)(logits[i:i + 1], [i], [t])[0]
+    # Without a nucleus the draws follow the softmax.
+    many = [int(KeyedSampler([RowSampling("y")])(logits[:1], [0], [t])) for t in range(3000)]
+    freq = torch.bincount(torch.tensor(many), minlength=50).double() / len(many)
+    assert (freq - logits[0].double().softmax(-1)).abs().max() < 0.03
     draws = [int(KeyedSampler([RowSampling("x", 1.0, 0.2)])(logits[:1], [0], [t])) for t in range(40)]
     top = logits[0].softmax(-1).sort(descending=True)
     nucleus = set(top.indices[:int((top.values.cumsum(0) < 0.2).sum()) + 1].tolist())

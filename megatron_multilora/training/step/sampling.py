@@ -4,8 +4,8 @@ every layout and after a resume.
 
 A row's next token is drawn from its softmax at its ``temperature``, restricted to the
 smallest set of most likely tokens whose probability reaches its ``top_p`` (nucleus), by
-inverting the distribution's CDF at one uniform number drawn from a generator seeded with
-the row's key and the token's index.
+inverting its CDF (in vocabulary order; with a nucleus, most likely first) at one uniform
+number drawn from a generator seeded with the row's key and the token's index.
 """
 
 from __future__ import annotations
@@ -44,11 +44,21 @@ class KeyedSampler:
         top_p = torch.tensor([s.top_p for s in spec], dtype=torch.float64)
         u = torch.tensor([uniform(s.key, t) for s, t in zip(spec, generated)], dtype=torch.float64)
         probs = torch.softmax(logits.cpu().double() / temperature[:, None], dim=-1)
-        ordered, index = probs.sort(dim=-1, descending=True, stable=True)
-        # Keep a token while the more likely ones do not yet reach top_p (the first always).
-        kept = torch.where(ordered.cumsum(-1) - ordered < top_p[:, None], ordered,
-                           torch.zeros((), dtype=torch.float64))
-        cdf = kept.cumsum(-1)
-        at = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
-        at = at.clamp(max=logits.size(-1) - 1)
-        return index.gather(1, at).flatten()
+        tokens = torch.empty(len(spec), dtype=torch.int64)
+        full = top_p >= 1.0  # rows without a nucleus: their CDF in vocabulary order, no sort
+        if full.any():
+            tokens[full] = _invert(probs[full], u[full])
+        if not full.all():
+            ordered, index = probs[~full].sort(dim=-1, descending=True, stable=True)
+            # Keep a token while the more likely ones do not yet reach top_p (the first always).
+            kept = torch.where(ordered.cumsum(-1) - ordered < top_p[~full, None], ordered,
+                               torch.zeros((), dtype=torch.float64))
+            tokens[~full] = index.gather(1, _invert(kept, u[~full])[:, None]).flatten()
+        return tokens
+
+
+def _invert(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Each row's index where its CDF (``weights`` ``[B, V]``, not normalised) reaches ``u``."""
+    cdf = weights.cumsum(-1)
+    at = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
+    return at.clamp(max=weights.size(-1) - 1).flatten()
