@@ -143,7 +143,8 @@ def _validated_job(spec: dict[str, Any], where: str, run: RunConfig,
             if getattr(job, field) is not None:
                 setattr(job, field, os.path.abspath(os.path.expanduser(getattr(job, field))))
         dp = int(status.get("dp_size", 1)) if status else 1
-        problems += job_problems(job, f"{where}: ", run.lora.max_rank, dp, check_files=True)
+        problems += job_problems(job, f"{where}: ", run.lora.max_rank, dp,
+                                 run.trainer.max_seq_len, check_files=True)
     if problems:
         raise CommandError(f"the job in {where} cannot be submitted; fix it and submit again:"
                            "\n  - " + "\n  - ".join(problems))

@@ -68,10 +68,8 @@ def validate(run: RunConfig, check_files: bool = True) -> None:
     dp = max(world // max(par.tp * par.pp, 1), 1)
     for i, job in enumerate(run.adapters):
         problems += name_problems(job.name, f"adapters.{i}.")
-        problems += job_problems(job, f"adapters.{i}.", run.lora.max_rank, dp, check_files)
-        if job.objective == "grpo" and job.grpo.max_new_tokens >= tr.max_seq_len:
-            problems.append(f"adapters.{i}.grpo.max_new_tokens={job.grpo.max_new_tokens}: must be "
-                            f"below trainer.max_seq_len={tr.max_seq_len} (the prompt needs room)")
+        problems += job_problems(job, f"adapters.{i}.", run.lora.max_rank, dp, tr.max_seq_len,
+                                 check_files)
     if check_files:
         problems += _run_dir_problems(run.run_dir) + _resume_problems(run)
     if problems:
@@ -158,10 +156,10 @@ def name_problems(name: str, where: str) -> list[str]:
     return []
 
 
-def job_problems(job: AdapterJob, where: str, max_rank: int, dp: int,
+def job_problems(job: AdapterJob, where: str, max_rank: int, dp: int, max_seq_len: int,
                  check_files: bool = True) -> list[str]:
-    """What is wrong with one adapter job on a run of ``max_rank`` slots and ``dp``
-    data-parallel ranks: each field's range, then what depends on the run or on several
+    """What is wrong with one adapter job on a run of ``max_rank`` slots, ``dp``
+    data-parallel ranks and sequences of at most ``max_seq_len`` tokens: each field's range, then what depends on the run or on several
     fields, then its files (config and submitted jobs). ``where`` prefixes each problem
     (``adapters.0.``, or ``<file>: ``)."""
     problems = schema_problems(job, where)
@@ -175,6 +173,9 @@ def job_problems(job: AdapterJob, where: str, max_rank: int, dp: int,
                         "of them")
     if job.objective == "grpo":
         problems += _reward_problems(job, where)
+        if job.grpo.max_new_tokens >= max_seq_len:
+            problems.append(f"{where}grpo.max_new_tokens={job.grpo.max_new_tokens}: must be "
+                            f"below trainer.max_seq_len={max_seq_len} (the prompt needs room)")
     known = job.objective in OBJECTIVE_FORMS  # else its record form is unknown
     return problems + (_file_problems(job, where) if check_files and known else [])
 

@@ -197,8 +197,8 @@ class Trainer:
 
     def _job_problems(self, job: AdapterJob, where: str) -> list[str]:
         where = f"{where}: "
-        return name_problems(job.name, where) + job_problems(job, where, self.run.lora.max_rank,
-                                                            self.dp_size)
+        return name_problems(job.name, where) + job_problems(
+            job, where, self.run.lora.max_rank, self.dp_size, self.run.trainer.max_seq_len)
 
     def stopped(self, stop: RunStopped) -> str:
         """Say where a stopped run can be resumed (returns the line); close the logger, tear

@@ -108,6 +108,8 @@ BAD_SPECS = {
     "both budgets": (dict(epochs=1.0), ["give exactly one of them"]),
     "no budget": (dict(max_steps=...), ["give exactly one of them"]),
     "bad init_from": (dict(init_from="no-such-adapter"), ["init_from", "not a folder"]),
+    "grpo tokens": (dict(objective="grpo", grpo={"max_new_tokens": 10**6}),
+                    ["grpo.max_new_tokens=1000000: must be below trainer.max_seq_len="]),
 }
 
 
