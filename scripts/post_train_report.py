@@ -1,6 +1,6 @@
 """What the post-training demo achieved, from its runs' metrics: each GRPO job's reward curve
-and each DPO job's held-out preference accuracy and margin over its evaluations; for the jobs
-that start from a warmup adapter, held-out exact match before (the warmup run's) and after.
+and each DPO job's held-out preference accuracy (over its evaluations, and the base's and its
+adapter's in the final table); for the jobs that start from a warmup adapter, held-out exact match before (the warmup run's) and after.
 
     python scripts/post_train_report.py runs/post-train   # reads <run>-warmup too
 """
@@ -24,7 +24,8 @@ def curve(values: list[float]) -> str:
 
 
 def final(run_dir: Path, adapter: str, task: str, what: str = "accuracy") -> float | None:
-    """``adapter``'s ``what`` (accuracy or loss) on ``task`` in the run's final table."""
+    """``adapter``'s ``what`` (accuracy, loss or an objective's metric) on ``task`` in the
+    run's final table."""
     finals = [r for r in read_metrics(run_dir / "metrics.jsonl")
               if r["kind"] == "eval" and "base" in r["adapters"]]
     return finals[-1]["adapters"].get(adapter, {}).get(f"{what}_on_{task}") if finals else None
@@ -50,11 +51,11 @@ def main() -> None:
             steps = ", ".join(f"step {s}: {m['preference_accuracy']:.2f} (margin {m['margin']:.2f})"
                               for s, m in accuracy)
             print(f"{name} (DPO): held-out preference accuracy {steps}")
-        last = next((r["adapters"][name] for r in reversed(train) if name in r["adapters"]), {})
-        if "preference_accuracy" in last:
-            print(f"{name} (DPO): held-out DPO loss {final(args.run_dir, 'base', name, 'loss'):.3f} "
-                  f"(base) -> {final(args.run_dir, name, name, 'loss'):.3f}; last step's preference "
-                  f"accuracy {last['preference_accuracy']:.2f}, margin {last['margin']:.2f}")
+        held_out = [final(args.run_dir, adapter, name, what) for adapter in ("base", name)
+                    for what in ("loss", "preference_accuracy")]
+        if None not in held_out:
+            print(f"{name} (DPO): held-out DPO loss {held_out[0]:.3f} (base) -> {held_out[2]:.3f}; "
+                  f"held-out preference accuracy {held_out[1]:.2f} (base) -> {held_out[3]:.2f}")
         start, end = (final(folder, adapter, task) for folder, adapter, task in (
             (Path(f"{args.run_dir}-warmup"), STARTS.get(name), STARTS.get(name)),
             (args.run_dir, name, name)))

@@ -192,6 +192,14 @@ def test_objective_metrics_are_reported(runs):
     evals = [r for r in read_metrics(runs["mixed"] / "metrics.jsonl") if r["kind"] == "eval"]
     assert "preference_accuracy" in evals[0]["adapters"]["dpo"]
     assert "loss" in evals[0]["adapters"]["grpo"]
+    # The final table: each adapter's held-out preference accuracy on the DPO job's pairs.
+    final = evals[-1]["adapters"]
+    pairs = 4  # trainer.eval_samples
+    accuracy = final["dpo"]["preference_accuracy_on_dpo"]
+    assert 0 <= accuracy <= 1 and float(accuracy * pairs).is_integer(), accuracy
+    assert abs(final["dpo"]["margin_on_dpo"]) > 1e-3  # the adapter prefers one side
+    assert abs(final["base"]["margin_on_dpo"]) < 1e-4  # the base is the reference: no margin
+    assert "preference_accuracy_on_sft" not in final["base"]  # SFT tasks have no such metric
     assert (runs["mixed"] / "reward_curves.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -29,6 +29,7 @@ from megatron_multilora.training.step.reference import target_logprobs
 class DPO(Objective):
     name = "dpo"
     metrics = ("chosen_reward", "rejected_reward", "margin", "preference_accuracy")
+    table_metrics = ("preference_accuracy",)
 
     def __init__(self, beta: float, loss_type: str, label_smoothing: float) -> None:
         self.beta, self.loss_type, self.label_smoothing = beta, loss_type, label_smoothing

@@ -53,6 +53,7 @@ class Objective:
 
     name: ClassVar[str]
     metrics: ClassVar[tuple[str, ...]] = ()  # reported per step, means over loss units
+    table_metrics: ClassVar[tuple[str, ...]] = ()  # of metrics, a table each in a run's final report
 
     def load(self, spec: Any, tokenizer, max_seq_len: int, eval_samples: int) -> JobData:
         train = load_dataset(spec.dataset, tokenizer, max_seq_len, spec.columns)

@@ -127,10 +127,18 @@ class RunReport:
         if any(v == v for row in tables.accuracy for v in row):  # some tasks have prompts
             print("exact-match accuracy of greedy generations:")
             print(format_table(tables.accuracy, names, tasks), flush=True)
+        shown = [task.objective.eval_objective().table_metrics for task in tables.tasks]
+        for metric in sorted({m for task_metrics in shown for m in task_metrics}):
+            have = [col for col, task_metrics in enumerate(shown) if metric in task_metrics]
+            print(f"held-out {metric.replace('_', ' ')}:")
+            print(format_table([[row[col].get(metric, float("nan")) for col in have]
+                                for row in tables.metrics],
+                               names, [tasks[col] for col in have]), flush=True)
         self.logger.log(step, "eval", {
             n: {**{f"loss_on_{t}": v for t, v in zip(tasks, lrow)},
-                **{f"accuracy_on_{t}": v for t, v in zip(tasks, arow)}}
-            for n, lrow, arow in zip(names, tables.losses, tables.accuracy)})
+                **{f"accuracy_on_{t}": v for t, v in zip(tasks, arow)},
+                **{f"{m}_on_{t}": v for t, values in zip(tasks, mrow) for m, v in values.items()}}
+            for n, lrow, arow, mrow in zip(names, tables.losses, tables.accuracy, tables.metrics)})
 
     def _plot(self, names: list[str], tasks: list[str], tables) -> None:
         path = self.run_dir / METRICS_FILE

@@ -1,5 +1,5 @@
-"""Adapters x tasks: each adapter slot on a job's held-out data (its task), loss and
-exact-match accuracy of greedy generations, and the final table of every exported adapter
+"""Adapters x tasks: each adapter slot on a job's held-out data (its task), loss (and the
+task objective's metrics) and exact-match accuracy of greedy generations, and the final table of every exported adapter
 (and the base model alone) on every task."""
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ class AdapterTaskTables:
     tasks: list[Job]
     losses: list[list[float]]
     accuracy: list[list[float]]
+    metrics: list[list[dict[str, float]]]
+    """Each adapter's metrics on each task by the task's objective (DPO: its preference
+    accuracy, rewards and margin; none for SFT)."""
 
 
 class AdapterTaskEval:
@@ -52,10 +55,6 @@ class AdapterTaskEval:
                           zip(objectives[slot].metrics, table[slot, 1:])}}
                 for slot in slot_to_task if slot_examples[slot]}
 
-    def losses(self, slot_to_task: dict[int, Job]) -> dict[int, float]:
-        """Each slot's mean loss on its task's examples (slots whose task has some)."""
-        return {slot: values["loss"] for slot, values in self.evaluate(slot_to_task).items()}
-
     def accuracy(self, slot_to_task: dict[int, Job]) -> dict[int, float]:
         """Exact-match accuracy of greedy generations, per slot, on its task's records
         (prompt/completion records only)."""
@@ -84,6 +83,7 @@ class AdapterTaskEval:
         tasks = [job for job in jobs if job.eval]
         losses = [[float("nan")] * len(tasks) for _ in adapters]
         accuracy = [[float("nan")] * len(tasks) for _ in adapters]
+        metrics: list[list[dict[str, float]]] = [[{} for _ in tasks] for _ in adapters]
         for start in range(0, len(adapters), self.n_slots) if tasks else []:
             group = adapters[start:start + self.n_slots]
             for slot, folder in enumerate(group):
@@ -91,10 +91,11 @@ class AdapterTaskEval:
                     import_adapter(self.model, slot, folder)
             for col, task in enumerate(tasks):
                 on_task = {slot: task for slot in range(len(group))}
-                task_losses, task_accuracy = self.losses(on_task), self.accuracy(on_task)
+                results, task_accuracy = self.evaluate(on_task), self.accuracy(on_task)
                 for slot in range(len(group)):
-                    losses[start + slot][col] = task_losses[slot]
+                    losses[start + slot][col] = results[slot].pop("loss")
+                    metrics[start + slot][col] = results[slot]
                     accuracy[start + slot][col] = task_accuracy.get(slot, float("nan"))
             for slot in range(len(group)):
                 clear_adapter_slot(self.model, slot)
-        return AdapterTaskTables(tasks, losses, accuracy)
+        return AdapterTaskTables(tasks, losses, accuracy, metrics)
