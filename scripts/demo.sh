@@ -39,17 +39,17 @@ fi
 if [ "${1:-}" = "--post-train" ]; then
     shift
     RUN=runs/post-train
-    echo "demo: phase 1, brief SFT of sort_words and reverse_words: the adapters the GRPO and DPO jobs start from"
+    echo "demo: phase 1, brief SFT of capitalize and reverse_words: the adapters the GRPO and DPO jobs start from"
     "${TRAIN[@]}" --config-name post_train jobs=warmup2 run_dir=$RUN-warmup lora.slots=2 \
         checkpoint.resume=never trainer.eval_interval=0 logging.plots=false
     echo "demo: phase 2, SFT + DPO + GRPO jobs in one run"
     "${TRAIN[@]}" --config-name post_train run_dir=$RUN checkpoint.resume=never "$@"
     echo "demo: greedy generations before (base, the GRPO job's starting adapter) and after:"
-    .venv/bin/python scripts/compare_generations.py "$MODEL" $RUN-warmup/peft/sort_words \
-        $RUN/peft/sort_rl $RUN-warmup/peft/reverse_words $RUN/peft/prefer_reversed \
-        $RUN/peft/capitalize --per-file 3 \
-        --eval-files data/demo-words/sort_words.eval.jsonl data/demo-words/reverse_words.eval.jsonl \
-        data/demo-words/capitalize.eval.jsonl
+    .venv/bin/python scripts/compare_generations.py "$MODEL" $RUN-warmup/peft/capitalize \
+        $RUN/peft/capitalize_rl $RUN-warmup/peft/reverse_words $RUN/peft/prefer_reversed \
+        $RUN/peft/double --per-file 3 \
+        --eval-files data/demo-words/capitalize.eval.jsonl data/demo-words/reverse_words.eval.jsonl \
+        data/demo-words/double.eval.jsonl
     .venv/bin/python scripts/post_train_report.py $RUN
     exit 0
 fi

@@ -14,7 +14,7 @@ from megatron_multilora.training.report.metrics import read_metrics
 
 BARS = " .:-=+*#%@"
 # The demo's jobs that start from a warmup adapter (conf/jobs/post3.yaml), by that adapter.
-STARTS = {"sort_rl": "sort_words", "prefer_reversed": "reverse_words"}
+STARTS = {"capitalize_rl": "capitalize", "prefer_reversed": "reverse_words"}
 
 
 def curve(values: list[float]) -> str:
