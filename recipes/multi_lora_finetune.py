@@ -90,6 +90,9 @@ def main(cfg: DictConfig) -> None:
         run = checked_run(cfg, HydraConfig.get().runtime.output_dir)
     except ConfigError as err:
         _report_and_exit(str(err), 2)
+    if run.api.enabled:  # the training service instead of the config's jobs
+        _serve_api(run)
+        return
     if int(os.environ.get("RANK", "0")) == 0:
         _record_config(cfg, Path(run.run_dir))
     # Imported only now: it loads megatron (seconds), which a bad config is reported without.
@@ -115,6 +118,21 @@ def main(cfg: DictConfig) -> None:
         _report_and_exit(f"{len(failed)} of {len(run.adapters)} adapter jobs FAILED: "
                          f"{', '.join(failed)} (see the job lines above); the others were "
                          "exported", 1)
+
+
+def _serve_api(run: RunConfig) -> None:
+    from megatron_multilora.service.api_keys import APIKeyError, load_keys
+
+    try:
+        keys = load_keys(run.api.keys_file)
+    except APIKeyError as err:
+        _report_and_exit(f"the service cannot start:\n  - {err}", 2)
+    from megatron_multilora.service.server import serve_api
+
+    mm.support_megatron_here()
+    with stop_on_signals():  # SIGTERM / Ctrl-C / mmlora stop: stop serving, saved states stay
+        serve_api(run, keys, say=lambda line: print(line, flush=True)
+                  if int(os.environ.get("RANK", "0")) == 0 else None)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
         .venv/bin/pip install --progress-bar off torch==2.13.0
     fi
 fi
-if ! .venv/bin/python -c 'import megatron_multilora, pytest, peft, trl, datasets' 2>/dev/null \
+if ! .venv/bin/python -c 'import megatron_multilora, pytest, peft, trl, datasets, tinker, uvicorn' 2>/dev/null \
         || [ pyproject.toml -nt .venv/.installed ]; then
     echo "setup: installing megatron-multilora and its dependencies (a few minutes the first time)"
     .venv/bin/pip install --progress-bar off -q -e ".[test]"

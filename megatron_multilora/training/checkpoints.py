@@ -60,18 +60,7 @@ def save_training_checkpoint(run_dir: str | Path, step: int, model: ModelOrChunk
                              optimizers: dict[int, SlotOptimizer], state: dict[str, Any],
                              keep_last: int) -> Path:
     """Save after ``step`` trainer steps (collective). ``state`` is picklable trainer state."""
-    slots = {}
-    for slot in sorted(optimizers):
-        opt = optimizers[slot]
-        # The fp32 master weights: a bf16 slot resumes from them, not from their rounding.
-        tensors = {f"param/{k}": v for k, v in get_slot_tensors(model, slot,
-                                                                value=opt.master_of).items()}
-        for moment in MOMENTS:
-            tensors.update({f"{moment}/{k}": v for k, v in get_slot_tensors(
-                model, slot, value=lambda p, m=moment: opt.state_of(p, m)).items()})
-        layer = multi_lora_modules(model)[0].adapters[slot]
-        slots[slot] = {"tensors": tensors, "rank": int(layer.rank), "alpha": float(layer.alpha),
-                       "dropout": float(layer.dropout), "optimizer": opt.scalar_state()}
+    slots = {slot: slot_snapshot(model, slot, optimizers[slot]) for slot in sorted(optimizers)}
     rng = [None] * dist.get_world_size()
     dist.all_gather_object(rng, rng_state())
     root = checkpoint_root(run_dir)
@@ -250,6 +239,41 @@ def _read(path: Path, load: Callable[[str], Any]) -> Any:
                               f"resume from another checkpoint (checkpoint.resume=<folder>)") from e
 
 
+def slot_snapshot(model: ModelOrChunks, slot: int, opt: SlotOptimizer) -> dict[str, Any]:
+    """One slot's adapter and optimizer as full tensors (``tensors``: ``param/``, the fp32
+    master weights, and the moments) and its metadata (collective: gathers every shard)."""
+    # The fp32 master weights: a bf16 slot resumes from them, not from their rounding.
+    tensors = {f"param/{k}": v for k, v in get_slot_tensors(model, slot,
+                                                            value=opt.master_of).items()}
+    for moment in MOMENTS:
+        tensors.update({f"{moment}/{k}": v for k, v in get_slot_tensors(
+            model, slot, value=lambda p, m=moment: opt.state_of(p, m)).items()})
+    layer = multi_lora_modules(model)[0].adapters[slot]
+    return {"tensors": tensors, "rank": int(layer.rank), "alpha": float(layer.alpha),
+            "dropout": float(layer.dropout), "optimizer": opt.scalar_state()}
+
+
+def restore_slot(model: ModelOrChunks, slot: int, meta: dict[str, Any],
+                 tensors: dict[str, torch.Tensor], opt: SlotOptimizer,
+                 optimizer: bool = True) -> None:
+    """Put a :func:`slot_snapshot` (its metadata and tensors) into ``slot`` and ``opt``
+    (the slot's fresh optimizer; its moments and step count too unless ``optimizer`` is
+    false)."""
+    part = {prefix: {k[len(prefix) + 1:]: v for k, v in tensors.items()
+                     if k.startswith(prefix + "/")} for prefix in ("param", *MOMENTS)}
+    set_slot_tensors(model, slot, part["param"], meta["rank"], meta["alpha"],
+                     dropout=meta["dropout"])
+    fp32 = {}  # prefix -> {param: this rank's shard, fp32}
+    for prefix in ("param", *MOMENTS):
+        store: dict = {}
+        set_slot_tensors(model, slot, part[prefix], meta["rank"], meta["alpha"],
+                         into=lambda p, store=store: store.setdefault(
+                             p, torch.zeros_like(p, dtype=torch.float32)))
+        fp32[prefix] = store
+    scalar = meta["optimizer"] if optimizer else {**meta["optimizer"], "adam_step": 0.0}
+    opt.load(scalar, {m: fp32[m] for m in MOMENTS}, masters=fp32["param"])
+
+
 def read_training_state(path: Path) -> dict[str, Any]:
     """A checkpoint's ``state.pt``: step, trainer state (e.g. the job queue), slot metadata."""
     return _read(path / CHECKPOINT_STATE, lambda f: torch.load(f, weights_only=False))
@@ -262,21 +286,9 @@ def restore_training_checkpoint(path: Path, saved: dict[str, Any], model: ModelO
     with the same world size, RNG; returns the optimizers by slot."""
     optimizers = {}
     for slot, meta in saved["slots"].items():
-        tensors = _read(path / f"slot{slot}.safetensors", load_file)
-        part = {prefix: {k[len(prefix) + 1:]: v for k, v in tensors.items()
-                         if k.startswith(prefix + "/")} for prefix in ("param", *MOMENTS)}
-        set_slot_tensors(model, slot, part["param"], meta["rank"], meta["alpha"],
-                         dropout=meta["dropout"])
-        opt = make_optimizer(slot)
-        fp32 = {}  # prefix -> {param: this rank's shard, fp32}
-        for prefix in ("param", *MOMENTS):
-            store: dict = {}
-            set_slot_tensors(model, slot, part[prefix], meta["rank"], meta["alpha"],
-                             into=lambda p, store=store: store.setdefault(
-                                 p, torch.zeros_like(p, dtype=torch.float32)))
-            fp32[prefix] = store
-        opt.load(meta["optimizer"], {m: fp32[m] for m in MOMENTS}, masters=fp32["param"])
-        optimizers[slot] = opt
+        optimizers[slot] = make_optimizer(slot)
+        restore_slot(model, slot, meta, _read(path / f"slot{slot}.safetensors", load_file),
+                     optimizers[slot])
     if saved["world_size"] == dist.get_world_size():
         restore_rng_state(_read(path / "rng.pt",
                                 lambda f: torch.load(f, weights_only=False))[dist.get_rank()])

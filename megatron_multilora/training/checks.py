@@ -56,7 +56,7 @@ def validate(run: RunConfig, check_files: bool = True) -> None:
                         f"lora.max_rank={run.lora.max_rank} must be a multiple of it")
     problems += _target_problems(run.lora.targets)
     problems += _model_problems(run, check_files)
-    if not run.adapters and not tr.serve:
+    if not run.adapters and not tr.serve and not run.api.enabled:
         problems.append("adapters: no adapter jobs configured (or set trainer.serve=true and "
                         "submit jobs with mmlora submit)")
     if not tr.queue_jobs and len(run.adapters) > run.lora.slots:

@@ -215,6 +215,27 @@ class CheckpointSettings:
 
 
 @dataclasses.dataclass
+class APISettings:
+    """The Tinker-compatible training service (``mmlora api``): clients of the ``tinker``
+    SDK train and sample adapters on this run's model instead of the config's jobs."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = ranged(8000, within(1, 65535))
+    keys_file: Optional[str] = None
+    """API keys, one per line ('tml-...'); null: the MMLORA_API_KEYS variable (comma-
+    separated). There is no default key."""
+    model_name: Optional[str] = None
+    """The base model's name clients ask for (null: hf_dir's folder name, or 'tiny')."""
+    batch_window_ms: float = ranged(20.0, at_least(0.0))
+    """How long a ready call waits for other clients' calls to join its batch."""
+    session_timeout_s: float = ranged(120.0, positive())
+    """A client silent this long (no heartbeat: crashed or disconnected) frees its slot."""
+    max_pending: int = ranged(256, at_least(1))
+    """Calls that may wait for the engine; beyond it the service answers 429."""
+
+
+@dataclasses.dataclass
 class RunConfig:
     model: GPTModelConfig = dataclasses.field(default_factory=GPTModelConfig)
     hf_dir: Optional[str] = MISSING
@@ -228,6 +249,7 @@ class RunConfig:
     trainer: TrainerSettings = dataclasses.field(default_factory=TrainerSettings)
     logging: LoggingSettings = dataclasses.field(default_factory=LoggingSettings)
     checkpoint: CheckpointSettings = dataclasses.field(default_factory=CheckpointSettings)
+    api: APISettings = dataclasses.field(default_factory=APISettings)
     run_dir: str = MISSING
     """Where metrics, checkpoints, exported adapters and plots go."""
     data_dir: str = MISSING

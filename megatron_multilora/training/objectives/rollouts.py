@@ -121,7 +121,7 @@ def _examples(job, rows: list[tuple[Row, generation.Generation]], tokenizer
     for (row, out), a in zip(rows, adv):
         n = len(out.logprobs)  # generated tokens, eos included when it ended
         head = len(row.prompt) - 1
-        completion = out.tokens + ([tokenizer.eos_id] if out.ended else [])
+        completion = out.tokens + ([out.stop] if out.ended else [])
         weight = 1.0 if g.aggregation == "token_mean" else 1.0 / n
         examples.append(Example(
             tuple(row.prompt + completion), (False,) * head + (True,) * n,

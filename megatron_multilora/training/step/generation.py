@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Callable, Sequence, Union
+from typing import Callable, Collection, Optional, Sequence, Union
 
 import torch
 from megatron.core import parallel_state
@@ -41,12 +41,17 @@ def greedy(logits: torch.Tensor, rows: list[int], generated: list[int]) -> torch
 
 @dataclasses.dataclass
 class Generation:
-    """One prompt's continuation: its tokens (without eos), the model's log-prob of each
-    token it chose (eos included when it ended with one), and whether it did."""
+    """One prompt's continuation: its tokens (without the stop token), the model's log-prob
+    of each token it chose (the stop token's included when it ended with one), and the stop
+    token that ended it (None: it reached its length limit)."""
 
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
-    ended: bool = False
+    stop: Optional[int] = None
+
+    @property
+    def ended(self) -> bool:
+        return self.stop is not None
 
 
 def _choose(pick: Pick, logits: torch.Tensor, rows: list[int], generated: list[int]
@@ -80,10 +85,11 @@ def _packed_prompts(seqs: list[tuple[int, list[int]]], batcher: MicroBatcher
 @torch.no_grad()
 def generate(model: ModelOrChunks, prompts: Sequence[tuple[int, list[int]]], n_slots: int,
              max_new_tokens: Union[int, Sequence[int]], eos_id: int, pad_multiple: int,
-             pad_id: int, kv_cache: bool = True, pick: Pick = greedy) -> list[Generation]:
-    """Continuations (until ``eos_id``, at most ``max_new_tokens``: one for all, or one per
-    prompt) of ``(slot, prompt tokens)`` pairs, every slot's prompts in one batch, each next
-    token chosen by ``pick``.
+             pad_id: int, kv_cache: bool = True, pick: Pick = greedy,
+             stops: Optional[Sequence[Collection[int]]] = None) -> list[Generation]:
+    """Continuations (until ``eos_id`` or one of the prompt's ``stops`` tokens, at most
+    ``max_new_tokens``: one for all, or one per prompt) of ``(slot, prompt tokens)`` pairs,
+    every slot's prompts in one batch, each next token chosen by ``pick``.
 
     With ``kv_cache`` (dense models without sequence or pipeline parallelism; the others
     fall back) keys and values are kept in megatron's static inference context, so each
@@ -98,7 +104,8 @@ def generate(model: ModelOrChunks, prompts: Sequence[tuple[int, list[int]]], n_s
     # pad_multiple > 1 means sequence parallelism: a [B, 1] decode step cannot be split.
     cached = (kv_cache and pad_multiple == 1 and len(chunks) == 1 and not _has_moe(chunks)
               and parallel_state.get_pipeline_model_parallel_world_size() == 1)
-    run = _Run(seqs, order, [limits[i] for i in order], eos_id, pick)
+    ends = [frozenset({eos_id, *(stops[i] if stops else ())}) for i in order]
+    run = _Run(seqs, order, [limits[i] for i in order], ends, pick)
     with eval_mode(chunks):
         if seqs and max(limits, default=0) >= 1:
             if cached:
@@ -121,11 +128,11 @@ def greedy_generate(model: ModelOrChunks, prompts: Sequence[tuple[int, list[int]
 
 class _Run:
     """The sequences being continued (adapter-major), what each has produced, and when each
-    is done: at eos, or at its own limit."""
+    is done: at one of its stop tokens, or at its own limit."""
 
     def __init__(self, seqs: list[tuple[int, list[int]]], rows: list[int], limits: list[int],
-                 eos_id: int, pick: Pick) -> None:
-        self.seqs, self.rows, self.limits, self.eos_id, self.pick = seqs, rows, limits, eos_id, pick
+                 ends: list[frozenset[int]], pick: Pick) -> None:
+        self.seqs, self.rows, self.limits, self.ends, self.pick = seqs, rows, limits, ends, pick
         self.out = [Generation() for _ in seqs]
         self.done = [limit < 1 for limit in limits]
 
@@ -139,8 +146,8 @@ class _Run:
             return
         out = self.out[k]
         out.logprobs.append(logprob)
-        if token == self.eos_id:
-            out.ended = self.done[k] = True
+        if token in self.ends[k]:
+            out.stop, self.done[k] = token, True
             return
         out.tokens.append(token)
         self.done[k] = len(out.tokens) >= self.limits[k]

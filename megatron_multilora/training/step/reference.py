@@ -14,7 +14,7 @@ from megatron_multilora.data.packing import MicroBatch
 from megatron_multilora.layers.lifecycle import ModelOrChunks, adapters_off, model_chunks
 from megatron_multilora.training.step.evaluation import eval_mode
 from megatron_multilora.training.step.micro_batches import MicroBatcher
-from megatron_multilora.training.step.schedule import from_last_stage, run_schedule
+from megatron_multilora.training.step.schedule import per_example, run_schedule
 
 
 def _target_logprobs(mb: MicroBatch, token_loss: torch.Tensor, non_loss_data: bool = True
@@ -34,14 +34,4 @@ def target_logprobs(model: ModelOrChunks, slot_examples: Sequence[Sequence[Packa
     with eval_mode(chunks), contextlib.nullcontext() if adapters else adapters_off(chunks):
         store = run_schedule(chunks, micro_batches, _target_logprobs, forward_only=True,
                              collect_non_loss_data=True)
-    out: list[list[list[float]]] = [[] for _ in slot_examples]
-    for i, mb in enumerate(micro_batches):
-        logprobs = store[i] if store else torch.zeros(mb.tokens.size(1), device=device)
-        values = from_last_stage(logprobs.contiguous()).cpu().tolist()
-        position, sequence = 0, 0
-        for slot, n in enumerate(mb.examples_per_slot):
-            for _ in range(n):
-                length = mb.seq_lengths[sequence]
-                out[slot].append(values[position:position + length])
-                position, sequence = position + length, sequence + 1
-    return out
+    return per_example(micro_batches, store, len(slot_examples), device)

@@ -99,7 +99,7 @@ def objective_loss(objectives: Sequence[Objective], weights: Sequence[float], mb
     (``objectives[s]``), whose loss and metric sums weigh ``weights[s]`` (1 / the slot's loss
     units; 0: the slot does not count). Returns megatron's ``(loss, num_tokens, data)`` with
     the per-slot table (float64 ``[n_slots, 1 + MAX_METRICS]``: loss, then the objective's
-    metrics) as data. Used with ``calculate_per_token_loss=True``, so megatron divides by
+    metrics) and every position's target log-prob (0 where the mask is) as data. Used with ``calculate_per_token_loss=True``, so megatron divides by
     neither the token count nor the number of micro-batches."""
     mask = mb.loss_mask[0]
     # where(): a token that does not count (padding, prompt) must not carry a non-finite
@@ -121,7 +121,7 @@ def objective_loss(objectives: Sequence[Objective], weights: Sequence[float], mb
         total = total + loss * weights[slot]
         table[slot, 0] = loss.detach().double() * weights[slot]
         table[slot, 1:1 + metrics.numel()] = metrics.double() * weights[slot]
-    return total, mask.sum().to(torch.int), {"per_slot": table}
+    return total, mask.sum().to(torch.int), {"per_slot": table, "logprobs": logprobs.detach()}
 
 
 def per_slot_results(model: ModelOrChunks, micro_batches: Sequence[MicroBatch],
@@ -136,6 +136,17 @@ def per_slot_results(model: ModelOrChunks, micro_batches: Sequence[MicroBatch],
     values are means over its global batch. ``objectives[s]``: slot s's objective (default,
     and where None: SFT).
     """
+    return per_slot_results_and_logprobs(model, micro_batches, denominators, forward_only,
+                                         objectives, keep_logprobs=False)[0]
+
+
+def per_slot_results_and_logprobs(model: ModelOrChunks, micro_batches: Sequence[MicroBatch],
+                                  denominators: torch.Tensor, forward_only: bool = False,
+                                  objectives: Optional[Sequence[Optional[Objective]]] = None,
+                                  keep_logprobs: bool = True
+                                  ) -> tuple[torch.Tensor, list[list[list[float]]]]:
+    """:func:`per_slot_results`, and (``keep_logprobs``) per slot, per example, the log-prob
+    of each of its targets where its loss mask is set (0 elsewhere), on every stage."""
     chunks = model_chunks(model)
     if not chunks[0].config.calculate_per_token_loss:
         raise ValueError("build the model with calculate_per_token_loss=True: the per-adapter "
@@ -149,7 +160,27 @@ def per_slot_results(model: ModelOrChunks, micro_batches: Sequence[MicroBatch],
     per_slot = torch.zeros(n, 1 + MAX_METRICS, dtype=torch.float64, device=device)
     for data in store:
         per_slot += data["per_slot"]
-    return from_last_stage(per_slot).cpu()  # read back once per call, not per micro-batch
+    logprobs = (per_example(micro_batches, [data["logprobs"] for data in store], n, device)
+                if keep_logprobs else [])
+    return from_last_stage(per_slot).cpu(), logprobs  # read back once per call
+
+
+def per_example(micro_batches: Sequence[MicroBatch], per_position: list[torch.Tensor],
+                n_slots: int, device: torch.device) -> list[list[list[float]]]:
+    """Per slot, per example (in packing order), its positions' values of ``per_position``
+    (the last stage's ``[S]`` tensor of each micro-batch; empty on the other stages), on
+    every stage."""
+    out: list[list[list[float]]] = [[] for _ in range(n_slots)]
+    for i, mb in enumerate(micro_batches):
+        values = per_position[i] if per_position else torch.zeros(mb.tokens.size(1), device=device)
+        values = from_last_stage(values.float().contiguous()).cpu().tolist()
+        position, sequence = 0, 0
+        for slot, count in enumerate(mb.examples_per_slot):
+            for _ in range(count):
+                length = mb.seq_lengths[sequence]
+                out[slot].append(values[position:position + length])
+                position, sequence = position + length, sequence + 1
+    return out
 
 
 def per_slot_losses(model: ModelOrChunks, micro_batches: Sequence[MicroBatch],

@@ -88,6 +88,7 @@ class SlotOptimizer:
 
     def __init__(self, params: list[torch.nn.Parameter], job: AdapterJob, total_steps: int) -> None:
         self.params, self.job, self.total_steps = params, job, total_steps
+        self.grad_clip = job.grad_clip
         # fp32 parameters are their own masters; bf16 ones get fp32 copies.
         self.masters = [p if p.dtype == torch.float32 else
                         torch.nn.Parameter(p.detach().float().clone()) for p in params]
@@ -104,7 +105,7 @@ class SlotOptimizer:
 
     def step(self, grad_norm: float) -> None:
         """Clip by the slot's norm, take one AdamW step, advance the schedule."""
-        clip = self.job.grad_clip
+        clip = self.grad_clip
         coef = min(1.0, clip / (grad_norm + 1e-6)) if clip else 1.0
         grads = [_grad(param).float() for param in self.params]  # the fp32 buffers themselves
         if coef != 1.0:
@@ -120,6 +121,15 @@ class SlotOptimizer:
                 master.grad = None
                 if master is not param:
                     param.copy_(master)
+
+    def set_hyperparameters(self, lr: float, betas: tuple[float, float], eps: float,
+                            weight_decay: float, grad_clip: Optional[float]) -> None:
+        """The next step's AdamW settings and clipping (a client that sends them with every
+        step, as Tinker's do; the schedule is then not used)."""
+        for group in self.optimizer.param_groups:
+            group.update(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.scheduler.base_lrs = [lr for _ in self.scheduler.base_lrs]
+        self.grad_clip = grad_clip
 
     def zero_grad(self) -> None:
         for param in self.params:

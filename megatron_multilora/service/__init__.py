@@ -1,0 +1,3 @@
+"""A Tinker-compatible training service: clients' LoRA training and sampling calls (the
+official ``tinker`` SDK pointed at ``base_url``) run on one multi-LoRA model, many clients'
+calls batched into one step (``engine.py``), behind an HTTP front (``http_app.py``)."""

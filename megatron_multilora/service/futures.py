@@ -1,0 +1,59 @@
+"""Results of the service's asynchronous calls, by request id: the engine completes them
+(from its thread), the HTTP front long-polls them (``retrieve_future``)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import threading
+from typing import Any, Optional
+
+JSON, PROTOBUF, ERROR = "json", "protobuf", "error"
+
+
+@dataclasses.dataclass
+class Result:
+    kind: str  # JSON (a dict), PROTOBUF (bytes) or ERROR ((message, category))
+    payload: Any
+
+
+class Futures:
+    """Request ids with an owner (the API key's tenant) and, once done, a result. Results
+    stay until the service stops (the SDK may fetch one more than once)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._owner: dict[str, str] = {}
+        self._done: dict[str, asyncio.Event] = {}
+        self._results: dict[str, Result] = {}
+
+    def new(self, owner: str) -> str:
+        """A fresh request id (call on the HTTP front's event loop)."""
+        with self._lock:
+            request_id = f"req-{next(self._ids)}"
+            self._owner[request_id] = owner
+            self._done[request_id] = asyncio.Event()
+        return request_id
+
+    def complete(self, request_id: str, result: Result) -> None:
+        """Set a result (from any thread)."""
+        with self._lock:
+            self._results[request_id] = result
+            event = self._done[request_id]
+        self.loop.call_soon_threadsafe(event.set)
+
+    def owner(self, request_id: str) -> Optional[str]:
+        with self._lock:
+            return self._owner.get(request_id)
+
+    async def wait(self, request_id: str, timeout: float) -> Optional[Result]:
+        """The result, or None when it is not ready within ``timeout`` seconds."""
+        try:
+            await asyncio.wait_for(self._done[request_id].wait(), timeout)
+        except asyncio.TimeoutError:
+            return None
+        with self._lock:
+            return self._results[request_id]

@@ -1,0 +1,75 @@
+"""Calls waiting for the engine, in each client's order.
+
+A training client's calls carry the SDK's ``seq_id`` (1, 2, ... over all its calls): the
+inbox hands out a client's call only when every earlier one has been handed out, at most
+one per client per batch, so a client's calls apply in its order while different clients'
+calls share a batch. Other calls (creations, samples) wait in arrival order. A bounded
+number of calls may wait (beyond it the front answers 429, the SDK's backpressure).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Optional
+
+from megatron_multilora.service.engine import Op
+
+
+class Inbox:
+    def __init__(self, max_pending: int) -> None:
+        self.max_pending = max_pending
+        self._cond = threading.Condition()
+        self._ordered: dict[str, dict[int, Op]] = {}  # client -> seq_id -> call
+        self._expected: dict[str, int] = {}  # client -> the seq_id it runs next
+        self._unordered: list[Op] = []
+        self._pending = 0
+
+    def put(self, op: Op, client: Optional[str] = None, seq_id: Optional[int] = None) -> bool:
+        """Queue ``op`` (False: the inbox is full)."""
+        with self._cond:
+            if self._pending >= self.max_pending:
+                return False
+            if client is None:
+                self._unordered.append(op)
+            else:
+                self._ordered.setdefault(client, {})[seq_id] = op
+            self._pending += 1
+            self._cond.notify_all()
+        return True
+
+    def start(self, client: str, first_seq_id: int = 1) -> None:
+        """A new training client: its calls run from ``first_seq_id`` on."""
+        with self._cond:
+            self._expected[client] = first_seq_id
+
+    def forget(self, client: str) -> None:
+        with self._cond:
+            self._pending -= len(self._ordered.pop(client, {}))
+            self._expected.pop(client, None)
+
+    def take(self, timeout: float, window: float) -> list[Op]:
+        """The calls ready to run (empty after ``timeout`` seconds without any); once one is
+        ready, ``window`` seconds more for other clients' calls to join its batch."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self._ready():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return []
+                self._cond.wait(left)
+        time.sleep(window)
+        with self._cond:
+            batch = self._ready()
+            for client, queue in self._ordered.items():
+                if self._expected.get(client) in queue:
+                    queue.pop(self._expected[client])
+                    self._expected[client] += 1
+            self._unordered = []
+            self._pending -= len(batch)
+        return batch
+
+    def _ready(self) -> list[Op]:
+        ordered = [queue[self._expected[client]] for client, queue in self._ordered.items()
+                   if client in self._expected and self._expected[client] in queue]
+        return ordered + list(self._unordered)

@@ -1,0 +1,111 @@
+"""The service's run: the run's model (every rank), the HTTP front (rank 0, in a thread) and
+the engine loop: rank 0 takes the ready calls from the inbox, every rank receives them
+(one broadcast) and runs them, so calls run under any parallel layout as a step does.
+
+    mmlora api --run-dir R --port P [OVERRIDE ...]   # the recipe with api.enabled=true
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Callable
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_multilora.data.tokenizer import ByteTokenizer, HFTokenizer
+from megatron_multilora.models.hf_config import read_hf_config
+from megatron_multilora.models.hf_import import load_hf_tokenizer
+from megatron_multilora.parallel import destroy_parallel, init_parallel
+from megatron_multilora.service.engine import Engine
+from megatron_multilora.service.front import Front, Limits
+from megatron_multilora.service.futures import Futures
+from megatron_multilora.service.inbox import Inbox
+from megatron_multilora.training.config import RunConfig, base_model_config
+from megatron_multilora.training.model_setup import build_run_model
+from megatron_multilora.training.serve import inbox as run_requests
+from megatron_multilora.training.step.micro_batches import MicroBatcher
+from megatron_multilora.training.stop import received
+
+
+def serve_api(run: RunConfig, keys: dict[str, str], say: Callable[[str], None] = print) -> None:
+    """Serve until a stop signal or ``mmlora stop --run-dir``; ``keys``: the API keys
+    (``api_keys.load_keys``, checked before the launch)."""
+    par = run.parallel
+    init_parallel(tensor_model_parallel_size=par.tp, expert_model_parallel_size=par.ep,
+                  pipeline_model_parallel_size=par.pp,
+                  virtual_pipeline_model_parallel_size=par.vpp, sequence_parallel=par.sp,
+                  seed=run.seed)
+    model_config = base_model_config(run)
+    tokenizer = HFTokenizer(load_hf_tokenizer(run.hf_dir)) if run.hf_dir else ByteTokenizer()
+    model = build_run_model(run, model_config)
+    batcher = MicroBatcher(model, run.lora.slots, run.trainer.micro_batch_tokens,
+                           par.tp if par.sp else 1, tokenizer.pad_id)
+    run_dir = Path(run.run_dir)
+    hf_dir = str(Path(run.hf_dir).resolve()) if run.hf_dir else None
+    front = None
+    if dist.get_rank() == 0:
+        front, url = _start_front(run, keys, model_config, hf_dir, run_dir)
+    engine = Engine(model, tokenizer, batcher, run_dir, model_config, hf_dir,
+                    read_hf_config(run.hf_dir)["model_type"] if run.hf_dir else None,
+                    front.futures.complete if front else (lambda request_id, result: None))
+    if front:
+        say(f"api: serving {front.limits.model_name!r} ({run.lora.slots} adapter slots, ranks "
+            f"up to {run.lora.max_rank}, world {dist.get_world_size()}, data parallel "
+            f"{parallel_state.get_data_parallel_world_size()}) at {url}")
+    window = run.api.batch_window_ms / 1000.0
+    while True:
+        message = [None]
+        if front:
+            stop = received() or run_requests.stop_requested(run.run_dir)
+            message = [("stop", None) if stop else
+                       ("run", front.sweep() + front.inbox.take(timeout=0.5, window=window))]
+        dist.broadcast_object_list(message, src=0)
+        what, ops = message[0]
+        if what == "stop":
+            break
+        if ops:
+            engine.run(ops)
+            if front:
+                kinds = [op.kind for op in ops]
+                say(f"api: ran {len(ops)} calls ({', '.join(sorted(set(kinds)))}); "
+                    f"{kinds.count('forward_backward')} forward_backward in one step")
+    if front:
+        run_requests.clear_stop_request(run.run_dir)
+        say("api: stopped (clients' saved states stay in the run folder; a restart on it "
+            "serves them)")
+    destroy_parallel()
+
+
+def _start_front(run: RunConfig, keys: dict[str, str], model_config, hf_dir,
+                 run_dir: Path) -> tuple[Front, str]:
+    import asyncio
+
+    import uvicorn
+
+    api = run.api
+    name = api.model_name or (Path(run.hf_dir).name if run.hf_dir else "tiny")
+    limits = Limits(name, model_config.vocab_size, run.trainer.max_seq_len, run.lora.slots,
+                    run.lora.max_rank, hf_dir)
+    loop = asyncio.new_event_loop()
+    front = Front(keys, limits, run_dir, Inbox(api.max_pending), Futures(loop),
+                  api.session_timeout_s)
+    server = uvicorn.Server(uvicorn.Config(front.app(), host=api.host, port=api.port,
+                                           log_level="warning", loop="asyncio"))
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(server.serve())
+
+    threading.Thread(target=serve, name="api-front", daemon=True).start()
+    url = f"http://{api.host}:{api.port}"
+    for _ in range(600):  # answers within a minute, or the port is taken
+        try:
+            urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=1).read()
+            return front, url
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"api: nothing answers at {url} (is port {api.port} taken?)")
