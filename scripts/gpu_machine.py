@@ -110,13 +110,21 @@ def _metadata(path: Path) -> tuple[list[str], set[str]]:
     return requires, tops
 
 
+# The training service (the optional `api` extra) and its tests: not installed or run on
+# the GPU machine.
+NOT_ON_THE_MACHINE = ("megatron_multilora/service/", "tests/recipe/test_api_service.py")
+
+
 def repo_imports() -> dict[str, str]:
-    """Third-party top-level modules the repository imports -> one file importing each."""
+    """Third-party top-level modules the repository imports (but NOT_ON_THE_MACHINE) -> one
+    file importing each."""
     local = {p.stem for p in (REPO / "scripts").glob("*.py")} | {
         p.name for p in REPO.iterdir() if p.is_dir()}
     found: dict[str, str] = {}
     for folder in ("megatron_multilora", "benchmarks", "recipes", "scripts", "tests"):
         for f in sorted((REPO / folder).rglob("*.py")):
+            if str(f.relative_to(REPO)).startswith(NOT_ON_THE_MACHINE):
+                continue
             for node in ast.walk(ast.parse(f.read_text())):
                 if isinstance(node, ast.Import):
                     names = [a.name for a in node.names]

@@ -22,7 +22,8 @@ def load_keys(keys_file: Optional[str]) -> dict[str, str]:
         try:
             lines = Path(keys_file).read_text().splitlines()
         except OSError as err:
-            raise APIKeyError(f"api.keys_file={keys_file}: cannot read it ({err.strerror})") from None
+            raise APIKeyError(f"api.keys_file={keys_file}: cannot read it ({err.strerror})"
+                              ) from None
         where = f"api.keys_file={keys_file}"
     else:
         lines = os.environ.get(ENV, "").split(",")

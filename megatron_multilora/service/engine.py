@@ -88,10 +88,12 @@ class Engine:
     # -- the batch ------------------------------------------------------------------------
 
     def run(self, ops: list[Op]) -> None:
-        """Every op of the batch (a client has at most one in it): clients created first (a
-        client's first call may share its creation's batch), then every forward_backward
-        together, the other calls in order, and every sample in one pass."""
-        first = [op for op in ops if op.kind == "create" or op.args.get("init_key")]
+        """Every op of the batch (a client has at most one in it): ended clients' slots
+        freed and new clients created first (a client's first call may share its creation's
+        batch), then every forward_backward together, the other calls in order, and every
+        sample in one pass."""
+        first = ([op for op in ops if op.kind == "free"] +
+                 [op for op in ops if op.kind == "create" or op.args.get("init_key")])
         for op in first:
             self._run_one(op)
         for forward_only in (False, True):
@@ -129,6 +131,10 @@ class Engine:
         self.grad_sync.zero_grad([slot])
         self.versions[slot] = self.versions.get(slot, 0) + 1
         return {"type": "create_model", "model_id": model_id}
+
+    def skip(self) -> dict:
+        """A refused call's place in its client's order."""
+        return {}
 
     def free(self, slot: int) -> dict:
         """A client gone (its session ended or timed out): its slot back to a fresh one."""

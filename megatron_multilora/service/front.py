@@ -2,63 +2,34 @@
 that what it names is its own, the request against the run's limits) before a call goes to
 the engine's inbox, and the answers.
 
-Bad requests are answered 4xx with the reason before anything changes; a call that fails
-while running answers its future with ``{"error", "category"}`` (the SDK raises
-``RequestFailedError``). Training clients are ``<session>:train:<n>``, samplers
-``<session>:sample:<n>``, checkpoints ``tinker://<client>/<weights|sampler_weights>/<name>``
-(folders under ``<run_dir>/api/<tenant>/``; the index of them survives a restart).
+Bad requests get a 4xx with the reason before anything changes; a call failing as it runs
+answers ``{"error", "category"}`` (the SDK raises ``RequestFailedError``). Training
+clients are ``<session>:train:<n>``, samplers ``<session>:sample:<n>``, checkpoints ``tinker://<client>/<weights|sampler_weights>/<name>``
+(folders under ``<run_dir>/api/<tenant>/``, whose index survives a restart).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Callable, Optional
 
-import numpy as np
-from pydantic import ValidationError
-from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.responses import Response
 from tinker import types
 
-from megatron_multilora.atomic_files import write_json_atomic
 from megatron_multilora.service import wire
+from megatron_multilora.service.checkpoint_index import CheckpointIndex
 from megatron_multilora.service.engine import Op
 from megatron_multilora.service.futures import ERROR, PROTOBUF, Futures
 from megatron_multilora.service.inbox import Inbox
+from megatron_multilora.service.requests import (
+    CLIENT_CONFIG, Limits, Refused, datum_example, refusal, sample_args)
 from megatron_multilora.training.objectives.per_token import INPUTS
-
-CHECKPOINT_INDEX = "checkpoints.json"
-
-
-class Refused(Exception):
-    """A request answered with ``status`` and ``message`` (nothing was changed)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """What the run serves: its base model's name, vocabulary and longest sequence, its
-    adapter slots and their largest rank; ``tokenizer_id`` (a local folder) for the SDK's
-    ``get_tokenizer``."""
-
-    model_name: str
-    vocab_size: int
-    max_seq_len: int
-    slots: int
-    max_rank: int
-    tokenizer_id: Optional[str]
-
 
 @dataclasses.dataclass
 class Client:
@@ -89,54 +60,9 @@ class Front:
         self.clients: dict[str, Client] = {}
         self.samplers: dict[str, Sampler] = {}
         self.seen: dict[tuple[str, int], str] = {}  # (client, seq_id) -> request id
-        index = self.root / CHECKPOINT_INDEX
-        self.checkpoints: dict[str, dict] = json.loads(index.read_text()) if index.is_file() else {}
+        self.checkpoints = CheckpointIndex(self.root)
 
     # -- plumbing -------------------------------------------------------------------------
-
-    def app(self) -> Starlette:
-        post = {
-            "client/config": self.client_config, "client/dynamic_config": self.dynamic_config,
-            "create_session": self.create_session, "session_heartbeat": self.heartbeat,
-            "sessions/{session_id}/finish": self.finish_session, "telemetry": self.telemetry,
-            "create_model": self.create_model, "get_info": self.get_info,
-            "forward_backward": self.forward_backward, "optim_step": self.optim_step,
-            "save_weights": self.save_weights, "load_weights": self.load_weights,
-            "save_weights_for_sampler": self.save_weights_for_sampler,
-            "create_sampling_session": self.create_sampling_session, "asample": self.asample,
-            "retrieve_future": self.retrieve_future}
-        get = {"healthz": self.healthz, "get_server_capabilities": self.capabilities,
-               "samplers/{sampler_id}": self.get_sampler}
-        routes = [Route(f"/api/v1/{path}", self._endpoint(handler), methods=["POST"])
-                  for path, handler in post.items()]
-        routes += [Route(f"/api/v1/{path}", self._endpoint(handler), methods=["GET"])
-                   for path, handler in get.items()]
-        routes.append(Route("/{path:path}", self._endpoint(self.not_served),
-                            methods=["GET", "POST", "PUT", "DELETE"]))
-        return Starlette(routes=routes)
-
-    def _endpoint(self, handler: Callable[..., Awaitable[Any]]):
-        open_paths = {"client_config", "dynamic_config", "healthz", "telemetry", "not_served"}
-
-        async def endpoint(request: Request) -> Response:
-            try:
-                owner = None
-                if handler.__name__ not in open_paths:
-                    owner = self.keys.get(request.headers.get("x-api-key", ""))
-                    if owner is None:
-                        raise Refused(401, "unknown API key (X-API-Key): use one of the keys "
-                                           "the service was started with")
-                answer = await handler(request, owner)
-            except Refused as refused:
-                return _refusal(refused.status, str(refused))
-            except ValidationError as err:
-                return _refusal(400, f"malformed request: {err}")
-            except wire.WireError as err:
-                return _refusal(400, str(err))
-            return answer if isinstance(answer, Response) else JSONResponse(answer)
-
-        endpoint.__name__ = handler.__name__
-        return endpoint
 
     async def _json(self, request: Request, model: type) -> Any:
         try:
@@ -162,42 +88,28 @@ class Front:
                 self.seen[key] = request_id
         return {"request_id": request_id, **answer}
 
+    def _in_order(self, owner: str, client: Client, seq_id: Optional[int],
+                  build: Callable[[], tuple[str, dict]], **answer: Any) -> dict:
+        """Queue the client's call ``build()`` makes; a refused one still takes its place in
+        the client's order (as a call that does nothing), so its later calls run."""
+        try:
+            kind, args = build()
+        except Refused:
+            if seq_id is not None:
+                self._submit(owner, "skip", {}, client, seq_id)
+            raise
+        return self._submit(owner, kind, args, client, seq_id, **answer)
+
     def _client(self, owner: str, model_id: str) -> Client:
         client = self.clients.get(model_id)
         if client is None or client.owner != owner:
             raise Refused(404, f"no training client {model_id!r} of this API key")
         return client
 
-    def _checkpoint(self, owner: str, path: str, kind: str) -> dict:
-        entry = self.checkpoints.get(path)
-        if entry is None or entry["owner"] != owner:
-            raise Refused(404, f"no checkpoint {path!r} of this API key")
-        if entry["kind"] != kind:
-            raise Refused(400, f"{path} holds {entry['kind']}, not {kind}")
-        return entry
-
-    def _folder(self, owner: str, model_id: str, kind: str, name: str) -> tuple[str, str]:
-        if not name or "/" in name or name.startswith("."):
-            raise Refused(400, f"checkpoint name {name!r}: use letters, digits, '-', '_', '.' "
-                               "(no '/')")
-        path = f"tinker://{model_id}/{kind}/{name}"
-        return path, str(self.root / owner / model_id.replace(":", "_") / kind / name)
-
-    def _remember(self, path: str, entry: dict) -> None:
-        with self.lock:
-            self.checkpoints[path] = entry
-            self.root.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(self.root / CHECKPOINT_INDEX, self.checkpoints)
-
     # -- session --------------------------------------------------------------------------
 
     async def client_config(self, request: Request, owner: None) -> dict:
-        # The SDK's simplest paths: plain API keys, uncompressed bodies sent one by one,
-        # a future polled per call.
-        return types.ClientConfigResponse(
-            pjwt_auth_enabled=False, proto_compress_fwdbwd=False, parallel_fwdbwd_chunks=False,
-            use_pyqwest_transport=False, sample_use_retrieve_futures=False,
-            custom_loss_server_side=False, sample_join_sampling_session=False).model_dump()
+        return CLIENT_CONFIG
 
     async def dynamic_config(self, request: Request, owner: None) -> dict:
         return types.ClientDynamicConfigResponse().model_dump()
@@ -205,11 +117,11 @@ class Front:
     async def healthz(self, request: Request, owner: None) -> dict:
         return {"status": "ok"}
 
-    async def telemetry(self, request: Request, owner: None) -> dict:
+    async def telemetry(self, request: Request, owner: None) -> dict:  # not kept
         return {"status": "accepted"}
 
     async def not_served(self, request: Request, owner: None) -> Response:
-        return _refusal(404, f"{request.method} {request.url.path} is not served by this "
+        return refusal(404, f"{request.method} {request.url.path} is not served by this "
                              "service (a local megatron-multilora trainer: training clients, "
                              "sampling, save/load; no accounts, billing or REST listings)")
 
@@ -230,7 +142,7 @@ class Front:
         with self.lock:
             known = self.sessions.get(body.session_id)
             if known is None or known[0] != owner:
-                return _refusal(410, f"session {body.session_id} has ended")  # stops heartbeats
+                return refusal(410, f"session {body.session_id} has ended")  # stops heartbeats
             self.sessions[body.session_id] = (owner, time.monotonic())
         return {"type": "session_heartbeat"}
 
@@ -238,23 +150,27 @@ class Front:
         session_id = request.path_params["session_id"]
         with self.lock:
             if self.sessions.get(session_id, (None,))[0] == owner:
-                self.sessions[session_id] = (owner, -math.inf)  # freed at the next sweep
+                self._end_sessions({session_id})
         return {}
 
-    def sweep(self) -> list[Op]:
-        """Free the slots of clients whose session ended or has been silent for longer than
-        the timeout (a crashed or disconnected client); the engine runs the calls returned."""
-        now, ops = time.monotonic(), []
+    def sweep(self) -> None:
+        """Free the slots of clients whose session has been silent for longer than the
+        timeout (a crashed or disconnected client)."""
+        now = time.monotonic()
         with self.lock:
-            gone = {sid for sid, (_, seen) in self.sessions.items()
-                    if now - seen > self.session_timeout}
-            for session_id in gone:
-                del self.sessions[session_id]
-            for client in [c for c in self.clients.values() if c.session_id in gone]:
-                del self.clients[client.model_id]
-                self.inbox.forget(client.model_id)
-                ops.append(Op("free", self.futures.new(client.owner), {"slot": client.slot}))
-        return ops
+            self._end_sessions({sid for sid, (_, seen) in self.sessions.items()
+                                if now - seen > self.session_timeout})
+
+    def _end_sessions(self, gone: set[str]) -> None:
+        """(Holding the lock.) The sessions' clients end; their slots are freed by the
+        engine before any later creation takes them."""
+        for session_id in gone:
+            del self.sessions[session_id]
+        for client in [c for c in self.clients.values() if c.session_id in gone]:
+            del self.clients[client.model_id]
+            self.inbox.forget(client.model_id)
+            self.inbox.put(Op("free", self.futures.new(client.owner), {"slot": client.slot}),
+                           force=True)
 
     # -- training clients -----------------------------------------------------------------
 
@@ -303,92 +219,74 @@ class Front:
     async def forward_backward(self, request: Request, owner: str) -> dict:
         call = wire.read_forward_backward(await request.body())
         client = self._client(owner, call.model_id)
-        if call.loss_fn not in INPUTS:
-            raise Refused(400, f"loss_fn {call.loss_fn!r}: this service computes "
-                               f"{', '.join(INPUTS)}")
-        low = float(call.loss_fn_config.get("clip_low_threshold", 0.8))
-        high = float(call.loss_fn_config.get("clip_high_threshold", 1.2))
-        data = [self._datum(i, d, INPUTS[call.loss_fn]) for i, d in enumerate(call.data)]
-        return self._submit(owner, "forward_backward", {
-            "slot": client.slot, "loss": call.loss_fn, "forward_only": call.forward_only,
-            "clip_low": 1.0 - low, "clip_high": high - 1.0, "data": data},
-            client, call.seq_id, model_id=client.model_id)
 
-    def _datum(self, i: int, datum: wire.Datum, needed: tuple[str, ...]) -> dict:
-        """A datum as an example: its tokens and the loss's per-position inputs."""
-        tokens, n = datum.tokens, len(datum.tokens)
-        where = f"datum {i}"
-        self._check_tokens(tokens, where)
-        if n + 1 > self.limits.max_seq_len:
-            raise Refused(400, f"{where}: {n} tokens; at most {self.limits.max_seq_len - 1} "
-                               "(trainer.max_seq_len, with its last target)")
-        targets = datum.inputs.get("target_tokens")
-        if targets is None or targets.shape != (n,):
-            raise Refused(400, f"{where}: loss_fn_inputs.target_tokens must have one target per "
-                               f"input token ({n})")
-        if n > 1 and not np.array_equal(targets[:-1], np.asarray(tokens[1:])):
-            raise Refused(400, f"{where}: target_tokens must be model_input shifted by one (each "
-                               "position's next token); other targets are not served")
-        self._check_tokens(targets[-1:].tolist(), f"{where} target_tokens")
-        values = {}
-        for name in needed:
-            value = datum.inputs.get(name)
-            if value is None or value.shape != (n,):
-                raise Refused(400, f"{where}: loss_fn_inputs.{name} must have one value per "
-                                   f"input token ({n})")
-            if not np.isfinite(value).all():
-                raise Refused(400, f"{where}: loss_fn_inputs.{name} has non-finite values")
-            values[name] = tuple(float(v) for v in value)
-        return {"tokens": list(tokens) + [int(targets[-1])], "values": values}
+        def build() -> tuple[str, dict]:
+            if call.loss_fn not in INPUTS:
+                raise Refused(400, f"loss_fn {call.loss_fn!r}: this service computes "
+                                   f"{', '.join(INPUTS)}")
+            low = float(call.loss_fn_config.get("clip_low_threshold", 0.8))
+            high = float(call.loss_fn_config.get("clip_high_threshold", 1.2))
+            data = [datum_example(i, d, INPUTS[call.loss_fn], self.limits)
+                    for i, d in enumerate(call.data)]
+            return "forward_backward", {
+                "slot": client.slot, "loss": call.loss_fn, "forward_only": call.forward_only,
+                "clip_low": 1.0 - low, "clip_high": high - 1.0, "data": data}
 
-    def _check_tokens(self, tokens: list[int], where: str) -> None:
-        if not tokens:
-            raise Refused(400, f"{where}: no tokens")
-        bad = [t for t in tokens if not 0 <= t < self.limits.vocab_size]
-        if bad:
-            raise Refused(400, f"{where}: token id {bad[0]} is outside the vocabulary "
-                               f"(0 to {self.limits.vocab_size - 1})")
+        return self._in_order(owner, client, call.seq_id, build, model_id=client.model_id)
 
     async def optim_step(self, request: Request, owner: str) -> dict:
         body = await self._json(request, types.OptimStepRequest)
         client = self._client(owner, body.model_id)
-        adam = body.optim_params
-        if not isinstance(adam, types.AdamParams):
-            raise Refused(400, "optim_step: only Adam parameters (AdamParams) are served")
-        if not (adam.learning_rate >= 0 and 0 <= adam.beta1 < 1 and 0 <= adam.beta2 < 1
-                and adam.eps > 0 and adam.weight_decay >= 0 and adam.grad_clip_norm >= 0):
-            raise Refused(400, f"optim_step: AdamParams out of range: {adam.model_dump()}")
-        return self._submit(owner, "optim_step", {
-            "slot": client.slot, "lr": adam.learning_rate, "betas": (adam.beta1, adam.beta2),
-            "eps": adam.eps, "weight_decay": adam.weight_decay,
-            "grad_clip": adam.grad_clip_norm or None}, client, body.seq_id,
-            model_id=client.model_id)
+
+        def build() -> tuple[str, dict]:
+            adam = body.optim_params
+            if not isinstance(adam, types.AdamParams):
+                raise Refused(400, "optim_step: only Adam parameters (AdamParams) are served")
+            if not (adam.learning_rate >= 0 and 0 <= adam.beta1 < 1 and 0 <= adam.beta2 < 1
+                    and adam.eps > 0 and adam.weight_decay >= 0 and adam.grad_clip_norm >= 0):
+                raise Refused(400, f"optim_step: AdamParams out of range: {adam.model_dump()}")
+            return "optim_step", {
+                "slot": client.slot, "lr": adam.learning_rate, "betas": (adam.beta1, adam.beta2),
+                "eps": adam.eps, "weight_decay": adam.weight_decay,
+                "grad_clip": adam.grad_clip_norm or None}
+
+        return self._in_order(owner, client, body.seq_id, build, model_id=client.model_id)
 
     async def save_weights(self, request: Request, owner: str) -> dict:
         body = await self._json(request, types.SaveWeightsRequest)
         client = self._client(owner, body.model_id)
-        path, folder = self._folder(owner, client.model_id, "weights",
-                                    body.path or f"seq-{body.seq_id}")
-        if path in self.checkpoints and not body.overwrite:
-            raise Refused(400, f"{path} exists; save under another name (or overwrite=True)")
-        answer = self._submit(owner, "save_state", {
-            "slot": client.slot, "folder": folder, "path": path,
-            "meta": {"model_id": client.model_id, "model_name": self.limits.model_name}},
-            client, body.seq_id, model_id=client.model_id)
-        self._remember(path, {"owner": owner, "kind": "weights", "folder": folder})
+        where: list = []
+
+        def build() -> tuple[str, dict]:
+            path, folder = self.checkpoints.place(owner, client.model_id, "weights",
+                                        body.path or f"seq-{body.seq_id}")
+            if path in self.checkpoints and not body.overwrite:
+                raise Refused(400, f"{path} exists; save under another name (or overwrite=True)")
+            where.extend((path, folder))
+            return "save_state", {"slot": client.slot, "folder": folder, "path": path,
+                                  "meta": {"model_id": client.model_id,
+                                           "model_name": self.limits.model_name}}
+
+        answer = self._in_order(owner, client, body.seq_id, build, model_id=client.model_id)
+        self.checkpoints.add(where[0], {"owner": owner, "kind": "weights", "folder": where[1]})
         return answer
 
     async def load_weights(self, request: Request, owner: str) -> dict:
         body = await self._json(request, types.LoadWeightsRequest)
-        entry = self._checkpoint(owner, body.path, "weights")
-        args = {"folder": entry["folder"], "optimizer": body.optimizer, "path": body.path}
         if body.model_id is not None:  # into an existing client, in its order
             client = self._client(owner, body.model_id)
-            return self._submit(owner, "load_state", {**args, "slot": client.slot,
-                                                      "model_id": client.model_id},
-                                client, body.seq_id, model_id=client.model_id)
+
+            def build() -> tuple[str, dict]:
+                entry = self.checkpoints.get(owner, body.path, "weights")
+                return "load_state", {"folder": entry["folder"], "optimizer": body.optimizer,
+                                      "path": body.path, "slot": client.slot,
+                                      "model_id": client.model_id}
+
+            return self._in_order(owner, client, body.seq_id, build, model_id=client.model_id)
         if body.session_id is None or body.model_seq_id is None:
             raise Refused(400, "load_weights: give model_id, or session_id and model_seq_id")
+        entry = self.checkpoints.get(owner, body.path, "weights")
+        args = {"folder": entry["folder"], "optimizer": body.optimizer, "path": body.path}
         rank = json.loads((Path(entry["folder"]) / "meta.json").read_text())["rank"]
         client = self._new_client(owner, body.session_id, body.model_seq_id, rank)
         return self._submit(owner, "load_state", {**args, "slot": client.slot,
@@ -399,19 +297,26 @@ class Front:
     async def save_weights_for_sampler(self, request: Request, owner: str) -> dict:
         body = await self._json(request, types.SaveWeightsForSamplerRequest)
         client = self._client(owner, body.model_id)
-        if body.path is not None:
-            path, folder = self._folder(owner, client.model_id, "sampler_weights", body.path)
-            answer, sampler_id = {"type": "save_weights_for_sampler", "path": path}, None
-        else:  # save_weights_and_get_sampling_client: a sampler of these weights
-            sampler_id = f"{client.session_id}:sample:{body.sampling_session_seq_id}"
-            path, folder = self._folder(owner, client.model_id, "sampler_weights",
-                                        f"sampler-{body.sampling_session_seq_id}")
-            answer = {"type": "save_weights_for_sampler", "sampling_session_id": sampler_id}
-        future = self._submit(owner, "save_for_sampler", {
-            "slot": client.slot, "folder": folder, "answer": answer,
-            "meta": {"name": client.model_id, "model_name": self.limits.model_name}},
-            client, body.seq_id, model_id=client.model_id)
-        self._remember(path, {"owner": owner, "kind": "sampler_weights", "folder": folder})
+        where: list = []
+
+        def build() -> tuple[str, dict]:
+            if body.path is not None:
+                path, folder = self.checkpoints.place(owner, client.model_id, "sampler_weights",
+                                                      body.path)
+                answer, sampler_id = {"type": "save_weights_for_sampler", "path": path}, None
+            else:  # save_weights_and_get_sampling_client: a sampler of these weights
+                sampler_id = f"{client.session_id}:sample:{body.sampling_session_seq_id}"
+                path, folder = self.checkpoints.place(owner, client.model_id, "sampler_weights",
+                                            f"sampler-{body.sampling_session_seq_id}")
+                answer = {"type": "save_weights_for_sampler", "sampling_session_id": sampler_id}
+            where.extend((path, folder, sampler_id))
+            return "save_for_sampler", {
+                "slot": client.slot, "folder": folder, "answer": answer,
+                "meta": {"name": client.model_id, "model_name": self.limits.model_name}}
+
+        future = self._in_order(owner, client, body.seq_id, build, model_id=client.model_id)
+        path, folder, sampler_id = where
+        self.checkpoints.add(path, {"owner": owner, "kind": "sampler_weights", "folder": folder})
         if sampler_id is not None:
             self.samplers[sampler_id] = Sampler(sampler_id, owner, folder)
         return future
@@ -423,7 +328,7 @@ class Front:
         if self.sessions.get(body.session_id, (None,))[0] != owner:
             raise Refused(404, f"no session {body.session_id!r} of this API key")
         if body.model_path is not None:
-            folder = self._checkpoint(owner, body.model_path, "sampler_weights")["folder"]
+            folder = self.checkpoints.get(owner, body.model_path, "sampler_weights")["folder"]
         elif body.base_model == self.limits.model_name:
             folder = None
         else:
@@ -447,31 +352,8 @@ class Front:
     async def asample(self, request: Request, owner: str) -> dict:
         body = await self._json(request, types.SampleRequest)
         sampler = self._sampler(owner, body.sampling_session_id)
-        params = body.sampling_params
-        prompt = body.prompt.to_ints()
-        self._check_tokens(prompt, "prompt")
-        max_tokens = params.max_tokens or 16
-        if len(prompt) + max_tokens > self.limits.max_seq_len:
-            raise Refused(400, f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) is "
-                               f"over trainer.max_seq_len={self.limits.max_seq_len}")
-        if params.top_k not in (-1, 0, None):
-            raise Refused(400, "sampling_params.top_k: not served (use top_p)")
-        stop = params.stop or []
-        if isinstance(stop, str) or not all(isinstance(s, int) for s in stop):
-            raise Refused(400, "sampling_params.stop: only stop token ids are served (a list "
-                               "of ints), not strings")
-        if not 1 <= body.num_samples <= 256:
-            raise Refused(400, f"num_samples={body.num_samples}: 1 to 256")
-        if not (params.temperature > 0 and 0 < params.top_p <= 1):
-            raise Refused(400, "sampling_params: temperature must be > 0 and top_p in (0, 1]")
-        # Draws keyed by the seed (the same seed: the same samples) or by the request.
-        key = (f"seed:{params.seed}" if params.seed is not None
-               else f"{sampler.sampler_id}:{body.seq_id}:{uuid.uuid4().hex}")
-        future = self._submit(owner, "sample", {
-            "folder": sampler.folder, "prompt": prompt,
-            "num_samples": body.num_samples, "max_tokens": max_tokens,
-            "temperature": params.temperature, "top_p": params.top_p, "stop": list(stop),
-            "key": key, "prompt_logprobs": bool(body.prompt_logprobs)})
+        args = sample_args(body, sampler.sampler_id, self.limits)
+        future = self._submit(owner, "sample", {"folder": sampler.folder, **args})
         # The SDK stamps each sample with one of these ids.
         return {**future, "sample_sequence_ids": [f"{future['request_id']}:{k}"
                                                   for k in range(body.num_samples)]}
@@ -492,9 +374,3 @@ class Front:
             message, category = result.payload
             return {"error": message, "category": category}
         return result.payload
-
-
-def _refusal(status: int, message: str) -> JSONResponse:
-    # Always a body (an empty 400 is retried by the SDK as a proxy glitch).
-    return JSONResponse({"detail": message}, status_code=status,
-                        headers={"x-should-retry": "false"})

@@ -25,10 +25,11 @@ class Inbox:
         self._unordered: list[Op] = []
         self._pending = 0
 
-    def put(self, op: Op, client: Optional[str] = None, seq_id: Optional[int] = None) -> bool:
-        """Queue ``op`` (False: the inbox is full)."""
+    def put(self, op: Op, client: Optional[str] = None, seq_id: Optional[int] = None,
+            force: bool = False) -> bool:
+        """Queue ``op`` (False: the inbox is full; ``force``: queued anyway)."""
         with self._cond:
-            if self._pending >= self.max_pending:
+            if self._pending >= self.max_pending and not force:
                 return False
             if client is None:
                 self._unordered.append(op)

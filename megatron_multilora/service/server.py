@@ -24,6 +24,7 @@ from megatron_multilora.service.engine import Engine
 from megatron_multilora.service.front import Front, Limits
 from megatron_multilora.service.futures import Futures
 from megatron_multilora.service.inbox import Inbox
+from megatron_multilora.service.routes import build_app
 from megatron_multilora.training.config import RunConfig, base_model_config
 from megatron_multilora.training.model_setup import build_run_model
 from megatron_multilora.training.serve import inbox as run_requests
@@ -61,8 +62,9 @@ def serve_api(run: RunConfig, keys: dict[str, str], say: Callable[[str], None] =
         message = [None]
         if front:
             stop = received() or run_requests.stop_requested(run.run_dir)
+            front.sweep()
             message = [("stop", None) if stop else
-                       ("run", front.sweep() + front.inbox.take(timeout=0.5, window=window))]
+                       ("run", front.inbox.take(timeout=0.5, window=window))]
         dist.broadcast_object_list(message, src=0)
         what, ops = message[0]
         if what == "stop":
@@ -93,7 +95,7 @@ def _start_front(run: RunConfig, keys: dict[str, str], model_config, hf_dir,
     loop = asyncio.new_event_loop()
     front = Front(keys, limits, run_dir, Inbox(api.max_pending), Futures(loop),
                   api.session_timeout_s)
-    server = uvicorn.Server(uvicorn.Config(front.app(), host=api.host, port=api.port,
+    server = uvicorn.Server(uvicorn.Config(build_app(front), host=api.host, port=api.port,
                                            log_level="warning", loop="asyncio"))
 
     def serve() -> None:

@@ -17,6 +17,7 @@ LEVELS = {
     "models": 3, "data": 3,
     "checkpoint": 4,
     "training": 5,
+    "service": 5.5,  # the training service: the engine over training's step, its HTTP front
     "cli": 6,
     "benchmarks": 7,  # the benchmark package, above all of the package
 }

@@ -1,0 +1,62 @@
+"""The service's HTTP routes (Starlette) onto the front's endpoints."""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
+
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from megatron_multilora.service import wire
+from megatron_multilora.service.front import Front
+from megatron_multilora.service.requests import Refused, refusal
+
+
+def build_app(front: Front) -> Starlette:
+    """The endpoints' routes: each checks the caller's key (but the open ones) and turns
+    a refusal into its 4xx answer."""
+    post = {
+        "client/config": front.client_config, "client/dynamic_config": front.dynamic_config,
+        "create_session": front.create_session, "session_heartbeat": front.heartbeat,
+        "sessions/{session_id}/finish": front.finish_session, "telemetry": front.telemetry,
+        "create_model": front.create_model, "get_info": front.get_info,
+        "forward_backward": front.forward_backward, "optim_step": front.optim_step,
+        "save_weights": front.save_weights, "load_weights": front.load_weights,
+        "save_weights_for_sampler": front.save_weights_for_sampler,
+        "create_sampling_session": front.create_sampling_session, "asample": front.asample,
+        "retrieve_future": front.retrieve_future}
+    get = {"healthz": front.healthz, "get_server_capabilities": front.capabilities,
+           "samplers/{sampler_id}": front.get_sampler}
+    routes = [Route(f"/api/v1/{path}", _endpoint(front, handler), methods=["POST"])
+              for path, handler in post.items()]
+    routes += [Route(f"/api/v1/{path}", _endpoint(front, handler), methods=["GET"])
+               for path, handler in get.items()]
+    routes.append(Route("/{path:path}", _endpoint(front, front.not_served),
+                        methods=["GET", "POST", "PUT", "DELETE"]))
+    return Starlette(routes=routes)
+
+def _endpoint(front: Front, handler: Callable[..., Awaitable[Any]]):
+    open_paths = {"client_config", "dynamic_config", "healthz", "telemetry", "not_served"}
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            owner = None
+            if handler.__name__ not in open_paths:
+                owner = front.keys.get(request.headers.get("x-api-key", ""))
+                if owner is None:
+                    raise Refused(401, "unknown API key (X-API-Key): use one of the keys "
+                                       "the service was started with")
+            answer = await handler(request, owner)
+        except Refused as refused:
+            return refusal(refused.status, str(refused))
+        except ValidationError as err:
+            return refusal(400, f"malformed request: {err}")
+        except wire.WireError as err:
+            return refusal(400, str(err))
+        return answer if isinstance(answer, Response) else JSONResponse(answer)
+
+    endpoint.__name__ = handler.__name__
+    return endpoint

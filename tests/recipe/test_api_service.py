@@ -1,0 +1,269 @@
+"""The training service as a black box, with the official tinker SDK as its client: launched
+as `mmlora train api.enabled=true ...` (what `mmlora api` runs), on the tiny model."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import tinker
+from safetensors.torch import load_file
+from tinker import types
+
+from megatron_multilora.data.datasets import load_dataset
+from megatron_multilora.data.demo_tasks import write_post_training_datasets
+from megatron_multilora.data.tokenizer import ByteTokenizer
+from tests.recipe.conftest import job, run_in_process
+
+REPO = Path(__file__).resolve().parents[2]
+KEYS = ["tml-alice", "tml-bob", "tml-carol", "tml-dave"]
+SLOTS = 4
+ADAM = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)  # the recipe's AdamW
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    """One service process (its own process group, so a kill reaches every worker)."""
+
+    def __init__(self, run_dir: Path, port: int, log: Path) -> None:
+        self.url, self.log = f"http://127.0.0.1:{port}", log
+        env = {**os.environ, "MMLORA_API_KEYS": ",".join(KEYS), "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            [str(REPO / ".venv/bin/mmlora"), "train", "--nproc", "1", "hf_dir=null",
+             "api.enabled=true", f"api.port={port}", f"run_dir={run_dir}", f"lora.slots={SLOTS}",
+             "api.batch_window_ms=300", "trainer.micro_batch_tokens=512"],
+            cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+            start_new_session=True)
+        deadline = time.monotonic() + 120
+        while "api: serving" not in log.read_text():
+            assert self.proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+
+    def client(self, key: str = KEYS[0]) -> tinker.ServiceClient:
+        return tinker.ServiceClient(base_url=self.url, api_key=key)
+
+    def kill(self) -> int:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        return self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("api-data")
+    write_post_training_datasets(out, n_train=4, n_eval=2, seed=0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("api")
+    service = Service(tmp / "run", free_port(), tmp / "service.log")
+    yield service
+    service.stop()
+
+
+def datums(data: Path, task: str) -> list[types.Datum]:
+    """The task's training records as the recipe tokenizes them, each target weighed
+    1 / (all loss tokens): the recipe's mean loss as a sum."""
+    examples = load_dataset(data / f"{task}.train.jsonl", ByteTokenizer(), 128)
+    total = sum(sum(e.loss_mask) for e in examples)
+    return [types.Datum(model_input=types.ModelInput.from_ints(list(e.tokens[:-1])),
+                        loss_fn_inputs={"target_tokens": list(e.tokens[1:]),
+                                        "weights": [m / total for m in e.loss_mask]})
+            for e in examples]
+
+
+def datums_of(tokens: list[int]) -> list[types.Datum]:
+    return [types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:],
+                                        "weights": [1.0] * (len(tokens) - 1)})]
+
+
+def train(client: tinker.TrainingClient, batch: list[types.Datum], steps: int, lr: float
+          ) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        out = client.forward_backward(batch, "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=lr, grad_clip_norm=1.0, **ADAM)).result()
+        losses.append(out.metrics["loss:sum"])
+    return losses
+
+
+def sampler_tensors(path: str, run_dir: Path) -> dict:
+    (folder,) = run_dir.glob(f"api/*/*/sampler_weights/{path.rsplit('/', 1)[1]}/adapter")
+    return load_file(str(next(folder.glob("*.safetensors"))))
+
+
+def test_an_sdk_training_loop_equals_the_recipe_job(service, data, tmp_path):
+    steps, lr = 3, 3e-3
+    want, _ = run_in_process(tmp_path / "recipe", [job("seed-7", data, "add", steps, lr=lr,
+                                                       global_batch_size=4, warmup_steps=0,
+                                                       schedule="constant")],
+                             [f"lora.slots={SLOTS}"])
+    with service.client() as sc:
+        client = sc.create_lora_training_client(base_model="tiny", rank=8, seed=7)
+        got = train(client, datums(data, "add"), steps, lr)
+        path = client.save_weights_for_sampler("final").result().path
+    assert got == pytest.approx(want["seed-7"], rel=1e-5)
+    mine = sampler_tensors(path, service.log.parent / "run")
+    recipe = load_file(str(next((tmp_path / "recipe/adapters/seed-7").glob("*.safetensors"))))
+    assert mine.keys() == recipe.keys()
+    for name in recipe:  # relative to each tensor's norm: Adam magnifies rounding of ~0 gradients
+        assert (mine[name] - recipe[name]).norm() <= 1e-5 * recipe[name].norm(), name
+
+
+def test_four_clients_at_once_each_train_as_alone(service, data):
+    tasks = ["add", "reverse", "sort", "uppercase"]
+    alone = {}
+    for key, task in zip(KEYS, tasks):
+        with service.client(key) as sc:
+            client = sc.create_lora_training_client(base_model="tiny", rank=4, seed=1)
+            alone[key] = train(client, datums(data, task), 3, 1e-2)
+    before = service.log.read_text()
+    together: dict[str, list[float]] = {}
+
+    def run(key: str, task: str) -> None:
+        with service.client(key) as sc:
+            client = sc.create_lora_training_client(base_model="tiny", rank=4, seed=1)
+            together[key] = train(client, datums(data, task), 3, 1e-2)
+
+    threads = [threading.Thread(target=run, args=kt) for kt in zip(KEYS, tasks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for key in KEYS:
+        assert together[key] == pytest.approx(alone[key], rel=1e-5), key
+    assert len({tuple(v) for v in alone.values()}) == 4  # the tasks differ: so do the losses
+    batched = [int(n) for n in re.findall(r"(\d+) forward_backward in one step",
+                                          service.log.read_text()[len(before):])]
+    assert max(batched) >= 2, batched  # some calls of different clients shared a step
+
+
+def test_sampling_and_logprobs_from_a_saved_adapter(service, data):
+    sc = service.client(KEYS[1])
+    training = sc.create_lora_training_client(base_model="tiny", rank=8)
+    train(training, datums(data, "reverse"), 2, 1e-2)
+    sampler = training.save_weights_and_get_sampling_client("snap")
+    prompt = types.ModelInput.from_ints([1, 70, 71, 72])
+    params = types.SamplingParams(max_tokens=5, temperature=1.0, seed=11)
+    first = sampler.sample(prompt=prompt, num_samples=3, sampling_params=params).result()
+    assert len(first.sequences) == 3
+    assert all(len(s.tokens) == len(s.logprobs) for s in first.sequences)
+    # The same seed: the same samples, also after the client trained on (the snapshot's).
+    train(training, datums(data, "reverse"), 1, 1e-2)
+    again = sampler.sample(prompt=prompt, num_samples=3, sampling_params=params).result()
+    assert [s.tokens for s in again.sequences] == [s.tokens for s in first.sequences]
+    logprobs = sampler.compute_logprobs(types.ModelInput.from_ints([1, 70, 71, 72])).result()
+    assert logprobs[0] is None and all(v < 0 for v in logprobs[1:])
+    sc.close("success").result()
+
+
+def test_a_key_reaches_only_its_own_clients_checkpoints_and_samplers(service, data):
+    alice_sc = service.client(KEYS[0])
+    alice = alice_sc.create_lora_training_client(base_model="tiny", rank=4)
+    path = alice.save_state("mine").result().path
+    sampler_path = alice.save_weights_for_sampler("mine-s").result().path
+    bob = service.client(KEYS[1])
+    with pytest.raises(tinker.NotFoundError):
+        bob.create_training_client_from_state(path).result()
+    with pytest.raises(tinker.NotFoundError):
+        bob.create_sampling_client(model_path=sampler_path).sample(
+            prompt=types.ModelInput.from_ints([1, 2]), num_samples=1,
+            sampling_params=types.SamplingParams(max_tokens=2)).result()
+    answer = httpx.post(f"{service.url}/api/v1/get_info", headers={"X-API-Key": KEYS[1]},
+                        json={"model_id": alice.model_id, "type": "get_info"})
+    assert answer.status_code == 404
+    unknown = httpx.post(f"{service.url}/api/v1/get_info", headers={"X-API-Key": "tml-eve"},
+                         json={"model_id": alice.model_id, "type": "get_info"})
+    assert unknown.status_code == 401
+    assert alice.forward_backward(datums(data, "add"), "cross_entropy").result()  # unharmed
+    alice_sc.close("success").result()
+    bob.close("success").result()
+
+
+@pytest.mark.parametrize("what", ["token outside the vocabulary", "too long", "unknown loss",
+                                  "shifted targets"])
+def test_bad_training_requests_are_refused_and_change_nothing(service, data, what):
+    sc = service.client(KEYS[2])
+    client = sc.create_lora_training_client(base_model="tiny", rank=4, seed=3)
+    batch = datums(data, "add")
+    before = client.forward_backward(batch, "cross_entropy", ).result().metrics["loss:sum"]
+    bad, loss = batch[:1], "cross_entropy"
+    if what == "token outside the vocabulary":
+        bad = [types.Datum(model_input=types.ModelInput.from_ints([1, 10**6]),
+                           loss_fn_inputs={"target_tokens": [10**6, 2], "weights": [1.0, 1.0]})]
+    elif what == "too long":
+        bad = [types.Datum(model_input=types.ModelInput.from_ints([5] * 300),
+                           loss_fn_inputs={"target_tokens": [5] * 300, "weights": [1.0] * 300})]
+    elif what == "unknown loss":
+        loss = "dro"
+    else:
+        bad = [types.Datum(model_input=types.ModelInput.from_ints([1, 5, 6]),
+                           loss_fn_inputs={"target_tokens": [7, 7, 7], "weights": [1.0] * 3})]
+    with pytest.raises(tinker.BadRequestError):
+        client.forward_backward(bad, loss).result()
+    # Nothing accumulated: the same forward-only loss, and training goes on.
+    after = client.forward(batch, "cross_entropy").result().metrics["loss:sum"]
+    assert after == pytest.approx(before, rel=1e-6)
+    sc.close("success").result()
+
+
+def test_ranks_and_slots_beyond_the_run_are_refused(service):
+    with service.client(KEYS[3]) as sc:
+        with pytest.raises(tinker.BadRequestError, match="ranks 1 to 16"):
+            sc.create_lora_training_client(base_model="tiny", rank=64).result()
+        with pytest.raises(tinker.BadRequestError, match="trains 'tiny'"):
+            sc.create_lora_training_client(base_model="llama-70b", rank=4).result()
+        clients = [sc.create_lora_training_client(base_model="tiny", rank=4).result()
+                   for _ in range(SLOTS)]
+        with pytest.raises(tinker.BadRequestError, match="adapter slots"):
+            sc.create_lora_training_client(base_model="tiny", rank=4).result()
+        assert clients[-1].forward(datums_of([1, 2, 3]), "cross_entropy").result()
+
+
+def test_sigkill_then_restart_resumes_a_client_from_its_saved_state(data, tmp_path):
+    run_dir, port = tmp_path / "run", free_port()
+    batch = datums(data, "sort")
+    first = Service(run_dir, port, tmp_path / "first.log")
+    client = first.client().create_lora_training_client(base_model="tiny", rank=8, seed=5)
+    train(client, batch, 2, 1e-2)
+    path = client.save_state("after-2").result().path
+    want = train(client, batch, 2, 1e-2)
+    assert first.kill() == -signal.SIGKILL
+    second = Service(run_dir, port, tmp_path / "second.log")
+    try:
+        resumed = second.client().create_training_client_from_state_with_optimizer(path).result()
+        assert train(resumed, batch, 2, 1e-2) == pytest.approx(want, rel=1e-5)
+    finally:
+        second.stop()
+
+
+def test_the_service_refuses_to_start_without_keys(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "MMLORA_API_KEYS"}
+    done = subprocess.run([str(REPO / ".venv/bin/mmlora"), "train", "hf_dir=null",
+                           "api.enabled=true", f"run_dir={tmp_path / 'run'}"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "no API keys" in done.stderr and not (tmp_path / "run" / "api").exists()
+    assert sys.executable  # the test ran under the project's interpreter
