@@ -1,6 +1,7 @@
 """``mmlora``: train adapter jobs, export them, and talk to a serving training run::
 
     mmlora train [--nproc N] [OVERRIDE ...]   # the recipe under torchrun
+    mmlora api --run-dir R --port P [...]     # the Tinker-compatible training service
     mmlora export SOURCE OUT [--job NAME]     # an adapter as a Hugging Face PEFT folder
     mmlora submit --run-dir R job.yaml        # validate a job completely, then hand it over
     mmlora status --run-dir R [--json]        # the trainer's state and a row per job
@@ -28,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
         "training run.",
         epilog="Training: mmlora train --nproc 2 trainer.steps_per_job=50 (any Hydra override "
                "of conf/config.yaml). Serve mode: launch with trainer.serve=true, then submit, "
-               "status, cancel and stop talk to it through its run directory.")
+               "status, cancel and stop talk to it through its run directory. Training service: "
+               "mmlora api --run-dir R --port 8000 (tinker SDK clients; README).")
     parser.add_argument("--version", action="version",
                         version=f"mmlora (megatron-multilora) {metadata.version('megatron-multilora')}")
     commands = Commands(parser)

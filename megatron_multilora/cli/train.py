@@ -1,6 +1,8 @@
-"""``mmlora train``: the training recipe under torchrun, as torchtune's ``tune run`` does.
+"""``mmlora train``: the training recipe under torchrun, as torchtune's ``tune run`` does;
+``mmlora api``: the same recipe serving the Tinker-compatible training service.
 
     mmlora train [--nproc N] [OVERRIDE ...]
+    mmlora api --run-dir R [--port P] [--keys-file F] [--nproc N] [OVERRIDE ...]
 
 runs ``torchrun --standalone --nproc-per-node N recipes/multi_lora_finetune.py OVERRIDE ...``
 in this process (rank 0's output only, one torch thread per process when there are several)
@@ -54,12 +56,12 @@ def train(args: argparse.Namespace) -> int:
     if args.nproc > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # the processes share the cores
     arguments = torchrun_arguments(args.nproc, args.all_ranks, args.overrides)
-    print(f"mmlora train: torchrun {' '.join(arguments)}", flush=True)
+    print(f"mmlora {args.command_name}: torchrun {' '.join(arguments)}", flush=True)
     try:
         run(get_args_parser().parse_args(arguments))
     except SignalException as stop:  # torchrun passed the signal on and waited for the workers
-        print(f"mmlora train: stopped by {signal.Signals(stop.sigval).name} (the workers' last "
-              "line says where they stopped and how to resume)", file=sys.stderr)
+        print(f"mmlora {args.command_name}: stopped by {signal.Signals(stop.sigval).name} (the "
+              "workers' last line says where they stopped and how to resume)", file=sys.stderr)
         return 128 + stop.sigval
     except ChildFailedError as failed:
         rank, failure = failed.get_first_failure()
@@ -68,6 +70,15 @@ def train(args: argparse.Namespace) -> int:
         print(_failure_line(rank, code, failure.message, shown), file=sys.stderr)
         return code
     return 0
+
+
+def api(args: argparse.Namespace) -> int:
+    """The recipe with the service on: ``api.enabled=true`` and the options as overrides
+    (before the user's, which may refine them)."""
+    keys = [f"api.keys_file={os.path.abspath(args.keys_file)}"] if args.keys_file else []
+    args.overrides = ["api.enabled=true", f"run_dir={args.run_dir}", f"api.port={args.port}",
+                      f"api.host={args.host}", *keys, *args.overrides]
+    return train(args)
 
 
 def add_commands(commands: Commands) -> None:
@@ -81,3 +92,19 @@ def add_commands(commands: Commands) -> None:
     sub.usage = "mmlora train [-h] [--nproc N] [--all-ranks] [OVERRIDE ...]"
     sub.epilog = ("OVERRIDE: what the recipe takes, e.g. trainer.steps_per_job=50 parallel=tp2 "
                   "--config-name smollm2 (Hydra's overrides and flags)")
+    sub = commands.add("api", api, "serve the Tinker-compatible training service: clients of "
+                       "the tinker SDK train and sample LoRA adapters on this model",
+                       run_dir=True)
+    sub.add_argument("--port", type=int, default=8000, help="default 8000")
+    sub.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (this machine only)")
+    sub.add_argument("--keys-file", help="API keys, one 'tml-...' per line (default: the "
+                     "MMLORA_API_KEYS variable, comma-separated; there is no default key)")
+    sub.add_argument("--nproc", type=int, default=1, help="processes (parallel ranks); default 1")
+    sub.add_argument("--all-ranks", action="store_true",
+                     help="show every process's output, not only rank 0's")
+    sub.set_defaults(overrides=[])
+    sub.usage = ("mmlora api [-h] --run-dir R [--port P] [--host H] [--keys-file F] [--nproc N] "
+                 "[OVERRIDE ...]")
+    sub.epilog = ("OVERRIDE: the recipe's, e.g. --config-name smollm2 lora.slots=8 parallel=tp2; "
+                  "it prints the URL once it answers: point tinker.ServiceClient(base_url=...) "
+                  "at it")

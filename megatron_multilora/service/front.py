@@ -4,8 +4,8 @@ the engine's inbox, and the answers.
 
 Bad requests get a 4xx with the reason before anything changes; a call failing as it runs
 answers ``{"error", "category"}`` (the SDK raises ``RequestFailedError``). Training
-clients are ``<session>:train:<n>``, samplers ``<session>:sample:<n>``, checkpoints ``tinker://<client>/<weights|sampler_weights>/<name>``
-(folders under ``<run_dir>/api/<tenant>/``, whose index survives a restart).
+clients are ``<session>:train:<n>``, samplers ``<session>:sample:<n>``, checkpoints
+``tinker://<client>/<weights|sampler_weights>/<name>`` (``checkpoint_index.py``).
 """
 
 from __future__ import annotations

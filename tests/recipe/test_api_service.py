@@ -1,5 +1,5 @@
 """The training service as a black box, with the official tinker SDK as its client: launched
-as `mmlora train api.enabled=true ...` (what `mmlora api` runs), on the tiny model."""
+with `mmlora api`, on the tiny model."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -43,9 +42,9 @@ class Service:
         self.url, self.log = f"http://127.0.0.1:{port}", log
         env = {**os.environ, "MMLORA_API_KEYS": ",".join(KEYS), "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(
-            [str(REPO / ".venv/bin/mmlora"), "train", "--nproc", "1", "hf_dir=null",
-             "api.enabled=true", f"api.port={port}", f"run_dir={run_dir}", f"lora.slots={SLOTS}",
-             "api.batch_window_ms=300", "trainer.micro_batch_tokens=512"],
+            [str(REPO / ".venv/bin/mmlora"), "api", "--run-dir", str(run_dir), "--port", str(port),
+             "hf_dir=null", f"lora.slots={SLOTS}", "api.batch_window_ms=300",
+             "trainer.micro_batch_tokens=512"],
             cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
             start_new_session=True)
         deadline = time.monotonic() + 120
@@ -261,9 +260,8 @@ def test_sigkill_then_restart_resumes_a_client_from_its_saved_state(data, tmp_pa
 
 def test_the_service_refuses_to_start_without_keys(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "MMLORA_API_KEYS"}
-    done = subprocess.run([str(REPO / ".venv/bin/mmlora"), "train", "hf_dir=null",
-                           "api.enabled=true", f"run_dir={tmp_path / 'run'}"],
+    done = subprocess.run([str(REPO / ".venv/bin/mmlora"), "api", "--run-dir",
+                           str(tmp_path / "run"), "hf_dir=null"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "no API keys" in done.stderr and not (tmp_path / "run" / "api").exists()
-    assert sys.executable  # the test ran under the project's interpreter
