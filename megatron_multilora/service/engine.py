@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 from safetensors.torch import load_file, save_file
 
 from megatron_multilora.atomic_files import write_dir_atomic, write_json_atomic
@@ -45,6 +46,7 @@ from megatron_multilora.training.step.reference import target_logprobs
 from megatron_multilora.training.step.sampling import KeyedSampler, RowSampling
 from megatron_multilora.training.step.schedule import per_slot_results_and_logprobs
 from megatron_multilora.training.step.slot_optimizer import SlotOptimizer, slot_grad_norms
+from megatron_multilora.training.step.train_step import start_reducing_losses
 
 STATE_META = "meta.json"
 
@@ -145,25 +147,37 @@ class Engine:
         return {}
 
     def _forward_backward(self, ops: list[Op], forward_only: bool) -> None:
+        """The calls' datums in one packed forward/backward, split over data-parallel ranks
+        (datum i on rank i mod dp; gradients are summed over them at the optim_step)."""
+        dp = parallel_state.get_data_parallel_world_size()
+        rank = parallel_state.get_data_parallel_rank()
         slot_examples: list[list[Example]] = [[] for _ in range(self.batcher.n_slots)]
         objectives = [None] * self.batcher.n_slots
         for op in ops:
             slot = op.args["slot"]
             slot_examples[slot] = [Example(tuple(d["tokens"]), (True,) * (len(d["tokens"]) - 1),
-                                           d["values"], units=1) for d in op.args["data"]]
+                                           d["values"], units=1)
+                                   for d in op.args["data"][rank::dp]]
             objectives[slot] = PerTokenLoss(op.args["loss"], op.args["clip_low"],
                                             op.args["clip_high"])
         micro_batches = self.batcher.ready(slot_examples)
         # Sums, not means: each slot's loss weighs 1 (a client scales its own datums).
-        ones = torch.tensor([1 if examples else 0 for examples in slot_examples])
+        ones = torch.zeros(self.batcher.n_slots, dtype=torch.int64).index_fill_(
+            0, torch.tensor([op.args["slot"] for op in ops]), 1)
         with eval_mode(self.model) if forward_only else contextlib.nullcontext():
             table, logprobs = per_slot_results_and_logprobs(self.model, micro_batches, ones,
                                                             forward_only, objectives)
+        losses = start_reducing_losses(table[:, 0].contiguous())()
+        shares = [None] * dp  # every rank's log-probs of its datums, by slot
+        if dp > 1:
+            dist.all_gather_object(shares, logprobs, group=parallel_state.get_data_parallel_group())
+        else:
+            shares = [logprobs]
         for op in ops:
-            slot = op.args["slot"]
-            per_datum = [{"logprobs": values} for values in logprobs[slot]]
+            slot, n = op.args["slot"], len(op.args["data"])
+            per_datum = [{"logprobs": shares[i % dp][slot][i // dp]} for i in range(n)]
             self.complete(op.request_id, Result(PROTOBUF, wire.forward_backward_output(
-                per_datum, {"loss:sum": float(table[slot, 0])})))
+                per_datum, {"loss:sum": float(losses[slot])})))
 
     def optim_step(self, slot: int, lr: float, betas: tuple[float, float], eps: float,
                    weight_decay: float, grad_clip: Optional[float]) -> dict:

@@ -38,12 +38,12 @@ def free_port() -> int:
 class Service:
     """One service process (its own process group, so a kill reaches every worker)."""
 
-    def __init__(self, run_dir: Path, port: int, log: Path) -> None:
+    def __init__(self, run_dir: Path, port: int, log: Path, nproc: int = 1) -> None:
         self.url, self.log = f"http://127.0.0.1:{port}", log
         env = {**os.environ, "MMLORA_API_KEYS": ",".join(KEYS), "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(
             [str(REPO / ".venv/bin/mmlora"), "api", "--run-dir", str(run_dir), "--port", str(port),
-             "hf_dir=null", f"lora.slots={SLOTS}", "api.batch_window_ms=300",
+             "--nproc", str(nproc), "hf_dir=null", f"lora.slots={SLOTS}", "api.batch_window_ms=300",
              "trainer.micro_batch_tokens=512"],
             cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
             start_new_session=True)
@@ -256,6 +256,25 @@ def test_sigkill_then_restart_resumes_a_client_from_its_saved_state(data, tmp_pa
         assert train(resumed, batch, 2, 1e-2) == pytest.approx(want, rel=1e-5)
     finally:
         second.stop()
+
+
+def test_a_data_parallel_service_trains_as_one_process(service, data, tmp_path):
+    batch = datums(data, "uppercase") + datums(data, "add")  # 8 datums: 4 per rank
+    with service.client(KEYS[1]) as sc:
+        client = sc.create_lora_training_client(base_model="tiny", rank=8, seed=9)
+        want = train(client, batch, 2, 1e-2)
+        want_logprobs = client.forward(batch, "cross_entropy").result().loss_fn_outputs
+    two = Service(tmp_path / "run", free_port(), tmp_path / "dp2.log", nproc=2)
+    try:
+        assert "data parallel 2" in two.log.read_text()
+        with two.client(KEYS[1]) as sc:
+            client = sc.create_lora_training_client(base_model="tiny", rank=8, seed=9)
+            assert train(client, batch, 2, 1e-2) == pytest.approx(want, rel=1e-5)
+            got = client.forward(batch, "cross_entropy").result().loss_fn_outputs
+        for w, g in zip(want_logprobs, got):  # every datum's, in order, from both ranks
+            assert g["logprobs"].tolist() == pytest.approx(w["logprobs"].tolist(), rel=1e-5)
+    finally:
+        two.stop()
 
 
 def test_the_service_refuses_to_start_without_keys(tmp_path):
