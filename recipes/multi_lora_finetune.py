@@ -90,11 +90,11 @@ def main(cfg: DictConfig) -> None:
         run = checked_run(cfg, HydraConfig.get().runtime.output_dir)
     except ConfigError as err:
         _report_and_exit(str(err), 2)
+    if int(os.environ.get("RANK", "0")) == 0:
+        _record_config(cfg, Path(run.run_dir))
     if run.api.enabled:  # the training service instead of the config's jobs
         _serve_api(run)
         return
-    if int(os.environ.get("RANK", "0")) == 0:
-        _record_config(cfg, Path(run.run_dir))
     # Imported only now: it loads megatron (seconds), which a bad config is reported without.
     from megatron_multilora.training.trainer import Trainer
 

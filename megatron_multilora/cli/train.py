@@ -73,11 +73,12 @@ def train(args: argparse.Namespace) -> int:
 
 
 def api(args: argparse.Namespace) -> int:
-    """The recipe with the service on: ``api.enabled=true`` and the options as overrides
-    (before the user's, which may refine them)."""
+    """The recipe with the service on: the user's arguments (Hydra's flags come first), then
+    ``api.enabled=true`` and the options as overrides."""
     keys = [f"api.keys_file={os.path.abspath(args.keys_file)}"] if args.keys_file else []
-    args.overrides = ["api.enabled=true", f"run_dir={args.run_dir}", f"api.port={args.port}",
-                      f"api.host={args.host}", *keys, *args.overrides]
+    # The config's jobs are not trained (clients bring their own): adapters=[].
+    args.overrides = [*args.overrides, "api.enabled=true", f"run_dir={args.run_dir}",
+                      f"api.port={args.port}", f"api.host={args.host}", *keys, "adapters=[]"]
     return train(args)
 
 

@@ -120,7 +120,7 @@ def test_an_sdk_training_loop_equals_the_recipe_job(service, data, tmp_path):
                                                        schedule="constant")],
                              [f"lora.slots={SLOTS}"])
     with service.client() as sc:
-        client = sc.create_lora_training_client(base_model="tiny", rank=8, seed=7)
+        client = sc.create_lora_training_client(base_model="tiny", rank=8, seed=7).result()
         got = train(client, datums(data, "add"), steps, lr)
         path = client.save_weights_for_sampler("final").result().path
     assert got == pytest.approx(want["seed-7"], rel=1e-5)
@@ -136,14 +136,14 @@ def test_four_clients_at_once_each_train_as_alone(service, data):
     alone = {}
     for key, task in zip(KEYS, tasks):
         with service.client(key) as sc:
-            client = sc.create_lora_training_client(base_model="tiny", rank=4, seed=1)
+            client = sc.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
             alone[key] = train(client, datums(data, task), 3, 1e-2)
     before = service.log.read_text()
     together: dict[str, list[float]] = {}
 
     def run(key: str, task: str) -> None:
         with service.client(key) as sc:
-            client = sc.create_lora_training_client(base_model="tiny", rank=4, seed=1)
+            client = sc.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
             together[key] = train(client, datums(data, task), 3, 1e-2)
 
     threads = [threading.Thread(target=run, args=kt) for kt in zip(KEYS, tasks)]
@@ -161,9 +161,9 @@ def test_four_clients_at_once_each_train_as_alone(service, data):
 
 def test_sampling_and_logprobs_from_a_saved_adapter(service, data):
     sc = service.client(KEYS[1])
-    training = sc.create_lora_training_client(base_model="tiny", rank=8)
+    training = sc.create_lora_training_client(base_model="tiny", rank=8).result()
     train(training, datums(data, "reverse"), 2, 1e-2)
-    sampler = training.save_weights_and_get_sampling_client("snap")
+    sampler = training.save_weights_and_get_sampling_client().result()
     prompt = types.ModelInput.from_ints([1, 70, 71, 72])
     params = types.SamplingParams(max_tokens=5, temperature=1.0, seed=11)
     first = sampler.sample(prompt=prompt, num_samples=3, sampling_params=params).result()
@@ -180,7 +180,7 @@ def test_sampling_and_logprobs_from_a_saved_adapter(service, data):
 
 def test_a_key_reaches_only_its_own_clients_checkpoints_and_samplers(service, data):
     alice_sc = service.client(KEYS[0])
-    alice = alice_sc.create_lora_training_client(base_model="tiny", rank=4)
+    alice = alice_sc.create_lora_training_client(base_model="tiny", rank=4).result()
     path = alice.save_state("mine").result().path
     sampler_path = alice.save_weights_for_sampler("mine-s").result().path
     bob = service.client(KEYS[1])
@@ -205,7 +205,7 @@ def test_a_key_reaches_only_its_own_clients_checkpoints_and_samplers(service, da
                                   "shifted targets"])
 def test_bad_training_requests_are_refused_and_change_nothing(service, data, what):
     sc = service.client(KEYS[2])
-    client = sc.create_lora_training_client(base_model="tiny", rank=4, seed=3)
+    client = sc.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
     batch = datums(data, "add")
     before = client.forward_backward(batch, "cross_entropy", ).result().metrics["loss:sum"]
     bad, loss = batch[:1], "cross_entropy"
@@ -245,7 +245,8 @@ def test_sigkill_then_restart_resumes_a_client_from_its_saved_state(data, tmp_pa
     run_dir, port = tmp_path / "run", free_port()
     batch = datums(data, "sort")
     first = Service(run_dir, port, tmp_path / "first.log")
-    client = first.client().create_lora_training_client(base_model="tiny", rank=8, seed=5)
+    client = first.client().create_lora_training_client(base_model="tiny", rank=8,
+                                                        seed=5).result()
     train(client, batch, 2, 1e-2)
     path = client.save_state("after-2").result().path
     want = train(client, batch, 2, 1e-2)
@@ -261,14 +262,14 @@ def test_sigkill_then_restart_resumes_a_client_from_its_saved_state(data, tmp_pa
 def test_a_data_parallel_service_trains_as_one_process(service, data, tmp_path):
     batch = datums(data, "uppercase") + datums(data, "add")  # 8 datums: 4 per rank
     with service.client(KEYS[1]) as sc:
-        client = sc.create_lora_training_client(base_model="tiny", rank=8, seed=9)
+        client = sc.create_lora_training_client(base_model="tiny", rank=8, seed=9).result()
         want = train(client, batch, 2, 1e-2)
         want_logprobs = client.forward(batch, "cross_entropy").result().loss_fn_outputs
     two = Service(tmp_path / "run", free_port(), tmp_path / "dp2.log", nproc=2)
     try:
         assert "data parallel 2" in two.log.read_text()
         with two.client(KEYS[1]) as sc:
-            client = sc.create_lora_training_client(base_model="tiny", rank=8, seed=9)
+            client = sc.create_lora_training_client(base_model="tiny", rank=8, seed=9).result()
             assert train(client, batch, 2, 1e-2) == pytest.approx(want, rel=1e-5)
             got = client.forward(batch, "cross_entropy").result().loss_fn_outputs
         for w, g in zip(want_logprobs, got):  # every datum's, in order, from both ranks
