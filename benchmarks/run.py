@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 import megatron_multilora as mm
+from benchmarks.api_service import section_api
 from benchmarks.jobs import section_jobs
 from benchmarks.layers_and_models import section_layers_models
 from benchmarks.memory import section_memory
@@ -29,7 +30,7 @@ RUN_SECTION = {
     "models": lambda s, d, c, o: section_layers_models("models", s, d, c, o),
     "jobs": section_jobs, "memory": section_memory, "tp": section_tp, "pp": section_pp,
     "scaling": section_scaling, "width": section_width, "peers": section_peers,
-    "post": section_post,
+    "post": section_post, "api": section_api,
 }
 
 

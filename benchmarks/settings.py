@@ -29,7 +29,7 @@ SECTIONS = ("layers", "models", "jobs", "memory", "tp", "pp", "scaling", "width"
 """What a run without ``--only`` runs."""
 
 
-EXTRA_SECTIONS = ("peers",)
+EXTRA_SECTIONS = ("peers", "api")
 """Run only when named in ``--only`` (minutes of whole training launches)."""
 
 
@@ -92,7 +92,7 @@ def parse_settings(argv: Optional[list[str]] = None) -> tuple[Settings, argparse
     parser.add_argument("--skip-pp", action="store_true", help="skip the 2-process PP rows")
     parser.add_argument("--only", nargs="+", choices=ALL_SECTIONS, metavar="SECTION",
                         help="run only these sections (" + ", ".join(ALL_SECTIONS) + "; peers "
-                             "runs only when named here); writes "
+                             "and api run only when named here); writes "
                              "<out-dir>/cpu-only-<sections>.md and .json instead of cpu.md")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch CPU threads (default: torch's, %(default)s); 1 is steadier "

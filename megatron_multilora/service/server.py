@@ -70,10 +70,12 @@ def serve_api(run: RunConfig, keys: dict[str, str], say: Callable[[str], None] =
         if what == "stop":
             break
         if ops:
+            start = time.perf_counter()
             engine.run(ops)
             if front:
                 kinds = [op.kind for op in ops]
-                say(f"api: ran {len(ops)} calls ({', '.join(sorted(set(kinds)))}); "
+                say(f"api: ran {len(ops)} calls ({', '.join(sorted(set(kinds)))}) in "
+                    f"{(time.perf_counter() - start) * 1e3:.1f} ms; "
                     f"{kinds.count('forward_backward')} forward_backward in one step")
     if front:
         run_requests.clear_stop_request(run.run_dir)
