@@ -228,12 +228,13 @@ def test_every_schema_field_has_a_range_rule_or_another_check():
     elsewhere = {"name", "dataset", "eval_dataset", "init_from", "targets", "fully_sharded", "sp",
                  "queue_jobs", "serve", "wandb_project", "plots", "resume", "hf_dir", "run_dir",
                  "data_dir", "model", "lora", "adapters", "parallel", "trainer", "logging",
-                 "checkpoint", "columns", "dpo", "grpo", "scale_rewards", "reward"}
+                 "checkpoint", "columns", "dpo", "grpo", "scale_rewards", "reward",
+                 "api", "enabled", "host", "keys_file", "model_name"}
     checked_by_model = {f.name for f in dataclasses.fields(GPTModelConfig)
                         if f.type in ("str", "bool", "Optional[str]", "Optional[list[str]]")}
     for cls in (schema.AdapterJob, schema.DPOSettings, schema.GRPOSettings, schema.LoRASettings, schema.ParallelSettings,
                 schema.TrainerSettings, schema.LoggingSettings, schema.CheckpointSettings,
-                schema.RunConfig, GPTModelConfig):
+                schema.RunConfig, schema.APISettings, GPTModelConfig):
         for field in dataclasses.fields(cls):
             if field.name in elsewhere or (cls is GPTModelConfig and field.name in checked_by_model):
                 continue
