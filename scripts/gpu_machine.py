@@ -110,9 +110,10 @@ def _metadata(path: Path) -> tuple[list[str], set[str]]:
     return requires, tops
 
 
-# The training service (the optional `api` extra) and its tests: not installed or run on
-# the GPU machine.
-NOT_ON_THE_MACHINE = ("megatron_multilora/service/", "tests/recipe/test_api_service.py")
+# The training service (the optional `api` extra), its tests and benchmark: not installed
+# or run on the GPU machine.
+NOT_ON_THE_MACHINE = ("megatron_multilora/service/", "tests/recipe/test_api_service.py",
+                      "benchmarks/api_service.py")
 
 
 def repo_imports() -> dict[str, str]:
