@@ -241,41 +241,31 @@ def test_ranks_and_slots_beyond_the_run_are_refused(service):
         assert clients[-1].forward(datums_of([1, 2, 3]), "cross_entropy").result()
 
 
-def test_sigkill_then_restart_resumes_a_client_from_its_saved_state(data, tmp_path):
+def test_sigkill_then_a_data_parallel_restart_resumes_a_client_from_its_saved_state(data,
+                                                                                  tmp_path):
+    """Killed (every process), restarted on the same run folder with 2 data-parallel ranks:
+    a client made from its saved state repeats the uninterrupted run's losses and every
+    datum's log-probs (datums split over the ranks, gathered back in order)."""
     run_dir, port = tmp_path / "run", free_port()
-    batch = datums(data, "sort")
+    batch = datums(data, "sort") + datums(data, "add")  # 8 datums: 4 per rank
     first = Service(run_dir, port, tmp_path / "first.log")
     client = first.client().create_lora_training_client(base_model="tiny", rank=8,
                                                         seed=5).result()
     train(client, batch, 2, 1e-2)
     path = client.save_state("after-2").result().path
     want = train(client, batch, 2, 1e-2)
+    want_logprobs = client.forward(batch, "cross_entropy").result().loss_fn_outputs
     assert first.kill() == -signal.SIGKILL
-    second = Service(run_dir, port, tmp_path / "second.log")
+    second = Service(run_dir, port, tmp_path / "second.log", nproc=2)
     try:
+        assert "data parallel 2" in second.log.read_text()
         resumed = second.client().create_training_client_from_state_with_optimizer(path).result()
         assert train(resumed, batch, 2, 1e-2) == pytest.approx(want, rel=1e-5)
-    finally:
-        second.stop()
-
-
-def test_a_data_parallel_service_trains_as_one_process(service, data, tmp_path):
-    batch = datums(data, "uppercase") + datums(data, "add")  # 8 datums: 4 per rank
-    with service.client(KEYS[1]) as sc:
-        client = sc.create_lora_training_client(base_model="tiny", rank=8, seed=9).result()
-        want = train(client, batch, 2, 1e-2)
-        want_logprobs = client.forward(batch, "cross_entropy").result().loss_fn_outputs
-    two = Service(tmp_path / "run", free_port(), tmp_path / "dp2.log", nproc=2)
-    try:
-        assert "data parallel 2" in two.log.read_text()
-        with two.client(KEYS[1]) as sc:
-            client = sc.create_lora_training_client(base_model="tiny", rank=8, seed=9).result()
-            assert train(client, batch, 2, 1e-2) == pytest.approx(want, rel=1e-5)
-            got = client.forward(batch, "cross_entropy").result().loss_fn_outputs
-        for w, g in zip(want_logprobs, got):  # every datum's, in order, from both ranks
+        got = resumed.forward(batch, "cross_entropy").result().loss_fn_outputs
+        for w, g in zip(want_logprobs, got, strict=True):
             assert g["logprobs"].tolist() == pytest.approx(w["logprobs"].tolist(), rel=1e-5)
     finally:
-        two.stop()
+        second.stop()
 
 
 def test_the_service_refuses_to_start_without_keys(tmp_path):
