@@ -24,7 +24,7 @@ from tinker import types
 
 from megatron_multilora.service import wire
 from megatron_multilora.service.checkpoint_index import CheckpointIndex
-from megatron_multilora.service.engine import Op
+from megatron_multilora.service.engine import Op, OpError, read_state_meta
 from megatron_multilora.service.futures import ERROR, PROTOBUF, Futures
 from megatron_multilora.service.inbox import Inbox
 from megatron_multilora.service.requests import (
@@ -287,7 +287,10 @@ class Front:
             raise Refused(400, "load_weights: give model_id, or session_id and model_seq_id")
         entry = self.checkpoints.get(owner, body.path, "weights")
         args = {"folder": entry["folder"], "optimizer": body.optimizer, "path": body.path}
-        rank = json.loads((Path(entry["folder"]) / "meta.json").read_text())["rank"]
+        try:
+            rank = read_state_meta(Path(entry["folder"]))["rank"]
+        except OpError as err:
+            raise Refused(400, str(err)) from None
         client = self._new_client(owner, body.session_id, body.model_seq_id, rank)
         return self._submit(owner, "load_state", {**args, "slot": client.slot,
                                                   "model_id": client.model_id,
