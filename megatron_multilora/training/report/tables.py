@@ -1,6 +1,6 @@
 """Adapters x tasks: each adapter slot on a job's held-out data (its task), loss (and the
-task objective's metrics) and exact-match accuracy of greedy generations, and the final table of every exported adapter
-(and the base model alone) on every task."""
+task objective's metrics) and exact-match accuracy of greedy generations, and the final
+table of every exported adapter (and the base model alone) on every task."""
 
 from __future__ import annotations
 
