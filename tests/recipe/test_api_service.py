@@ -38,12 +38,13 @@ def free_port() -> int:
 class Service:
     """One service process (its own process group, so a kill reaches every worker)."""
 
-    def __init__(self, run_dir: Path, port: int, log: Path, nproc: int = 1) -> None:
+    def __init__(self, run_dir: Path, port: int, log: Path, nproc: int = 1,
+                 keys: list[str] = KEYS, overrides: list[str] = ("hf_dir=null",)) -> None:
         self.url, self.log = f"http://127.0.0.1:{port}", log
-        env = {**os.environ, "MMLORA_API_KEYS": ",".join(KEYS), "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "MMLORA_API_KEYS": ",".join(keys), "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(
             [str(REPO / ".venv/bin/mmlora"), "api", "--run-dir", str(run_dir), "--port", str(port),
-             "--nproc", str(nproc), "hf_dir=null", f"lora.slots={SLOTS}", "api.batch_window_ms=300",
+             "--nproc", str(nproc), *overrides, f"lora.slots={SLOTS}", "api.batch_window_ms=300",
              "trainer.micro_batch_tokens=512"],
             cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
             start_new_session=True)
