@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -121,6 +122,7 @@ class Engine:
             for op in ops:
                 self.complete(op.request_id, Result(ERROR, (str(err), "user")))
         except Exception as err:  # one batch failing must not stop the service
+            traceback.print_exc()  # a fault of ours: its traceback goes to the service's log
             for op in ops:
                 self.complete(op.request_id, Result(ERROR, (f"{type(err).__name__}: {err}",
                                                             "server")))

@@ -103,8 +103,9 @@ def train(client: tinker.TrainingClient, batch: list[types.Datum], steps: int, l
           ) -> list[float]:
     losses = []
     for _ in range(steps):
-        out = client.forward_backward(batch, "cross_entropy").result()
-        client.optim_step(types.AdamParams(learning_rate=lr, grad_clip_norm=1.0, **ADAM)).result()
+        out = client.forward_backward(batch, "cross_entropy").result(timeout=120)
+        client.optim_step(types.AdamParams(learning_rate=lr, grad_clip_norm=1.0, **ADAM)
+                          ).result(timeout=120)
         losses.append(out.metrics["loss:sum"])
     return losses
 
@@ -130,6 +131,32 @@ def test_an_sdk_training_loop_equals_the_recipe_job(service, data, tmp_path):
     assert mine.keys() == recipe.keys()
     for name in recipe:  # relative to each tensor's norm: Adam magnifies rounding of ~0 gradients
         assert (mine[name] - recipe[name]).norm() <= 1e-5 * recipe[name].norm(), name
+
+
+@pytest.mark.parametrize("layout", [["parallel=tp2"], ["parallel=pp2"],
+                                    ["parallel=ep2", "model=tiny_moe"]],
+                         ids=["tp2", "pp2", "ep2-moe"])
+def test_a_two_process_layout_serves_the_recipe_jobs_training(tmp_path, layout):
+    """Under TP, PP, or EP with data parallelism (an uneven split of 3 datums: a rank pads
+    with a filler micro-batch), an SDK loop equals the recipe job trained in one process."""
+    steps, lr = 2, 3e-3
+    data = tmp_path / "data"
+    write_post_training_datasets(data, n_train=3, n_eval=2, seed=0)
+    batch = datums(data, "add")
+    want, _ = run_in_process(tmp_path / "recipe", [job("seed-7", data, "add", steps, lr=lr,
+                                                       global_batch_size=3, warmup_steps=0,
+                                                       schedule="constant")],
+                             [f"lora.slots={SLOTS}", *layout[1:]])
+    service = Service(tmp_path / "run", free_port(), tmp_path / "service.log", nproc=2,
+                      overrides=["hf_dir=null", *layout])
+    try:
+        with service.client() as sc:
+            client = sc.create_lora_training_client(base_model="tiny", rank=8, seed=7).result()
+            got = train(client, batch, steps, lr)
+    finally:
+        service.stop()
+    assert "world 2" in service.log.read_text()
+    assert got == pytest.approx(want["seed-7"], rel=1e-5)
 
 
 def test_four_clients_at_once_each_train_as_alone(service, data):
@@ -179,6 +206,34 @@ def test_sampling_and_logprobs_from_a_saved_adapter(service, data):
     sc.close("success").result()
 
 
+def test_forward_backward_custom_trains_as_its_loss_written_as_cross_entropy(service, data):
+    """The SDK's forward_backward_custom (a forward, the client's loss and its gradient, then
+    a weighted cross_entropy backward): a custom loss equal to the weighted negative
+    log-likelihood trains a client as cross_entropy trains its twin."""
+    import torch
+
+    def nll(batch, logprobs):
+        loss = sum(-(lp * d.loss_fn_inputs["weights"].to_torch()).sum()
+                   for d, lp in zip(batch, logprobs))
+        return loss, {"nll": float(loss)}
+
+    batch = datums(data, "sort")
+    with service.client(KEYS[3]) as sc:
+        custom, twin = (sc.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
+                        for _ in range(2))
+        adam = types.AdamParams(learning_rate=1e-2, **ADAM)
+        for _ in range(2):
+            mine = custom.forward_backward_custom(batch, nll)
+            custom.optim_step(adam).result()
+            theirs = twin.forward_backward(batch, "cross_entropy").result()
+            twin.optim_step(adam).result()
+            assert mine.result().metrics["nll"] == pytest.approx(theirs.metrics["loss:sum"],
+                                                                 rel=1e-5)
+        after = [c.forward(batch, "cross_entropy").result() for c in (custom, twin)]
+        for a, b in zip(*(out.loss_fn_outputs for out in after)):
+            assert torch.allclose(a["logprobs"].to_torch(), b["logprobs"].to_torch(), atol=1e-5)
+
+
 def test_a_key_reaches_only_its_own_clients_checkpoints_and_samplers(service, data):
     alice_sc = service.client(KEYS[0])
     alice = alice_sc.create_lora_training_client(base_model="tiny", rank=4).result()
@@ -200,6 +255,48 @@ def test_a_key_reaches_only_its_own_clients_checkpoints_and_samplers(service, da
     assert alice.forward_backward(datums(data, "add"), "cross_entropy").result()  # unharmed
     alice_sc.close("success").result()
     bob.close("success").result()
+
+
+def test_listings_show_a_key_its_own_runs_and_checkpoints_and_only_the_owner_deletes(service):
+    alice_sc, bob_sc = service.client(KEYS[0]), service.client(KEYS[1])
+    alice = alice_sc.create_lora_training_client(base_model="tiny", rank=4,
+                                                 user_metadata={"task": "listing"}).result()
+    state = alice.save_state("listed").result().path
+    sampler = alice.save_weights_for_sampler("listed-s").result().path
+    rest, bob_rest = alice_sc.create_rest_client(), bob_sc.create_rest_client()
+    run = rest.get_training_run(alice.model_id).result()
+    assert (run.lora_rank, run.user_metadata, run.base_model) == (4, {"task": "listing"}, "tiny")
+    assert (run.last_checkpoint.tinker_path, run.last_sampler_checkpoint.tinker_path) == (
+        state, sampler)
+    listed = {c.tinker_path: c for c in rest.list_checkpoints(alice.model_id).result().checkpoints}
+    assert set(listed) == {state, sampler} and listed[state].size_bytes > 0
+    assert {c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints} >= {
+        state, sampler}
+    assert alice.model_id in [r.training_run_id for r in rest.list_training_runs().result()
+                              .training_runs]
+    assert rest.get_weights_info_by_tinker_path(state).result().lora_rank == 4
+    # Bob sees none of it and cannot delete it.
+    assert alice.model_id not in [r.training_run_id for r in bob_rest.list_training_runs()
+                                  .result().training_runs]
+    assert state not in {c.tinker_path for c in bob_rest.list_user_checkpoints().result()
+                         .checkpoints}
+    for call in (lambda: bob_rest.get_training_run(alice.model_id).result(),
+                 lambda: bob_rest.list_checkpoints(alice.model_id).result(),
+                 lambda: bob_rest.delete_checkpoint_from_tinker_path(state).result(),
+                 lambda: bob_rest.get_weights_info_by_tinker_path(state).result()):
+        with pytest.raises(tinker.NotFoundError):
+            call()
+    assert alice.load_state(state).result()  # still there
+    # Alice deletes it: gone from the listing and the disk, and loading it is a 404.
+    (folder,) = (service.log.parent / "run/api").glob("*/*/weights/listed")
+    rest.delete_checkpoint_from_tinker_path(state).result()
+    assert not folder.exists()
+    assert {c.tinker_path for c in rest.list_checkpoints(alice.model_id).result()
+            .checkpoints} == {sampler}
+    with pytest.raises(tinker.NotFoundError):
+        alice.load_state(state).result()
+    alice_sc.close("success").result()
+    bob_sc.close("success").result()
 
 
 @pytest.mark.parametrize("what", ["token outside the vocabulary", "too long", "unknown loss",
@@ -276,3 +373,17 @@ def test_the_service_refuses_to_start_without_keys(tmp_path):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "no API keys" in done.stderr and not (tmp_path / "run" / "api").exists()
+
+
+def test_a_taken_port_fails_the_launch_instead_of_serving(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([str(REPO / ".venv/bin/mmlora"), "api", "--run-dir",
+                               str(tmp_path / "run"), "--port", str(port), "hf_dir=null"],
+                              cwd=REPO, env={**os.environ, "MMLORA_API_KEYS": KEYS[0]},
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stdout + done.stderr
+    assert "api: serving" not in done.stdout

@@ -12,6 +12,8 @@ from megatron_multilora.data.datasets import Example
 from megatron_multilora.data.packing import pack_micro_batches
 from megatron_multilora.training.objectives.dpo import DPO
 from megatron_multilora.training.objectives.grpo import GRPO
+from megatron_multilora.training.objectives.per_token import PerTokenLoss
+from megatron_multilora.training.objectives.sft import SFT
 from megatron_multilora.training.objectives.rollouts import advantages
 from megatron_multilora.training.objectives.token_losses import (
     cross_entropy,
@@ -109,3 +111,21 @@ def test_a_pair_stays_in_one_micro_batch():
     assert [mb.loss_units_per_slot().tolist() for mb in mbs] == [[2], [1]]
     with pytest.raises(ValueError, match="a preference pair packs both answers together"):
         pack_micro_batches([[pair]], token_budget=5)
+
+
+@pytest.mark.parametrize("objective", [DPO(0.5, "sigmoid", 0.0), GRPO(0.2, 0.2, 0.0),
+                                       PerTokenLoss("ppo"), SFT()], ids=lambda o: o.name)
+def test_a_filler_costs_nothing_but_keeps_its_backward(objective):
+    """A loss-free filler (its pads counted to slot 0, no objective inputs) adds no loss and no
+    metric to the slot it pads, whatever that slot's objective, yet its loss stays on the
+    graph: its backward must run like its peers' (their collectives wait on it)."""
+    from megatron_multilora.training.step.micro_batches import filler_micro_batch
+    from megatron_multilora.training.step.schedule import objective_loss
+
+    filler = filler_micro_batch(n_slots=2, pad_multiple=4, pad_id=0)
+    token_loss = torch.rand(1, 4, requires_grad=True)
+    total, tokens, data = objective_loss([objective, SFT()], [1.0, 1.0], filler, token_loss)
+    assert total.requires_grad and float(total) == 0.0 and int(tokens) == 0
+    assert not data["per_slot"].any()
+    total.backward()
+    assert not token_loss.grad.any()

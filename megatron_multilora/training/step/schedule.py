@@ -107,13 +107,16 @@ def objective_loss(objectives: Sequence[Objective], weights: Sequence[float], mb
     logprobs = torch.where(mask > 0, -token_loss[0].float(), torch.zeros((), device=mask.device))
     sequence = mb.sequence_ids()
     table = torch.zeros(len(mb.counts), 1 + MAX_METRICS, dtype=torch.float64, device=mask.device)
-    total = logprobs.new_zeros(())
+    # Zero, but on the graph: a micro-batch none of whose slots counts (a filler, or slots
+    # another call trains) still runs its backward, and with it the collectives its peers'
+    # backward waits on (MoE all-to-all under EP, the pipeline's gradient sends).
+    total = logprobs.sum() * 0.0
     start = 0
     for slot, count in enumerate(mb.counts):
         span = slice(start, start + count)
         start += count
-        if not count or not weights[slot]:
-            continue
+        if not count or not weights[slot] or not mb.examples_per_slot[slot]:
+            continue  # pads only (a filler's span carries no objective inputs)
         seq = sequence[span]
         loss, metrics = objectives[slot].span_loss(
             logprobs[span], mask[span], {k: v[0, span] for k, v in mb.values.items()},
