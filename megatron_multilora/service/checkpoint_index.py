@@ -5,8 +5,12 @@ that a restarted service finds them."""
 from __future__ import annotations
 
 import json
+import shutil
 import threading
+from datetime import datetime, timezone
 from pathlib import Path
+
+from tinker import types
 
 from megatron_multilora.atomic_files import write_json_atomic
 from megatron_multilora.service.requests import Refused
@@ -41,8 +45,48 @@ class CheckpointIndex:
         return path, str(self.root / owner / model_id.replace(":", "_") / kind / name)
 
     def add(self, path: str, entry: dict) -> None:
-        """Index a checkpoint (``owner``, ``kind``, ``folder``), on disk at once."""
+        """Index a checkpoint (``owner``, ``kind``, ``folder``, ``rank``), on disk at once."""
         with self.lock:
-            self.entries[path] = entry
-            self.root.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(self.root / INDEX, self.entries)
+            self.entries[path] = {**entry, "time": datetime.now(timezone.utc).isoformat()}
+            self._write()
+
+    def remove(self, owner: str, path: str) -> None:
+        """Delete the owner's checkpoint: its folder, then its entry."""
+        with self.lock:
+            entry = self.entries.get(path)
+            if entry is None or entry["owner"] != owner:
+                raise Refused(404, f"no checkpoint {path!r} of this API key")
+            shutil.rmtree(entry["folder"], ignore_errors=True)
+            del self.entries[path]
+            self._write()
+
+    def owned(self, owner: str, model_id: str | None = None) -> list[types.Checkpoint]:
+        """The owner's checkpoints (of one training client, if given), oldest first."""
+        with self.lock:
+            found = [(path, entry) for path, entry in self.entries.items()
+                     if entry["owner"] == owner
+                     and (model_id is None or path.startswith(f"tinker://{model_id}/"))]
+        return sorted((_checkpoint(path, entry) for path, entry in found),
+                      key=lambda c: c.time)
+
+    def run_info(self, model_id: str) -> dict:
+        """A training client's rank and user metadata, as its last checkpoint recorded them."""
+        with self.lock:
+            mine = [e for p, e in self.entries.items() if p.startswith(f"tinker://{model_id}/")]
+        last = max(mine, key=lambda e: e.get("time", ""), default={})
+        return {"rank": last.get("rank"), "user_metadata": last.get("user_metadata")}
+
+    def _write(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.root / INDEX, self.entries)
+
+
+def _checkpoint(path: str, entry: dict) -> types.Checkpoint:
+    parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(path)
+    folder = Path(entry["folder"])
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() \
+        else None
+    return types.Checkpoint(checkpoint_id=parsed.checkpoint_id,
+                            checkpoint_type=parsed.checkpoint_type, tinker_path=path,
+                            time=entry.get("time") or datetime.fromtimestamp(0, timezone.utc),
+                            size_bytes=size, user_metadata=entry.get("user_metadata"))

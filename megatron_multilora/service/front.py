@@ -15,6 +15,7 @@ import json
 import threading
 import time
 import uuid
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -38,6 +39,7 @@ class Client:
     session_id: str
     slot: int
     rank: int
+    user_metadata: Optional[dict] = None
 
 
 @dataclasses.dataclass
@@ -64,11 +66,16 @@ class Front:
 
     # -- plumbing -------------------------------------------------------------------------
 
-    async def _json(self, request: Request, model: type) -> Any:
+    async def _json(self, request: Request, model: Optional[type] = None) -> Any:
+        """The body as ``model`` (a JSON object if none)."""
         try:
             body = json.loads(await request.body() or b"{}")
         except ValueError as err:
             raise Refused(400, f"the body is not JSON: {err}") from None
+        if model is None:
+            if not isinstance(body, dict):
+                raise Refused(400, "the body is not a JSON object")
+            return body
         return model.model_validate(body)
 
     def _submit(self, owner: str, kind: str, args: dict, client: Optional[Client] = None,
@@ -123,7 +130,8 @@ class Front:
     async def not_served(self, request: Request, owner: None) -> Response:
         return refusal(404, f"{request.method} {request.url.path} is not served by this "
                              "service (a local megatron-multilora trainer: training clients, "
-                             "sampling, save/load; no accounts, billing or REST listings)")
+                             "sampling, save/load, training run and checkpoint listings; no "
+                             "accounts, billing, publishing or sessions listings)")
 
     async def capabilities(self, request: Request, owner: str) -> dict:
         return {"supported_models": [{"model_name": self.limits.model_name,
@@ -174,7 +182,8 @@ class Front:
 
     # -- training clients -----------------------------------------------------------------
 
-    def _new_client(self, owner: str, session_id: str, model_seq_id: int, rank: int) -> Client:
+    def _new_client(self, owner: str, session_id: str, model_seq_id: int, rank: int,
+                    user_metadata: Optional[dict] = None) -> Client:
         if self.sessions.get(session_id, (None,))[0] != owner:
             raise Refused(404, f"no session {session_id!r} of this API key")
         if not 1 <= rank <= self.limits.max_rank:
@@ -190,7 +199,8 @@ class Front:
                 raise Refused(400, f"all {self.limits.slots} adapter slots (lora.slots) hold "
                                    "training clients: end one (or wait for an idle one to time "
                                    "out) and create it again")
-            client = self.clients[model_id] = Client(model_id, owner, session_id, free[0], rank)
+            client = self.clients[model_id] = Client(model_id, owner, session_id, free[0], rank,
+                                                     user_metadata)
             self.inbox.start(model_id)
         return client
 
@@ -201,7 +211,8 @@ class Front:
                                f"{self.limits.model_name!r}")
         rank = body.lora_config.rank if body.lora_config else 32
         seed = body.lora_config.seed if body.lora_config else None
-        client = self._new_client(owner, body.session_id, body.model_seq_id, rank)
+        client = self._new_client(owner, body.session_id, body.model_seq_id, rank,
+                                  body.user_metadata)
         # A seeded adapter starts as a recipe job named seed-<seed> does.
         init_key = f"seed-{seed}" if seed is not None else client.model_id
         return self._submit(owner, "create", {"slot": client.slot, "rank": rank,
@@ -268,7 +279,7 @@ class Front:
                                            "model_name": self.limits.model_name}}
 
         answer = self._in_order(owner, client, body.seq_id, build, model_id=client.model_id)
-        self.checkpoints.add(where[0], {"owner": owner, "kind": "weights", "folder": where[1]})
+        self.checkpoints.add(where[0], self._entry(owner, client, "weights", where[1]))
         return answer
 
     async def load_weights(self, request: Request, owner: str) -> dict:
@@ -291,7 +302,8 @@ class Front:
             rank = read_state_meta(Path(entry["folder"]))["rank"]
         except OpError as err:
             raise Refused(400, str(err)) from None
-        client = self._new_client(owner, body.session_id, body.model_seq_id, rank)
+        client = self._new_client(owner, body.session_id, body.model_seq_id, rank,
+                                  body.user_metadata)
         return self._submit(owner, "load_state", {**args, "slot": client.slot,
                                                   "model_id": client.model_id,
                                                   "init_key": client.model_id},
@@ -319,10 +331,81 @@ class Front:
 
         future = self._in_order(owner, client, body.seq_id, build, model_id=client.model_id)
         path, folder, sampler_id = where
-        self.checkpoints.add(path, {"owner": owner, "kind": "sampler_weights", "folder": folder})
+        self.checkpoints.add(path, self._entry(owner, client, "sampler_weights", folder))
         if sampler_id is not None:
             self.samplers[sampler_id] = Sampler(sampler_id, owner, folder)
         return future
+
+    @staticmethod
+    def _entry(owner: str, client: Client, kind: str, folder: str) -> dict:
+        return {"owner": owner, "kind": kind, "folder": folder, "rank": client.rank,
+                "user_metadata": client.user_metadata}
+
+    # -- listings (the SDK's RestClient) --------------------------------------------------
+
+    def _runs(self, owner: str) -> list[types.TrainingRun]:
+        """The owner's training clients: the live ones, then those known by their
+        checkpoints only (from before a restart, or ended)."""
+        checkpoints = self.checkpoints.owned(owner)
+        with self.lock:
+            live = [c for c in self.clients.values() if c.owner == owner]
+        ids = [c.model_id for c in live]
+        ids += sorted({c.tinker_path[len("tinker://"):].split("/")[0] for c in checkpoints}
+                      - set(ids))
+        runs = []
+        for model_id in ids:
+            mine = [c for c in checkpoints if c.tinker_path.startswith(f"tinker://{model_id}/")]
+            client = next((c for c in live if c.model_id == model_id), None)
+            info = (dataclasses.asdict(client) if client is not None
+                    else self.checkpoints.run_info(model_id))
+            last = {kind: next((c for c in reversed(mine) if c.checkpoint_type == kind), None)
+                    for kind in ("training", "sampler")}
+            runs.append(types.TrainingRun(
+                training_run_id=model_id, base_model=self.limits.model_name, model_owner=owner,
+                is_lora=True, lora_rank=info["rank"], user_metadata=info["user_metadata"],
+                last_request_time=(datetime.now(timezone.utc) if client is not None or not mine
+                                   else mine[-1].time),
+                last_checkpoint=last["training"], last_sampler_checkpoint=last["sampler"]))
+        return runs
+
+    def _run(self, owner: str, model_id: str) -> types.TrainingRun:
+        run = next((r for r in self._runs(owner) if r.training_run_id == model_id), None)
+        if run is None:
+            raise Refused(404, f"no training run {model_id!r} of this API key")
+        return run
+
+    async def list_training_runs(self, request: Request, owner: str) -> dict:
+        runs = self._runs(owner)
+        page, cursor = _page(request, runs, 20)
+        return {"training_runs": [r.model_dump(mode="json") for r in page], "cursor": cursor}
+
+    async def get_training_run(self, request: Request, owner: str) -> dict:
+        return self._run(owner, request.path_params["model_id"]).model_dump(mode="json")
+
+    async def list_checkpoints(self, request: Request, owner: str) -> dict:
+        model_id = self._run(owner, request.path_params["model_id"]).training_run_id
+        return {"checkpoints": [c.model_dump(mode="json")
+                                for c in self.checkpoints.owned(owner, model_id)]}
+
+    async def list_user_checkpoints(self, request: Request, owner: str) -> dict:
+        page, cursor = _page(request, self.checkpoints.owned(owner), 100)
+        return {"checkpoints": [c.model_dump(mode="json") for c in page], "cursor": cursor}
+
+    async def delete_checkpoint(self, request: Request, owner: str) -> dict:
+        params = request.path_params
+        self.checkpoints.remove(owner, f"tinker://{params['model_id']}/{params['checkpoint_id']}")
+        return {}
+
+    async def weights_info(self, request: Request, owner: str) -> dict:
+        path = str((await self._json(request)).get("tinker_path", ""))
+        try:
+            parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(path)
+        except ValueError as err:
+            raise Refused(400, str(err)) from None
+        model_id = parsed.training_run_id
+        self.checkpoints.get(owner, path, parsed.checkpoint_id.split("/")[0])
+        return {"base_model": self.limits.model_name, "is_lora": True,
+                "lora_rank": self._run(owner, model_id).lora_rank}
 
     # -- sampling -------------------------------------------------------------------------
 
@@ -377,3 +460,17 @@ class Front:
             message, category = result.payload
             return {"error": message, "category": category}
         return result.payload
+
+
+def _page(request: Request, items: list, default_limit: int) -> tuple[list, dict]:
+    """``items[offset:offset + limit]`` by the query's ``offset`` and ``limit``, and its
+    cursor."""
+    try:
+        limit = int(request.query_params.get("limit", default_limit))
+        offset = int(request.query_params.get("offset", 0))
+    except ValueError:
+        raise Refused(400, "limit and offset must be integers") from None
+    if limit < 1 or offset < 0:
+        raise Refused(400, f"limit {limit}, offset {offset}: limit >= 1, offset >= 0")
+    return (items[offset:offset + limit],
+            {"offset": offset, "limit": limit, "total_count": len(items)})

@@ -27,13 +27,18 @@ def build_app(front: Front) -> Starlette:
         "save_weights": front.save_weights, "load_weights": front.load_weights,
         "save_weights_for_sampler": front.save_weights_for_sampler,
         "create_sampling_session": front.create_sampling_session, "asample": front.asample,
-        "retrieve_future": front.retrieve_future}
+        "retrieve_future": front.retrieve_future, "weights_info": front.weights_info}
     get = {"healthz": front.healthz, "get_server_capabilities": front.capabilities,
-           "samplers/{sampler_id}": front.get_sampler}
-    routes = [Route(f"/api/v1/{path}", _endpoint(front, handler), methods=["POST"])
-              for path, handler in post.items()]
-    routes += [Route(f"/api/v1/{path}", _endpoint(front, handler), methods=["GET"])
-               for path, handler in get.items()]
+           "samplers/{sampler_id}": front.get_sampler,
+           "training_runs": front.list_training_runs,
+           "training_runs/{model_id}": front.get_training_run,
+           "training_runs/{model_id}/checkpoints": front.list_checkpoints,
+           "checkpoints": front.list_user_checkpoints}
+    delete = {"training_runs/{model_id}/checkpoints/{checkpoint_id:path}":
+              front.delete_checkpoint}
+    routes = [Route(f"/api/v1/{path}", _endpoint(front, handler), methods=[method])
+              for method, table in (("POST", post), ("GET", get), ("DELETE", delete))
+              for path, handler in table.items()]
     routes.append(Route("/{path:path}", _endpoint(front, front.not_served),
                         methods=["GET", "POST", "PUT", "DELETE"]))
     return Starlette(routes=routes)
