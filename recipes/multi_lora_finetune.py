@@ -130,9 +130,12 @@ def _serve_api(run: RunConfig) -> None:
     from megatron_multilora.service.server import serve_api
 
     mm.support_megatron_here()
-    with stop_on_signals():  # SIGTERM / Ctrl-C / mmlora stop: stop serving, saved states stay
-        serve_api(run, keys, say=lambda line: print(line, flush=True)
-                  if int(os.environ.get("RANK", "0")) == 0 else None)
+    try:
+        with stop_on_signals():  # SIGTERM / Ctrl-C / mmlora stop: stop serving, states stay
+            serve_api(run, keys, say=lambda line: print(line, flush=True)
+                      if int(os.environ.get("RANK", "0")) == 0 else None)
+    except RunError as err:  # a port taken, a damaged file: one clear message
+        _report_and_exit(str(err), 1)
 
 
 if __name__ == "__main__":

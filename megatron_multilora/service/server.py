@@ -7,6 +7,7 @@ the engine loop: rank 0 takes the ready calls from the inbox, every rank receive
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 import urllib.request
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_multilora.data.tokenizer import ByteTokenizer, HFTokenizer
+from megatron_multilora.errors import RunError
 from megatron_multilora.models.hf_config import read_hf_config
 from megatron_multilora.models.hf_import import load_hf_tokenizer
 from megatron_multilora.parallel import destroy_parallel, init_parallel
@@ -97,19 +99,29 @@ def _start_front(run: RunConfig, keys: dict[str, str], model_config, hf_dir,
     loop = asyncio.new_event_loop()
     front = Front(keys, limits, run_dir, Inbox(api.max_pending), Futures(loop),
                   api.session_timeout_s)
-    server = uvicorn.Server(uvicorn.Config(build_app(front), host=api.host, port=api.port,
-                                           log_level="warning", loop="asyncio"))
+    # Bound here, so a taken port fails the launch at once (uvicorn's own bind would fail in
+    # its thread, while whatever holds the port answered the health check below).
+    sock = socket.socket(socket.AF_INET6 if ":" in api.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((api.host, api.port))
+    except OSError as err:
+        sock.close()
+        raise RunError(f"api: cannot listen on {api.host}:{api.port} ({err.strerror}): another "
+                       "service there? Choose another --port") from None
+    server = uvicorn.Server(uvicorn.Config(build_app(front), log_level="warning",
+                                           loop="asyncio"))
 
     def serve() -> None:
         asyncio.set_event_loop(loop)
-        loop.run_until_complete(server.serve())
+        loop.run_until_complete(server.serve(sockets=[sock]))
 
     threading.Thread(target=serve, name="api-front", daemon=True).start()
     url = f"http://{api.host}:{api.port}"
-    for _ in range(600):  # answers within a minute, or the port is taken
+    for _ in range(600):  # answers within a minute
         try:
             urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=1).read()
             return front, url
         except OSError:
             time.sleep(0.1)
-    raise RuntimeError(f"api: nothing answers at {url} (is port {api.port} taken?)")
+    raise RuntimeError(f"api: nothing answers at {url} a minute after starting")
