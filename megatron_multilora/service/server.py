@@ -7,10 +7,8 @@ the engine loop: rank 0 takes the ready calls from the inbox, every rank receive
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Callable
 
@@ -99,29 +97,21 @@ def _start_front(run: RunConfig, keys: dict[str, str], model_config, hf_dir,
     loop = asyncio.new_event_loop()
     front = Front(keys, limits, run_dir, Inbox(api.max_pending), Futures(loop),
                   api.session_timeout_s)
-    # Bound here, so a taken port fails the launch at once (uvicorn's own bind would fail in
-    # its thread, while whatever holds the port answered the health check below).
-    sock = socket.socket(socket.AF_INET6 if ":" in api.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((api.host, api.port))
-    except OSError as err:
-        sock.close()
-        raise RunError(f"api: cannot listen on {api.host}:{api.port} ({err.strerror}): another "
-                       "service there? Choose another --port") from None
-    server = uvicorn.Server(uvicorn.Config(build_app(front), log_level="warning",
-                                           loop="asyncio"))
+    server = uvicorn.Server(uvicorn.Config(build_app(front), host=api.host, port=api.port,
+                                           log_level="warning", loop="asyncio"))
 
     def serve() -> None:
         asyncio.set_event_loop(loop)
-        loop.run_until_complete(server.serve(sockets=[sock]))
+        loop.run_until_complete(server.serve())
 
-    threading.Thread(target=serve, name="api-front", daemon=True).start()
-    url = f"http://{api.host}:{api.port}"
-    for _ in range(600):  # answers within a minute
-        try:
-            urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=1).read()
-            return front, url
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"api: nothing answers at {url} a minute after starting")
+    thread = threading.Thread(target=serve, name="api-front", daemon=True)
+    thread.start()
+    # Started means listening; a bind that fails ends the thread (uvicorn logs why).
+    for _ in range(600):
+        if server.started:
+            return front, f"http://{api.host}:{api.port}"
+        if not thread.is_alive():
+            break
+        time.sleep(0.1)
+    raise RunError(f"api: cannot listen on {api.host}:{api.port}: another service there? "
+                   "Choose another --port")
