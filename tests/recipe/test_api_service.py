@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import tinker
 from safetensors.torch import load_file
@@ -58,13 +59,26 @@ class Service:
         return tinker.ServiceClient(base_url=self.url, api_key=key)
 
     def kill(self) -> int:
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        return self.proc.wait(30)
+        """SIGKILL the launcher and every worker (torchrun starts each in a session of its
+        own: a kill of the launcher's group would spare them); all must be gone."""
+        processes = [psutil.Process(self.proc.pid),
+                     *psutil.Process(self.proc.pid).children(recursive=True)]
+        assert len(processes) > 1, "no worker processes found"
+        for p in processes:
+            p.send_signal(signal.SIGKILL)
+        code = self.proc.wait(30)
+        _, alive = psutil.wait_procs(processes, timeout=30)
+        assert not alive, f"still running after SIGKILL: {alive}"
+        return code
 
     def stop(self) -> None:
+        """SIGTERM (torchrun passes it to the workers); none may outlive the test."""
         if self.proc.poll() is None:
+            workers = psutil.Process(self.proc.pid).children(recursive=True)
             os.killpg(self.proc.pid, signal.SIGTERM)
             self.proc.wait(60)
+            for p in psutil.wait_procs(workers, timeout=30)[1]:
+                p.kill()
 
 
 @pytest.fixture(scope="module")
