@@ -30,7 +30,7 @@ import megatron_multilora as mm  # light: its names load megatron on first use
 from megatron_multilora.errors import RunError
 from megatron_multilora.training.checks import validate
 from megatron_multilora.training.config import ConfigError, RunConfig, load_run_config
-from megatron_multilora.training.stop import RunStopped, stop_on_signals
+from megatron_multilora.training.stop import RunStopped, die_with_launcher, stop_on_signals
 
 
 def checked_run(cfg: DictConfig, run_dir: str) -> RunConfig:
@@ -85,6 +85,7 @@ def _record_config(cfg: DictConfig, run_dir: Path) -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    die_with_launcher()
     try:
         # Hydra's output folder is run_dir for a single run and run_dir-multirun/<n> per sweep job.
         run = checked_run(cfg, HydraConfig.get().runtime.output_dir)

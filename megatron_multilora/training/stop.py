@@ -14,7 +14,10 @@ one all-reduce. A stop requested with ``mmlora stop`` travels the same way as th
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 import signal
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -70,3 +73,15 @@ def stop_on_signals() -> Iterator[None]:
 def received() -> int:
     """The stop signal this process received, 0 if none (not yet agreed with the others)."""
     return _received
+
+
+def die_with_launcher() -> None:
+    """A worker launched by torchrun gets SIGKILL when its launcher dies (Linux). torchrun
+    starts each worker in a session of its own, so a launcher killed outright (SIGKILL, a
+    crash) would otherwise leave its workers running: a service still holding its port."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+    if os.getppid() == 1:  # the launcher was gone already
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -59,13 +59,12 @@ class Service:
         return tinker.ServiceClient(base_url=self.url, api_key=key)
 
     def kill(self) -> int:
-        """SIGKILL the launcher and every worker (torchrun starts each in a session of its
-        own: a kill of the launcher's group would spare them); all must be gone."""
+        """SIGKILL the launcher alone, as a crash would: its workers (torchrun starts each in
+        a session of its own) must die with it."""
         processes = [psutil.Process(self.proc.pid),
                      *psutil.Process(self.proc.pid).children(recursive=True)]
         assert len(processes) > 1, "no worker processes found"
-        for p in processes:
-            p.send_signal(signal.SIGKILL)
+        self.proc.send_signal(signal.SIGKILL)
         code = self.proc.wait(30)
         _, alive = psutil.wait_procs(processes, timeout=30)
         assert not alive, f"still running after SIGKILL: {alive}"
