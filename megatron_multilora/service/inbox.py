@@ -24,6 +24,7 @@ class Inbox:
         self._expected: dict[str, int] = {}  # client -> the seq_id it runs next
         self._unordered: list[Op] = []
         self._pending = 0
+        self._in_step: set[str] = set()  # the training clients of the last batch
 
     def put(self, op: Op, client: Optional[str] = None, seq_id: Optional[int] = None,
             force: bool = False) -> bool:
@@ -48,10 +49,13 @@ class Inbox:
         with self._cond:
             self._pending -= len(self._ordered.pop(client, {}))
             self._expected.pop(client, None)
+            self._in_step.discard(client)
 
     def take(self, timeout: float, window: float) -> list[Op]:
-        """The calls ready to run (empty after ``timeout`` seconds without any); once one is
-        ready, ``window`` seconds more for other clients' calls to join its batch."""
+        """The calls ready to run (empty after ``timeout`` seconds without any). Once one is
+        ready, up to ``window`` seconds more for the next calls of the training clients of
+        the last batch to join it: clients calling at once fall into step (a batch each
+        round), while a lone client never waits."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while not self._ready():
@@ -59,16 +63,23 @@ class Inbox:
                 if left <= 0:
                     return []
                 self._cond.wait(left)
-        time.sleep(window)
-        with self._cond:
-            batch = self._ready()
+            until = time.monotonic() + window
+            while self._awaited() and (left := until - time.monotonic()) > 0:
+                self._cond.wait(left)
+            batch, self._in_step = self._ready(), set()
             for client, queue in self._ordered.items():
                 if self._expected.get(client) in queue:
                     queue.pop(self._expected[client])
                     self._expected[client] += 1
+                    self._in_step.add(client)
             self._unordered = []
             self._pending -= len(batch)
         return batch
+
+    def _awaited(self) -> set[str]:
+        """The last batch's training clients without a call ready now."""
+        return {client for client in self._in_step if client in self._expected
+                and self._expected[client] not in self._ordered.get(client, {})}
 
     def _ready(self) -> list[Op]:
         ordered = [queue[self._expected[client]] for client, queue in self._ordered.items()
