@@ -15,7 +15,6 @@ import json
 import threading
 import time
 import uuid
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -66,7 +65,7 @@ class Front:
 
     # -- plumbing -------------------------------------------------------------------------
 
-    async def _json(self, request: Request, model: Optional[type] = None) -> Any:
+    async def parse_body(self, request: Request, model: Optional[type] = None) -> Any:
         """The body as ``model`` (a JSON object if none)."""
         try:
             body = json.loads(await request.body() or b"{}")
@@ -139,14 +138,14 @@ class Front:
                                       "trainable": True, "sampleable": True}]}
 
     async def create_session(self, request: Request, owner: str) -> dict:
-        await self._json(request, types.CreateSessionRequest)
+        await self.parse_body(request, types.CreateSessionRequest)
         session_id = f"session-{uuid.uuid4().hex[:12]}"
         with self.lock:
             self.sessions[session_id] = (owner, time.monotonic())
         return {"type": "create_session", "session_id": session_id}
 
     async def heartbeat(self, request: Request, owner: str) -> Response | dict:
-        body = await self._json(request, types.SessionHeartbeatRequest)
+        body = await self.parse_body(request, types.SessionHeartbeatRequest)
         with self.lock:
             known = self.sessions.get(body.session_id)
             if known is None or known[0] != owner:
@@ -205,7 +204,7 @@ class Front:
         return client
 
     async def create_model(self, request: Request, owner: str) -> dict:
-        body = await self._json(request, types.CreateModelRequest)
+        body = await self.parse_body(request, types.CreateModelRequest)
         if body.base_model != self.limits.model_name:
             raise Refused(400, f"base_model {body.base_model!r}: this service trains "
                                f"{self.limits.model_name!r}")
@@ -220,7 +219,7 @@ class Front:
                             model_id=client.model_id)
 
     async def get_info(self, request: Request, owner: str) -> dict:
-        body = await self._json(request, types.GetInfoRequest)
+        body = await self.parse_body(request, types.GetInfoRequest)
         client = self._client(owner, body.model_id)
         return {"type": "get_info", "model_id": client.model_id, "is_lora": True,
                 "lora_rank": client.rank, "model_name": self.limits.model_name,
@@ -246,7 +245,7 @@ class Front:
         return self._in_order(owner, client, call.seq_id, build, model_id=client.model_id)
 
     async def optim_step(self, request: Request, owner: str) -> dict:
-        body = await self._json(request, types.OptimStepRequest)
+        body = await self.parse_body(request, types.OptimStepRequest)
         client = self._client(owner, body.model_id)
 
         def build() -> tuple[str, dict]:
@@ -264,7 +263,7 @@ class Front:
         return self._in_order(owner, client, body.seq_id, build, model_id=client.model_id)
 
     async def save_weights(self, request: Request, owner: str) -> dict:
-        body = await self._json(request, types.SaveWeightsRequest)
+        body = await self.parse_body(request, types.SaveWeightsRequest)
         client = self._client(owner, body.model_id)
         where: list = []
 
@@ -283,7 +282,7 @@ class Front:
         return answer
 
     async def load_weights(self, request: Request, owner: str) -> dict:
-        body = await self._json(request, types.LoadWeightsRequest)
+        body = await self.parse_body(request, types.LoadWeightsRequest)
         if body.model_id is not None:  # into an existing client, in its order
             client = self._client(owner, body.model_id)
 
@@ -310,7 +309,7 @@ class Front:
                             model_id=client.model_id)
 
     async def save_weights_for_sampler(self, request: Request, owner: str) -> dict:
-        body = await self._json(request, types.SaveWeightsForSamplerRequest)
+        body = await self.parse_body(request, types.SaveWeightsForSamplerRequest)
         client = self._client(owner, body.model_id)
         where: list = []
 
@@ -341,76 +340,10 @@ class Front:
         return {"owner": owner, "kind": kind, "folder": folder, "rank": client.rank,
                 "user_metadata": client.user_metadata}
 
-    # -- listings (the SDK's RestClient) --------------------------------------------------
-
-    def _runs(self, owner: str) -> list[types.TrainingRun]:
-        """The owner's training clients: the live ones, then those known by their
-        checkpoints only (from before a restart, or ended)."""
-        checkpoints = self.checkpoints.owned(owner)
-        with self.lock:
-            live = [c for c in self.clients.values() if c.owner == owner]
-        ids = [c.model_id for c in live]
-        ids += sorted({c.tinker_path[len("tinker://"):].split("/")[0] for c in checkpoints}
-                      - set(ids))
-        runs = []
-        for model_id in ids:
-            mine = [c for c in checkpoints if c.tinker_path.startswith(f"tinker://{model_id}/")]
-            client = next((c for c in live if c.model_id == model_id), None)
-            info = (dataclasses.asdict(client) if client is not None
-                    else self.checkpoints.run_info(model_id))
-            last = {kind: next((c for c in reversed(mine) if c.checkpoint_type == kind), None)
-                    for kind in ("training", "sampler")}
-            runs.append(types.TrainingRun(
-                training_run_id=model_id, base_model=self.limits.model_name, model_owner=owner,
-                is_lora=True, lora_rank=info["rank"], user_metadata=info["user_metadata"],
-                last_request_time=(datetime.now(timezone.utc) if client is not None or not mine
-                                   else mine[-1].time),
-                last_checkpoint=last["training"], last_sampler_checkpoint=last["sampler"]))
-        return runs
-
-    def _run(self, owner: str, model_id: str) -> types.TrainingRun:
-        run = next((r for r in self._runs(owner) if r.training_run_id == model_id), None)
-        if run is None:
-            raise Refused(404, f"no training run {model_id!r} of this API key")
-        return run
-
-    async def list_training_runs(self, request: Request, owner: str) -> dict:
-        runs = self._runs(owner)
-        page, cursor = _page(request, runs, 20)
-        return {"training_runs": [r.model_dump(mode="json") for r in page], "cursor": cursor}
-
-    async def get_training_run(self, request: Request, owner: str) -> dict:
-        return self._run(owner, request.path_params["model_id"]).model_dump(mode="json")
-
-    async def list_checkpoints(self, request: Request, owner: str) -> dict:
-        model_id = self._run(owner, request.path_params["model_id"]).training_run_id
-        return {"checkpoints": [c.model_dump(mode="json")
-                                for c in self.checkpoints.owned(owner, model_id)]}
-
-    async def list_user_checkpoints(self, request: Request, owner: str) -> dict:
-        page, cursor = _page(request, self.checkpoints.owned(owner), 100)
-        return {"checkpoints": [c.model_dump(mode="json") for c in page], "cursor": cursor}
-
-    async def delete_checkpoint(self, request: Request, owner: str) -> dict:
-        params = request.path_params
-        self.checkpoints.remove(owner, f"tinker://{params['model_id']}/{params['checkpoint_id']}")
-        return {}
-
-    async def weights_info(self, request: Request, owner: str) -> dict:
-        path = str((await self._json(request)).get("tinker_path", ""))
-        try:
-            parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(path)
-        except ValueError as err:
-            raise Refused(400, str(err)) from None
-        model_id = parsed.training_run_id
-        self.checkpoints.get(owner, path, parsed.checkpoint_id.split("/")[0])
-        return {"base_model": self.limits.model_name, "is_lora": True,
-                "lora_rank": self._run(owner, model_id).lora_rank}
-
     # -- sampling -------------------------------------------------------------------------
 
     async def create_sampling_session(self, request: Request, owner: str) -> dict:
-        body = await self._json(request, types.CreateSamplingSessionRequest)
+        body = await self.parse_body(request, types.CreateSamplingSessionRequest)
         if self.sessions.get(body.session_id, (None,))[0] != owner:
             raise Refused(404, f"no session {body.session_id!r} of this API key")
         if body.model_path is not None:
@@ -436,7 +369,7 @@ class Front:
         return sampler
 
     async def asample(self, request: Request, owner: str) -> dict:
-        body = await self._json(request, types.SampleRequest)
+        body = await self.parse_body(request, types.SampleRequest)
         sampler = self._sampler(owner, body.sampling_session_id)
         args = sample_args(body, sampler.sampler_id, self.limits)
         future = self._submit(owner, "sample", {"folder": sampler.folder, **args})
@@ -447,7 +380,7 @@ class Front:
     # -- futures --------------------------------------------------------------------------
 
     async def retrieve_future(self, request: Request, owner: str) -> Response | dict:
-        body = await self._json(request, types.FutureRetrieveRequest)
+        body = await self.parse_body(request, types.FutureRetrieveRequest)
         if self.futures.owner(body.request_id) != owner:
             raise Refused(404, f"no request {body.request_id!r} of this API key")
         # Held up to 20 s: the SDK asks again at once after a "try again".
@@ -461,16 +394,3 @@ class Front:
             return {"error": message, "category": category}
         return result.payload
 
-
-def _page(request: Request, items: list, default_limit: int) -> tuple[list, dict]:
-    """``items[offset:offset + limit]`` by the query's ``offset`` and ``limit``, and its
-    cursor."""
-    try:
-        limit = int(request.query_params.get("limit", default_limit))
-        offset = int(request.query_params.get("offset", 0))
-    except ValueError:
-        raise Refused(400, "limit and offset must be integers") from None
-    if limit < 1 or offset < 0:
-        raise Refused(400, f"limit {limit}, offset {offset}: limit >= 1, offset >= 0")
-    return (items[offset:offset + limit],
-            {"offset": offset, "limit": limit, "total_count": len(items)})

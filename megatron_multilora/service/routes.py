@@ -12,12 +12,14 @@ from starlette.routing import Route
 
 from megatron_multilora.service import wire
 from megatron_multilora.service.front import Front
+from megatron_multilora.service.listings import Listings
 from megatron_multilora.service.requests import Refused, refusal
 
 
 def build_app(front: Front) -> Starlette:
     """The endpoints' routes: each checks the caller's key (but the open ones) and turns
     a refusal into its 4xx answer."""
+    listings = Listings(front)
     post = {
         "client/config": front.client_config, "client/dynamic_config": front.dynamic_config,
         "create_session": front.create_session, "session_heartbeat": front.heartbeat,
@@ -27,15 +29,15 @@ def build_app(front: Front) -> Starlette:
         "save_weights": front.save_weights, "load_weights": front.load_weights,
         "save_weights_for_sampler": front.save_weights_for_sampler,
         "create_sampling_session": front.create_sampling_session, "asample": front.asample,
-        "retrieve_future": front.retrieve_future, "weights_info": front.weights_info}
+        "retrieve_future": front.retrieve_future, "weights_info": listings.weights_info}
     get = {"healthz": front.healthz, "get_server_capabilities": front.capabilities,
            "samplers/{sampler_id}": front.get_sampler,
-           "training_runs": front.list_training_runs,
-           "training_runs/{model_id}": front.get_training_run,
-           "training_runs/{model_id}/checkpoints": front.list_checkpoints,
-           "checkpoints": front.list_user_checkpoints}
+           "training_runs": listings.list_training_runs,
+           "training_runs/{model_id}": listings.get_training_run,
+           "training_runs/{model_id}/checkpoints": listings.list_checkpoints,
+           "checkpoints": listings.list_user_checkpoints}
     delete = {"training_runs/{model_id}/checkpoints/{checkpoint_id:path}":
-              front.delete_checkpoint}
+              listings.delete_checkpoint}
     routes = [Route(f"/api/v1/{path}", _endpoint(front, handler), methods=[method])
               for method, table in (("POST", post), ("GET", get), ("DELETE", delete))
               for path, handler in table.items()]
