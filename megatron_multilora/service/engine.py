@@ -259,10 +259,27 @@ class Engine:
             clear_adapter_slot(self.model, slot)
         for op in ops:
             # A stop token is part of the sample (its log-prob is the last one).
-            sequences = [(out.tokens + ([out.stop] if out.ended else []), out.logprobs, out.ended)
+            sequences = [self._cut_at_strings(out.tokens + ([out.stop] if out.ended else []),
+                                              out.logprobs, out.ended, op.args["stop_strings"])
                          for out, owner in zip(outputs, owners) if owner is op]
             self.complete(op.request_id, Result(PROTOBUF, wire.sample_response(
                 sequences, prompt_logprobs.get(op.request_id))))
+
+    def _cut_at_strings(self, tokens: list[int], logprobs: list[float], ended: bool,
+                        strings: list[str]) -> tuple[list[int], list[float], bool]:
+        """The sample up to the first token whose text completes a stop string (included),
+        as if it had stopped there: its draws before that point do not depend on later ones."""
+        def stops(k: int) -> bool:
+            text = self.tokenizer.decode(tokens[:k])
+            return any(s in text for s in strings)
+
+        if not strings or not stops(len(tokens)):
+            return tokens, logprobs, ended
+        low, high = 1, len(tokens)  # the shortest stopping prefix: a longer one stops too
+        while low < high:
+            mid = (low + high) // 2
+            low, high = (low, mid) if stops(mid) else (mid + 1, high)
+        return tokens[:high], logprobs[:high], True
 
     def _sampler_slot(self, a: dict, free: list[int], loaded: dict[str, int]) -> int:
         slot, version = self.saved.get(a["folder"], (None, None))

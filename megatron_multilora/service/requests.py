@@ -89,10 +89,10 @@ def sample_args(body: types.SampleRequest, sampler_id: str, limits: Limits) -> d
                            f"over trainer.max_seq_len={limits.max_seq_len}")
     if params.top_k not in (-1, 0, None):
         raise Refused(400, "sampling_params.top_k: not served (use top_p)")
-    stop = params.stop or []
-    if isinstance(stop, str) or not all(isinstance(s, int) for s in stop):
-        raise Refused(400, "sampling_params.stop: only stop token ids are served (a list "
-                           "of ints), not strings")
+    stop = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
+    if not (all(isinstance(s, int) for s in stop) or all(isinstance(s, str) and s for s in stop)):
+        raise Refused(400, "sampling_params.stop: stop token ids (ints) or stop strings "
+                           "(non-empty), not a mix")
     if not 1 <= body.num_samples <= 256:
         raise Refused(400, f"num_samples={body.num_samples}: 1 to 256")
     if not (params.temperature > 0 and 0 < params.top_p <= 1):
@@ -101,7 +101,9 @@ def sample_args(body: types.SampleRequest, sampler_id: str, limits: Limits) -> d
     key = (f"seed:{params.seed}" if params.seed is not None
            else f"{sampler_id}:{body.seq_id}:{uuid.uuid4().hex}")
     return {"prompt": prompt, "num_samples": body.num_samples, "max_tokens": max_tokens,
-            "temperature": params.temperature, "top_p": params.top_p, "stop": list(stop),
+            "temperature": params.temperature, "top_p": params.top_p,
+            "stop": [s for s in stop if isinstance(s, int)],
+            "stop_strings": [s for s in stop if isinstance(s, str)],
             "key": key, "prompt_logprobs": bool(body.prompt_logprobs)}
 
 

@@ -216,6 +216,17 @@ def test_sampling_and_logprobs_from_a_saved_adapter(service, data):
     assert [s.tokens for s in again.sequences] == [s.tokens for s in first.sequences]
     logprobs = sampler.compute_logprobs(types.ModelInput.from_ints([1, 70, 71, 72])).result()
     assert logprobs[0] is None and all(v < 0 for v in logprobs[1:])
+    # Stops: a token id or a string ends a sample where it first appears (included), as the
+    # same draws would have stopped there.
+    free = first.sequences[0]
+    ascii_at = next(i for i, t in enumerate(free.tokens) if 32 < t - 3 < 127)  # one byte: one token
+    for stop, cut in ((free.tokens[2], free.tokens.index(free.tokens[2]) + 1),
+                      (chr(free.tokens[ascii_at] - 3), ascii_at + 1)):
+        stopped = sampler.sample(prompt=prompt, num_samples=1, sampling_params=types.SamplingParams(
+            max_tokens=5, temperature=1.0, seed=11, stop=[stop])).result().sequences[0]
+        assert stopped.tokens == free.tokens[:cut], (stop, stopped.tokens, free.tokens)
+        assert stopped.stop_reason == "stop"
+        assert stopped.logprobs == pytest.approx(free.logprobs[:cut], rel=1e-5)  # 1 row, not 3
     sc.close("success").result()
 
 
