@@ -270,8 +270,12 @@ def _header(report: dict[str, Any]) -> str:
         alive = {True: "alive", False: "not running", None: f"on host {trainer.get('host')} "
                  "(not checkable here)"}[report["trainer_alive"]]
         ago = _duration(max(time.time() - float(trainer["updated_at"]), 0.0))
-        head = (f"{report['run_dir']}: trainer {trainer['state']} at step {trainer['step']}, "
-                f"updated {ago} ago; process {trainer.get('pid')} {alive}")
+        service = trainer.get("service")
+        what = (f"training service {trainer['state']} at {service['url']} ({service['model']!r}, "
+                f"{trainer['step']} calls run)" if service else
+                f"trainer {trainer['state']} at step {trainer['step']}")
+        head = (f"{report['run_dir']}: {what}, updated {ago} ago; process {trainer.get('pid')} "
+                f"{alive}")
     return head + ("; stop requested" if report["stop_requested"] else "")
 
 
@@ -329,7 +333,10 @@ def stop(args: argparse.Namespace) -> int:
     _run_config_path(args.run_dir)
     status_now = inbox.read_status(args.run_dir)
     inbox.request_stop(args.run_dir)
-    if _trainer_running(status_now):
+    if _trainer_running(status_now) and status_now.get("service"):
+        print("stop requested: the training service stops after its current calls; its "
+              "clients' saved states stay, and a restart on this run folder serves them")
+    elif _trainer_running(status_now):
         print("stop requested: the trainer stops after its current step with a checkpoint; "
               "resume the run with the same launch command")
     else:

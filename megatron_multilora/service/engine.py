@@ -86,6 +86,8 @@ class Engine:
         self.grad_sync = SlotGradSync(self.model)
         self.optimizers: dict[int, SlotOptimizer] = {}  # by slot: the training clients'
         self.versions: dict[int, int] = {}  # by slot: bumped whenever its weights change
+        self.steps: dict[int, int] = {}  # by slot: its client's optim_steps here
+        self.losses: dict[int, float] = {}  # by slot: its last forward_backward's loss
         self.saved: dict[str, tuple[int, int]] = {}  # sampler weights -> (slot, its version)
 
     # -- the batch ------------------------------------------------------------------------
@@ -134,6 +136,8 @@ class Engine:
                                           self.model_config, self.hf_model_type)
         self.grad_sync.zero_grad([slot])
         self.versions[slot] = self.versions.get(slot, 0) + 1
+        self.steps[slot] = 0
+        self.losses.pop(slot, None)
         return {"type": "create_model", "model_id": model_id}
 
     def skip(self) -> dict:
@@ -146,6 +150,8 @@ class Engine:
         self.optimizers.pop(slot, None)
         clear_adapter_slot(self.model, slot)
         self.versions[slot] = self.versions.get(slot, 0) + 1
+        self.steps.pop(slot, None)
+        self.losses.pop(slot, None)
         return {}
 
     def _forward_backward(self, ops: list[Op], forward_only: bool) -> None:
@@ -177,6 +183,8 @@ class Engine:
             shares = [logprobs]
         for op in ops:
             slot, n = op.args["slot"], len(op.args["data"])
+            if not forward_only:
+                self.losses[slot] = float(losses[slot])
             per_datum = [{"logprobs": shares[i % dp][slot][i // dp]} for i in range(n)]
             self.complete(op.request_id, Result(PROTOBUF, wire.forward_backward_output(
                 per_datum, {"loss:sum": float(losses[slot])})))
@@ -193,6 +201,7 @@ class Engine:
         opt.step(norm)
         self.grad_sync.zero_grad([slot])
         self.versions[slot] += 1
+        self.steps[slot] += 1
         return {"metrics": {"grad_norm:mean": norm}}
 
     # -- saves and loads ------------------------------------------------------------------

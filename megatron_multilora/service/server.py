@@ -25,7 +25,9 @@ from megatron_multilora.service.front import Front, Limits
 from megatron_multilora.service.futures import Futures
 from megatron_multilora.service.inbox import Inbox
 from megatron_multilora.service.routes import build_app
+from megatron_multilora.service.status import ServiceStatus
 from megatron_multilora.training.config import RunConfig, base_model_config
+from megatron_multilora.training.jobs.states import STOPPED
 from megatron_multilora.training.model_setup import build_run_model
 from megatron_multilora.training.serve import inbox as run_requests
 from megatron_multilora.training.step.micro_batches import MicroBatcher
@@ -53,10 +55,14 @@ def serve_api(run: RunConfig, keys: dict[str, str], say: Callable[[str], None] =
     engine = Engine(model, tokenizer, batcher, run_dir, model_config, hf_dir,
                     read_hf_config(run.hf_dir)["model_type"] if run.hf_dir else None,
                     front.futures.complete if front else (lambda request_id, result: None))
+    status = None
     if front:
+        dp = parallel_state.get_data_parallel_world_size()
+        status = ServiceStatus(run.run_dir, url, front, engine, dp)
+        status.write(force=True)
         say(f"api: serving {front.limits.model_name!r} ({run.lora.slots} adapter slots, ranks "
-            f"up to {run.lora.max_rank}, world {dist.get_world_size()}, data parallel "
-            f"{parallel_state.get_data_parallel_world_size()}) at {url}")
+            f"up to {run.lora.max_rank}, world {dist.get_world_size()}, data parallel {dp}) "
+            f"at {url}")
     window = run.api.batch_window_ms / 1000.0
     while True:
         message = [None]
@@ -65,6 +71,7 @@ def serve_api(run: RunConfig, keys: dict[str, str], say: Callable[[str], None] =
             front.sweep()
             message = [("stop", None) if stop else
                        ("run", front.inbox.take(timeout=0.5, window=window))]
+            status.write()
         dist.broadcast_object_list(message, src=0)
         what, ops = message[0]
         if what == "stop":
@@ -73,11 +80,13 @@ def serve_api(run: RunConfig, keys: dict[str, str], say: Callable[[str], None] =
             start = time.perf_counter()
             engine.run(ops)
             if front:
+                status.calls += len(ops)
                 kinds = [op.kind for op in ops]
                 say(f"api: ran {len(ops)} calls ({', '.join(sorted(set(kinds)))}) in "
                     f"{(time.perf_counter() - start) * 1e3:.1f} ms; "
                     f"{kinds.count('forward_backward')} forward_backward in one step")
     if front:
+        status.write(STOPPED, force=True)
         run_requests.clear_stop_request(run.run_dir)
         say("api: stopped (clients' saved states stay in the run folder; a restart on it "
             "serves them)")

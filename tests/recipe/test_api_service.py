@@ -3,6 +3,7 @@ with `mmlora api`, on the tiny model."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -386,8 +387,26 @@ def test_sigkill_then_a_data_parallel_restart_resumes_a_client_from_its_saved_st
         got = resumed.forward(batch, "cross_entropy").result().loss_fn_outputs
         for w, g in zip(want_logprobs, got, strict=True):
             assert g["logprobs"].tolist() == pytest.approx(w["logprobs"].tolist(), rel=1e-5)
+        # `mmlora status` shows the service and its client; `mmlora stop` stops it.
+        time.sleep(1.5)  # the status file is rewritten at most once a second
+        report = json.loads(mmlora("status", "--run-dir", str(run_dir), "--json").stdout)
+        assert report["trainer"]["service"]["url"] == second.url and report["trainer_alive"]
+        (row,) = report["jobs"]
+        assert (row["name"], row["steps_done"]) == (resumed.model_id, 2)
+        assert row["loss"] == pytest.approx(want[-1], rel=1e-5)
+        assert "the training service stops" in mmlora("stop", "--run-dir", str(run_dir)).stdout
+        assert second.proc.wait(60) == 0
+        assert "api: stopped" in second.log.read_text()
+        assert "training service stopped" in mmlora("status", "--run-dir", str(run_dir)).stdout
     finally:
         second.stop()
+
+
+def mmlora(*args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([str(REPO / ".venv/bin/mmlora"), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
 
 
 def test_the_service_refuses_to_start_without_keys(tmp_path):

@@ -6,6 +6,7 @@ without loading torch."""
 QUEUED, ACTIVE, DONE, FAILED, CANCELLED = "queued", "active", "done", "failed", "cancelled"
 ENDED = (DONE, FAILED, CANCELLED)
 
-# The trainer's state in status.json; RUNNING: it still looks at its mailbox.
-TRAINING, IDLE, STOPPED, FINISHED = "training", "idle", "stopped", "finished"
-RUNNING = (TRAINING, IDLE)
+# The trainer's state in status.json (the training service's: serving, then stopped);
+# RUNNING: it still looks at its mailbox.
+TRAINING, IDLE, STOPPED, FINISHED, SERVING = "training", "idle", "stopped", "finished", "serving"
+RUNNING = (TRAINING, IDLE, SERVING)

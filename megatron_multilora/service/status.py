@@ -1,0 +1,37 @@
+"""The service's ``status.json`` (the one ``mmlora status`` and ``mmlora stop`` read for a
+trainer): its URL and model, the calls it ran, and a row per training client (its slot,
+optim steps and last loss). Rank 0 writes it at most once a second, and when it stops."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+from megatron_multilora.service.engine import Engine
+from megatron_multilora.service.front import Front
+from megatron_multilora.training.jobs.states import ACTIVE, SERVING
+from megatron_multilora.training.serve import inbox as run_requests
+
+
+class ServiceStatus:
+    def __init__(self, run_dir: str, url: str, front: Front, engine: Engine,
+                 dp_size: int) -> None:
+        self.run_dir, self.front, self.engine = run_dir, front, engine
+        self.about = {"url": url, "model": front.limits.model_name}
+        self.dp_size, self.calls, self._written = dp_size, 0, 0.0
+
+    def write(self, state: str = SERVING, force: bool = False) -> None:
+        if not force and time.time() - self._written < 1.0:
+            return
+        self._written = time.time()
+        with self.front.lock:
+            clients = sorted(self.front.clients.values(), key=lambda c: c.slot)
+        rows = [{"name": c.model_id, "status": ACTIVE if state == SERVING else state,
+                 "slot": c.slot,
+                 "steps_done": self.engine.steps.get(c.slot, 0), "total_steps": None,
+                 "loss": self.engine.losses.get(c.slot), "source": "api"} for c in clients]
+        run_requests.write_status(self.run_dir, {
+            "state": state, "step": self.calls, "updated_at": time.time(), "pid": os.getpid(),
+            "host": socket.gethostname(), "dp_size": self.dp_size, "service": self.about,
+            "jobs": rows})
