@@ -9,6 +9,7 @@ import shutil
 import threading
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Optional
 
 from tinker import types
 
@@ -44,10 +45,14 @@ class CheckpointIndex:
         path = f"tinker://{model_id}/{kind}/{name}"
         return path, str(self.root / owner / model_id.replace(":", "_") / kind / name)
 
-    def add(self, path: str, entry: dict) -> None:
-        """Index a checkpoint (``owner``, ``kind``, ``folder``, ``rank``), on disk at once."""
+    def add(self, path: str, owner: str, kind: str, folder: str, rank: int,
+            user_metadata: Optional[dict]) -> None:
+        """Index the owner's checkpoint (of ``kind``, in ``folder``), on disk at once; its
+        client's rank and metadata come back in its training run's listing."""
         with self.lock:
-            self.entries[path] = {**entry, "time": datetime.now(timezone.utc).isoformat()}
+            self.entries[path] = {"owner": owner, "kind": kind, "folder": folder, "rank": rank,
+                                  "user_metadata": user_metadata,
+                                  "time": datetime.now(timezone.utc).isoformat()}
             self._write()
 
     def remove(self, owner: str, path: str) -> None:

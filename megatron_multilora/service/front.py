@@ -25,11 +25,14 @@ from tinker import types
 from megatron_multilora.service import wire
 from megatron_multilora.service.checkpoint_index import CheckpointIndex
 from megatron_multilora.service.engine import Op, OpError, read_state_meta
-from megatron_multilora.service.futures import ERROR, PROTOBUF, Futures
+from megatron_multilora.service.futures import ERROR, KEEP_S, PROTOBUF, Futures
 from megatron_multilora.service.inbox import Inbox
 from megatron_multilora.service.requests import (
     CLIENT_CONFIG, Limits, Refused, datum_example, refusal, sample_args)
 from megatron_multilora.training.objectives.per_token import INPUTS
+
+RESEND_WINDOW = 256  # a client's calls whose resend is recognised: its last ones
+
 
 @dataclasses.dataclass
 class Client:
@@ -91,7 +94,8 @@ class Front:
             if not queued:
                 raise Refused(429, "the service has too many calls waiting; retry shortly")
             if key:
-                self.seen[key] = request_id
+                self.seen[key] = request_id  # resends come soon: older entries go
+                self.seen.pop((client.model_id, seq_id - RESEND_WINDOW), None)
         return {"request_id": request_id, **answer}
 
     def _in_order(self, owner: str, client: Client, seq_id: Optional[int],
@@ -175,6 +179,7 @@ class Front:
             del self.sessions[session_id]
         for client in [c for c in self.clients.values() if c.session_id in gone]:
             del self.clients[client.model_id]
+            self.seen = {k: v for k, v in self.seen.items() if k[0] != client.model_id}
             self.inbox.forget(client.model_id)
             self.inbox.put(Op("free", self.futures.new(client.owner), {"slot": client.slot}),
                            force=True)
@@ -278,7 +283,8 @@ class Front:
                                            "model_name": self.limits.model_name}}
 
         answer = self._in_order(owner, client, body.seq_id, build, model_id=client.model_id)
-        self.checkpoints.add(where[0], self._entry(owner, client, "weights", where[1]))
+        self.checkpoints.add(where[0], owner, "weights", where[1], client.rank,
+                             client.user_metadata)
         return answer
 
     async def load_weights(self, request: Request, owner: str) -> dict:
@@ -330,15 +336,11 @@ class Front:
 
         future = self._in_order(owner, client, body.seq_id, build, model_id=client.model_id)
         path, folder, sampler_id = where
-        self.checkpoints.add(path, self._entry(owner, client, "sampler_weights", folder))
+        self.checkpoints.add(path, owner, "sampler_weights", folder, client.rank,
+                             client.user_metadata)
         if sampler_id is not None:
             self.samplers[sampler_id] = Sampler(sampler_id, owner, folder)
         return future
-
-    @staticmethod
-    def _entry(owner: str, client: Client, kind: str, folder: str) -> dict:
-        return {"owner": owner, "kind": kind, "folder": folder, "rank": client.rank,
-                "user_metadata": client.user_metadata}
 
     # -- sampling -------------------------------------------------------------------------
 
@@ -382,7 +384,8 @@ class Front:
     async def retrieve_future(self, request: Request, owner: str) -> Response | dict:
         body = await self.parse_body(request, types.FutureRetrieveRequest)
         if self.futures.owner(body.request_id) != owner:
-            raise Refused(404, f"no request {body.request_id!r} of this API key")
+            raise Refused(404, f"no request {body.request_id!r} of this API key (results are "
+                               f"kept {KEEP_S / 60:.0f} minutes)")
         # Held up to 20 s: the SDK asks again at once after a "try again".
         result = await self.futures.wait(body.request_id, 20.0)
         if result is None:

@@ -1,0 +1,27 @@
+"""The training service's results: fetched again while kept, forgotten after KEEP_S."""
+
+import asyncio
+
+from megatron_multilora.service import futures
+from megatron_multilora.service.futures import JSON, Futures, Result
+
+
+def test_results_are_kept_for_a_while_then_forgotten(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(futures.time, "monotonic", lambda: clock[0])
+    loop = asyncio.new_event_loop()
+    try:
+        store = Futures(loop)
+        first = store.new("alice")
+        store.complete(first, Result(JSON, {"n": 1}))
+        clock[0] += futures.KEEP_S / 2
+        second = store.new("alice")  # prunes nothing yet
+        for _ in range(2):  # fetched twice: the same result
+            assert loop.run_until_complete(store.wait(first, 1.0)).payload == {"n": 1}
+        store.complete(second, Result(JSON, {"n": 2}))
+        clock[0] += futures.KEEP_S / 2 + 1
+        store.new("bob")  # the first is now older than KEEP_S; the second is not
+        assert store.owner(first) is None and store.owner(second) == "alice"
+        assert loop.run_until_complete(store.wait(second, 1.0)).payload == {"n": 2}
+    finally:
+        loop.close()
