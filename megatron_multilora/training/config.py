@@ -229,8 +229,9 @@ class APISettings:
     """The base model's name clients ask for (null: hf_dir's folder name, or 'tiny')."""
     batch_window_ms: float = ranged(20.0, at_least(0.0))
     """How long a ready call waits for other clients' calls to join its batch."""
-    session_timeout_s: float = ranged(120.0, positive())
-    """A client silent this long (no heartbeat: crashed or disconnected) frees its slot."""
+    session_timeout_s: float = ranged(120.0, at_least(20.0))
+    """A client silent this long (no heartbeat: crashed or disconnected) frees its slot; at
+    least 20 s: the SDK heartbeats every 10 s."""
     max_pending: int = ranged(256, at_least(1))
     """Calls that may wait for the engine; beyond it the service answers 429."""
 

@@ -28,6 +28,7 @@ from tests.recipe.conftest import job, run_in_process
 REPO = Path(__file__).resolve().parents[2]
 KEYS = ["tml-alice", "tml-bob", "tml-carol", "tml-dave"]
 SLOTS = 4
+SESSION_TIMEOUT = 25  # seconds; the SDK heartbeats every 10
 ADAM = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)  # the recipe's AdamW
 
 
@@ -47,7 +48,7 @@ class Service:
         self.proc = subprocess.Popen(
             [str(REPO / ".venv/bin/mmlora"), "api", "--run-dir", str(run_dir), "--port", str(port),
              "--nproc", str(nproc), *overrides, f"lora.slots={SLOTS}", "api.batch_window_ms=300",
-             "trainer.micro_batch_tokens=512"],
+             f"api.session_timeout_s={SESSION_TIMEOUT}", "trainer.micro_batch_tokens=512"],
             cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
             start_new_session=True)
         deadline = time.monotonic() + 120
@@ -229,6 +230,33 @@ def test_sampling_and_logprobs_from_a_saved_adapter(service, data):
         assert stopped.stop_reason == "stop"
         assert stopped.logprobs == pytest.approx(free.logprobs[:cut], rel=1e-5)  # 1 row, not 3
     sc.close("success").result()
+
+
+def test_a_crashed_clients_slot_is_freed_after_the_session_timeout(service, tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text(
+        "import os, signal, tinker\n"
+        f"sc = tinker.ServiceClient(base_url={service.url!r}, api_key={KEYS[2]!r})\n"
+        "client = sc.create_lora_training_client(base_model='tiny', rank=4).result()\n"
+        "print(client.model_id, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)  # no goodbye, no more heartbeats\n")
+    done = subprocess.run([str(REPO / ".venv/bin/python"), str(script)], capture_output=True,
+                          text=True, timeout=120)
+    crashed = time.monotonic()
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    model_id = done.stdout.split()[-1]
+    with service.client(KEYS[2]) as sc:
+        rest = sc.create_rest_client()
+        assert rest.get_training_run(model_id).result().training_run_id == model_id  # held
+        while True:
+            try:
+                rest.get_training_run(model_id).result()
+            except tinker.NotFoundError:
+                break
+            assert time.monotonic() - crashed < SESSION_TIMEOUT + 30, "its slot was never freed"
+            time.sleep(1)
+    assert time.monotonic() - crashed > SESSION_TIMEOUT - 15  # not before its time
+    assert "(free)" in service.log.read_text()
 
 
 def test_forward_backward_custom_trains_as_its_loss_written_as_cross_entropy(service, data):
