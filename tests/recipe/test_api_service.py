@@ -259,6 +259,51 @@ def test_a_crashed_clients_slot_is_freed_after_the_session_timeout(service, tmp_
     assert "(free)" in service.log.read_text()
 
 
+@pytest.mark.parametrize("loss", ["importance_sampling", "ppo"])
+def test_rl_losses_are_the_token_losses_of_the_objectives(service, data, loss):
+    """importance_sampling and ppo through the service: their losses are token_losses'
+    (the GRPO objective's) on the model's log-probs, and a step trains as the same loss
+    computed by the client (forward_backward_custom) does."""
+    import torch
+
+    from megatron_multilora.training.objectives import token_losses
+
+    gen = torch.Generator().manual_seed(3)
+    plain = datums(data, "reverse")
+    old = [(-torch.rand(len(d.loss_fn_inputs["target_tokens"].data), generator=gen) * 3)
+           for d in plain]  # a sampler's log-probs
+    adv = [torch.randn(len(o), generator=gen) for o in old]
+    batch = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        "target_tokens": d.loss_fn_inputs["target_tokens"], "logprobs": o.tolist(),
+        "advantages": a.tolist()}) for d, o, a in zip(plain, old, adv)]
+    clip = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}  # ratios in [0.9, 1.1]
+
+    def theirs(lp: torch.Tensor, o: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        if loss == "ppo":
+            return token_losses.ppo(lp, o, a, 0.1, 0.1).sum()
+        return token_losses.importance_sampling(lp, o, a).sum()
+
+    with service.client(KEYS[3]) as sc:
+        served, custom = (sc.create_lora_training_client(base_model="tiny", rank=4, seed=9)
+                          .result() for _ in range(2))
+        adam = types.AdamParams(learning_rate=1e-2, **ADAM)
+        for _ in range(2):
+            lps = [o["logprobs"].to_torch() for o in
+                   served.forward(plain, "cross_entropy").result().loss_fn_outputs]
+            out = served.forward_backward(batch, loss, loss_fn_config=clip if loss == "ppo"
+                                          else None).result()
+            want = sum(float(theirs(lp, o, a)) for lp, o, a in zip(lps, old, adv))
+            assert out.metrics["loss:sum"] == pytest.approx(want, rel=1e-5)
+            served.optim_step(adam).result()
+            custom.forward_backward_custom(plain, lambda _, lps: (
+                sum(theirs(lp, o, a) for lp, o, a in zip(lps, old, adv)), {})).result()
+            custom.optim_step(adam).result()
+        after = [c.forward(plain, "cross_entropy").result().loss_fn_outputs
+                 for c in (served, custom)]
+        for a, b in zip(*after):
+            assert torch.allclose(a["logprobs"].to_torch(), b["logprobs"].to_torch(), atol=1e-5)
+
+
 def test_forward_backward_custom_trains_as_its_loss_written_as_cross_entropy(service, data):
     """The SDK's forward_backward_custom (a forward, the client's loss and its gradient, then
     a weighted cross_entropy backward): a custom loss equal to the weighted negative
