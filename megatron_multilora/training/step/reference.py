@@ -26,7 +26,8 @@ def _target_logprobs(mb: MicroBatch, token_loss: torch.Tensor, non_loss_data: bo
 def target_logprobs(model: ModelOrChunks, slot_examples: Sequence[Sequence[Packable]],
                     batcher: MicroBatcher, adapters: bool = False) -> list[list[list[float]]]:
     """Per slot, per example (groups flattened, in order), the log-prob of each of its
-    targets (``len(tokens) - 1`` floats), on every rank and stage. Every rank of the world
+    targets (``len(tokens) - 1`` floats; 0 where its loss mask is not set), on every rank
+    and stage. Every rank of the world
     takes part with the same examples."""
     chunks = model_chunks(model)
     micro_batches = batcher.ready(slot_examples)

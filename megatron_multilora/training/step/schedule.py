@@ -22,6 +22,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_multilora.data.packing import MicroBatch
 from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
+from megatron_multilora.models.loss_rows import token_loss
 from megatron_multilora.training.objectives.objective import MAX_METRICS, Objective
 from megatron_multilora.training.objectives.sft import SFT
 from megatron_multilora.training.step.micro_batches import chunk_inputs
@@ -44,17 +45,25 @@ def run_schedule(model: ModelOrChunks, micro_batches: Sequence[MicroBatch], loss
     if not micro_batches:
         return []
     device = next(chunks[0].parameters()).device
+    # The loss's rows (found on the host: no device sync), unless the caller wants logits.
+    rows = [None if "labels" in forward_kwargs else loss_rows(mb).to(device)
+            for mb in micro_batches]
     mbs = [mb.to(device) for mb in micro_batches]
     lengths = {mb.tokens.size(1) for mb in mbs}
     if parallel_state.get_pipeline_model_parallel_world_size() > 1 and len(lengths) > 1:
         raise ValueError(f"under pipeline parallelism every micro-batch of a call must have one "
                          f"length (the p2p tensor shape), got {sorted(lengths)}")
 
-    def forward_step(data_iterator: Iterator[MicroBatch], chunk: torch.nn.Module, *_):
-        mb = next(data_iterator)
+    def forward_step(data_iterator: Iterator[tuple[MicroBatch, Optional[torch.Tensor]]],
+                     chunk: torch.nn.Module, *_):
+        mb, at = next(data_iterator)
         # The packed params carry the micro-batch's slot layout to the adapted layers (also to
         # their recompute re-runs, which may run after later micro-batches' forwards).
-        output = chunk(**chunk_inputs(chunk, mb), **{"labels": mb.labels, **forward_kwargs})
+        if at is None:
+            output = chunk(**chunk_inputs(chunk, mb), **{"labels": mb.labels, **forward_kwargs})
+        else:
+            output = token_loss(chunk, {**chunk_inputs(chunk, mb), **forward_kwargs}, mb.labels,
+                                at)
         if output.requires_grad:
             # A filler's (pads only) aux-loss gradient is scaled to zero: it trains nothing.
             # Its backward runs whenever the schedule says; the hook fires as it starts, before
@@ -68,10 +77,16 @@ def run_schedule(model: ModelOrChunks, micro_batches: Sequence[MicroBatch], loss
             forward_step_func=forward_step,
             # One iterator per chunk, each over all the micro-batches: every virtual stage
             # runs every micro-batch.
-            data_iterator=[iter(mbs) for _ in chunks],
+            data_iterator=[iter(list(zip(mbs, rows))) for _ in chunks],
             model=chunks, num_microbatches=len(mbs), seq_length=max(lengths),
             micro_batch_size=1, forward_only=forward_only,
             collect_non_loss_data=collect_non_loss_data)
+
+
+def loss_rows(mb: MicroBatch) -> torch.Tensor:
+    """The positions of ``mb`` with a loss (at least one: a filler's first pad)."""
+    rows = mb.loss_mask[0].nonzero().flatten()
+    return rows if rows.numel() else torch.zeros(1, dtype=torch.int64)
 
 
 def _set_aux_loss_scale(scale: float, grad: torch.Tensor) -> None:
