@@ -396,4 +396,3 @@ class Front:
             message, category = result.payload
             return {"error": message, "category": category}
         return result.payload
-

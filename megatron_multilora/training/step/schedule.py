@@ -22,7 +22,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_multilora.data.packing import MicroBatch
 from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
-from megatron_multilora.models.loss_rows import token_loss
+from megatron_multilora.models.loss_rows import selectable, token_loss
 from megatron_multilora.training.objectives.objective import MAX_METRICS, Objective
 from megatron_multilora.training.objectives.sft import SFT
 from megatron_multilora.training.step.micro_batches import chunk_inputs
@@ -45,9 +45,10 @@ def run_schedule(model: ModelOrChunks, micro_batches: Sequence[MicroBatch], loss
     if not micro_batches:
         return []
     device = next(chunks[0].parameters()).device
-    # The loss's rows (found on the host: no device sync), unless the caller wants logits.
-    rows = [None if "labels" in forward_kwargs else loss_rows(mb).to(device)
-            for mb in micro_batches]
+    # The loss's rows (found on the host: no device sync), where a chunk here projects onto
+    # the vocabulary at chosen rows and the caller wants the loss, not logits.
+    pick = "labels" not in forward_kwargs and any(selectable(c) for c in chunks)
+    rows = [loss_rows(mb).to(device) if pick else None for mb in micro_batches]
     mbs = [mb.to(device) for mb in micro_batches]
     lengths = {mb.tokens.size(1) for mb in mbs}
     if parallel_state.get_pipeline_model_parallel_world_size() > 1 and len(lengths) > 1:
