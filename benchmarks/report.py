@@ -46,6 +46,7 @@ class Results:
     samples: dict[str, dict[str, list[float]]] = dataclasses.field(default_factory=dict)
     probes: dict[str, list[dict]] = dataclasses.field(default_factory=dict)
     peers: Optional[dict] = None
+    mainjob: Optional[dict] = None
     failed: dict[str, str] = dataclasses.field(default_factory=dict)  # section -> error
 
 

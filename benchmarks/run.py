@@ -14,6 +14,7 @@ import megatron_multilora as mm
 from benchmarks.api_service import section_api
 from benchmarks.jobs import section_jobs
 from benchmarks.layers_and_models import section_layers_models
+from benchmarks.mainjob import section_mainjob
 from benchmarks.memory import section_memory
 from benchmarks.peers.rows import section_peers
 from benchmarks.pipeline_parallel import pp_model_config, section_pp
@@ -30,7 +31,7 @@ RUN_SECTION = {
     "models": lambda s, d, c, o: section_layers_models("models", s, d, c, o),
     "jobs": section_jobs, "memory": section_memory, "tp": section_tp, "pp": section_pp,
     "scaling": section_scaling, "width": section_width, "peers": section_peers,
-    "post": section_post, "api": section_api,
+    "post": section_post, "api": section_api, "mainjob": section_mainjob,
 }
 
 
@@ -78,7 +79,8 @@ def run_benchmark(s: Settings, out_dir: Path, sections: tuple[str, ...] = SECTIO
         (out_dir / f"{name}.json").write_text(json.dumps(
             {"meta": meta, "rows": [dataclasses.asdict(r) for r in out.rows],
              "samples_s": out.samples, "memory_probes": out.probes,
-             **({"peers": out.peers} if out.peers else {})}, indent=1))
+             **({"peers": out.peers} if out.peers else {}),
+             **({"mainjob": out.mainjob} if out.mainjob else {})}, indent=1))
         clock.say(f"section {section} {'FAILED' if section in out.failed else 'done'}: "
                   f"wrote {out_dir / name}.md and .json")
     mm.destroy_parallel(destroy_process_group=True)

@@ -29,7 +29,7 @@ SECTIONS = ("layers", "models", "jobs", "memory", "tp", "pp", "scaling", "width"
 """What a run without ``--only`` runs."""
 
 
-EXTRA_SECTIONS = ("peers", "api")
+EXTRA_SECTIONS = ("peers", "api", "mainjob")
 """Run only when named in ``--only`` (minutes of whole training launches)."""
 
 
@@ -91,8 +91,8 @@ def parse_settings(argv: Optional[list[str]] = None) -> tuple[Settings, argparse
     parser.add_argument("--skip-tp", action="store_true", help="skip the 2-process TP rows")
     parser.add_argument("--skip-pp", action="store_true", help="skip the 2-process PP rows")
     parser.add_argument("--only", nargs="+", choices=ALL_SECTIONS, metavar="SECTION",
-                        help="run only these sections (" + ", ".join(ALL_SECTIONS) + "; peers "
-                             "and api run only when named here); writes "
+                        help="run only these sections (" + ", ".join(ALL_SECTIONS) + "; peers, "
+                             "api and mainjob run only when named here); writes "
                              "<out-dir>/cpu-only-<sections>.md and .json instead of cpu.md")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch CPU threads (default: torch's, %(default)s); 1 is steadier "

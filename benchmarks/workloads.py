@@ -146,12 +146,14 @@ def training_step(model: torch.nn.Module, slots: int, batches: list[list[list[Ex
                    for examples in batches]
 
 
-def recipe_run(overrides: list[str], check_files: bool = True) -> RunConfig:
-    """The run the recipe trains with ``overrides``: conf/ composed by Hydra, then checked as
-    the recipe checks it (``check_files``: its datasets too; its run_dir is never written)."""
+def recipe_run(overrides: list[str], check_files: bool = True,
+               config_name: str = "config") -> RunConfig:
+    """The run the recipe trains with ``--config-name config_name`` and ``overrides``: conf/
+    composed by Hydra, then checked as the recipe checks it (``check_files``: its datasets too;
+    its run_dir is never written)."""
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        run = load_run_config(compose("config", overrides=overrides))
+        run = load_run_config(compose(config_name, overrides=overrides))
     validate(run, check_files)
     return run

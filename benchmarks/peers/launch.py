@@ -42,23 +42,37 @@ def _env(threads: int) -> dict[str, str]:
 
 
 def run_ours(spec: dict, data_dir: Path, run_dir: Path, processes: int) -> dict:
+    """``mmlora train`` of ``spec``'s run as a user launches it, a metrics record every step;
+    its training span, whole launch, CPU seconds, held-out losses, and when (seconds after
+    the launch) its first step started, its last ended and its adapter x task table came."""
     cmd = [sys.executable, "-m", "megatron_multilora.cli", "train", "--nproc", str(processes),
-           f"data_dir={data_dir}",
-           f"run_dir={run_dir}", f"trainer.steps_per_job={spec['steps']}",
+           "--config-name", spec["config_name"], *spec["overrides"], f"run_dir={run_dir}",
            "trainer.log_interval=1", "trainer.eval_interval=0", "checkpoint.save_interval=0",
            "logging.wandb_mode=disabled", "logging.plots=false"]
     cpu, start = _children_cpu(), time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(1), capture_output=True, text=True)
+    launched = time.time()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(1), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines, table_at = [], None
+    for line in proc.stdout:
+        lines.append(line)
+        if table_at is None and line.startswith("held-out loss of each adapter"):
+            table_at = time.time() - launched
+    proc.wait()
     wall, cpu = time.perf_counter() - start, _children_cpu() - cpu
-    (run_dir.parent / f"{run_dir.name}.log").write_text(proc.stdout + proc.stderr)
+    (run_dir.parent / f"{run_dir.name}.log").write_text("".join(lines))
     if proc.returncode != 0:
-        raise RuntimeError(f"ours failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+        raise RuntimeError(f"ours failed (exit {proc.returncode}): {''.join(lines)[-2000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, spec["steps"] + 1)), "one record per step"
     final = [r for r in records if r["kind"] == "eval"][-1]["adapters"]
     names = [j["name"] for j in spec["jobs"]]
-    return {"train_s": training_span([[r["time"] for r in train]]), "launch_s": wall, "cpu_s": cpu,
+    times = [r["time"] for r in train]
+    span = training_span([times])
+    return {"train_s": span, "launch_s": wall, "cpu_s": cpu,
+            "first_step_at_s": times[-1] - span - launched, "last_step_at_s": times[-1] - launched,
+            "table_at_s": table_at,
             "eval_loss": {n: final[n][f"loss_on_{n}"] for n in names},
             "base_eval_loss": {n: final["base"][f"loss_on_{n}"] for n in names}}
 
@@ -87,6 +101,7 @@ def run_peft(spec: dict, groups: list[list[int]], threads: int, tmp: Path) -> di
                                       for g in got]),
             "launch_s": wall, "cpu_s": cpu, "loop_cpu_s": sum(g["loop_cpu_s"] for g in got),
             "eval_loss": {n: j["eval_loss"] for n, j in jobs.items()},
+            "positions": sum(j["positions"] for j in jobs.values()),
             "lora_params": {n: j["params"] for n, j in jobs.items()}}
 
 

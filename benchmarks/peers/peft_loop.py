@@ -109,22 +109,22 @@ def peft_worker(spec: dict, job_indices: list[int], threads: int, result_file: s
     evals = [load_dataset(j.eval_dataset, tok, spec["max_seq_len"])[:spec["eval_samples"]]
              for j in jobs]
     peft_model = with_peft_adapters(model, jobs, spec["targets"])
-    steps = spec["steps"]
     out = {"jobs": {}, "threads": threads, "torch_threads": torch.get_num_threads()}
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     for job, data in zip(jobs, train):
         peft_model.base_model.set_adapter(job.name)
         for n, p in peft_model.named_parameters():
             p.requires_grad_(f".{job.name}." in n)
-        loop = PeftLoop(peft_model, job, steps)
-        order = Job(job, data, [], [], steps)  # the recipe's sample order for this job
-        times, losses = [time.time()], []
-        for _ in range(steps):
-            picked = order.next_samples(job.global_batch_size, spec["seed"])
-            losses.append(loop.step([data[i] for i in picked], tok.pad_id))
+        loop = PeftLoop(peft_model, job, job.max_steps)
+        order = Job(job, data, [], [], job.max_steps)  # the recipe's sample order for this job
+        times, losses, positions = [time.time()], [], 0
+        for _ in range(job.max_steps):
+            picked = [data[i] for i in order.next_samples(job.global_batch_size, spec["seed"])]
+            losses.append(loop.step(picked, tok.pad_id))
+            positions += sum(len(ex.tokens) for ex in picked)
             times.append(time.time())
         out["jobs"][job.name] = {"step_end_times": times[1:], "loop_start": times[0],
-                                 "train_loss_last": losses[-1],
+                                 "train_loss_last": losses[-1], "positions": positions,
                                  "params": sum(p.numel() for p in loop.params)}
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     out["loop_cpu_s"] = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)

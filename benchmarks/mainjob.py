@@ -1,0 +1,175 @@
+"""Rows 13: the main job (``conf/smollm2.yaml``: 4 word jobs on SmolLM2-135M-Instruct, as
+``bash scripts/demo.sh`` trains them) against the machine's compute limit and against what a
+user would run instead, on the same cores:
+
+* ours: ``mmlora train --nproc 2 --config-name smollm2`` (2 processes x 1 thread);
+* peft-par: 2 independent transformers + peft processes at once (1 thread each), the jobs
+  split by work (examples x steps) as evenly as whole jobs allow;
+* peft-seq-1t: one transformers + peft process, the jobs one after another, 1 thread.
+
+The compute limit: the frozen base's forward and input-gradient backward, 4 FLOPs per matmul
+parameter (the decoder's and the output layer's) per trained position, at the fp32 GEMM rate
+the cores give when they all multiply at once (one 1-thread GEMM process per core, measured
+here, side by side with one process alone). Needs the main job's model and data
+(``bash scripts/demo.sh`` writes them once).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.children import child_env
+from benchmarks.peers.launch import run_ours, run_peft
+from benchmarks.peers.spec import job_spec
+from benchmarks.report import Results, Row
+from benchmarks.settings import REPO, Settings
+from benchmarks.timing import Clock
+
+HF_DIR, DATA_DIR = REPO / "data" / "smollm2-135m-instruct", REPO / "data" / "demo-words"
+WAYS = ("ours", "peft-par", "peft-seq-1t")
+GEMM_SHAPES = ((1024, 1024, 1024), (512, 576, 1536))
+
+
+def gemm_rate(seconds: float = 3.0) -> float:
+    """Median GFLOP/s of 1-thread fp32 GEMMs of :data:`GEMM_SHAPES` for about ``seconds``."""
+    torch.set_num_threads(1)
+    rates = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for m, k, n in GEMM_SHAPES:
+            a, b = torch.randn(m, k), torch.randn(k, n)
+            a @ b
+            start = time.perf_counter()
+            a @ b
+            rates.append(2 * m * k * n / (time.perf_counter() - start) / 1e9)
+    return statistics.median(rates)
+
+
+def gemm_rates(processes: int) -> list[float]:
+    """:func:`gemm_rate` in ``processes`` fresh processes at once."""
+    code = "from benchmarks.mainjob import gemm_rate; print(gemm_rate())"
+    env = {**child_env(), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, text=True) for _ in range(processes)]
+    return [float(p.communicate()[0].split()[-1]) for p in procs]
+
+
+def matmul_parameters(hf_dir: Path) -> int:
+    """The base's matmul weights: every decoder layer's attention and MLP, and the output
+    layer (tied or not, it multiplies every position)."""
+    c = json.loads((hf_dir / "config.json").read_text())
+    h, ffn = c["hidden_size"], c["intermediate_size"]
+    kv = c.get("num_key_value_heads", c["num_attention_heads"]) * (h // c["num_attention_heads"])
+    return c["num_hidden_layers"] * (h * (h + 2 * kv) + h * h + 3 * h * ffn) + c["vocab_size"] * h
+
+
+def split_by_work(jobs: list[dict], parts: int) -> list[list[int]]:
+    """Job indices in ``parts`` groups of whole jobs, the largest first to the least loaded."""
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for i in sorted(range(len(jobs)), key=lambda i: -jobs[i]["global_batch_size"]
+                    * jobs[i]["max_steps"]):
+        k = load.index(min(load))
+        groups[k].append(i)
+        load[k] += jobs[i]["global_batch_size"] * jobs[i]["max_steps"]
+    return [g for g in groups if g]
+
+
+def run_main_job(rounds: int, say) -> dict:
+    """Every way once per round, in turn, and the GEMM rates between rounds."""
+    spec = job_spec(DATA_DIR, None, "smollm2", [f"hf_dir={HF_DIR}"])
+    groups = split_by_work(spec["jobs"], 2)
+    results: dict[str, list[dict]] = {w: [] for w in WAYS}
+    gemm: dict[str, list] = {"alone": [], "together": []}
+    with tempfile.TemporaryDirectory(prefix="bench-mainjob-") as tmp_name:
+        tmp = Path(tmp_name)
+        for r in range(rounds):
+            for way in WAYS:
+                if way == "ours":
+                    got = run_ours(spec, DATA_DIR, tmp / f"ours-{r}", 2)
+                else:
+                    got = run_peft(spec, groups if way == "peft-par" else
+                                   [list(range(len(spec["jobs"])))], 1, tmp)
+                results[way].append(got)
+                say(f"main job round {r + 1}/{rounds}: {way}: training {got['train_s']:.1f} s, "
+                    f"launch {got['launch_s']:.1f} s, CPU {got['cpu_s']:.1f} s; held-out loss "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in got["eval_loss"].items()))
+            gemm["alone"] += gemm_rates(1)
+            gemm["together"].append(gemm_rates(2))
+            say(f"main job round {r + 1}/{rounds}: 1-thread GEMM {gemm['alone'][-1]:.1f} GFLOP/s "
+                f"alone, {' + '.join(f'{g:.1f}' for g in gemm['together'][-1])} GFLOP/s at once")
+    return {"spec": {k: v for k, v in spec.items() if k not in ("hf_dir", "overrides")},
+            "groups": [[spec["jobs"][i]["name"] for i in g] for g in groups],
+            "results": results, "gemm": gemm, "matmul_parameters": matmul_parameters(HF_DIR)}
+
+
+def main_job_rows(m: dict) -> list[Row]:
+    res = m["results"]
+    med = {w: {k: statistics.median(r[k] for r in rs)
+               for k in ("train_s", "launch_s", "cpu_s")} for w, rs in res.items()}
+    ours = res["ours"]
+    phases = {k: statistics.median(r[k] for r in ours)
+              for k in ("first_step_at_s", "last_step_at_s", "table_at_s", "launch_s")}
+    positions = res["peft-par"][0]["positions"]
+    flops = 4 * m["matmul_parameters"] * positions
+    together = statistics.median(sum(g) for g in m["gemm"]["together"])
+    alone = statistics.median(m["gemm"]["alone"])
+    limit_s = flops / (together * 1e9)
+    names = [j["name"] for j in m["spec"]["jobs"]]
+    loss = {w: {n: statistics.median(r["eval_loss"][n] for r in rs) for n in names}
+            for w, rs in res.items()}
+    setting = ("the main job (conf/smollm2.yaml: " + ", ".join(
+        f"{j['name']} {j['max_steps']} steps of {j['global_batch_size']}"
+        for j in m["spec"]["jobs"]) + f"; {positions:,} trained positions), fp32")
+    peft_par = ("2 independent transformers + peft processes at once, 1 thread each, jobs "
+                f"split by work ({' | '.join(', '.join(g) for g in m['groups'])})")
+    rows = []
+    train = Row("13a", "main job: training wall, ours vs 2 independent peft processes",
+                f"{setting}: mmlora train --nproc 2 (2 x 1 thread) vs {peft_par}; training "
+                "wall as rows 10", "ours", "peft-par", "s").fill(med["ours"]["train_s"],
+                                                                 med["peft-par"]["train_s"])
+    train.note = ("Held-out loss per job (ours / peft-par / peft-seq-1t): " + ", ".join(
+        f"{n} {loss['ours'][n]:.3f} / {loss['peft-par'][n]:.3f} / {loss['peft-seq-1t'][n]:.3f}"
+        for n in names) + f". peft one after another, 1 thread: "
+        f"{med['peft-seq-1t']['train_s']:.1f} s.")
+    rows.append(train)
+    limit = Row("13b", "main job: training wall, ours vs the machine's compute limit", (
+        f"as row 13a; the limit: 4 x {m['matmul_parameters'] / 1e6:.1f} M matmul parameters x "
+        f"{positions:,} positions = {flops / 1e12:.2f} TFLOP at {together:.0f} GFLOP/s (two "
+        f"1-thread fp32 GEMM processes at once, {GEMM_SHAPES}; one alone: {alone:.0f} GFLOP/s, "
+        f"so {flops / (2 * alone * 1e9):.1f} s if the cores did not slow each other)"),
+        "ours", "limit", "s").fill(med["ours"]["train_s"], limit_s)
+    rows.append(limit)
+    whole = Row("13c", "main job: whole command, ours vs 2 independent peft processes",
+                "as row 13a: launch to exit (ours: set-up, training, final checkpoint, "
+                "exports, the adapter x task tables; peft: imports, loading, training, its "
+                "held-out losses)", "ours", "peft-par", "s").fill(med["ours"]["launch_s"],
+                                                                  med["peft-par"]["launch_s"])
+    whole.note = (f"Ours: first step {phases['first_step_at_s']:.1f} s after the launch, last "
+                  f"step ended at {phases['last_step_at_s']:.1f} s, the tables printed at "
+                  f"{phases['table_at_s']:.1f} s (final checkpoint, exports, 5 adapter rows x "
+                  f"{len(names)} tasks of held-out loss and greedy generations), exit at "
+                  f"{phases['launch_s']:.1f} s.")
+    rows.append(whole)
+    cpu = Row("13d", "main job: CPU seconds of the whole command, ours vs peft one after "
+              "another (1 thread)", "as row 13c: user + system seconds of every process",
+              "ours", "peft-seq-1t", "s").fill(med["ours"]["cpu_s"], med["peft-seq-1t"]["cpu_s"])
+    rows.append(cpu)
+    return rows
+
+
+def section_mainjob(s: Settings, device: torch.device, clock: Clock, out: Results) -> None:
+    if not (HF_DIR / "config.json").is_file() or not DATA_DIR.is_dir():
+        out.rows.append(Row("13a", "main job", "", "", "", "s", skipped=(
+            f"skipped: {HF_DIR} or {DATA_DIR} is missing; bash scripts/demo.sh writes them")))
+        return
+    out.mainjob = run_main_job(s.peer_rounds, clock.say)
+    out.rows += main_job_rows(out.mainjob)
