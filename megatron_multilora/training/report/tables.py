@@ -8,8 +8,6 @@ import dataclasses
 from pathlib import Path
 from typing import Optional, Sequence
 
-import torch.distributed as dist
-from megatron.core import parallel_state
 
 from megatron_multilora.checkpoint.adapter_files import import_adapter
 from megatron_multilora.data.demo_tasks import exact_match
@@ -89,51 +87,25 @@ class AdapterTaskEval:
     def tables(self, adapters: Sequence[Optional[Path]], jobs: Sequence[Job]) -> AdapterTaskTables:
         """Every adapter folder (None: a cleared slot, i.e. the base model alone) on every
         job with held-out data, ``n_slots`` adapters at a time; the slots used are cleared
-        afterwards. Data-parallel ranks share the tasks out (see :func:`_task_share`) and
-        gather the cells."""
+        afterwards. Each group's generations of every task run in one batch."""
         tasks = [job for job in jobs if job.eval]
-        rank, size, group = _task_share()
-        mine: dict[tuple[int, int], tuple[float, dict[str, float], float]] = {}
+        losses = [[float("nan")] * len(tasks) for _ in adapters]
+        accuracy = [[float("nan")] * len(tasks) for _ in adapters]
+        metrics: list[list[dict[str, float]]] = [[{} for _ in tasks] for _ in adapters]
         for start in range(0, len(adapters), self.n_slots) if tasks else []:
-            adapter_group = adapters[start:start + self.n_slots]
-            for slot, folder in enumerate(adapter_group):
+            group = adapters[start:start + self.n_slots]
+            for slot, folder in enumerate(group):
                 if folder is not None:
                     import_adapter(self.model, slot, folder)
-            cols = range(rank, len(tasks), size)
-            hits = self._exact_matches([(slot, tasks[col]) for col in cols
-                                        for slot in range(len(adapter_group))])
-            for col in cols:
-                results = self.evaluate({slot: tasks[col] for slot in range(len(adapter_group))})
-                for slot in range(len(adapter_group)):
-                    h = hits.get((slot, tasks[col].name))
-                    mine[start + slot, col] = (results[slot].pop("loss"), results[slot],
-                                               sum(h) / len(h) if h else float("nan"))
-            for slot in range(len(adapter_group)):
+            hits = self._exact_matches([(slot, task) for task in tasks
+                                        for slot in range(len(group))])
+            for col, task in enumerate(tasks):
+                results = self.evaluate({slot: task for slot in range(len(group))})
+                for slot in range(len(group)):
+                    losses[start + slot][col] = results[slot].pop("loss")
+                    metrics[start + slot][col] = results[slot]
+                    h = hits.get((slot, task.name))
+                    accuracy[start + slot][col] = sum(h) / len(h) if h else float("nan")
+            for slot in range(len(group)):
                 clear_adapter_slot(self.model, slot)
-        cells = mine
-        if size > 1:
-            gathered: list = [None] * size
-            dist.all_gather_object(gathered, mine, group=group)
-            cells = {key: value for part in gathered for key, value in part.items()}
-        nan = float("nan")
-        return AdapterTaskTables(
-            tasks,
-            [[cells[row, col][0] if (row, col) in cells else nan for col in range(len(tasks))]
-             for row in range(len(adapters))],
-            [[cells[row, col][2] if (row, col) in cells else nan for col in range(len(tasks))]
-             for row in range(len(adapters))],
-            [[cells[row, col][1] if (row, col) in cells else {} for col in range(len(tasks))]
-             for row in range(len(adapters))])
-
-
-def _task_share() -> tuple[int, int, Optional[dist.ProcessGroup]]:
-    """This rank's share of the tables' tasks: ``(rank, size, group)`` of the data-parallel
-    group it evaluates with (data-parallel replicas hold the same adapters, so each takes
-    every size-th task and the cells are gathered), or ``(0, 1, None)`` without a process
-    group or under expert parallelism, whose all-to-alls need every rank of an expert group
-    to run the same forwards."""
-    if (not parallel_state.model_parallel_is_initialized()
-            or parallel_state.get_expert_model_parallel_world_size() > 1):
-        return 0, 1, None
-    group = parallel_state.get_data_parallel_group()
-    return dist.get_rank(group), dist.get_world_size(group), group
+        return AdapterTaskTables(tasks, losses, accuracy, metrics)
