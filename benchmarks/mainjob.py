@@ -73,13 +73,13 @@ def matmul_parameters(hf_dir: Path) -> int:
 
 def split_by_work(jobs: list[dict], parts: int) -> list[list[int]]:
     """Job indices in ``parts`` groups of whole jobs, the largest first to the least loaded."""
+    work = [job["global_batch_size"] * job["max_steps"] for job in jobs]
     groups: list[list[int]] = [[] for _ in range(parts)]
     load = [0] * parts
-    for i in sorted(range(len(jobs)), key=lambda i: -jobs[i]["global_batch_size"]
-                    * jobs[i]["max_steps"]):
+    for i in sorted(range(len(jobs)), key=lambda i: -work[i]):
         k = load.index(min(load))
         groups[k].append(i)
-        load[k] += jobs[i]["global_batch_size"] * jobs[i]["max_steps"]
+        load[k] += work[i]
     return [g for g in groups if g]
 
 

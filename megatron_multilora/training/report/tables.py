@@ -8,7 +8,6 @@ import dataclasses
 from pathlib import Path
 from typing import Optional, Sequence
 
-
 from megatron_multilora.checkpoint.adapter_files import import_adapter
 from megatron_multilora.data.demo_tasks import exact_match
 from megatron_multilora.layers.lifecycle import ModelOrChunks, clear_adapter_slot
@@ -59,13 +58,12 @@ class AdapterTaskEval:
     def accuracy(self, slot_to_task: dict[int, Job]) -> dict[int, float]:
         """Exact-match accuracy of greedy generations, per slot, on its task's records
         (prompt/completion records only)."""
-        hits = self._exact_matches(list(slot_to_task.items()))
-        return {slot: sum(h) / len(h) for (slot, _), h in hits.items()}
+        return {slot: acc for (slot, _), acc in
+                self._cell_accuracy(list(slot_to_task.items())).items()}
 
-    def _exact_matches(self, cells: Sequence[tuple[int, Job]]
-                       ) -> dict[tuple[int, str], list[bool]]:
-        """Whether each greedy generation equals its reference, per ``(slot, task name)``
-        cell: every cell's prompts in one batch (one forward per new token serves them all)."""
+    def _cell_accuracy(self, cells: Sequence[tuple[int, Job]]) -> dict[tuple[int, str], float]:
+        """Exact-match accuracy per ``(slot, task name)`` cell (cells with prompts only):
+        every cell's prompts in one batch (one forward per new token serves them all)."""
         prompts, answers = [], []
         for slot, task in cells:
             for record in task.eval_records:
@@ -82,7 +80,7 @@ class AdapterTaskEval:
         hits: dict[tuple[int, str], list[bool]] = {}
         for out, (cell, answer) in zip(outputs, answers):
             hits.setdefault(cell, []).append(exact_match(self.tokenizer.decode(out), answer))
-        return hits
+        return {cell: sum(h) / len(h) for cell, h in hits.items()}
 
     def tables(self, adapters: Sequence[Optional[Path]], jobs: Sequence[Job]) -> AdapterTaskTables:
         """Every adapter folder (None: a cleared slot, i.e. the base model alone) on every
@@ -97,15 +95,15 @@ class AdapterTaskEval:
             for slot, folder in enumerate(group):
                 if folder is not None:
                     import_adapter(self.model, slot, folder)
-            hits = self._exact_matches([(slot, task) for task in tasks
-                                        for slot in range(len(group))])
+            cell_accuracy = self._cell_accuracy([(slot, task) for task in tasks
+                                                 for slot in range(len(group))])
             for col, task in enumerate(tasks):
                 results = self.evaluate({slot: task for slot in range(len(group))})
                 for slot in range(len(group)):
                     losses[start + slot][col] = results[slot].pop("loss")
                     metrics[start + slot][col] = results[slot]
-                    h = hits.get((slot, task.name))
-                    accuracy[start + slot][col] = sum(h) / len(h) if h else float("nan")
+                    accuracy[start + slot][col] = cell_accuracy.get((slot, task.name),
+                                                                    float("nan"))
             for slot in range(len(group)):
                 clear_adapter_slot(self.model, slot)
         return AdapterTaskTables(tasks, losses, accuracy, metrics)
