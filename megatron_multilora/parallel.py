@@ -29,6 +29,15 @@ def collective_device() -> torch.device:
         else torch.device("cpu")
 
 
+def data_parallel_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU ``tensor`` summed over the data-parallel group (itself without one)."""
+    if parallel_state.get_data_parallel_world_size() == 1:
+        return tensor
+    on_device = tensor.to(collective_device())
+    dist.all_reduce(on_device, group=parallel_state.get_data_parallel_group())
+    return on_device.cpu()
+
+
 def _init_process_group(timeout_s: float) -> None:
     if dist.is_initialized():
         return

@@ -20,6 +20,11 @@ from tests.recipe.test_serve import launch as launch_killed_at_end  # noqa: F401
 
 STEPS = 6
 REL = 1e-5
+# The exported weights after STEPS Adam steps: Adam's update of a coordinate whose gradient
+# is near zero turns fp32 rounding (the base GEMMs round differently for other row counts on
+# some CPUs) into up to lr: 1.5e-5 was measured mixed vs alone on an AVX-512 Xeon, under 1e-5
+# on an EPYC. A job that leaked into another would move its weights by far more.
+REL_WEIGHTS = 1e-4
 # Metrics that depend on the run's speed, not on its training.
 TIMING = {"tokens_per_s", "loss_tokens_per_s"}
 
@@ -116,7 +121,7 @@ def test_each_objective_trains_in_a_mixed_step_as_alone(runs, name):
     b = load_file(str(runs["mixed"] / "adapters" / name / "adapter.safetensors"))
     assert sorted(a) == sorted(b)
     for key in a:
-        assert (a[key] - b[key]).norm() <= REL * max(float(a[key].norm()), 1e-12), key
+        assert (a[key] - b[key]).norm() <= REL_WEIGHTS * max(float(a[key].norm()), 1e-12), key
 
 
 def test_grpo_samples_do_not_depend_on_the_other_jobs(runs):

@@ -8,9 +8,13 @@ import dataclasses
 from pathlib import Path
 from typing import Optional, Sequence
 
+import torch
+from megatron.core import parallel_state
+
 from megatron_multilora.checkpoint.adapter_files import import_adapter
 from megatron_multilora.data.demo_tasks import exact_match
 from megatron_multilora.layers.lifecycle import ModelOrChunks, clear_adapter_slot
+from megatron_multilora.parallel import data_parallel_sum
 from megatron_multilora.training.jobs.job import Job
 from megatron_multilora.training.step import evaluation, generation
 
@@ -63,24 +67,32 @@ class AdapterTaskEval:
 
     def _cell_accuracy(self, cells: Sequence[tuple[int, Job]]) -> dict[tuple[int, str], float]:
         """Exact-match accuracy per ``(slot, task name)`` cell (cells with prompts only):
-        every cell's prompts in one batch (one forward per new token serves them all)."""
+        every cell's prompts in one batch (one forward per new token serves them all),
+        shared out over the data-parallel ranks where generation allows it."""
         prompts, answers = [], []
-        for slot, task in cells:
+        keys = [(slot, task.name) for slot, task in cells]
+        for index, (slot, task) in enumerate(cells):
             for record in task.eval_records:
                 if "prompt" not in record:
                     continue
                 ids = [self.tokenizer.bos_id] + self.tokenizer.encode(record["prompt"])
                 prompts.append((slot, ids))
-                answers.append(((slot, task.name), record["completion"]))
+                answers.append((index, record["completion"]))
         if not prompts:
             return {}
+        world, rank = 1, 0
+        if generation.uses_kv_cache(self.model, self.pad_multiple):
+            world = parallel_state.get_data_parallel_world_size()
+            rank = parallel_state.get_data_parallel_rank()
         outputs = generation.greedy_generate(
-            self.model, prompts, self.n_slots, self.max_new_tokens, self.tokenizer.eos_id,
-            self.pad_multiple, self.tokenizer.pad_id)
-        hits: dict[tuple[int, str], list[bool]] = {}
-        for out, (cell, answer) in zip(outputs, answers):
-            hits.setdefault(cell, []).append(exact_match(self.tokenizer.decode(out), answer))
-        return {cell: sum(h) / len(h) for cell, h in hits.items()}
+            self.model, prompts[rank::world], self.n_slots, self.max_new_tokens,
+            self.tokenizer.eos_id, self.pad_multiple, self.tokenizer.pad_id)
+        hits = torch.zeros(len(cells), 2, dtype=torch.int64)  # [hits, prompts] per cell
+        for out, (index, answer) in zip(outputs, answers[rank::world]):
+            hits[index] += torch.tensor([exact_match(self.tokenizer.decode(out), answer), 1])
+        if world > 1:
+            hits = data_parallel_sum(hits)
+        return {keys[i]: hit / total for i, (hit, total) in enumerate(hits.tolist()) if total}
 
     def tables(self, adapters: Sequence[Optional[Path]], jobs: Sequence[Job]) -> AdapterTaskTables:
         """Every adapter folder (None: a cleared slot, i.e. the base model alone) on every

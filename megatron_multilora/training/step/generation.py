@@ -101,9 +101,7 @@ def generate(model: ModelOrChunks, prompts: Sequence[tuple[int, list[int]]], n_s
               else list(max_new_tokens))
     order = sorted(range(len(prompts)), key=lambda i: prompts[i][0])  # adapter-major
     seqs = [(prompts[i][0], list(prompts[i][1])) for i in order]
-    # pad_multiple > 1 means sequence parallelism: a [B, 1] decode step cannot be split.
-    cached = (kv_cache and pad_multiple == 1 and len(chunks) == 1 and not _has_moe(chunks)
-              and parallel_state.get_pipeline_model_parallel_world_size() == 1)
+    cached = kv_cache and uses_kv_cache(chunks, pad_multiple)
     ends = [frozenset({eos_id, *(stops[i] if stops else ())}) for i in order]
     run = _Run(seqs, order, [limits[i] for i in order], ends, pick)
     with eval_mode(chunks):
@@ -116,6 +114,16 @@ def generate(model: ModelOrChunks, prompts: Sequence[tuple[int, list[int]]], n_s
     for k, i in enumerate(order):
         result[i] = run.out[k]
     return result
+
+
+def uses_kv_cache(model: ModelOrChunks, pad_multiple: int) -> bool:
+    """Whether :func:`generate` can keep a KV cache for ``model``: a dense model without
+    sequence or pipeline parallelism. Only that path runs no data-parallel collective, so
+    data-parallel ranks may generate different prompts."""
+    chunks = model_chunks(model)
+    # pad_multiple > 1 means sequence parallelism: a [B, 1] decode step cannot be split.
+    return (pad_multiple == 1 and len(chunks) == 1 and not _has_moe(chunks)
+            and parallel_state.get_pipeline_model_parallel_world_size() == 1)
 
 
 def greedy_generate(model: ModelOrChunks, prompts: Sequence[tuple[int, list[int]]], n_slots: int,

@@ -1,0 +1,106 @@
+"""The adapter x task tables at DP=2: each data-parallel rank evaluates and generates a share
+of every task (losses summed over the group, exact-match counts too), giving one process's
+tables."""
+
+import types
+
+import torch
+from megatron.core import parallel_state
+
+import megatron_multilora as mm
+from megatron_multilora.data.datasets import Example
+from megatron_multilora.training.objectives.sft import SFT
+from megatron_multilora.training.report.tables import AdapterTaskEval
+from megatron_multilora.training.step import generation
+from tests.distributed.conftest import assert_all_ranks
+from tests.distributed.harness import ALPHAS, DIM, N, RANKS
+
+CFG = mm.GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                        ffn_hidden_size=48, vocab_size=64, gated_linear_unit=True)
+
+
+def build(cfg: mm.GPTModelConfig):
+    torch.manual_seed(0)  # the same weights on every rank
+    model = mm.build_gpt_model(cfg, calculate_per_token_loss=True)
+    mm.apply_multi_lora(model, N, DIM, 1.0, row_init_method="normal")  # non-zero adapters
+    for i, (r, a) in enumerate(zip(RANKS, ALPHAS)):
+        mm.init_adapter_slot(model, i, r, a)
+    return model
+
+
+class Digits:
+    """Token i + 3 is digit character i % 10: answers are strings of digits."""
+    bos_id, eos_id, pad_id = 1, 2, 0
+
+    def encode(self, text: str) -> list[int]:
+        return [3 + int(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(str((i - 3) % 10) for i in ids if i >= 3)
+
+
+def task(name: str, seed: int, n: int) -> types.SimpleNamespace:
+    """``n`` held-out examples and prompt records; the answers are what the model in slot
+    ``seed % N`` generates for half of them (so accuracy is neither 0 nor 1 there)."""
+    gen = torch.Generator().manual_seed(seed)
+    examples, records = [], []
+    for i in range(n):
+        tokens = torch.randint(3, 13, (4 + i % 5,), generator=gen).tolist()
+        examples.append(Example(tuple(tokens), tuple([False] + [True] * (len(tokens) - 2))))
+        records.append({"prompt": "".join(str(t - 3) for t in tokens[:3]), "completion": "?"})
+    return types.SimpleNamespace(name=name, eval=examples, eval_records=records,
+                                 objective=SFT())
+
+
+def tables_of(model, tasks):
+    ev = AdapterTaskEval(model, Digits(), N, token_budget=40, pad_multiple=1, max_new_tokens=3)
+    cells = [(slot, t) for t in tasks for slot in range(N)]
+    return ({(s, t.name): ev.evaluate({s: t})[s]["loss"] for s, t in cells},
+            ev._cell_accuracy(cells))
+
+
+def test_dp2_tables_match_one_process(layout, monkeypatch):
+    tasks = [task("a", 0, 7), task("b", 1, 4)]
+    layout()
+    failures: list[str] = []
+    if parallel_state.get_data_parallel_world_size() != 2:
+        failures.append("the scenario needs two data-parallel ranks")
+    model = build(CFG)
+    # Answers: one process's generations for every other prompt, so the counts must add up.
+    prompts = [(slot, [1] + Digits().encode(r["prompt"])) for t in tasks for slot in range(N)
+               for r in t.eval_records]
+    outs = generation.greedy_generate(model, prompts, N, 3, 2, 1, 0)
+    k = 0
+    for t in tasks:
+        for slot in range(N):
+            for i, r in enumerate(t.eval_records):
+                if i % 2 == 0 and slot == 0:
+                    r["completion"] = Digits().decode(outs[k])
+                k += 1
+
+    with monkeypatch.context() as alone:  # the reference: every rank evaluates everything
+        alone.setattr(parallel_state, "get_data_parallel_world_size", lambda *a, **k: 1)
+        alone.setattr(parallel_state, "get_data_parallel_rank", lambda *a, **k: 0)
+        want_losses, want_accuracy = tables_of(model, tasks)
+
+    seen: list[int] = []
+    real = generation.greedy_generate
+
+    def counting(model, prompts, *args, **kwargs):
+        seen.append(len(prompts))
+        return real(model, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(generation, "greedy_generate", counting)
+    losses, accuracy = tables_of(model, tasks)
+    monkeypatch.undo()
+    share = len(prompts[parallel_state.get_data_parallel_rank()::2])
+    if seen != [share]:
+        failures.append(f"this rank generated {seen} prompts of {len(prompts)}: want {share}")
+    for cell, want in want_losses.items():
+        if abs(losses[cell] - want) > 1e-5 * max(1.0, abs(want)):
+            failures.append(f"loss {cell}: {losses[cell]} != one process's {want}")
+    if accuracy != want_accuracy:
+        failures.append(f"accuracy {accuracy} != one process's {want_accuracy}")
+    if not 0 < want_accuracy[(0, "a")] < 1:
+        failures.append(f"slot 0 on task a: accuracy {want_accuracy[(0, 'a')]}, want in (0, 1)")
+    assert_all_ranks(failures)
