@@ -100,6 +100,7 @@ def peft_worker(spec: dict, job_indices: list[int], threads: int, result_file: s
     from megatron_multilora.data.tokenizer import HFTokenizer
     from megatron_multilora.training.config import AdapterJob
     from megatron_multilora.training.jobs.job import Job
+    from megatron_multilora.training.objectives.sft import SFT
 
     torch.manual_seed(spec["seed"])
     tok = HFTokenizer(AutoTokenizer.from_pretrained(spec["hf_dir"]))
@@ -116,7 +117,7 @@ def peft_worker(spec: dict, job_indices: list[int], threads: int, result_file: s
         for n, p in peft_model.named_parameters():
             p.requires_grad_(f".{job.name}." in n)
         loop = PeftLoop(peft_model, job, job.max_steps)
-        order = Job(job, data, [], [], job.max_steps)  # the recipe's sample order for this job
+        order = Job(job, SFT(), data, [], [], job.max_steps)  # the recipe's sample order
         times, losses, positions = [time.time()], [], 0
         for _ in range(job.max_steps):
             picked = [data[i] for i in order.next_samples(job.global_batch_size, spec["seed"])]

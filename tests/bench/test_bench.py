@@ -122,6 +122,28 @@ print(json.dumps(spec))
     assert all(costs[part] > 0 for part in ("frozen", "lora", "step")), costs
 
 
+def test_the_peft_worker_trains_its_jobs_in_the_recipes_order(tmp_path):
+    """Rows 10 and 13, the peft side: one worker trains two of the demo jobs one after
+    another and writes their step times, positions and held-out losses."""
+    data = tmp_path / "demo"
+    subprocess.run([sys.executable, "scripts/make_demo_data.py", "--out-dir", str(data)],
+                   cwd=REPO, check=True, capture_output=True, timeout=120)
+    code = f"""
+from pathlib import Path
+from benchmarks.peers.spec import job_spec
+from benchmarks.peers.peft_loop import peft_worker
+peft_worker(job_spec(Path({str(data)!r}), 3), [0, 3], 1, {str(tmp_path / 'peft.json')!r})
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=240,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    got = json.loads((tmp_path / "peft.json").read_text())
+    assert sorted(got["jobs"]) == ["reverse", "sort"], got
+    for job in got["jobs"].values():
+        assert len(job["step_end_times"]) == 3 and job["positions"] > 0, job
+        assert job["eval_loss"] > 0 and job["params"] > 0, job
+
+
 def test_versions_without_git(monkeypatch):
     """The GPU machine's image may have no git: the report then names no commit."""
     from benchmarks import report
