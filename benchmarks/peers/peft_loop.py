@@ -42,6 +42,12 @@ def eval_loss(model, examples, pad_id: int) -> float:
     return float(loss / keep.sum())
 
 
+def peft_name(job) -> str:
+    """The job's adapter name inside peft: prefixed, as a bare job name may be a torch module
+    attribute (peft cannot add an adapter called ``double``)."""
+    return f"job_{job.name}"
+
+
 def with_peft_adapters(model, jobs: list, targets: list[str]):
     """``model`` wrapped by peft with one LoRA adapter per job (every one injected up front;
     only the active one trains), in train mode."""
@@ -52,9 +58,9 @@ def with_peft_adapters(model, jobs: list, targets: list[str]):
         cfg = LoraConfig(r=job.rank, lora_alpha=job.alpha, lora_dropout=job.dropout,
                          target_modules=targets, bias="none", task_type="CAUSAL_LM")
         if peft_model is None:
-            peft_model = get_peft_model(model, cfg, adapter_name=job.name)
+            peft_model = get_peft_model(model, cfg, adapter_name=peft_name(job))
         else:
-            peft_model.add_adapter(job.name, cfg)
+            peft_model.add_adapter(peft_name(job), cfg)
     return peft_model.train()
 
 
@@ -68,7 +74,7 @@ class PeftLoop:
         from megatron_multilora.training.step.slot_optimizer import lr_factor
 
         self.model, self.job = peft_model, job
-        self.params = [p for n, p in peft_model.named_parameters() if f".{job.name}." in n]
+        self.params = [p for n, p in peft_model.named_parameters() if f".{peft_name(job)}." in n]
         self.opt = torch.optim.AdamW(self.params, lr=job.lr, weight_decay=job.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda step: lr_factor(step, job, steps))
@@ -113,9 +119,9 @@ def peft_worker(spec: dict, job_indices: list[int], threads: int, result_file: s
     out = {"jobs": {}, "threads": threads, "torch_threads": torch.get_num_threads()}
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     for job, data in zip(jobs, train):
-        peft_model.base_model.set_adapter(job.name)
+        peft_model.base_model.set_adapter(peft_name(job))
         for n, p in peft_model.named_parameters():
-            p.requires_grad_(f".{job.name}." in n)
+            p.requires_grad_(f".{peft_name(job)}." in n)
         loop = PeftLoop(peft_model, job, job.max_steps)
         order = Job(job, SFT(), data, [], [], job.max_steps)  # the recipe's sample order
         times, losses, positions = [time.time()], [], 0
@@ -130,6 +136,6 @@ def peft_worker(spec: dict, job_indices: list[int], threads: int, result_file: s
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     out["loop_cpu_s"] = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
     for job, held_out in zip(jobs, evals):  # after every loop: outside the timed span
-        peft_model.base_model.set_adapter(job.name)
+        peft_model.base_model.set_adapter(peft_name(job))
         out["jobs"][job.name]["eval_loss"] = eval_loss(peft_model, held_out, tok.pad_id)
     Path(result_file).write_text(json.dumps(out))

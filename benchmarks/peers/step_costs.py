@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from benchmarks.peers.peft_loop import PeftLoop, batch, with_peft_adapters
+from benchmarks.peers.peft_loop import PeftLoop, batch, peft_name, with_peft_adapters
 
 STEP_PARTS = ("frozen", "lora", "step")
 """Timed per global step: the frozen base's forward+backward, the same with every job's
@@ -87,13 +87,13 @@ def _peft_step_costs(spec: dict, jobs: list, batches, pad_id: int, median) -> di
 
     def lora(rep: int) -> None:
         for loop, examples in zip(loops, batches(rep)):
-            peft_model.base_model.set_adapter(loop.job.name)
+            peft_model.base_model.set_adapter(peft_name(loop.job))
             ids, attn, labels = batch(examples, pad_id)
             peft_model(input_ids=ids, attention_mask=attn, labels=labels).loss.backward()
 
     def step(rep: int) -> None:  # one step of each job's loop (as peft_worker's)
         for loop, examples in zip(loops, batches(rep)):
-            peft_model.base_model.set_adapter(loop.job.name)
+            peft_model.base_model.set_adapter(peft_name(loop.job))
             loop.step(examples, pad_id)
 
     out["lora"], out["step"] = median(lora), median(step)

@@ -124,7 +124,8 @@ print(json.dumps(spec))
 
 def test_the_peft_worker_trains_its_jobs_in_the_recipes_order(tmp_path):
     """Rows 10 and 13, the peft side: one worker trains two of the demo jobs one after
-    another and writes their step times, positions and held-out losses."""
+    another and writes their step times, positions and held-out losses; a job may be named
+    like a torch module attribute (the main job's ``double``)."""
     data = tmp_path / "demo"
     subprocess.run([sys.executable, "scripts/make_demo_data.py", "--out-dir", str(data)],
                    cwd=REPO, check=True, capture_output=True, timeout=120)
@@ -132,13 +133,15 @@ def test_the_peft_worker_trains_its_jobs_in_the_recipes_order(tmp_path):
 from pathlib import Path
 from benchmarks.peers.spec import job_spec
 from benchmarks.peers.peft_loop import peft_worker
-peft_worker(job_spec(Path({str(data)!r}), 3), [0, 3], 1, {str(tmp_path / 'peft.json')!r})
+spec = job_spec(Path({str(data)!r}), 3)
+spec["jobs"][3]["name"] = "double"
+peft_worker(spec, [0, 3], 1, {str(tmp_path / 'peft.json')!r})
 """
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=240,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     got = json.loads((tmp_path / "peft.json").read_text())
-    assert sorted(got["jobs"]) == ["reverse", "sort"], got
+    assert sorted(got["jobs"]) == ["double", "reverse"], got
     for job in got["jobs"].values():
         assert len(job["step_end_times"]) == 3 and job["positions"] > 0, job
         assert job["eval_loss"] > 0 and job["params"] > 0, job
