@@ -329,6 +329,20 @@ def _check_all_used(ckpt: SafetensorsFolder, cfg: GPTModelConfig, stage: _Stage)
                          f"(config.json and weights disagree?): {unused[:5]}{more}")
 
 
+def _drawn_from_the_checkpoint(weight: torch.Tensor) -> None:
+    """An init method that leaves ``weight`` as allocated: the checkpoint's tensor is copied
+    over it next (:func:`load_hf_checkpoint` raises when one is missing)."""
+
+
+# TransformerConfig fields for a base whose weights come from a checkpoint: megatron (0.16.1)
+# tags parameters as tensor-parallel (tensor_model_parallel / partition_dim) only inside its
+# init functions, so they must run (perform_initialization=False would leave TP-split
+# parameters looking replicated), but drawing 135 M random values first took 2.3 s of start-up.
+INIT_FOR_CHECKPOINT = {"init_method": _drawn_from_the_checkpoint,
+                       "output_layer_init_method": _drawn_from_the_checkpoint,
+                       "embedding_init_method": _drawn_from_the_checkpoint}
+
+
 def load_hf_model(
     folder: str,
     sequence_parallel: bool = False,
@@ -338,10 +352,7 @@ def load_hf_model(
     (call ``init_parallel`` first; under pipelining, this rank's stage, without virtual
     stages) and load its weights; returned in eval mode, like ``from_pretrained``."""
     cfg = hf_to_model_config(read_hf_config(folder))
-    # Random init is wasted work here, but megatron (0.16.1) only tags parameters as
-    # tensor-parallel (tensor_model_parallel / partition_dim) inside its init functions, so
-    # perform_initialization=False would leave TP-split parameters looking replicated.
-    model = build_gpt_model(cfg, sequence_parallel, params_dtype)
+    model = build_gpt_model(cfg, sequence_parallel, params_dtype, **INIT_FOR_CHECKPOINT)
     load_hf_checkpoint(model, folder, cfg)
     return model.eval(), cfg
 

@@ -9,7 +9,7 @@ import torch
 from megatron_multilora.layers.inject import apply_multi_lora
 from megatron_multilora.models.gpt import build_model_chunks
 from megatron_multilora.models.gpt_config import GPTModelConfig
-from megatron_multilora.models.hf_import import load_hf_checkpoint
+from megatron_multilora.models.hf_import import INIT_FOR_CHECKPOINT, load_hf_checkpoint
 from megatron_multilora.training.config import RunConfig
 
 
@@ -25,7 +25,8 @@ def build_run_model(run: RunConfig, model_config: GPTModelConfig) -> list[torch.
     # Per-adapter losses are normalised over the global batch: gradients are summed over
     # data-parallel ranks, not averaged (megatron's per-token-loss convention).
     chunks = build_model_chunks(model_cfg, sequence_parallel=run.parallel.sp, params_dtype=dtype,
-                                calculate_per_token_loss=True)
+                                calculate_per_token_loss=True,
+                                **(INIT_FOR_CHECKPOINT if run.hf_dir else {}))
     if run.hf_dir:  # each pipeline rank reads its own stage's layers
         load_hf_checkpoint(chunks, run.hf_dir, model_cfg)
     return apply_multi_lora(chunks, run.lora.slots, run.lora.max_rank, alpha=1.0,
