@@ -118,7 +118,7 @@ def _our_step_costs(spec: dict, jobs: list, batches, pad_id: int, median) -> dic
     from megatron_multilora.training.step.train_step import SlotTrainStep
 
     mm.support_megatron_here()
-    run = recipe_run(spec["overrides"])
+    run = recipe_run(spec["overrides"], config_name=spec["config_name"])
     mm.init_parallel(seed=run.seed)
     cfg = base_model_config(run)
     order = sorted(range(len(jobs)), key=lambda slot: jobs[slot].rank)  # as the trainer packs
