@@ -63,4 +63,3 @@ def eval_losses(model: ModelOrChunks, slot_examples: Sequence[Sequence[Packable]
                 token_budget: int, pad_multiple: int, pad_id: int) -> torch.Tensor:
     """``[n_slots]`` mean loss over each slot's examples' loss tokens (nan: no examples)."""
     return eval_results(model, slot_examples, token_budget, pad_multiple, pad_id)[:, 0]
-
