@@ -16,10 +16,12 @@ RANKS, ALPHAS = [8, 3, 1, 5], [16.0, 4.0, 2.0, 10.0]
 SEQ = 16
 
 
-def build(cfg: mm.GPTModelConfig, sp: bool = False, ddp: bool = True, fully_sharded: bool = False):
-    """The wrapped model (megatron DDP around it unless ``ddp=False``); same weights each call."""
+def build(cfg: mm.GPTModelConfig, sp: bool = False, ddp: bool = True, fully_sharded: bool = False,
+          **config_overrides: object):
+    """The wrapped model (megatron DDP around it unless ``ddp=False``); same weights each call.
+    ``config_overrides``: further megatron TransformerConfig fields."""
     torch.manual_seed(0)  # base weights are drawn as full tensors: same on every build
-    model = mm.build_gpt_model(cfg, sequence_parallel=sp)
+    model = mm.build_gpt_model(cfg, sequence_parallel=sp, **config_overrides)
     # Non-zero B so that every factor gets a gradient.
     mm.apply_multi_lora(model, N, DIM, 1.0, row_init_method="normal", fully_sharded=fully_sharded)
     for i, (r, a) in enumerate(zip(RANKS, ALPHAS)):
