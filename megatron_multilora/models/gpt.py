@@ -11,6 +11,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_multilora.models.gpt_config import GPTModelConfig
 from megatron_multilora.models.specs import gpt_block_spec
+from megatron_multilora.ops.packed_linear import use_packed_frozen_weights
 from megatron_multilora.validation import model_layout_problems, schema_problems
 
 
@@ -134,7 +135,8 @@ def build_model_chunks(
     layer number (:class:`~megatron_multilora.models.specs.SeededTransformerLayer`), the
     embedding from the start of the stream and the output layer after the last layer. The
     generator is left after this rank's draws (what is drawn next, e.g. adapters, does not
-    repeat the embedding's values)."""
+    repeat the embedding's values). On CPU the frozen linears run on weights packed once
+    (:mod:`megatron_multilora.ops.packed_linear`)."""
     config = transformer_config(cfg, sequence_parallel, params_dtype, **config_overrides)
     vpp = config.virtual_pipeline_model_parallel_size
     init_seed = torch.initial_seed()
@@ -158,7 +160,9 @@ def build_model_chunks(
             rotary_base=cfg.rotary_base,
             vp_stage=vp_stage,
         ))
-    if torch.cuda.is_available():
-        for chunk in chunks:
+    for chunk in chunks:
+        if torch.cuda.is_available():
             chunk.cuda()
+        else:
+            use_packed_frozen_weights(chunk)
     return chunks

@@ -1,0 +1,92 @@
+"""Frozen linears on packed weights (ops/packed_linear.py): the model built on CPU runs its
+frozen linears on them, with megatron's outputs and gradients; a changed weight is repacked,
+a trainable one runs megatron's own path, and a row's output does not depend on the rows
+beside it (what mixed == alone rests on)."""
+
+import pytest
+import torch
+
+from megatron_multilora.data.packing import pack_micro_batches
+from megatron_multilora.layers.lifecycle import slot_parameters
+from megatron_multilora.ops import packed_linear
+from megatron_multilora.ops.packed_linear import use_packed_frozen_weights
+from megatron_multilora.training.step.micro_batches import chunk_inputs
+from tests.unit.test_step_schedule import DENSE, N, PAD, build, slot_examples
+
+
+@pytest.fixture
+def packed_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of every packed GEMM run while the test runs."""
+    calls = []
+    run = packed_linear._onednn_linear
+
+    def counted(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        calls.append(rows.size(0))
+        return run(rows, packed)
+
+    monkeypatch.setattr(packed_linear, "_onednn_linear", counted)
+    return calls
+
+
+def _parallel_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if "_forward_impl" in vars(m)]
+
+
+def _loss_and_grads(model: torch.nn.Module) -> tuple:
+    (mb,) = pack_micro_batches(slot_examples(), 10**6, 1, PAD)
+    model.zero_grad()
+    inputs = chunk_inputs(model, mb)
+    embedded = []
+    hook = model.embedding.register_forward_hook(
+        lambda module, args, out: embedded.append(out.requires_grad_()) or out)
+    loss = model(**inputs, labels=mb.labels)
+    hook.remove()
+    embedded[0].retain_grad()
+    (loss * mb.loss_mask).sum().backward()
+    grads = [p.grad.clone() for s in range(N) for p in slot_parameters(model, s)]
+    return loss.detach(), embedded[0].grad.clone(), grads
+
+
+def test_the_cpu_model_runs_its_frozen_linears_packed_with_megatrons_results(packed_calls):
+    model = build(DENSE)
+    linears = _parallel_linears(model)
+    assert len(linears) == 4 * DENSE.num_layers + 1  # qkv, proj, fc1, fc2 a layer, the output layer
+    packed = _loss_and_grads(model)
+    # Each frozen linear ran packed, forward and input gradient.
+    assert len(packed_calls) == 2 * len(linears)
+    for module in linears:
+        del module._forward_impl  # megatron's own implementation
+    plain = _loss_and_grads(model)
+    assert len(packed_calls) == 2 * len(linears)
+    torch.testing.assert_close(packed[0], plain[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(packed[1], plain[1], rtol=1e-4, atol=1e-7)
+    for a, b in zip(packed[2], plain[2]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_a_changed_weight_is_repacked_and_a_trainable_one_runs_megatrons_path(packed_calls):
+    model = build(DENSE)
+    layer = model.decoder.layers[0].mlp.linear_fc2.to_wrap
+    x = torch.randn(5, 1, layer.weight.size(1))
+    first, _ = layer(x)
+    with torch.no_grad():
+        layer.weight.mul_(2.0)
+    second, _ = layer(x)
+    torch.testing.assert_close(second, 2 * first, rtol=1e-5, atol=1e-6)
+
+    assert packed_calls == [5, 5]
+    layer.weight.requires_grad_(True)
+    out, _ = layer(x)
+    out.sum().backward()
+    assert packed_calls == [5, 5] and layer.weight.grad is not None
+
+
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it():
+    layer = build(DENSE).output_layer
+    weight = build(DENSE).embedding.word_embeddings.weight
+    use_packed_frozen_weights(layer)
+    x = torch.randn(40, 1, weight.size(1))
+    whole, _ = layer(x, weight=weight)
+    for rows in (1, 7, 33):
+        part, _ = layer(x[:rows].contiguous(), weight=weight)
+        assert torch.equal(part, whole[:rows])
