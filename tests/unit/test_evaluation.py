@@ -1,4 +1,5 @@
-"""Greedy generation with megatron's KV cache gives the tokens of re-running the prefix."""
+"""Greedy generation with megatron's KV cache gives the tokens of re-running the prefix,
+with finished sequences leaving the batch."""
 
 import torch
 
@@ -40,10 +41,12 @@ def generate(model, items, eos_id: int, kv_cache: bool) -> list[list[int]]:
 def test_kv_cache_generates_the_same_tokens_as_the_uncached_path(monkeypatch):
     model = model_with_distinct_adapters()
     items = prompts()
-    contexts = []  # the cached path must really run with an inference context
+    contexts, rows = [], []  # the cached path must really run with an inference context
     forward = model.forward
     monkeypatch.setattr(model, "forward", lambda *a, **kw: (
-        contexts.append(kw.get("inference_context")), forward(*a, **kw))[1])
+        contexts.append(kw.get("inference_context")),
+        rows.append((a[0] if a else kw["input_ids"]).size(0)),
+        forward(*a, **kw))[2])
     never_eos = generate(model, items, eos_id=-1, kv_cache=False)
     assert all(len(g) == 6 for g in never_eos)
     assert len({tuple(g) for g in never_eos}) > 1
@@ -51,9 +54,13 @@ def test_kv_cache_generates_the_same_tokens_as_the_uncached_path(monkeypatch):
     eos = never_eos[0][2]
     uncached = generate(model, items, eos, kv_cache=False)
     assert not any(contexts)
+    rows.clear()
     cached = generate(model, items, eos, kv_cache=True)
     assert all(c is not None for c in contexts[-3:])
     assert cached == uncached
+    # Decode steps fed every sequence at first, fewer once some had finished.
+    decode = rows[-(len(rows) - len({s for s, _ in items})):]
+    assert decode[0] == len(items) and decode[-1] < len(items)
     assert {len(g) for g in uncached} >= {2, 6}
     # Same slot, same prompt -> the same tokens; another slot's adapter -> other tokens.
     assert cached == generate(model, items, eos, kv_cache=True)

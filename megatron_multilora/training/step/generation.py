@@ -107,7 +107,7 @@ def generate(model: ModelOrChunks, prompts: Sequence[tuple[int, list[int]]], n_s
     with eval_mode(chunks):
         if seqs and max(limits, default=0) >= 1:
             if cached:
-                _generate_cached(chunks[0], run, n_slots, pad_id)
+                _generate_cached(chunks[0], run, n_slots)
             else:
                 _generate_uncached(chunks, run, n_slots, pad_multiple, pad_id)
     result: list[Generation] = [Generation() for _ in prompts]
@@ -199,13 +199,14 @@ def _generate_uncached(chunks: list[torch.nn.Module], run: _Run, n_slots: int,
             break
 
 
-def _generate_cached(model: torch.nn.Module, run: _Run, n_slots: int, pad_id: int) -> None:
+def _generate_cached(model: torch.nn.Module, run: _Run, n_slots: int) -> None:
     """Megatron's static batching: all sequences advance one position per step, so they
     share one KV-cache offset (and RoPE position). The first ``min prompt length`` positions
     run at once (prefill, one forward per slot: a ``[b, s]`` batch flattens sequence-major,
     so only a single-slot batch is adapter-major); then every step feeds ``[B, 1]`` tokens,
     adapter-major as the sequences are slot-sorted: a prompt's own next token while it
-    lasts (its prediction is ignored), else the token chosen at the previous step."""
+    lasts (its prediction is ignored), else the token chosen at the previous step. A finished
+    sequence leaves the batch (its cache row is moved out of the fed prefix)."""
     seqs = run.seqs
     device = next(model.parameters()).device
     lengths = [len(tokens) for _, tokens in seqs]
@@ -232,16 +233,25 @@ def _generate_cached(model: torch.nn.Module, run: _Run, n_slots: int, pad_id: in
                               list(range(start, start + n)))
             start += n
     context.batch_size_offset = 0
+    cached = list(range(len(seqs)))  # the sequence in each row of the KV cache
+    live = cached  # the rows fed: a prefix of ``cached``, still adapter-major
     position = prefill  # of the token each sequence's ``chosen`` entry predicts
     while True:
-        for k, (token, logprob) in enumerate(chosen):
+        for k, (token, logprob) in zip(live, chosen):
             if position >= lengths[k]:  # else still inside the prompt: not used
                 run.take(k, int(token), logprob)
         if all(run.done):
             break
-        feed = [seqs[k][1][position] if position < lengths[k]
-                else (pad_id if run.done[k] else run.out[k].tokens[-1])
-                for k in range(len(seqs))]
+        if any(run.done[k] for k in live):
+            # Finished sequences leave the batch: their cache rows move behind the live ones'.
+            live = [k for k in live if not run.done[k]]
+            order = live + [k for k in cached if run.done[k]]
+            row_of = {k: row for row, k in enumerate(cached)}
+            context.swap_key_value_dict(torch.tensor([row_of[k] for k in order], device=device))
+            cached = order
+        feed = [seqs[k][1][position] if position < lengths[k] else run.out[k].tokens[-1]
+                for k in live]
         context.sequence_len_offset = position
-        chosen = forward([[t] for t in feed], position, per_slot, list(range(len(seqs))))
+        chosen = forward([[t] for t in feed], position,
+                         [sum(slots[k] == s for k in live) for s in range(n_slots)], live)
         position += 1
