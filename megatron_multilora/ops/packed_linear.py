@@ -7,7 +7,9 @@ At the few hundred rows of a fine-tuning micro-batch, or the few dozen of a deco
 pass is a large share of the GEMM (2-core AMD EPYC, one thread, SmolLM2's 30 layers of
 linears: 50 GFLOP/s by MKL vs 71 packed at 68 rows, 69 vs 78 at 180). The base is frozen, so here each weight is packed once per
 direction (``weight`` for the forward, ``weight.t()`` for the input gradient, two extra copies
-of the base) and repacked only when it changes (its version counter or storage moves).
+of the base) and repacked only when it changes (its version counter or storage moves). A
+weight whose packs would leave less than a quarter of the machine's memory free stays
+unpacked (a model too large to triple on this machine trains as before, on megatron's path).
 
 :func:`use_packed_frozen_weights` installs this on every megatron parallel linear of a model;
 a call it does not cover (a trainable or non-fp32 weight, CUDA, a torch without oneDNN) runs
@@ -19,6 +21,7 @@ from __future__ import annotations
 import types
 from typing import Any, Optional
 
+import psutil
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
@@ -29,21 +32,30 @@ def _onednn_linear(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed, None, "none", [], "")
 
 
-def _packs(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight``'s (forward, input-gradient) packs, made on first use and after any change."""
+_FREE_FRACTION = 0.25
+"""Memory left free after packing a weight, as a fraction of the machine's."""
+
+
+def _packs(weight: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """``weight``'s (forward, input-gradient) packs, made on first use and after any change;
+    None where there is no room for them."""
     key = (weight._version, weight.data_ptr())
     cached = getattr(weight, "_onednn_packs", None)
     if cached is None or cached[0] != key:
-        with torch.no_grad():
-            reorder = torch.ops.mkldnn._reorder_linear_weight
-            cached = (key, reorder(weight.detach()), reorder(weight.detach().t().contiguous()))
-        weight._onednn_packs = cached
-    return cached[1], cached[2]
+        memory = psutil.virtual_memory()
+        room = memory.available - 2 * weight.nbytes >= _FREE_FRACTION * memory.total
+        packs = None
+        if room:
+            with torch.no_grad():
+                reorder = torch.ops.mkldnn._reorder_linear_weight
+                packs = reorder(weight.detach()), reorder(weight.detach().t().contiguous())
+        cached = weight._onednn_packs = (key, packs)
+    return cached[1]
 
 
 def packable(input: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether this call runs on packed weights: a frozen fp32 weight and input on CPU, with
-    torch built with oneDNN."""
+    """Whether this call can run on packed weights (room for them permitting): a frozen fp32
+    weight and input on CPU, with torch built with oneDNN."""
     return (not weight.requires_grad and weight.device.type == "cpu"
             and weight.dtype == input.dtype == torch.float32 and weight.dim() == 2
             and torch.backends.mkldnn.is_available())
@@ -55,10 +67,10 @@ class _PackedFrozenLinear(torch.autograd.Function):
     does not allow as a custom Function's output)."""
 
     @staticmethod
-    def forward(ctx: Any, input: torch.Tensor, weight: torch.Tensor,
+    def forward(ctx: Any, input: torch.Tensor, packs: tuple[torch.Tensor, torch.Tensor],
                 bias: Optional[torch.Tensor], allreduce_dgrad: bool,
                 tp_group: Optional[torch.distributed.ProcessGroup]) -> torch.Tensor:
-        forward_pack, ctx.backward_pack = _packs(weight)
+        forward_pack, ctx.backward_pack = packs
         ctx.allreduce_dgrad, ctx.tp_group = allreduce_dgrad, tp_group
         output = _onednn_linear(input, forward_pack)
         return output if bias is None else output + bias
@@ -78,7 +90,9 @@ def _forward_impl(self: torch.nn.Module, input: torch.Tensor, weight: torch.Tens
                   allreduce_dgrad: bool, sequence_parallel: bool,
                   tp_group: Optional[torch.distributed.ProcessGroup],
                   **rest: Any) -> torch.Tensor:
-    if not packable(input, weight) or any(v is not None for v in rest.values()):
+    packs = (_packs(weight) if packable(input, weight)
+             and all(v is None for v in rest.values()) else None)
+    if packs is None:
         return type(self)._forward_impl(
             self, input, weight, bias, gradient_accumulation_fusion=gradient_accumulation_fusion,
             allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
@@ -88,7 +102,7 @@ def _forward_impl(self: torch.nn.Module, input: torch.Tensor, weight: torch.Tens
         input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True,
                                                      group=tp_group)
     rows = input.reshape(-1, input.size(-1))
-    output = _PackedFrozenLinear.apply(rows, weight, bias, allreduce_dgrad, tp_group)
+    output = _PackedFrozenLinear.apply(rows, packs, bias, allreduce_dgrad, tp_group)
     return output.view(*input.shape[:-1], output.size(-1))
 
 

@@ -1,7 +1,7 @@
 """Frozen linears on packed weights (ops/packed_linear.py): the model built on CPU runs its
 frozen linears on them, with megatron's outputs and gradients; a changed weight is repacked,
-a trainable one runs megatron's own path, and a row's output does not depend on the rows
-beside it (what mixed == alone rests on)."""
+a trainable one, or one without room for its packs, runs megatron's own path, and a row's
+output does not depend on the rows beside it (what mixed == alone rests on)."""
 
 import pytest
 import torch
@@ -90,3 +90,13 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it():
     for rows in (1, 7, 33):
         part, _ = layer(x[:rows].contiguous(), weight=weight)
         assert torch.equal(part, whole[:rows])
+
+
+def test_without_room_for_the_packs_a_weight_runs_megatrons_path(packed_calls, monkeypatch):
+    model = build(DENSE)
+    layer = model.decoder.layers[0].mlp.linear_fc1.to_wrap
+    x = torch.randn(6, 1, layer.weight.size(1))
+    monkeypatch.setattr(packed_linear, "_FREE_FRACTION", 1.0)  # nothing may be used
+    out, _ = layer(x)
+    assert packed_calls == []
+    torch.testing.assert_close(out, x @ layer.weight.t(), rtol=1e-5, atol=1e-6)
