@@ -8,6 +8,7 @@ import os
 import random
 import re
 import subprocess
+import time
 from pathlib import Path
 
 from megatron_multilora.models.tiny_hf import write_tiny_llama
@@ -36,12 +37,16 @@ def test_the_cookbook_supervised_loop_trains_through_the_service(tmp_path):
                       overrides=[f"hf_dir={hf_dir}"])
     try:
         env = {**os.environ, "TINKER_API_KEY": KEY, "HF_HUB_OFFLINE": "1"}
+        start = time.monotonic()
         done = subprocess.run(
             [str(REPO / ".venv/bin/python"), "examples/cookbook_supervised.py", "--port",
              str(port), "--hf-dir", str(hf_dir), "--conversations", str(tmp_path / "chats.jsonl"),
              "--log-path", str(tmp_path / "cookbook"), "--epochs", "3"],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        # 12 tiny steps take seconds; a call whose answer the SDK never read costs its 45 s
+        # read timeout (the client transport the service's client config picks).
+        assert time.monotonic() - start < 40, "the loop waited out an SDK read timeout"
     finally:
         service.stop()
     rows = [json.loads(line) for line in open(tmp_path / "cookbook/metrics.jsonl")]
