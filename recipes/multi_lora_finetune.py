@@ -96,10 +96,11 @@ def main(cfg: DictConfig) -> None:
     if run.api.enabled:  # the training service instead of the config's jobs
         _serve_api(run)
         return
-    # Imported only now: it loads megatron (seconds), which a bad config is reported without.
+    # Only now: megatron loads (seconds), which a bad config is reported without; first the
+    # CPU shims where CUDA is absent (they import megatron), TE stand-ins where TE is.
+    mm.support_megatron_here()
     from megatron_multilora.training.trainer import Trainer
 
-    mm.support_megatron_here()  # CPU shims where CUDA is absent, TE stand-ins where TE is
     trainer = Trainer(run)
     try:
         # SIGTERM / Ctrl-C / `mmlora stop`: finish the step, save, stop (training/stop.py)
@@ -128,9 +129,9 @@ def _serve_api(run: RunConfig) -> None:
         keys = load_keys(run.api.keys_file)
     except APIKeyError as err:
         _report_and_exit(f"the service cannot start:\n  - {err}", 2)
+    mm.support_megatron_here()
     from megatron_multilora.service.server import serve_api
 
-    mm.support_megatron_here()
     try:
         with stop_on_signals():  # SIGTERM / Ctrl-C / mmlora stop: stop serving, states stay
             serve_api(run, keys, say=lambda line: print(line, flush=True)

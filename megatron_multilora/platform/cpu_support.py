@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import sys
 import types
 from typing import Iterator
 
@@ -84,11 +85,33 @@ def activate_cpu_support() -> bool:
     if torch.cuda.is_available():
         return False
 
+    _import_megatron_with_fusions_uncompiled()
     _warn_on_another_megatron()
     _patch_devices_and_rng()
     _patch_modules()
     _active = True
     return True
+
+
+def _import_megatron_with_fusions_uncompiled() -> None:
+    """Import megatron with its ``jit_fuser`` (torch.compile, applied to its fused GPU kernels
+    as their modules load) off, as megatron's own ``disable_jit_fuser`` leaves it: preparing
+    38 functions for inductor is ~1 s of every process's start-up, and none of them runs on
+    the CPU paths. A no-op where megatron is already imported."""
+    if "megatron.core" in sys.modules:
+        return
+    compile_ = torch.compile
+    torch.compile = _uncompiled  # type: ignore[assignment]  # what megatron.core.jit binds
+    try:
+        jit = importlib.import_module("megatron.core.jit")  # imports megatron.core first
+    finally:
+        torch.compile = compile_  # type: ignore[assignment]
+    jit.disable_jit_fuser()  # for megatron modules imported later
+
+
+def _uncompiled(model=None, **_):
+    """torch.compile's call forms, returning the function unchanged."""
+    return (lambda fn: fn) if model is None else model
 
 
 def _warn_on_another_megatron() -> None:

@@ -1,6 +1,8 @@
 """What megatron needs where TE is missing applies on a GPU machine too, not only on CPU."""
 
 import importlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,3 +24,27 @@ def test_the_router_gemm_stand_in_does_not_depend_on_cuda(monkeypatch):
     assert not cpu_support._active  # no CPU shim on a CUDA machine
     out = moe_utils.router_gating_linear(inp, weight, None, torch.float32)
     torch.testing.assert_close(out, inp @ weight.t())
+
+
+def test_megatron_imported_by_the_cpu_shims_prepares_no_compiled_kernels():
+    """Activated before megatron's first import (as the recipe does), the CPU shims import it
+    with its jit_fuser off: its fused kernels stay plain functions, and torch.compile is
+    torch's own again for everyone else."""
+    code = """
+import sys, torch
+real = torch.compile
+from megatron_multilora.platform import support_megatron_here
+assert "megatron.core" not in sys.modules
+support_megatron_here()
+from megatron.core import jit
+from megatron.core.fusions import fused_bias_swiglu
+from megatron.core.transformer.moe import router
+assert torch.compile is real
+assert jit.jit_fuser is jit.noop_decorator, jit.jit_fuser
+for fn in (fused_bias_swiglu.swiglu, router.TopKRouter._apply_expert_bias):
+    assert not hasattr(fn, "_torchdynamo_orig_callable"), fn  # what torch.compile wraps
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
