@@ -14,7 +14,8 @@ from megatron_multilora.training.report.metrics import (
     format_adapter_line,
     read_metrics,
 )
-from megatron_multilora.training.report.plots import format_table, plot_heatmap, plot_loss_curves
+from megatron_multilora.training.report.plots import plot_heatmap, plot_loss_curves
+from megatron_multilora.training.report.text_tables import format_table
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

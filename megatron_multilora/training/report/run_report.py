@@ -116,7 +116,7 @@ class RunReport:
         self.logger.close()
 
     def _print_tables(self, step: int, names: list[str], tasks: list[str], tables) -> None:
-        from megatron_multilora.training.report.plots import format_table
+        from megatron_multilora.training.report.text_tables import format_table
 
         if not (names and tasks):
             if names:
