@@ -9,15 +9,19 @@ from pathlib import Path
 import torch
 
 import megatron_multilora as mm
-from benchmarks.memory import memory_probe
-from benchmarks.pipeline_parallel import pp_worker
-from benchmarks.run import run_benchmark
-from benchmarks.settings import ALL_SECTIONS, SECTIONS, parse_settings
-from benchmarks.tensor_parallel import tp_worker
+
+# Before megatron's first import (the benchmark modules below): the CPU shims import it
+# without preparing its GPU fusions for torch.compile, a second off every child's start-up.
+mm.support_megatron_here()
+
+from benchmarks.memory import memory_probe  # noqa: E402
+from benchmarks.pipeline_parallel import pp_worker  # noqa: E402
+from benchmarks.run import run_benchmark  # noqa: E402
+from benchmarks.settings import ALL_SECTIONS, SECTIONS, parse_settings  # noqa: E402
+from benchmarks.tensor_parallel import tp_worker  # noqa: E402
 
 
 def main() -> None:
-    mm.support_megatron_here()
     settings, args = parse_settings()
     if not (args.tp_worker or args.pp_worker):  # workers take OMP_NUM_THREADS=1 from torchrun
         torch.set_num_threads(settings.threads)
