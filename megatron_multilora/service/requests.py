@@ -14,9 +14,9 @@ from tinker import types
 from megatron_multilora.service import wire
 
 # The SDK's simplest paths: plain API keys, uncompressed bodies sent one by one, a future
-# polled per call. Its default transport (pyqwest) stays on: on httpx's, tinker 0.38 loses
-# one of two concurrent retrieve_future answers now and then (the bytes sit unread in the
-# socket) and the cookbook's loop stalls for the SDK's 45 s read timeout.
+# polled per call. Its default transport (pyqwest) stays on: on httpx's, tinker 0.38 left a
+# retrieve_future answer unread in its socket at the cookbook loop's first step (every run
+# tried) and waited out its 45 s read timeout.
 CLIENT_CONFIG = types.ClientConfigResponse(
     pjwt_auth_enabled=False, proto_compress_fwdbwd=False, parallel_fwdbwd_chunks=False,
     use_pyqwest_transport=True, sample_use_retrieve_futures=False,
