@@ -135,8 +135,8 @@ def build_model_chunks(
     layer number (:class:`~megatron_multilora.models.specs.SeededTransformerLayer`), the
     embedding from the start of the stream and the output layer after the last layer. The
     generator is left after this rank's draws (what is drawn next, e.g. adapters, does not
-    repeat the embedding's values). On CPU the frozen linears run on weights packed once
-    (:mod:`megatron_multilora.ops.packed_linear`)."""
+    repeat the embedding's values). On CPU the frozen linears' forwards run on weights packed
+    once (:mod:`megatron_multilora.ops.packed_linear`)."""
     config = transformer_config(cfg, sequence_parallel, params_dtype, **config_overrides)
     vpp = config.virtual_pipeline_model_parallel_size
     init_seed = torch.initial_seed()

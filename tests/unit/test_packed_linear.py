@@ -1,7 +1,7 @@
 """Frozen linears on packed weights (ops/packed_linear.py): the model built on CPU runs its
-frozen linears on them, with megatron's outputs and gradients; a changed weight is repacked,
-a trainable one, or one without room for its packs, runs megatron's own path, and a row's
-output does not depend on the rows beside it (what mixed == alone rests on)."""
+frozen linears' forwards on them, with megatron's outputs and gradients; a changed weight is
+repacked, a trainable one, or one without room for its pack, runs megatron's own path, and a
+row's output does not depend on the rows beside it (what mixed == alone rests on)."""
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ from tests.unit.test_step_schedule import DENSE, N, PAD, build, slot_examples
 
 @pytest.fixture
 def packed_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The rows of every packed GEMM run while the test runs."""
+    """The rows of every GEMM run on a packed weight while the test runs."""
     calls = []
     run = packed_linear._onednn_linear
 
@@ -52,12 +52,12 @@ def test_the_cpu_model_runs_its_frozen_linears_packed_with_megatrons_results(pac
     linears = _parallel_linears(model)
     assert len(linears) == 4 * DENSE.num_layers + 1  # qkv, proj, fc1, fc2 a layer, the output layer
     packed = _loss_and_grads(model)
-    # Each frozen linear ran packed, forward and input gradient.
-    assert len(packed_calls) == 2 * len(linears)
+    # Each frozen linear's forward ran packed (its input gradient runs on the weight).
+    assert len(packed_calls) == len(linears)
     for module in linears:
         del module._forward_impl  # megatron's own implementation
     plain = _loss_and_grads(model)
-    assert len(packed_calls) == 2 * len(linears)
+    assert len(packed_calls) == len(linears)
     torch.testing.assert_close(packed[0], plain[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(packed[1], plain[1], rtol=1e-4, atol=1e-7)
     for a, b in zip(packed[2], plain[2]):
@@ -92,7 +92,7 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it():
         assert torch.equal(part, whole[:rows])
 
 
-def test_without_room_for_the_packs_a_weight_runs_megatrons_path(packed_calls, monkeypatch):
+def test_without_room_for_its_pack_a_weight_runs_megatrons_path(packed_calls, monkeypatch):
     model = build(DENSE)
     layer = model.decoder.layers[0].mlp.linear_fc1.to_wrap
     x = torch.randn(6, 1, layer.weight.size(1))
