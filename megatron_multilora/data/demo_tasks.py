@@ -179,3 +179,13 @@ def write_post_training_datasets(out_dir: str | Path, n_train: int = 512, n_eval
 def exact_match(prediction: str, completion: str) -> bool:
     """Whether a generated answer equals the reference, ignoring surrounding whitespace."""
     return prediction.strip() == completion.strip()
+
+
+def may_still_match(partial: str, completion: str) -> bool:
+    """Whether a generation that has produced the text ``partial`` so far can still end as
+    an :func:`exact_match` of ``completion``, text only ever being appended to it. A
+    replacement character (a token ending inside a multi-byte character) is not judged."""
+    if "\ufffd" in partial:
+        return True
+    done, target = partial.lstrip(), completion.strip()
+    return target.startswith(done) or done.rstrip() == target

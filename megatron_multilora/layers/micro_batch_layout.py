@@ -53,6 +53,13 @@ class SlotInferenceContext(StaticInferenceContext):
 
     slot_layout: Optional[SlotLayout] = None
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only these rows of every layer's KV cache, in this order. Rows left out
+        (finished sequences) are never read again: dropped, not moved as megatron's
+        ``swap_key_value_dict`` moves every row, so the copy shrinks with the batch."""
+        for layer, (key, value) in self.key_value_memory_dict.items():
+            self.key_value_memory_dict[layer] = (key[:, rows], value[:, rows])
+
 
 def with_slot_layout(params: PackedSeqParams, layout: Union[SlotLayout, Sequence[int]],
                      ep_slots: Optional[Sequence[int]] = None) -> SlotPackedSeqParams:

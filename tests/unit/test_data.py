@@ -20,6 +20,7 @@ from megatron_multilora.data.demo_tasks import (
     WORD_TASKS,
     WORDS,
     exact_match,
+    may_still_match,
     make_examples,
     write_demo_datasets,
 )
@@ -278,6 +279,18 @@ def test_exact_match():
     assert exact_match(" olleh\n", "olleh")
     assert not exact_match("olle", "olleh")
     assert not exact_match("OLLEH", "olleh")
+
+
+def test_may_still_match_is_false_only_where_no_continuation_can_match():
+    answer = " garden paper yellow"
+    for partial in ("", " ", " gar", " garden ", " garden paper yellow", " garden paper yellow \n"):
+        assert may_still_match(partial, answer), partial
+        done = partial.lstrip()  # and a continuation that makes it a match:
+        rest = answer.strip()[len(done):] if answer.strip().startswith(done) else ""
+        assert exact_match(partial + rest, answer)
+    for partial in (" paper", " garden  paper", " garden paper yellows", " garden paper yellow x"):
+        assert not may_still_match(partial, answer), partial
+    assert may_still_match(" gard\ufffd", answer)  # inside a multi-byte character: not judged
 
 
 def tiny_hf_tokenizer():

@@ -66,3 +66,20 @@ def test_kv_cache_generates_the_same_tokens_as_the_uncached_path(monkeypatch):
     assert cached == generate(model, items, eos, kv_cache=True)
     others = generate(model, [((s + 1) % 3, p) for s, p in items], -1, kv_cache=True)
     assert others != never_eos
+
+
+def test_given_up_prompts_stop_there_and_leave_the_others_alone():
+    model = model_with_distinct_adapters()
+    items = prompts()
+    full = generate(model, items, eos_id=-1, kv_cache=True)
+    asked = []
+
+    def give_up(i: int, tokens: list[int]) -> bool:  # odd prompts: after their second token
+        asked.append(i)
+        return i % 2 == 1 and len(tokens) >= 2
+
+    for kv_cache in (True, False):
+        got = generation.greedy_generate(model, items, N_SLOTS, 6, -1, 1, 0, kv_cache=kv_cache,
+                                         give_up=give_up)
+        assert got == [g[:2] if i % 2 else g for i, g in enumerate(full)]
+    assert set(asked) == set(range(len(items)))

@@ -12,7 +12,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_multilora.checkpoint.adapter_files import import_adapter
-from megatron_multilora.data.demo_tasks import exact_match
+from megatron_multilora.data.demo_tasks import exact_match, may_still_match
 from megatron_multilora.layers.lifecycle import ModelOrChunks, clear_adapter_slot
 from megatron_multilora.parallel import data_parallel_sum
 from megatron_multilora.training.jobs.job import Job
@@ -84,11 +84,17 @@ class AdapterTaskEval:
         if generation.uses_kv_cache(self.model, self.pad_multiple):
             world = parallel_state.get_data_parallel_world_size()
             rank = parallel_state.get_data_parallel_rank()
+        mine = answers[rank::world]
+
+        def missed(i: int, tokens: list[int]) -> bool:
+            # Only the match is reported: a prompt whose text has left its answer stops.
+            return not may_still_match(self.tokenizer.decode(tokens), mine[i][1])
+
         outputs = generation.greedy_generate(
             self.model, prompts[rank::world], self.n_slots, self.max_new_tokens,
-            self.tokenizer.eos_id, self.pad_multiple, self.tokenizer.pad_id)
+            self.tokenizer.eos_id, self.pad_multiple, self.tokenizer.pad_id, give_up=missed)
         hits = torch.zeros(len(cells), 2, dtype=torch.int64)  # [hits, prompts] per cell
-        for out, (index, answer) in zip(outputs, answers[rank::world]):
+        for out, (index, answer) in zip(outputs, mine):
             hits[index] += torch.tensor([exact_match(self.tokenizer.decode(out), answer), 1])
         if world > 1:
             hits = data_parallel_sum(hits)

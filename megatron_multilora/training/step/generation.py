@@ -33,6 +33,8 @@ from megatron_multilora.training.step.schedule import from_last_stage, run_sched
 # pick(logits [B, V] float32, prompt index of each row, tokens generated so far by each row)
 # -> the next token of each row ([B] int64).
 Pick = Callable[[torch.Tensor, list[int], list[int]], torch.Tensor]
+# give_up(prompt index, its tokens so far) -> whether to end that prompt's generation there.
+GiveUp = Callable[[int, list[int]], bool]
 
 
 def greedy(logits: torch.Tensor, rows: list[int], generated: list[int]) -> torch.Tensor:
@@ -86,7 +88,8 @@ def _packed_prompts(seqs: list[tuple[int, list[int]]], batcher: MicroBatcher
 def generate(model: ModelOrChunks, prompts: Sequence[tuple[int, list[int]]], n_slots: int,
              max_new_tokens: Union[int, Sequence[int]], eos_id: int, pad_multiple: int,
              pad_id: int, kv_cache: bool = True, pick: Pick = greedy,
-             stops: Optional[Sequence[Collection[int]]] = None) -> list[Generation]:
+             stops: Optional[Sequence[Collection[int]]] = None,
+             give_up: Optional[GiveUp] = None) -> list[Generation]:
     """Continuations (until ``eos_id`` or one of the prompt's ``stops`` tokens, at most
     ``max_new_tokens``: one for all, or one per prompt) of ``(slot, prompt tokens)`` pairs,
     every slot's prompts in one batch, each next token chosen by ``pick``.
@@ -94,7 +97,9 @@ def generate(model: ModelOrChunks, prompts: Sequence[tuple[int, list[int]]], n_s
     With ``kv_cache`` (dense models without sequence or pipeline parallelism; the others
     fall back) keys and values are kept in megatron's static inference context, so each
     step runs one new token per prompt; without, every step re-runs the whole prefix
-    through the pipeline schedule. Both give the same tokens.
+    through the pipeline schedule. Both give the same tokens. ``give_up(i, tokens)``, asked
+    after each new token of prompt i, ends it there when true (a caller that only needs to
+    know whether a continuation reaches a target stops feeding those that no longer can).
     """
     chunks = model_chunks(model)
     limits = ([max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int)
@@ -103,7 +108,7 @@ def generate(model: ModelOrChunks, prompts: Sequence[tuple[int, list[int]]], n_s
     seqs = [(prompts[i][0], list(prompts[i][1])) for i in order]
     cached = kv_cache and uses_kv_cache(chunks, pad_multiple)
     ends = [frozenset({eos_id, *(stops[i] if stops else ())}) for i in order]
-    run = _Run(seqs, order, [limits[i] for i in order], ends, pick)
+    run = _Run(seqs, order, [limits[i] for i in order], ends, pick, give_up)
     with eval_mode(chunks):
         if seqs and max(limits, default=0) >= 1:
             if cached:
@@ -128,19 +133,21 @@ def uses_kv_cache(model: ModelOrChunks, pad_multiple: int) -> bool:
 
 def greedy_generate(model: ModelOrChunks, prompts: Sequence[tuple[int, list[int]]], n_slots: int,
                     max_new_tokens: int, eos_id: int, pad_multiple: int, pad_id: int,
-                    kv_cache: bool = True) -> list[list[int]]:
+                    kv_cache: bool = True, give_up: Optional[GiveUp] = None) -> list[list[int]]:
     """Greedy continuations' tokens (see :func:`generate`)."""
     return [g.tokens for g in generate(model, prompts, n_slots, max_new_tokens, eos_id,
-                                       pad_multiple, pad_id, kv_cache)]
+                                       pad_multiple, pad_id, kv_cache, give_up=give_up)]
 
 
 class _Run:
     """The sequences being continued (adapter-major), what each has produced, and when each
-    is done: at one of its stop tokens, or at its own limit."""
+    is done: at one of its stop tokens, at its own limit, or when the caller gives it up."""
 
     def __init__(self, seqs: list[tuple[int, list[int]]], rows: list[int], limits: list[int],
-                 ends: list[frozenset[int]], pick: Pick) -> None:
+                 ends: list[frozenset[int]], pick: Pick, give_up: Optional[GiveUp] = None
+                 ) -> None:
         self.seqs, self.rows, self.limits, self.ends, self.pick = seqs, rows, limits, ends, pick
+        self.give_up = give_up
         self.out = [Generation() for _ in seqs]
         self.done = [limit < 1 for limit in limits]
 
@@ -158,7 +165,8 @@ class _Run:
             out.stop, self.done[k] = token, True
             return
         out.tokens.append(token)
-        self.done[k] = len(out.tokens) >= self.limits[k]
+        self.done[k] = (len(out.tokens) >= self.limits[k]
+                        or (self.give_up is not None and self.give_up(self.rows[k], out.tokens)))
 
 
 def _has_moe(chunks: list[torch.nn.Module]) -> bool:
@@ -206,7 +214,7 @@ def _generate_cached(model: torch.nn.Module, run: _Run, n_slots: int) -> None:
     so only a single-slot batch is adapter-major); then every step feeds ``[B, 1]`` tokens,
     adapter-major as the sequences are slot-sorted: a prompt's own next token while it
     lasts (its prediction is ignored), else the token chosen at the previous step. A finished
-    sequence leaves the batch (its cache row is moved out of the fed prefix)."""
+    sequence leaves the batch, and its KV-cache row with it."""
     seqs = run.seqs
     device = next(model.parameters()).device
     lengths = [len(tokens) for _, tokens in seqs]
@@ -233,8 +241,7 @@ def _generate_cached(model: torch.nn.Module, run: _Run, n_slots: int) -> None:
                               list(range(start, start + n)))
             start += n
     context.batch_size_offset = 0
-    cached = list(range(len(seqs)))  # the sequence in each row of the KV cache
-    live = cached  # the rows fed: a prefix of ``cached``, still adapter-major
+    live = list(range(len(seqs)))  # the sequence in each row of the KV cache, adapter-major
     position = prefill  # of the token each sequence's ``chosen`` entry predicts
     while True:
         for k, (token, logprob) in zip(live, chosen):
@@ -243,12 +250,10 @@ def _generate_cached(model: torch.nn.Module, run: _Run, n_slots: int) -> None:
         if all(run.done):
             break
         if any(run.done[k] for k in live):
-            # Finished sequences leave the batch: their cache rows move behind the live ones'.
+            # Finished sequences leave the batch and their cache rows with them.
+            context.keep_rows(torch.tensor([row for row, k in enumerate(live) if not run.done[k]],
+                                           device=device))
             live = [k for k in live if not run.done[k]]
-            order = live + [k for k in cached if run.done[k]]
-            row_of = {k: row for row, k in enumerate(cached)}
-            context.swap_key_value_dict(torch.tensor([row_of[k] for k in order], device=device))
-            cached = order
         feed = [seqs[k][1][position] if position < lengths[k] else run.out[k].tokens[-1]
                 for k in live]
         context.sequence_len_offset = position
