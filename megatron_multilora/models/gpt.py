@@ -105,17 +105,20 @@ def build_gpt_model(
     cfg: GPTModelConfig,
     sequence_parallel: bool = False,
     params_dtype: torch.dtype = torch.float32,
+    cpu_gemm_dtype: torch.dtype = torch.float32,
     **config_overrides: object,
 ) -> GPTModel:
     """A GPTModel for ``cfg`` on the current parallel layout (call ``init_parallel`` first):
     the whole model without pipelining, this rank's stage with it (use
     :func:`build_model_chunks` for interleaved stages).
 
-    ``config_overrides`` set further megatron TransformerConfig fields."""
+    ``cpu_gemm_dtype`` as for :func:`build_model_chunks`; ``config_overrides`` set further
+    megatron TransformerConfig fields."""
     if parallel_state.get_virtual_pipeline_model_parallel_world_size() is not None:
         raise ValueError("virtual pipeline stages give several model chunks per rank: use "
                          "build_model_chunks")
-    (model,) = build_model_chunks(cfg, sequence_parallel, params_dtype, **config_overrides)
+    (model,) = build_model_chunks(cfg, sequence_parallel, params_dtype, cpu_gemm_dtype,
+                                  **config_overrides)
     return model
 
 
@@ -123,6 +126,7 @@ def build_model_chunks(
     cfg: GPTModelConfig,
     sequence_parallel: bool = False,
     params_dtype: torch.dtype = torch.float32,
+    cpu_gemm_dtype: torch.dtype = torch.float32,
     **config_overrides: object,
 ) -> list[GPTModel]:
     """This rank's model chunks for ``cfg``: one per virtual pipeline stage (one without
@@ -136,7 +140,8 @@ def build_model_chunks(
     embedding from the start of the stream and the output layer after the last layer. The
     generator is left after this rank's draws (what is drawn next, e.g. adapters, does not
     repeat the embedding's values). On CPU the frozen linears' forwards run on weights packed
-    once (:mod:`megatron_multilora.ops.packed_linear`)."""
+    once (:mod:`megatron_multilora.ops.packed_linear`), an fp32 model's GEMMs in
+    ``cpu_gemm_dtype`` (bf16: rounded to bf16 on the way in, fp32 out)."""
     config = transformer_config(cfg, sequence_parallel, params_dtype, **config_overrides)
     vpp = config.virtual_pipeline_model_parallel_size
     init_seed = torch.initial_seed()
@@ -164,5 +169,5 @@ def build_model_chunks(
         if torch.cuda.is_available():
             chunk.cuda()
         else:
-            use_packed_frozen_weights(chunk)
+            use_packed_frozen_weights(chunk, cpu_gemm_dtype)
     return chunks

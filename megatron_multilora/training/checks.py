@@ -54,6 +54,9 @@ def validate(run: RunConfig, check_files: bool = True) -> None:
     if run.lora.fully_sharded and run.lora.max_rank % max(par.tp, 1):
         problems.append(f"lora.fully_sharded=true splits the rank over parallel.tp={par.tp} ranks: "
                         f"lora.max_rank={run.lora.max_rank} must be a multiple of it")
+    if tr.cpu_base_gemms == "bf16" and not _bf16_gemms_run_here():
+        problems.append("trainer.cpu_base_gemms=bf16: this CPU has no bf16 GEMMs (oneDNN needs "
+                        "AVX-512 BF16 or AMX); use fp32, or auto (bf16 where the CPU has AMX)")
     problems += _target_problems(run.lora.targets)
     problems += _model_problems(run, check_files)
     if not run.adapters and not tr.serve and not run.api.enabled:
@@ -74,6 +77,14 @@ def validate(run: RunConfig, check_files: bool = True) -> None:
         problems += _run_dir_problems(run.run_dir) + _resume_problems(run)
     if problems:
         raise ConfigError("the run cannot start:\n  - " + "\n  - ".join(problems))
+
+
+def _bf16_gemms_run_here() -> bool:
+    import torch
+
+    from megatron_multilora.ops.packed_linear import bf16_gemms_supported
+
+    return torch.cuda.is_available() or bf16_gemms_supported()
 
 
 def _target_problems(targets: list[str]) -> list[str]:

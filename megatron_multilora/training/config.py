@@ -175,6 +175,11 @@ class TrainerSettings:
     """Longer samples are truncated (prompt first)."""
     precision: str = ranged(MISSING, one_of("fp32", "bf16"))
     """fp32, or bf16 (bf16 model and adapters, fp32 adapter master weights and optimizer)."""
+    cpu_base_gemms: str = ranged(MISSING, one_of("fp32", "bf16", "auto"))
+    """On CPU, with precision fp32: the frozen base's GEMMs in fp32, or in bf16 (inputs and
+    weights rounded to bf16, fp32 results; adapters, norms, attention, loss and optimizer stay
+    fp32), or auto: bf16 where the CPU multiplies bf16 in hardware (AMX), else fp32. Ignored
+    on CUDA, where precision decides."""
     recompute: Optional[str] = ranged(MISSING, one_of(None, "full", "selective"))
     """Activation recompute: null, "full" (every layer) or "selective" (core attention/MoE)."""
     max_bad_steps: int = ranged(MISSING, at_least(1))

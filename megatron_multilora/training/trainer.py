@@ -42,7 +42,7 @@ from megatron_multilora.training.jobs.states import (
     STOPPED,
     TRAINING,
 )
-from megatron_multilora.training.model_setup import build_run_model
+from megatron_multilora.training.model_setup import build_run_model, precision_summary
 from megatron_multilora.training.report.run_report import RunReport
 from megatron_multilora.training.report.tables import AdapterTaskEval
 from megatron_multilora.training.resume import RunCheckpoints
@@ -228,5 +228,6 @@ class Trainer:
                         if p.requires_grad)
         return (f"run {run.run_dir}: {len(run.adapters)} adapter jobs on {run.lora.slots} slots, "
                 f"world {dist.get_world_size()} (tp {par.tp}, sp {par.sp}, ep {par.ep}, pp {par.pp}"
-                f"{f' x vpp {par.vpp}' if par.vpp else ''}, dp {self.dp_size}), {trainable:,} "
-                f"trainable parameters per rank, starting at step {self.step}")
+                f"{f' x vpp {par.vpp}' if par.vpp else ''}, dp {self.dp_size}), "
+                f"{precision_summary(run)}, {trainable:,} trainable parameters per rank, "
+                f"starting at step {self.step}")

@@ -68,6 +68,20 @@ def test_impossible_pipeline_layouts_are_named(demo_data, monkeypatch):
                           "parallel=pp2", "parallel.vpp=2", "model.num_layers=4"]), check_files=False)
 
 
+def test_bf16_base_gemms_on_a_cpu_without_them_are_refused(demo_data, monkeypatch):
+    from megatron_multilora.ops import packed_linear
+
+    monkeypatch.setattr(packed_linear, "bf16_gemms_supported", lambda: False)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    run = compose_run([f"adapters=[{job('rev', demo_data, 'reverse', 3)}]",
+                       "trainer.cpu_base_gemms=bf16"])
+    with pytest.raises(ConfigError, match="trainer.cpu_base_gemms=bf16: this CPU has no bf16 "
+                                          "GEMMs.*use fp32, or auto"):
+        validate(run)
+    validate(compose_run([f"adapters=[{job('rev', demo_data, 'reverse', 3)}]",
+                          "trainer.cpu_base_gemms=auto"]))
+
+
 def test_unknown_key_and_bad_type_name_the_full_key(demo_data):
     with pytest.raises(ConfigError, match="trainer.bogus: Key 'bogus' not in 'TrainerSettings'"):
         compose_run(["+trainer.bogus=1"])

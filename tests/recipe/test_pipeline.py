@@ -60,8 +60,9 @@ def run(cmd: list[str], log: Path) -> str:
 
 
 def start_line(out: str) -> re.Match:
-    """The run's start line: world, pp, dp, trainable parameters per rank, first step."""
-    found = re.search(r"world (\d+) \(tp 1, sp False, ep 1, pp (\d+), dp 1\), ([\d,]+) trainable "
+    """The run's start line: world, pp, dp, precision, trainable parameters per rank, first
+    step."""
+    found = re.search(r"world (\d+) \(tp 1, sp False, ep 1, pp (\d+), dp 1\), fp32, ([\d,]+) trainable "
                       r"parameters per rank, starting at step (\d+)", out)
     assert found, f"no start line:\n{out[-3000:]}"
     return found

@@ -1,5 +1,6 @@
 """Training behaviour, in process on CPU fp32: per-adapter normalisation (mixed batch equals
-alone), isolation of a diverging job, the job queue, precision and recompute."""
+alone, also with bf16 base GEMMs), isolation of a diverging job, the job queue, precision
+and recompute."""
 
 import json
 import math
@@ -10,6 +11,7 @@ import torch
 from megatron_multilora import cli
 from megatron_multilora.training.config import ConfigError
 from tests.recipe.conftest import compose_run, job, losses_by_adapter, run_in_process
+from tests.unit.test_packed_linear import needs_bf16_gemms
 
 REL = 1e-5
 
@@ -20,10 +22,12 @@ def assert_same_curve(got: list[float], want: list[float], rel: float, what: str
     assert worst <= rel, f"{what}: worst relative difference {worst:.2e} > {rel:g}"
 
 
-def test_adapter_in_a_mixed_batch_trains_as_if_alone(demo_data, tmp_path):
+@pytest.mark.parametrize("gemms", ["fp32", pytest.param("bf16", marks=needs_bf16_gemms)])
+def test_adapter_in_a_mixed_batch_trains_as_if_alone(demo_data, tmp_path, gemms):
+    setting = [f"trainer.cpu_base_gemms={gemms}"]
     mixed, _ = run_in_process(tmp_path / "mixed", [job("rev", demo_data, "reverse", 5),
-                                                    job("add", demo_data, "add", 5)])
-    alone, _ = run_in_process(tmp_path / "alone", [job("rev", demo_data, "reverse", 5)])
+                                                    job("add", demo_data, "add", 5)], setting)
+    alone, _ = run_in_process(tmp_path / "alone", [job("rev", demo_data, "reverse", 5)], setting)
     assert_same_curve(mixed["rev"], alone["rev"], REL, "rev loss")
     assert_same_curve(losses_by_adapter(tmp_path / "mixed", "grad_norm")["rev"],
                       losses_by_adapter(tmp_path / "alone", "grad_norm")["rev"], REL,
@@ -62,16 +66,22 @@ def test_queue_hands_a_finished_slot_to_the_next_job(demo_data, tmp_path):
 
 @pytest.mark.parametrize("setting,rel", [("trainer.recompute=full", 1e-6),
                                          ("trainer.recompute=selective", 1e-6),
-                                         ("trainer.precision=bf16", 3e-2)])
+                                         ("trainer.precision=bf16", 3e-2),
+                                         pytest.param("trainer.cpu_base_gemms=bf16", 3e-2,
+                                                      marks=needs_bf16_gemms)])
 def test_precision_and_recompute_keep_per_adapter_results(demo_data, tmp_path, setting, rel):
     jobs = [job("rev", demo_data, "reverse", 4), job("add", demo_data, "add", 4)]
     ref, _ = run_in_process(tmp_path / "ref", jobs)
     got, recipe = run_in_process(tmp_path / "alt", jobs, [setting])
     for name in ("rev", "add"):
         assert_same_curve(got[name], ref[name], rel, f"{name} loss with {setting}")
-    if "bf16" in setting:
+    if "precision=bf16" in setting:
         assert recipe.model[0].embedding.word_embeddings.weight.dtype == torch.bfloat16
         assert got["rev"] != ref["rev"]  # really ran in bf16
+    if "cpu_base_gemms" in setting:
+        fc1 = recipe.model[0].decoder.layers[0].mlp.linear_fc1.to_wrap
+        assert fc1.weight.dtype == torch.float32 and fc1._frozen_gemm_dtype == torch.bfloat16
+        assert got["rev"] != ref["rev"]
 
 
 def test_job_can_start_from_an_exported_adapter(demo_data, tmp_path):

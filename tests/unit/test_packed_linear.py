@@ -1,17 +1,24 @@
 """Frozen linears on packed weights (ops/packed_linear.py): the model built on CPU runs its
 frozen linears' forwards on them, with megatron's outputs and gradients; a changed weight is
 repacked, a trainable one, or one without room for its pack, runs megatron's own path, and a
-row's output does not depend on the rows beside it (what mixed == alone rests on)."""
+row's output does not depend on the rows beside it (what mixed == alone rests on). With bf16
+GEMMs (trainer.cpu_base_gemms) the same, inputs and weights rounded to bf16, fp32 out, and
+the output layer's logits in fp32."""
 
 import pytest
 import torch
+
 
 from megatron_multilora.data.packing import pack_micro_batches
 from megatron_multilora.layers.lifecycle import slot_parameters
 from megatron_multilora.ops import packed_linear
 from megatron_multilora.ops.packed_linear import use_packed_frozen_weights
+from megatron_multilora.training import model_setup
 from megatron_multilora.training.step.micro_batches import chunk_inputs
 from tests.unit.test_step_schedule import DENSE, N, PAD, build, slot_examples
+
+needs_bf16_gemms = pytest.mark.skipif(not packed_linear.bf16_gemms_supported(),
+                                      reason="oneDNN runs no bf16 GEMMs on this CPU")
 
 
 @pytest.fixture
@@ -100,3 +107,74 @@ def test_without_room_for_its_pack_a_weight_runs_megatrons_path(packed_calls, mo
     out, _ = layer(x)
     assert packed_calls == []
     torch.testing.assert_close(out, x @ layer.weight.t(), rtol=1e-5, atol=1e-6)
+
+
+def _bf16_model() -> torch.nn.Module:
+    model = build(DENSE)
+    use_packed_frozen_weights(model, torch.bfloat16)
+    return model
+
+
+def _rounded(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().bfloat16().double()
+
+
+@needs_bf16_gemms
+def test_bf16_gemms_round_inputs_and_weights_and_return_fp32(packed_calls):
+    layer = _bf16_model().decoder.layers[0].mlp.linear_fc1.to_wrap
+    weight = layer.weight
+    x = torch.randn(9, 1, weight.size(1), requires_grad=True)
+    out, _ = layer(x)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    assert out.dtype == x.grad.dtype == torch.float32
+    assert packed_calls == [9, 9]  # the forward and the input gradient, each on its bf16 pack
+    # fp32 accumulation of the bf16 products, the result rounded to bf16 (within its last bit)
+    want = (_rounded(x) @ _rounded(weight).t()).bfloat16().float()
+    torch.testing.assert_close(out, want, rtol=8e-3, atol=1e-6)
+    assert (out - x.detach() @ weight.t()).abs().max() > 1e-4  # really not fp32
+    want_grad = (_rounded(grad) @ _rounded(weight)).bfloat16().float()
+    torch.testing.assert_close(x.grad, want_grad, rtol=8e-3, atol=1e-6)
+
+
+@needs_bf16_gemms
+def test_with_bf16_gemms_a_rows_results_do_not_depend_on_the_rows_beside_it():
+    layer = _bf16_model().decoder.layers[0].mlp.linear_fc2.to_wrap
+    x = torch.randn(300, 1, layer.weight.size(1))
+    grad = torch.randn(300, 1, layer.weight.size(0))
+
+    def run(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        part = x[:rows].clone().requires_grad_()
+        out, _ = layer(part)
+        out.backward(grad[:rows])
+        return out.detach(), part.grad
+
+    whole, whole_grad = run(300)
+    for rows in (1, 7, 33, 180):
+        out, input_grad = run(rows)
+        assert torch.equal(out, whole[:rows]) and torch.equal(input_grad, whole_grad[:rows])
+
+
+@needs_bf16_gemms
+def test_a_bf16_gemm_model_keeps_its_logits_fp32_and_stays_close_to_fp32():
+    model = _bf16_model()
+    dtypes = {name: m._frozen_gemm_dtype for name, m in model.named_modules()
+              if "_forward_impl" in vars(m)}
+    assert dtypes.pop("output_layer.to_wrap", dtypes.pop("output_layer", None)) == torch.float32
+    assert set(dtypes.values()) == {torch.bfloat16}
+    low = _loss_and_grads(model)
+    high = _loss_and_grads(build(DENSE))
+    assert not torch.equal(low[0], high[0])
+    torch.testing.assert_close(low[0], high[0], rtol=3e-2, atol=1e-3)
+    for a, b in zip(low[2], high[2]):
+        torch.testing.assert_close(a, b, rtol=0.1, atol=0.1 * b.abs().max().item())
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_auto_picks_bf16_gemms_only_where_the_cpu_multiplies_bf16_in_hardware(monkeypatch, fast):
+    monkeypatch.setattr(model_setup, "bf16_gemms_fast", lambda: fast)
+    assert model_setup.cpu_gemm_dtype("auto") == (torch.bfloat16 if fast else torch.float32)
+    assert model_setup.cpu_gemm_dtype("bf16") == torch.bfloat16
+    assert model_setup.cpu_gemm_dtype("fp32") == torch.float32
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        use_packed_frozen_weights(build(DENSE), torch.float16)
