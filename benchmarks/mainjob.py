@@ -5,13 +5,16 @@ user would run instead, on the same cores:
 * ours: ``mmlora train --nproc 2 --config-name smollm2`` (2 processes x 1 thread);
 * peft-par: 2 independent transformers + peft processes at once (1 thread each), the jobs
   split by work (examples x steps) as evenly as whole jobs allow;
-* peft-seq-1t: one transformers + peft process, the jobs one after another, 1 thread.
+* peft-seq-1t: one transformers + peft process, the jobs one after another, 1 thread;
+* peft-par-bf16: peft-par under ``torch.autocast("cpu", torch.bfloat16)``, run where ours
+  multiplies its frozen base in bf16 (``trainer.cpu_base_gemms=auto`` on a CPU with AMX), so
+  that ours also meets peft at the same precision.
 
 The compute limit: the frozen base's forward and input-gradient backward, 4 FLOPs per matmul
 parameter (the decoder's and the output layer's) per trained position, at the fp32 GEMM rate
 the cores give when they all multiply at once (one 1-thread GEMM process per core, measured
-here, side by side with one process alone). Needs the main job's model and data
-(``bash scripts/demo.sh`` writes them once).
+here, side by side with one process alone); where ours multiplies in bf16, at the bf16 rate
+too. Needs the main job's model and data (``bash scripts/demo.sh`` writes them once).
 """
 
 from __future__ import annotations
@@ -35,14 +38,17 @@ from benchmarks.timing import Clock
 
 HF_DIR, DATA_DIR = REPO / "data" / "smollm2-135m-instruct", REPO / "data" / "demo-words"
 WAYS = ("ours", "peft-par", "peft-seq-1t")
+BF16_WAY = "peft-par-bf16"
 GEMM_SHAPES = ((1024, 1024, 1024), (512, 576, 1536))
 
 
-def gemm_rate(seconds: float = 3.0) -> float:
-    """Median GFLOP/s of 1-thread fp32 GEMMs of :data:`GEMM_SHAPES` for about ``seconds``:
-    the faster of MKL's ``a @ b`` and oneDNN's on a packed ``b`` (what our frozen linears
-    run, ops/packed_linear.py), so the limit is the best GEMM this machine offers."""
+def gemm_rate(seconds: float = 3.0, dtype: str = "float32") -> float:
+    """Median GFLOP/s of 1-thread GEMMs in ``dtype`` of :data:`GEMM_SHAPES` for about
+    ``seconds``: the faster of ``a @ b`` (MKL for fp32, oneDNN for bf16) and oneDNN's on a
+    packed ``b`` (what our frozen linears run, ops/packed_linear.py), so the limit is the
+    best GEMM this machine offers."""
     torch.set_num_threads(1)
+    kind = getattr(torch, dtype)
     ways = {"mkl": lambda a, b, packed: a @ b}
     if torch.backends.mkldnn.is_available():
         ways["onednn"] = lambda a, b, packed: torch.ops.mkldnn._linear_pointwise(
@@ -51,7 +57,7 @@ def gemm_rate(seconds: float = 3.0) -> float:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         for m, k, n in GEMM_SHAPES:
-            a, b = torch.randn(m, k), torch.randn(k, n)
+            a, b = torch.randn(m, k, dtype=kind), torch.randn(k, n, dtype=kind)
             packed = (torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous())
                       if "onednn" in ways else None)
             for way, run in ways.items():
@@ -62,9 +68,9 @@ def gemm_rate(seconds: float = 3.0) -> float:
     return max(statistics.median(r) for r in rates.values())
 
 
-def gemm_rates(processes: int) -> list[float]:
+def gemm_rates(processes: int, dtype: str = "float32") -> list[float]:
     """:func:`gemm_rate` in ``processes`` fresh processes at once."""
-    code = "from benchmarks.mainjob import gemm_rate; print(gemm_rate())"
+    code = f"from benchmarks.mainjob import gemm_rate; print(gemm_rate(dtype={dtype!r}))"
     env = {**child_env(), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env,
                               stdout=subprocess.PIPE, text=True) for _ in range(processes)]
@@ -93,7 +99,8 @@ def split_by_work(jobs: list[dict], parts: int) -> list[list[int]]:
 
 
 def run_main_job(rounds: int, say) -> dict:
-    """Every way once per round, in turn, and the GEMM rates between rounds."""
+    """Every way once per round, in turn, and the GEMM rates between rounds (bf16 ones too,
+    and the bf16 peft way, where ours multiplies in bf16)."""
     spec = job_spec(DATA_DIR, None, "smollm2", [f"hf_dir={HF_DIR}"])
     groups = split_by_work(spec["jobs"], 2)
     results: dict[str, list[dict]] = {w: [] for w in WAYS}
@@ -101,20 +108,27 @@ def run_main_job(rounds: int, say) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-mainjob-") as tmp_name:
         tmp = Path(tmp_name)
         for r in range(rounds):
-            for way in WAYS:
+            for way in WAYS + (BF16_WAY,):
                 if way == "ours":
                     got = run_ours(spec, DATA_DIR, tmp / f"ours-{r}", 2)
+                elif way == BF16_WAY:
+                    if "bf16" not in results["ours"][-1]["precision"]:
+                        continue
+                    got = run_peft({**spec, "autocast": "bf16"}, groups, 1, tmp)
                 else:
                     got = run_peft(spec, groups if way == "peft-par" else
                                    [list(range(len(spec["jobs"])))], 1, tmp)
-                results[way].append(got)
+                results.setdefault(way, []).append(got)
                 say(f"main job round {r + 1}/{rounds}: {way}: training {got['train_s']:.1f} s, "
                     f"launch {got['launch_s']:.1f} s, CPU {got['cpu_s']:.1f} s; held-out loss "
                     + ", ".join(f"{k} {v:.3f}" for k, v in got["eval_loss"].items()))
-            gemm["alone"] += gemm_rates(1)
-            gemm["together"].append(gemm_rates(2))
-            say(f"main job round {r + 1}/{rounds}: 1-thread GEMM {gemm['alone'][-1]:.1f} GFLOP/s "
-                f"alone, {' + '.join(f'{g:.1f}' for g in gemm['together'][-1])} GFLOP/s at once")
+            for dtype in ("float32", "bfloat16") if BF16_WAY in results else ("float32",):
+                key = "" if dtype == "float32" else "_bf16"
+                gemm.setdefault(f"alone{key}", []).extend(gemm_rates(1, dtype))
+                gemm.setdefault(f"together{key}", []).append(gemm_rates(2, dtype))
+                say(f"main job round {r + 1}/{rounds}: 1-thread {dtype} GEMM "
+                    f"{gemm[f'alone{key}'][-1]:.1f} GFLOP/s alone, "
+                    f"{' + '.join(f'{g:.1f}' for g in gemm[f'together{key}'][-1])} GFLOP/s at once")
     return {"spec": {k: v for k, v in spec.items() if k not in ("hf_dir", "overrides")},
             "groups": [[spec["jobs"][i]["name"] for i in g] for g in groups],
             "results": results, "gemm": gemm, "matmul_parameters": matmul_parameters(HF_DIR)}
@@ -137,7 +151,8 @@ def main_job_rows(m: dict) -> list[Row]:
             for w, rs in res.items()}
     setting = ("the main job (conf/smollm2.yaml: " + ", ".join(
         f"{j['name']} {j['max_steps']} steps of {j['global_batch_size']}"
-        for j in m["spec"]["jobs"]) + f"; {positions:,} trained positions), fp32")
+        for j in m["spec"]["jobs"]) + f"; {positions:,} trained positions); ours "
+        f"{ours[0]['precision']}, peft fp32")
     peft_par = ("2 independent transformers + peft processes at once, 1 thread each, jobs "
                 f"split by work ({' | '.join(', '.join(g) for g in m['groups'])})")
     rows = []
@@ -149,6 +164,9 @@ def main_job_rows(m: dict) -> list[Row]:
         f"{n} {loss['ours'][n]:.3f} / {loss['peft-par'][n]:.3f} / {loss['peft-seq-1t'][n]:.3f}"
         for n in names) + f". peft one after another, 1 thread: "
         f"{med['peft-seq-1t']['train_s']:.1f} s.")
+    if BF16_WAY in res:
+        train.note += (" peft-par under bf16 autocast: " + ", ".join(
+            f"{n} {loss[BF16_WAY][n]:.3f}" for n in names) + ".")
     rows.append(train)
     limit = Row("13b", "main job: training wall, ours vs the machine's compute limit", (
         f"as row 13a; the limit: 4 x {m['matmul_parameters'] / 1e6:.1f} M matmul parameters x "
@@ -157,6 +175,19 @@ def main_job_rows(m: dict) -> list[Row]:
         f"so {flops / (2 * alone * 1e9):.1f} s if the cores did not slow each other)"),
         "ours", "limit", "s").fill(med["ours"]["train_s"], limit_s)
     rows.append(limit)
+    if BF16_WAY in res:
+        rows.append(Row("13e", "main job: training wall, ours vs 2 independent peft processes "
+                        "under bf16 autocast", f"as row 13a, peft under torch.autocast('cpu', "
+                        "torch.bfloat16) (ours multiplies its frozen base in bf16 here)",
+                        "ours", BF16_WAY, "s").fill(med["ours"]["train_s"],
+                                                    med[BF16_WAY]["train_s"]))
+        together16 = statistics.median(sum(g) for g in m["gemm"]["together_bf16"])
+        rows.append(Row("13f", "main job: training wall, ours vs the machine's bf16 compute limit",
+                        f"as row 13b at {together16:.0f} GFLOP/s (two 1-thread bf16 GEMM "
+                        f"processes at once; one alone: "
+                        f"{statistics.median(m['gemm']['alone_bf16']):.0f} GFLOP/s)",
+                        "ours", "limit", "s").fill(med["ours"]["train_s"],
+                                                   flops / (together16 * 1e9)))
     whole = Row("13c", "main job: whole command, ours vs 2 independent peft processes",
                 "as row 13a: launch to exit (ours: set-up, training, final checkpoint, "
                 "exports, the adapter x task tables; peft: imports, loading, training, its "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import resource
 import statistics
 import subprocess
@@ -68,17 +69,19 @@ def run_ours(spec: dict, data_dir: Path, run_dir: Path, processes: int) -> dict:
     assert [r["step"] for r in train] == list(range(1, spec["steps"] + 1)), "one record per step"
     final = [r for r in records if r["kind"] == "eval"][-1]["adapters"]
     names = [j["name"] for j in spec["jobs"]]
+    precision = re.search(r"dp \d+\), (.+?), [\d,]+ trainable parameters", "".join(lines))
     times = [r["time"] for r in train]
     span = training_span([times])
     return {"train_s": span, "launch_s": wall, "cpu_s": cpu,
             "first_step_at_s": times[-1] - span - launched, "last_step_at_s": times[-1] - launched,
-            "table_at_s": table_at,
+            "table_at_s": table_at, "precision": precision.group(1),
             "eval_loss": {n: final[n][f"loss_on_{n}"] for n in names},
             "base_eval_loss": {n: final["base"][f"loss_on_{n}"] for n in names}}
 
 
 def run_peft(spec: dict, groups: list[list[int]], threads: int, tmp: Path) -> dict:
-    """One worker process per group of jobs, all at once; each trains its jobs in turn."""
+    """One worker process per group of jobs, all at once; each trains its jobs in turn (under
+    bf16 autocast where ``spec["autocast"]`` is "bf16")."""
     spec_file = tmp / "spec.json"
     spec_file.write_text(json.dumps(spec))
     procs, results = [], []

@@ -27,13 +27,22 @@ def batch(examples, pad_id: int):
     return ids, attn, labels
 
 
-def eval_loss(model, examples, pad_id: int) -> float:
+def bf16_autocast(enabled: bool):
+    """``torch.autocast("cpu", torch.bfloat16)`` around one forward, as a user turns on bf16 on
+    CPU. Per forward, not around the loop: autocast caches its casts of trainable weights until
+    its outermost context exits, so a loop-wide context would train nothing."""
+    import torch
+
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
+
+
+def eval_loss(model, examples, pad_id: int, autocast: bool = False) -> float:
     """Mean loss over the loss tokens of ``examples`` (one batch)."""
     import torch
 
     ids, attn, labels = batch(examples, pad_id)
     model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), bf16_autocast(autocast):
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
         target = labels[:, 1:]
         keep = target != -100
@@ -66,14 +75,15 @@ def with_peft_adapters(model, jobs: list, targets: list[str]):
 
 class PeftLoop:
     """One job's training loop with peft as a user writes it: AdamW on its adapter's
-    parameters, its LR schedule, its gradient clipping (the job's adapter must be active)."""
+    parameters, its LR schedule, its gradient clipping (the job's adapter must be active);
+    ``autocast``: each forward under bf16 autocast."""
 
-    def __init__(self, peft_model, job, steps: int) -> None:
+    def __init__(self, peft_model, job, steps: int, autocast: bool = False) -> None:
         import torch
 
         from megatron_multilora.training.step.slot_optimizer import lr_factor
 
-        self.model, self.job = peft_model, job
+        self.model, self.job, self.autocast = peft_model, job, autocast
         self.params = [p for n, p in peft_model.named_parameters() if f".{peft_name(job)}." in n]
         self.opt = torch.optim.AdamW(self.params, lr=job.lr, weight_decay=job.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
@@ -84,7 +94,8 @@ class PeftLoop:
         import torch
 
         ids, attn, labels = batch(examples, pad_id)
-        loss = self.model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        with bf16_autocast(self.autocast):
+            loss = self.model(input_ids=ids, attention_mask=attn, labels=labels).loss
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         if self.job.grad_clip:
@@ -96,7 +107,8 @@ class PeftLoop:
 
 def peft_worker(spec: dict, job_indices: list[int], threads: int, result_file: str) -> None:
     """Train the given jobs one after another with transformers + peft; write timings,
-    losses and this process's CPU seconds of the training loops."""
+    losses and this process's CPU seconds of the training loops. With ``spec["autocast"]``
+    "bf16", every forward (training and held-out) runs under bf16 autocast."""
     import torch
 
     torch.set_num_threads(threads)
@@ -116,13 +128,14 @@ def peft_worker(spec: dict, job_indices: list[int], threads: int, result_file: s
     evals = [load_dataset(j.eval_dataset, tok, spec["max_seq_len"])[:spec["eval_samples"]]
              for j in jobs]
     peft_model = with_peft_adapters(model, jobs, spec["targets"])
+    autocast = spec.get("autocast") == "bf16"
     out = {"jobs": {}, "threads": threads, "torch_threads": torch.get_num_threads()}
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     for job, data in zip(jobs, train):
         peft_model.base_model.set_adapter(peft_name(job))
         for n, p in peft_model.named_parameters():
             p.requires_grad_(f".{peft_name(job)}." in n)
-        loop = PeftLoop(peft_model, job, job.max_steps)
+        loop = PeftLoop(peft_model, job, job.max_steps, autocast)
         order = Job(job, SFT(), data, [], [], job.max_steps)  # the recipe's sample order
         times, losses, positions = [time.time()], [], 0
         for _ in range(job.max_steps):
@@ -137,5 +150,5 @@ def peft_worker(spec: dict, job_indices: list[int], threads: int, result_file: s
     out["loop_cpu_s"] = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
     for job, held_out in zip(jobs, evals):  # after every loop: outside the timed span
         peft_model.base_model.set_adapter(peft_name(job))
-        out["jobs"][job.name]["eval_loss"] = eval_loss(peft_model, held_out, tok.pad_id)
+        out["jobs"][job.name]["eval_loss"] = eval_loss(peft_model, held_out, tok.pad_id, autocast)
     Path(result_file).write_text(json.dumps(out))

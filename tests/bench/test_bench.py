@@ -147,6 +147,34 @@ peft_worker(spec, [0, 3], 1, {str(tmp_path / 'peft.json')!r})
         assert job["eval_loss"] > 0 and job["params"] > 0, job
 
 
+def test_the_peft_loop_under_bf16_autocast_trains_as_in_fp32():
+    """Row 13e's loop: each forward under bf16 autocast, so its steps move the adapter as fp32
+    steps do (a loop-wide autocast context reuses its first bf16 copy of the LoRA weights and
+    trains nothing)."""
+    import torch
+
+    from benchmarks.peers.peft_loop import PeftLoop, eval_loss, with_peft_adapters
+    from megatron_multilora.data.datasets import Example
+    from megatron_multilora.training.config import AdapterJob
+    from tests.hf_models import make_hf_model
+
+    gen = torch.Generator().manual_seed(0)
+    examples = [Example(tuple(torch.randint(3, 128, (12,), generator=gen).tolist()),
+                        (False,) * 5 + (True,) * 6) for _ in range(4)]
+    job = AdapterJob(name="a", dataset="unused", rank=4, alpha=8.0, lr=1e-2, schedule="constant")
+    losses = {}
+    for autocast in (False, True):
+        model = with_peft_adapters(make_hf_model("llama"), [job], ["q_proj", "v_proj"])
+        before = eval_loss(model, examples, 0, autocast)
+        loop = PeftLoop(model, job, 6, autocast)
+        for _ in range(6):
+            loop.step(examples, 0)
+        losses[autocast] = (before, eval_loss(model, examples, 0, autocast))
+    (fp32_before, fp32_after), (bf16_before, bf16_after) = losses[False], losses[True]
+    assert fp32_after < fp32_before - 0.2, losses
+    assert abs(bf16_after - fp32_after) < 0.1 * (fp32_before - fp32_after), losses
+
+
 def test_versions_without_git(monkeypatch):
     """The GPU machine's image may have no git: the report then names no commit."""
     from benchmarks import report
