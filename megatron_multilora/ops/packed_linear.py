@@ -27,7 +27,8 @@ fp32, like ``torch.autocast``'s linears; everything else (adapters, norms, atten
 optimizer) stays fp32. On a 2-core Intel Xeon (AMX), one thread, SmolLM2's 30 layers of
 linears: forward 130 -> 359 GFLOP/s at 66 rows and 176 -> 476 at 180, input gradient
 162 -> 362 and 190 -> 592, casts included. The output layer stays fp32: its outputs are the
-logits, and bf16 would round a logit of 20 to a multiple of 0.125.
+logits, read by the loss and the evaluation tables with no later layer to absorb the
+rounding of its operands (in bf16 it would save ~40 ms of a 4-job step of the main job).
 """
 
 from __future__ import annotations
