@@ -73,13 +73,14 @@ def test_bf16_base_gemms_on_a_cpu_without_them_are_refused(demo_data, monkeypatc
 
     monkeypatch.setattr(packed_linear, "bf16_gemms_supported", lambda: False)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    run = compose_run([f"adapters=[{job('rev', demo_data, 'reverse', 3)}]",
-                       "trainer.cpu_base_gemms=bf16"])
+    def run(gemms: str):  # no model files checked: the only problem left is the GEMMs'
+        return compose_run(["hf_dir=null", f"adapters=[{job('rev', demo_data, 'reverse', 3)}]",
+                            f"trainer.cpu_base_gemms={gemms}"])
+
     with pytest.raises(ConfigError, match="trainer.cpu_base_gemms=bf16: this CPU has no bf16 "
                                           "GEMMs.*use fp32, or auto"):
-        validate(run)
-    validate(compose_run([f"adapters=[{job('rev', demo_data, 'reverse', 3)}]",
-                          "trainer.cpu_base_gemms=auto"]))
+        validate(run("bf16"), check_files=False)
+    validate(run("auto"), check_files=False)
 
 
 def test_unknown_key_and_bad_type_name_the_full_key(demo_data):
