@@ -74,8 +74,8 @@ def _pack(weight: torch.Tensor, dtype: torch.dtype) -> Optional[_Packs]:
     """``weight``'s packs for GEMMs in ``dtype``, made on first use and after any change;
     None where there is no room for them."""
     key = (weight._version, weight.data_ptr())
-    attribute = f"_onednn_packs_{str(dtype).removeprefix('torch.')}"
-    cached = getattr(weight, attribute, None)
+    by_dtype = weight.__dict__.setdefault("_onednn_packs", {})
+    cached = by_dtype.get(dtype)
     if cached is None or cached[0] != key:
         memory = psutil.virtual_memory()
         packs = None
@@ -87,8 +87,7 @@ def _pack(weight: torch.Tensor, dtype: torch.dtype) -> Optional[_Packs]:
                 else:
                     low = weight.detach().to(dtype)
                     packs = _Packs(reorder(low), reorder(low.t().contiguous()))
-        cached = (key, packs)
-        setattr(weight, attribute, cached)
+        cached = by_dtype[dtype] = (key, packs)
     return cached[1]
 
 
