@@ -122,6 +122,28 @@ print(json.dumps(spec))
     assert all(costs[part] > 0 for part in ("frozen", "lora", "step")), costs
 
 
+def test_step_floor_splits_each_phase_into_fixed_and_per_position_cost(tmp_path):
+    """benchmarks.step_floor on the default run (tiny Llama, demo data): both phases timed at
+    every share of their global batch, a line fitted through them, the limit per position."""
+    data = tmp_path / "demo"
+    subprocess.run([sys.executable, "scripts/make_demo_data.py", "--out-dir", str(data)],
+                   cwd=REPO, check=True, capture_output=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "benchmarks.step_floor", "--config-name",
+                           "config", "--reps", "1", f"data_dir={data}"], cwd=REPO, timeout=240,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    every, alone = out["phases"]
+    assert every == "every job" and alone.endswith(" alone"), out["phases"]
+    for phase in out["phases"].values():
+        positions = [p for p, _ in phase["positions_ms"]]
+        assert len(positions) == 4 and positions == sorted(positions, reverse=True), positions
+        assert positions[0] > 4 * positions[-1]  # the shares 1/1 .. 1/8 really shrank the step
+        assert all(ms > 0 for _, ms in phase["positions_ms"])
+        assert math.isfinite(phase["fixed_ms"]) and math.isfinite(phase["ms_per_position"])
+    assert out["matmul_parameters"] > 0 and out["limit_ms_per_position"] > 0
+
+
 def test_the_peft_worker_trains_its_jobs_in_the_recipes_order(tmp_path):
     """Rows 10 and 13, the peft side: one worker trains two of the demo jobs one after
     another and writes their step times, positions and held-out losses; a job may be named
