@@ -254,11 +254,11 @@ def check_grouped_kernel_parity(monkeypatch, device: str, dtype: torch.dtype, re
     x_l = x.to(device, dtype, copy=True).requires_grad_()
     x_r = x.clone().requires_grad_()
     y = output(layer(x_l.view(-1, 1, IN))).view(x.size(0), -1)
+    assert len(calls) == 2, f"expected both LoRA GEMMs on the grouped kernel, got {calls}"
     y_ref = lora_reference(x_r, base.weight.detach().float().cpu(), slots, counts)
     g = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(7))
     (y.float() * g.to(device)).sum().backward()
     (y_ref * g).sum().backward()
-    assert len(calls) == 2, f"expected both LoRA GEMMs on the grouped kernel, got {calls}"
     assert_close(y.detach().cpu(), y_ref.detach(), rel, "output")
     assert_close(x_l.grad.cpu(), x_r.grad, rel, "input grad")
     for i, f in enumerate(slots):

@@ -1,0 +1,61 @@
+"""``ops.grouped_mm`` on CPU against a float64 per-group loop: outputs and both gradients, on
+every path it takes (the kernel with its own backward for a narrow input side, i.e. a LoRA
+B; the kernel with torch's backward; the per-group loop for shapes the kernel refuses),
+with an empty group, a group of one row and odd group sizes."""
+
+import pytest
+import torch
+
+from megatron_multilora.ops import grouped_mm as gmm
+
+COUNTS = [5, 0, 1, 23, 9]
+# (in, out, whether the narrow-input backward runs)
+SHAPES = {"lora_b_rank_8": (8, 40, True), "lora_b_rank_12": (12, 32, True),
+          "lora_a_rank_8": (48, 8, False), "rank_16": (16, 40, False), "wide": (24, 40, False),
+          "loop_rank_3": (3, 40, False)}
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    return torch.cat([xg @ w[g].t() for g, xg in enumerate(x.split(counts))])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)],
+                         ids=["fp32", "bf16"])
+def test_grouped_mm_matches_float64_loop(monkeypatch, shape, dtype, rel):
+    in_f, out_f, narrow = SHAPES[shape]
+    used = []
+    function = gmm._NarrowInputGroupedMM.apply
+    monkeypatch.setattr(gmm._NarrowInputGroupedMM, "apply",
+                        lambda *a: used.append(1) or function(*a))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(sum(COUNTS), in_f, generator=gen).to(dtype)
+    w = torch.randn(len(COUNTS), out_f, in_f, generator=gen).to(dtype)
+    g = torch.randn(sum(COUNTS), out_f, generator=gen).to(dtype)
+    x_l, w_l = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = gmm.grouped_mm(x_l, w_l, gmm.group_offsets(COUNTS, x.device), COUNTS)
+    (y * g).sum().backward()
+    # the kernel reads rows of whole 16-byte units (bf16 at rank 12 falls back to the loop)
+    assert bool(used) == (narrow and in_f * x.element_size() % 16 == 0)
+    x_r, w_r = x.double().requires_grad_(), w.double().requires_grad_()
+    y_r = reference(x_r, w_r, COUNTS)
+    (y_r * g.double()).sum().backward()
+    assert y.dtype == dtype and x_l.grad.is_contiguous()
+    for got, want, what in ((y, y_r, "output"), (x_l.grad, x_r.grad, "input grad"),
+                            (w_l.grad, w_r.grad, "weight grad")):
+        assert got.shape == want.shape, what
+        err = (got.double() - want).abs().max().item()
+        assert err <= rel * want.abs().max().item(), f"{what}: max abs error {err:.3e}"
+    assert w_l.grad[1].abs().max() == 0  # the empty group's weight gets a zero gradient
+
+
+def test_an_expanded_gradient_is_read_with_the_kernel_layout():
+    """``y.sum()``'s gradient is a stride-0 view, which the kernel would refuse."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(sum(COUNTS), 8, generator=gen, requires_grad=True)
+    w = torch.randn(len(COUNTS), 40, 8, generator=gen, requires_grad=True)
+    gmm.grouped_mm(x, w, gmm.group_offsets(COUNTS, x.device), COUNTS).sum().backward()
+    x_r, w_r = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    reference(x_r, w_r, COUNTS).sum().backward()
+    assert torch.allclose(x.grad.double(), x_r.grad, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(w.grad.double(), w_r.grad, rtol=1e-5, atol=1e-5)
