@@ -8,12 +8,15 @@ a decode step, that pass is a large share of the GEMM (2-core AMD EPYC, one thre
 30 layers of linears: 50 GFLOP/s by MKL vs 71 packed at 68 rows, 69 vs 78 at 180). The base
 is frozen, so here each weight is packed once for the forward (one extra copy of the base)
 and repacked only when it changes (its version counter or storage moves). The input
-gradient stays megatron's ``grad @ weight`` on the weight itself: MKL's non-transposed GEMM
-beat a second pack of ``weight.t()`` (2-core Intel Xeon, one thread, the same 30 layers: 169
-vs 160 GFLOP/s at 180 rows, 158 vs 122 at 68), and that pack cost a second copy of the base
-and most of the first step's packing time. A weight whose pack would leave less than a quarter
-of the machine's memory free stays unpacked (a model too large to double on this machine
-trains as before, on megatron's path).
+gradient ``grad @ weight`` runs on an Intel CPU as MKL on the weight itself, elsewhere on a
+second pack, of ``weight.t()`` (a second copy of the base). Which wins was measured on the
+two CPUs at hand: on a 2-core Intel Xeon MKL (one thread, the same 30 layers: 169 vs 160
+GFLOP/s at 180 rows, 158 vs 122 at 68), on a 2-core AMD EPYC the pack (54 vs 64 GFLOP/s at
+180 rows, 44-50 vs 55-60 at 76; the main job's steps, alternating in one process: a 4-job
+step 2350 -> 2229 ms, a sort-only step 1165 -> 1096). Timing the two ways per weight at
+start-up picked at random: a single GEMM of a hot weight is not the cold one of a step. A
+weight whose packs would leave less than a quarter of the machine's memory free stays
+unpacked (a model too large to double on this machine trains as before, on megatron's path).
 
 :func:`use_packed_frozen_weights` installs this on every megatron parallel linear of a model;
 a call it does not cover (a trainable or non-fp32 weight, CUDA, a torch without oneDNN) runs
@@ -66,8 +69,25 @@ class _Packs(NamedTuple):
     forward: torch.Tensor
     """``weight`` in oneDNN's layout for ``input @ weight.t()``, in the GEMMs' dtype."""
     input_grad: Optional[torch.Tensor]
-    """``weight.t()`` likewise, for ``grad @ weight`` (bf16); None: that GEMM runs on the
-    fp32 weight itself."""
+    """``weight.t()`` likewise, for ``grad @ weight`` (bf16, or fp32 off Intel CPUs); None:
+    that GEMM runs on the fp32 weight itself."""
+
+
+def _mkl_is_tuned_here() -> bool:
+    """Whether this CPU is an Intel one, where MKL runs its own tuned GEMM kernels (read from
+    /proc/cpuinfo; elsewhere assumed, as before this choice existed)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return "GenuineIntel" in line
+    except OSError:
+        pass
+    return True
+
+
+_INPUT_GRAD_PACKED = not _mkl_is_tuned_here()
+"""Whether fp32 input gradients run on a pack of ``weight.t()`` (see the module docstring)."""
 
 
 def _pack(weight: torch.Tensor, dtype: torch.dtype) -> Optional[_Packs]:
@@ -79,14 +99,13 @@ def _pack(weight: torch.Tensor, dtype: torch.dtype) -> Optional[_Packs]:
     if cached is None or cached[0] != key:
         memory = psutil.virtual_memory()
         packs = None
-        if memory.available - weight.nbytes >= _FREE_FRACTION * memory.total:
+        if memory.available - 2 * weight.nbytes >= _FREE_FRACTION * memory.total:
             reorder = torch.ops.mkldnn._reorder_linear_weight
             with torch.no_grad():
-                if dtype == torch.float32:
-                    packs = _Packs(reorder(weight.detach()), None)
-                else:
-                    low = weight.detach().to(dtype)
-                    packs = _Packs(reorder(low), reorder(low.t().contiguous()))
+                low = weight.detach().to(dtype)
+                transposed = (reorder(low.t().contiguous())
+                              if dtype != torch.float32 or _INPUT_GRAD_PACKED else None)
+                packs = _Packs(reorder(low), transposed)
         cached = by_dtype[dtype] = (key, packs)
     return cached[1]
 

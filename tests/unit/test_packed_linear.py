@@ -54,17 +54,26 @@ def _loss_and_grads(model: torch.nn.Module) -> tuple:
     return loss.detach(), embedded[0].grad.clone(), grads
 
 
-def test_the_cpu_model_runs_its_frozen_linears_packed_with_megatrons_results(packed_calls):
+@pytest.fixture(params=[False, True], ids=["input_grad_mkl", "input_grad_packed"])
+def input_grad_packed(request, monkeypatch) -> bool:
+    """Which way the fp32 input gradient runs, set here instead of by the CPU's vendor."""
+    monkeypatch.setattr(packed_linear, "_INPUT_GRAD_PACKED", request.param)
+    return request.param
+
+
+def test_the_cpu_model_runs_its_frozen_linears_packed_with_megatrons_results(
+        packed_calls, input_grad_packed):
     model = build(DENSE)
     linears = _parallel_linears(model)
     assert len(linears) == 4 * DENSE.num_layers + 1  # qkv, proj, fc1, fc2 a layer, the output layer
     packed = _loss_and_grads(model)
-    # Each frozen linear's forward ran packed (its input gradient runs on the weight).
-    assert len(packed_calls) == len(linears)
+    # Each frozen linear's forward ran packed, and its input gradient too where that is faster.
+    assert len(packed_calls) == len(linears) * (2 if input_grad_packed else 1)
+    calls = len(packed_calls)
     for module in linears:
         del module._forward_impl  # megatron's own implementation
     plain = _loss_and_grads(model)
-    assert len(packed_calls) == len(linears)
+    assert len(packed_calls) == calls
     torch.testing.assert_close(packed[0], plain[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(packed[1], plain[1], rtol=1e-4, atol=1e-7)
     for a, b in zip(packed[2], plain[2]):
@@ -88,15 +97,38 @@ def test_a_changed_weight_is_repacked_and_a_trainable_one_runs_megatrons_path(pa
     assert packed_calls == [5, 5] and layer.weight.grad is not None
 
 
-def test_a_rows_output_does_not_depend_on_the_rows_beside_it():
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(input_grad_packed):
     layer = build(DENSE).output_layer
     weight = build(DENSE).embedding.word_embeddings.weight
     use_packed_frozen_weights(layer)
     x = torch.randn(40, 1, weight.size(1))
-    whole, _ = layer(x, weight=weight)
+    g = torch.randn(40, 1, weight.size(0))
+
+    def run(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x_rows = x[:rows].clone().requires_grad_()
+        out, _ = layer(x_rows, weight=weight)
+        (out * g[:rows]).sum().backward()
+        return out.detach(), x_rows.grad
+
+    whole, whole_grad = run(40)
+    torch.testing.assert_close(whole_grad, g @ weight, rtol=1e-5, atol=1e-6)
     for rows in (1, 7, 33):
-        part, _ = layer(x[:rows].contiguous(), weight=weight)
+        part, part_grad = run(rows)
         assert torch.equal(part, whole[:rows])
+        if input_grad_packed:  # MKL's grad @ weight blocks rows by their number: close only
+            assert torch.equal(part_grad, whole_grad[:rows])
+        else:
+            torch.testing.assert_close(part_grad, whole_grad[:rows], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("vendor,packed", [("GenuineIntel", False), ("AuthenticAMD", True)])
+def test_the_input_gradient_runs_packed_off_intel_cpus(tmp_path, monkeypatch, vendor, packed):
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\nmodel name\t: x\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **kw: real_open(
+        info if path == "/proc/cpuinfo" else path, *a, **kw))
+    assert packed_linear._mkl_is_tuned_here() is not packed
 
 
 def test_without_room_for_its_pack_a_weight_runs_megatrons_path(packed_calls, monkeypatch):
