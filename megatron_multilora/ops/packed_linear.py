@@ -99,13 +99,13 @@ def _pack(weight: torch.Tensor, dtype: torch.dtype) -> Optional[_Packs]:
     if cached is None or cached[0] != key:
         memory = psutil.virtual_memory()
         packs = None
-        if memory.available - 2 * weight.nbytes >= _FREE_FRACTION * memory.total:
+        both = dtype != torch.float32 or _INPUT_GRAD_PACKED
+        needed = weight.nbytes * (2 if dtype == torch.float32 and both else 1)  # bf16: 2 halves
+        if memory.available - needed >= _FREE_FRACTION * memory.total:
             reorder = torch.ops.mkldnn._reorder_linear_weight
             with torch.no_grad():
                 low = weight.detach().to(dtype)
-                transposed = (reorder(low.t().contiguous())
-                              if dtype != torch.float32 or _INPUT_GRAD_PACKED else None)
-                packs = _Packs(reorder(low), transposed)
+                packs = _Packs(reorder(low), reorder(low.t().contiguous()) if both else None)
         cached = by_dtype[dtype] = (key, packs)
     return cached[1]
 

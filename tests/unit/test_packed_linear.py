@@ -1,9 +1,12 @@
 """Frozen linears on packed weights (ops/packed_linear.py): the model built on CPU runs its
-frozen linears' forwards on them, with megatron's outputs and gradients; a changed weight is
-repacked, a trainable one, or one without room for its pack, runs megatron's own path, and a
-row's output does not depend on the rows beside it (what mixed == alone rests on). With bf16
-GEMMs (trainer.cpu_base_gemms) the same, inputs and weights rounded to bf16, fp32 out, and
-the output layer's logits in fp32."""
+frozen linears' forwards on them, and their input gradients too off Intel CPUs, with
+megatron's outputs and gradients; a changed weight is repacked, a trainable one, or one
+without room for all its packs, runs megatron's own path, and a row's output does not
+depend on the rows beside it (what mixed == alone rests on). With bf16 GEMMs
+(trainer.cpu_base_gemms) the same, inputs and weights rounded to bf16, fp32 out, and the
+output layer's logits in fp32."""
+
+import types
 
 import pytest
 import torch
@@ -138,6 +141,21 @@ def test_without_room_for_its_pack_a_weight_runs_megatrons_path(packed_calls, mo
     monkeypatch.setattr(packed_linear, "_FREE_FRACTION", 1.0)  # nothing may be used
     out, _ = layer(x)
     assert packed_calls == []
+    torch.testing.assert_close(out, x @ layer.weight.t(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_weight_packs_only_with_room_for_all_its_packs(packed_calls, monkeypatch,
+                                                        input_grad_packed):
+    """Room for one copy of the weight: enough for the forward's pack alone, not for two."""
+    model = build(DENSE)
+    layer = model.decoder.layers[0].mlp.linear_fc1.to_wrap
+    total = 10**12
+    free = packed_linear._FREE_FRACTION * total + 1.5 * layer.weight.nbytes
+    monkeypatch.setattr(packed_linear.psutil, "virtual_memory",
+                        lambda: types.SimpleNamespace(total=total, available=free))
+    x = torch.randn(6, 1, layer.weight.size(1))
+    out, _ = layer(x)
+    assert packed_calls == ([] if input_grad_packed else [6])
     torch.testing.assert_close(out, x @ layer.weight.t(), rtol=1e-5, atol=1e-6)
 
 
