@@ -76,9 +76,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
     ``torch._grouped_mm`` takes); ``counts`` the group sizes on the host when known: only the
     per-group fallback needs them, and reading them from ``offsets`` syncs on an accelerator.
     """
-    if kernel_takes(x, w) and not x.is_cuda and _narrow(w.size(2)):
-        return _NarrowInputGroupedMM.apply(kernel_layout(x), kernel_layout(w), offsets)
     if kernel_takes(x, w):
+        if not x.is_cuda and _narrow(w.size(2)):
+            return _NarrowInputGroupedMM.apply(kernel_layout(x), kernel_layout(w), offsets)
         y = _GROUPED_MM(kernel_layout(x), kernel_layout(w).transpose(1, 2), offs=offsets)
         if y.requires_grad:
             # The backward kernels read y's gradient with the same row layout, which an

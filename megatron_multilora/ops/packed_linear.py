@@ -100,7 +100,8 @@ def _pack(weight: torch.Tensor, dtype: torch.dtype) -> Optional[_Packs]:
         memory = psutil.virtual_memory()
         packs = None
         both = dtype != torch.float32 or _INPUT_GRAD_PACKED
-        needed = weight.nbytes * (2 if dtype == torch.float32 and both else 1)  # bf16: 2 halves
+        # bf16's two packs are halves: one fp32 weight's room; fp32's two need two
+        needed = weight.nbytes * (2 if dtype == torch.float32 and _INPUT_GRAD_PACKED else 1)
         if memory.available - needed >= _FREE_FRACTION * memory.total:
             reorder = torch.ops.mkldnn._reorder_linear_weight
             with torch.no_grad():
