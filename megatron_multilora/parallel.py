@@ -118,15 +118,19 @@ def init_parallel(
 
 def _layout_groups() -> list[dist.ProcessGroup]:
     """The process groups megatron's ``parallel_state`` holds for the current layout, but its
-    ``*_GLOO`` ones, which ``destroy_model_parallel`` destroys itself."""
+    ``*_GLOO`` ones, which ``destroy_model_parallel`` destroys itself (they are listed again
+    in its list of every group it made, so they are left out by identity, not by name)."""
     found: dict[int, dist.ProcessGroup] = {}
+    gloo: set[int] = set()
     for name, value in vars(parallel_state).items():
-        if "GLOO" in name:
-            continue
         for item in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(item, dist.ProcessGroup) and item is not dist.GroupMember.WORLD:
+            if not isinstance(item, dist.ProcessGroup) or item is dist.GroupMember.WORLD:
+                continue
+            if "GLOO" in name:
+                gloo.add(id(item))
+            else:
                 found[id(item)] = item
-    return list(found.values())
+    return [group for key, group in found.items() if key not in gloo]
 
 
 def destroy_parallel(destroy_process_group: bool = False) -> None:

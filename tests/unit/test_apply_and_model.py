@@ -137,3 +137,23 @@ def test_init_parallel_rejects_unsupported_layouts():
     with pytest.raises(ValueError, match="expert_model_parallel_size=0: must be at least 1"):
         mm.init_parallel(expert_model_parallel_size=0)
     mm.init_parallel(seed=1234)  # the session's layout is still usable
+
+
+def test_destroy_parallel_frees_every_group_with_megatrons_gloo_groups_too():
+    """On a GPU megatron also makes gloo groups (``init_parallel`` asks for them there) and
+    destroys those itself, while its list of every group it made holds them too: each group
+    must be destroyed exactly once (this raised 'Invalid process group' on the first GPU)."""
+    from megatron.core import parallel_state
+    from torch.distributed.distributed_c10d import _world
+
+    mm.destroy_parallel()
+    try:
+        parallel_state.initialize_model_parallel(create_gloo_process_groups=True)
+        made = [g for g in parallel_state._global_process_group_list if g is not None]
+        gloo = parallel_state.get_data_parallel_group_gloo()
+        assert any(g is gloo for g in made)  # the state the GPU run was in
+        assert all(g in _world.pg_map for g in made)
+        mm.destroy_parallel()
+        assert not [g for g in made if g in _world.pg_map]
+    finally:
+        mm.init_parallel(seed=1234)
