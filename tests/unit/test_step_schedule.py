@@ -114,7 +114,12 @@ def check_bf16_step(monkeypatch, device: str, cfg: mm.GPTModelConfig, rel: float
     """The training step of a bf16 model against the same step of an fp32 model holding the
     same (bf16-rounded) weights, on ``device``: per-slot losses and every slot gradient, with
     the LoRA GEMMs on ``torch._grouped_mm`` (asserted), at a max rank that is not a multiple
-    of 8 and slot ranks below it. Shared with tests/gpu."""
+    of 8 and slot ranks below it. Shared with tests/gpu.
+
+    Each error is bounded by ``rel``, or by twice the error of the same bf16 step with the
+    LoRA GEMMs on the per-group loop: on CUDA, bf16 arithmetic in the base model alone (cuBLAS
+    may reduce split-K partial sums in bf16) put one slot's gradient 9% off fp32 on an H200,
+    and the kernel must add no error of its own beyond that."""
     from megatron_multilora.ops import grouped_mm as gmm
 
     if gmm._GROUPED_MM is None:
@@ -131,28 +136,40 @@ def check_bf16_step(monkeypatch, device: str, cfg: mm.GPTModelConfig, rel: float
             mm.init_adapter_slot(model, slot, rank, alpha)
         return model
 
-    low, ref = adapted(torch.bfloat16), adapted(torch.float32)
-    low.load_state_dict({k: v for k, v in ref.state_dict().items() if torch.is_tensor(v)})
-    ref.load_state_dict({k: v.float() if v.is_floating_point() else v
-                         for k, v in low.state_dict().items() if torch.is_tensor(v)})
-    calls = []
-    kernel = gmm._GROUPED_MM
-    monkeypatch.setattr(gmm, "_GROUPED_MM", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
-    results = []
-    for model in (low, ref):
+    def step_of(model: torch.nn.Module) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
         step = SlotTrainStep([model], N, token_budget=32, pad_multiple=1, pad_id=PAD)
         micro_batches = pack_micro_batches(slot_examples(), 32, 1, PAD)
         step.grad_sync.zero_grad(range(N))
         losses = step.losses(micro_batches, agree(micro_batches, N).loss_units)
-        results.append((losses, [[p.main_grad.float().cpu() for p in mm.slot_parameters(model, s)]
-                                 for s in range(N)]))
-        assert calls or model is ref, "the bf16 step never ran the grouped kernel"
-    (losses, grads), (want_losses, want_grads) = results
-    assert torch.allclose(losses, want_losses, rtol=rel, atol=0), (losses, want_losses)
+        return losses.float(), [[p.main_grad.float().cpu() for p in mm.slot_parameters(model, s)]
+                                for s in range(N)]
+
+    low, looped, ref = adapted(torch.bfloat16), adapted(torch.bfloat16), adapted(torch.float32)
+    low.load_state_dict({k: v for k, v in ref.state_dict().items() if torch.is_tensor(v)})
+    bf16_weights = {k: v for k, v in low.state_dict().items() if torch.is_tensor(v)}
+    looped.load_state_dict(bf16_weights)
+    ref.load_state_dict({k: v.float() if v.is_floating_point() else v
+                         for k, v in bf16_weights.items()})
+    want_losses, want_grads = step_of(ref)
+    kernel = gmm._GROUPED_MM
+    monkeypatch.setattr(gmm, "_GROUPED_MM", None)
+    loop_losses, loop_grads = step_of(looped)
+    calls = []
+    monkeypatch.setattr(gmm, "_GROUPED_MM", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    losses, grads = step_of(low)
+    assert calls, "the bf16 step never ran the grouped kernel"
+
+    def error(got: torch.Tensor, want: torch.Tensor) -> float:
+        return float((got - want).abs().max() / want.abs().max().clamp(min=1e-12))
+
     for s in range(N):
-        for got, want in zip(grads[s], want_grads[s]):
-            err = (got - want).abs().max() / want.abs().max().clamp(min=1e-12)
-            assert err < rel, f"slot {s}: gradient differs by {float(err):.3e} (relative)"
+        bound = max(rel, 2 * error(loop_losses[s], want_losses[s]))
+        assert error(losses[s], want_losses[s]) < bound, (s, losses, loop_losses, want_losses)
+        for k, (got, loop, want) in enumerate(zip(grads[s], loop_grads[s], want_grads[s])):
+            err, floor = error(got, want), error(loop, want)
+            assert err < max(rel, 2 * floor), (
+                f"slot {s}, parameter {k}: gradient {err:.3e} off fp32 (relative), "
+                f"the per-group loop in bf16 {floor:.3e}")
 
 
 @pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
