@@ -1,6 +1,7 @@
 """Greedy generation with megatron's KV cache gives the tokens of re-running the prefix,
 with finished sequences leaving the batch."""
 
+import pytest
 import torch
 
 import megatron_multilora as mm
@@ -83,3 +84,38 @@ def test_given_up_prompts_stop_there_and_leave_the_others_alone():
                                          give_up=give_up)
         assert got == [g[:2] if i % 2 else g for i, g in enumerate(full)]
     assert set(asked) == set(range(len(items)))
+
+
+def test_the_tables_base_row_is_the_base_model_whatever_its_slot_held(tmp_path):
+    """The final table fills the slots with its rows in order, the base model's first: a slot
+    that still holds a job's adapter from training is cleared for it (it gave that adapter's
+    row as the base's when a run stopped at trainer.max_steps)."""
+    import types
+
+    from megatron_multilora.checkpoint.adapter_files import export_adapter
+    from megatron_multilora.data.datasets import Example
+    from megatron_multilora.training.objectives.sft import SFT
+    from megatron_multilora.training.report.tables import AdapterTaskEval
+
+    torch.manual_seed(1)
+    model = mm.apply_multi_lora(mm.build_gpt_model(CFG, calculate_per_token_loss=True), N_SLOTS,
+                                8, alpha=1.0)
+    for slot in (0, 1):
+        mm.init_adapter_slot(model, slot, rank=8, alpha=16.0)  # max rank: no padding rows
+        for p in mm.slot_parameters(model, slot):
+            p.data.normal_(0, 0.3)
+    folder = export_adapter(model, 1, tmp_path / "one", {})
+    gen = torch.Generator().manual_seed(2)
+    examples = [Example(tuple(torch.randint(3, 64, (6,), generator=gen).tolist()),
+                        (False,) + (True,) * 4) for _ in range(3)]
+    task = types.SimpleNamespace(name="t", eval=examples, eval_records=[], objective=SFT())
+    tokenizer = types.SimpleNamespace(bos_id=1, eos_id=2, pad_id=0)
+    ev = AdapterTaskEval(model, tokenizer, N_SLOTS, token_budget=64, pad_multiple=1,
+                         max_new_tokens=2)
+    base = ev.evaluate({3: task})[3]["loss"]  # slot 3 is free
+    held, one = (ev.evaluate({s: task})[s]["loss"] for s in (0, 1))
+    assert abs(held - base) > 1e-3  # slot 0 really holds an adapter that changes the loss
+
+    tables = ev.tables([None, folder], [task])
+    assert tables.losses[0][0] == pytest.approx(base, rel=1e-6)
+    assert tables.losses[1][0] == pytest.approx(one, rel=1e-6)

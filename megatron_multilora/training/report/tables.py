@@ -111,7 +111,9 @@ class AdapterTaskEval:
         for start in range(0, len(adapters), self.n_slots) if tasks else []:
             group = adapters[start:start + self.n_slots]
             for slot, folder in enumerate(group):
-                if folder is not None:
+                if folder is None:  # the slot may still hold a job's adapter from training
+                    clear_adapter_slot(self.model, slot)
+                else:
                     import_adapter(self.model, slot, folder)
             cell_accuracy = self._cell_accuracy([(slot, task) for task in tasks
                                                  for slot in range(len(group))])
