@@ -85,7 +85,7 @@ export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 REPORT=$RESULTS/gpu_check.md
 deadline=$(( $(date +%s) + BUDGET ))
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo "unknown (no git)")
-# The device tool's copy of .git can be older than the tree it sends: say when they differ.
+# A GPU machine's copy of .git can be older than the tree it gets: say when they differ.
 [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] && commit="$commit + uncommitted changes"
 {
     echo "# GPU check ($(date -u +%Y-%m-%dT%H:%MZ), commit $commit)"
