@@ -115,7 +115,7 @@ def main(cfg: DictConfig) -> None:
     except RunError as err:  # a damaged file, a full disk: one clear message
         _report_and_exit(str(err), 1)
     failed = trainer.finish()
-    mm.destroy_parallel()
+    mm.destroy_parallel(destroy_process_group=True)  # NCCL warns of a leak at exit otherwise
     if failed:
         _report_and_exit(f"{len(failed)} of {len(run.adapters)} adapter jobs FAILED: "
                          f"{', '.join(failed)} (see the job lines above); the others were "

@@ -14,3 +14,12 @@ def single_gpu_parallel():
     init_parallel(seed=0)
     yield
     destroy_parallel()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def default_group_destroyed_at_the_end():
+    """The default (NCCL) group too, once every test is done: NCCL warns of a leak otherwise."""
+    yield
+    if torch.distributed.is_initialized():
+        destroy_parallel(destroy_process_group=True)
+
