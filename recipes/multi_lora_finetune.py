@@ -109,6 +109,7 @@ def main(cfg: DictConfig) -> None:
             trainer.train()
     except RunStopped as stop:
         message = trainer.stopped(stop)
+        mm.destroy_parallel(destroy_process_group=True)
         if stop.exit_code:  # a signal: schedulers see it, and torchrun's summary says why
             _report_and_exit(message, stop.exit_code, printed=True)
         sys.exit(0)
@@ -138,6 +139,7 @@ def _serve_api(run: RunConfig) -> None:
                       if int(os.environ.get("RANK", "0")) == 0 else None)
     except RunError as err:  # a port taken, a damaged file: one clear message
         _report_and_exit(str(err), 1)
+    mm.destroy_parallel(destroy_process_group=True)
 
 
 if __name__ == "__main__":
