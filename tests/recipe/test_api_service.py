@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -33,9 +34,19 @@ ADAM = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)  # the recipe's 
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range. bind(0) and outgoing connections (the
+    workers' to torchrun's store) take ports from that range, and one took a port that bind(0)
+    had just given back before the service could bind it ('address already in use' in CI)."""
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ranges.read_text().split()[0]) if ranges.exists() else 32768
+    for port in random.Random().sample(range(max(1024, low - 10000), low), 100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port among 100 tried below {low}")
 
 
 class Service:
