@@ -100,8 +100,7 @@ def _pack(weight: torch.Tensor, dtype: torch.dtype) -> Optional[_Packs]:
         memory = psutil.virtual_memory()
         packs = None
         both = dtype != torch.float32 or _INPUT_GRAD_PACKED
-        # bf16's two packs are halves: one fp32 weight's room; fp32's two need two
-        needed = weight.nbytes * (2 if dtype == torch.float32 and _INPUT_GRAD_PACKED else 1)
+        needed = weight.numel() * dtype.itemsize * (2 if both else 1)  # the packs' bytes
         if memory.available - needed >= _FREE_FRACTION * memory.total:
             reorder = torch.ops.mkldnn._reorder_linear_weight
             with torch.no_grad():
