@@ -12,6 +12,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_multilora.models.gpt_config import GPTModelConfig
 from megatron_multilora.models.specs import gpt_block_spec
 from megatron_multilora.ops.packed_linear import use_packed_frozen_weights
+from megatron_multilora.platform.missing_te import rope_fusion_available
 from megatron_multilora.validation import model_layout_problems, schema_problems
 
 
@@ -47,6 +48,9 @@ def transformer_config(
     elif cfg.recompute_granularity == "selective":
         overrides = {"recompute_granularity": "selective",
                      "recompute_modules": cfg.recompute_modules or ["core_attn"], **overrides}
+    # One RoPE op per call (TE's, or ops/rope.py where TE is absent) instead of megatron's
+    # unfused packed path, which splits the micro-batch into its sequences in every layer.
+    overrides = {"apply_rope_fusion": rope_fusion_available(), **overrides}
     config = TransformerConfig(
         **{field: getattr(cfg, field) for field in _SAME_NAMED},
         layernorm_epsilon=cfg.norm_epsilon,
@@ -70,7 +74,6 @@ def transformer_config(
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
-        apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         **overrides,
     )
