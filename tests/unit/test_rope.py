@@ -5,6 +5,7 @@ RoPE, packed (thd) and padded (bshd), and the model runs it."""
 import pytest
 import torch
 from megatron.core.models.common.embeddings import rope_utils
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import megatron_multilora as mm
 from megatron_multilora.data.datasets import Example
@@ -71,6 +72,31 @@ def test_a_micro_batchs_cos_and_sin_are_made_once_and_follow_its_freqs():
     longer = freqs_table(20, 16)  # other angles (another table): computed anew, not reused
     assert torch.equal(apply_rope_packed(t, cu, longer), apply_rope_packed(t, bounds(LENGTHS), longer))
     assert cu._rope_cos_sin[0] is longer
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the ops that read a tensor's value back to the host (``.item()``, ``bool(t)``):
+    a device sync each on a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_packed_rope_reads_nothing_back_from_the_device_forward_or_backward():
+    t = torch.randn(sum(LENGTHS), 2, 16, requires_grad=True)
+    cu, freqs = bounds(LENGTHS), freqs_table(12, 16)
+    with _HostReads() as megatrons:  # the check sees a read where there is one
+        rope_utils._apply_rotary_pos_emb_thd(t, cu, freqs, cp_group=_OneRank())
+    assert megatrons.count > 0
+    with _HostReads() as ours:
+        for _ in range(2):  # building the micro-batch's cos/sin, then reusing them
+            apply_rope_packed(t, cu, freqs).sum().backward()
+    assert ours.count == 0
 
 
 def test_what_it_does_not_implement_is_refused_by_name():
