@@ -19,7 +19,8 @@ from megatron_multilora.ops.rope import apply_rope, apply_rope_packed
 
 
 def define_missing_te_names() -> None:
-    """Define the TE names megatron uses unconditionally, where TE did not import them."""
+    """Where TE did not import them: the TE names megatron uses unconditionally, and stand-ins
+    for TE's fused RoPE (so ``apply_rope_fusion`` can be set, see :func:`rope_fusion_available`)."""
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
