@@ -11,6 +11,10 @@ The rows are picked on the output layer's input (a forward pre-hook, on for the 
 megatron's own forward runs unchanged and the weights (tied to the embedding or not) are its
 own. With sequence parallelism the output layer gathers its input itself, so there the model
 runs whole; likewise with multi-token prediction, whose loss reads every position.
+
+The same logits also give each row's greedy choice (:func:`token_loss_and_choices`): what
+greedy generation would pick after the row's prefix, which decides most greedy generations of
+a held-out table without decoding them (``training/report/tables.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,26 @@ import contextlib
 from typing import Any, Iterator, Optional
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+CLEAR_MARGINS = {torch.float32: 1e-2, torch.bfloat16: 1.0}
+"""A row's greedy choice counts as clear where its logit beats the runner-up's by more than
+this, by the precision the model computes in (:func:`compute_dtype`): far above the
+difference between the same position's logits in a packed forward and in a cached decoding
+step (float rounding: ~1e-5 in fp32; bf16 rounds a logit of 16-32 to steps of 0.125), so a
+clear choice is the token generation picks there too."""
+
+
+def compute_dtype(chunk: torch.nn.Module) -> torch.dtype:
+    """fp32 where every GEMM of ``chunk`` runs in fp32, else bf16 (bf16 or fp16 training, or
+    the frozen base's GEMMs in bf16 on CPU: ``ops/packed_linear.py``)."""
+    config = chunk.config
+    reduced = (config.bf16 or config.fp16 or config.params_dtype not in (torch.float32,
+                                                                          torch.float64)
+               or any(getattr(m, "_frozen_gemm_dtype", torch.float32) != torch.float32
+                      for m in chunk.modules()))
+    return torch.bfloat16 if reduced else torch.float32
 
 
 def selectable(chunk: torch.nn.Module) -> bool:
@@ -36,12 +60,46 @@ def token_loss(chunk: torch.nn.Module, inputs: dict[str, Any], labels: torch.Ten
     the hidden states elsewhere), computed at ``rows`` only (positions of the packed
     sequence, on the chunk's device; the loss is 0 at the others). ``rows=None`` or a chunk
     that is not :func:`selectable`: the whole model as megatron runs it."""
+    return token_loss_and_choices(chunk, inputs, labels, rows, choose=False)[0]
+
+
+def token_loss_and_choices(chunk: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor,
+                           rows: Optional[torch.Tensor], choose: bool = True
+                           ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """:func:`token_loss`, and (``choose``) each row's clear greedy choice: ``[1, S]`` int64,
+    the token of the highest logit where it leads by more than its :data:`CLEAR_MARGINS`,
+    -1 where it does not and at the positions that are not rows. None where the model runs whole."""
     if rows is None or not selectable(chunk):
-        return chunk(**inputs, labels=labels)
+        return chunk(**inputs, labels=labels), None
     with _output_rows(chunk.output_layer, rows):
         logits = chunk(**inputs, labels=None)  # [1, rows, vocab / TP]
     picked = chunk.compute_language_model_loss(labels[:, rows], logits.transpose(0, 1))
-    return picked.new_zeros(labels.shape).index_put((torch.zeros_like(rows), rows), picked[0])
+    where = (torch.zeros_like(rows), rows)
+    loss = picked.new_zeros(labels.shape).index_put(where, picked[0])
+    if not choose:
+        return loss, None
+    chosen = clear_choices(logits[0].detach(), CLEAR_MARGINS[compute_dtype(chunk)])
+    choices = torch.full_like(labels, -1).index_put(where, chosen)
+    return loss, choices
+
+
+def clear_choices(logits: torch.Tensor, margin: float) -> torch.Tensor:
+    """``[rows]``: each row's token of the highest logit of ``logits`` (``[rows, vocab / TP]``,
+    this rank's vocabulary shard under TP), or -1 where it does not lead the runner-up by more
+    than ``margin`` (a tie or near-tie: the choice may differ elsewhere)."""
+    values, ids = logits.float().topk(2, dim=-1)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp > 1:  # the two best of every shard, then the two best of those
+        ids = ids + parallel_state.get_tensor_model_parallel_rank() * logits.size(-1)
+        group = parallel_state.get_tensor_model_parallel_group()
+        every_values, every_ids = [torch.empty_like(values) for _ in range(tp)], \
+            [torch.empty_like(ids) for _ in range(tp)]
+        dist.all_gather(every_values, values.contiguous(), group=group)
+        dist.all_gather(every_ids, ids.contiguous(), group=group)
+        values, best = torch.cat(every_values, -1).topk(2, dim=-1)
+        ids = torch.cat(every_ids, -1).gather(-1, best)
+    return torch.where(values[:, 0] - values[:, 1] > margin, ids[:, 0],
+                       torch.full_like(ids[:, 0], -1))
 
 
 @contextlib.contextmanager

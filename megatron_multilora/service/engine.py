@@ -45,7 +45,7 @@ from megatron_multilora.training.step.grad_sync import SlotGradSync
 from megatron_multilora.training.step.micro_batches import MicroBatcher
 from megatron_multilora.training.step.reference import target_logprobs
 from megatron_multilora.training.step.sampling import KeyedSampler, RowSampling
-from megatron_multilora.training.step.schedule import per_slot_results_and_logprobs
+from megatron_multilora.training.step.schedule import per_slot_results_and_data
 from megatron_multilora.training.step.slot_optimizer import SlotOptimizer, slot_grad_norms
 from megatron_multilora.training.step.train_step import start_reducing_losses
 
@@ -173,8 +173,9 @@ class Engine:
         ones = torch.zeros(self.batcher.n_slots, dtype=torch.int64).index_fill_(
             0, torch.tensor([op.args["slot"] for op in ops]), 1)
         with eval_mode(self.model) if forward_only else contextlib.nullcontext():
-            table, logprobs = per_slot_results_and_logprobs(self.model, micro_batches, ones,
-                                                            forward_only, objectives)
+            table, kept = per_slot_results_and_data(self.model, micro_batches, ones,
+                                                    forward_only, objectives)
+        logprobs = kept["logprobs"]
         losses = start_reducing_losses(table[:, 0].contiguous())()
         shares = [None] * dp  # every rank's log-probs of its datums, by slot
         if dp > 1:

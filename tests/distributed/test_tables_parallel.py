@@ -1,19 +1,23 @@
 """The adapter x task tables at DP=2: each data-parallel rank evaluates and generates a share
 of every task (losses summed over the group, exact-match counts too), giving one process's
-tables."""
+tables; under TP and PP the generations the held-out pass decides are the generated ones."""
 
 import types
 
+import pytest
 import torch
 from megatron.core import parallel_state
 
 import megatron_multilora as mm
 from megatron_multilora.data.datasets import Example
+from megatron_multilora.models.gpt import build_model_chunks
 from megatron_multilora.training.objectives.sft import SFT
 from megatron_multilora.training.report.tables import AdapterTaskEval
 from megatron_multilora.training.step import generation
 from tests.distributed.conftest import assert_all_ranks
 from tests.distributed.harness import N, build
+from tests.unit.test_known_generations import CFG as KNOWN_CFG
+from tests.unit.test_known_generations import adapted, known_against_generated
 
 CFG = mm.GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                         ffn_hidden_size=48, vocab_size=64, gated_linear_unit=True)
@@ -45,8 +49,8 @@ def task(name: str, seed: int, n: int) -> types.SimpleNamespace:
 def tables_of(model, tasks):
     ev = AdapterTaskEval(model, Digits(), N, token_budget=40, pad_multiple=1, max_new_tokens=3)
     cells = [(slot, t) for t in tasks for slot in range(N)]
-    return ({(s, t.name): ev.evaluate({s: t})[s]["loss"] for s, t in cells},
-            ev._cell_accuracy(cells))
+    return ({(s, t.name): ev.evaluate({s: t})[0][s]["loss"] for s, t in cells},
+            ev._cell_accuracy(cells, {}))
 
 
 def test_dp2_tables_match_one_process(layout, monkeypatch):
@@ -94,4 +98,15 @@ def test_dp2_tables_match_one_process(layout, monkeypatch):
         failures.append(f"accuracy {accuracy} != one process's {want_accuracy}")
     if not 0 < want_accuracy[(0, "a")] < 1:
         failures.append(f"slot 0 on task a: accuracy {want_accuracy[(0, 'a')]}, want in (0, 1)")
+    assert_all_ranks(failures)
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_known_generations_are_the_generated_ones_under_tp_and_pp(layout, tp, pp):
+    """The held-out pass's clear choices come from every vocabulary shard (TP: the best two
+    of each) and from the last stage (PP: broadcast to every stage), and decide what
+    generating every prompt in the same layout gives."""
+    layout(tp=tp, pp=pp)
+    chunks = build_model_chunks(KNOWN_CFG, calculate_per_token_loss=True)
+    failures, *_ = known_against_generated(adapted(chunks if pp > 1 else chunks[0]))
     assert_all_ranks(failures)

@@ -112,8 +112,8 @@ def test_the_tables_base_row_is_the_base_model_whatever_its_slot_held(tmp_path):
     tokenizer = types.SimpleNamespace(bos_id=1, eos_id=2, pad_id=0)
     ev = AdapterTaskEval(model, tokenizer, N_SLOTS, token_budget=64, pad_multiple=1,
                          max_new_tokens=2)
-    base = ev.evaluate({3: task})[3]["loss"]  # slot 3 is free
-    held, one = (ev.evaluate({s: task})[s]["loss"] for s in (0, 1))
+    base = ev.evaluate({3: task})[0][3]["loss"]  # slot 3 is free
+    held, one = (ev.evaluate({s: task})[0][s]["loss"] for s in (0, 1))
     assert abs(held - base) > 1e-3  # slot 0 really holds an adapter that changes the loss
 
     tables = ev.tables([None, folder], [task])

@@ -85,11 +85,11 @@ class RunReport:
     def log_eval(self, step: int, board: JobBoard, tasks: AdapterTaskEval) -> None:
         """Every training job's adapter on its own held-out data: loss and accuracy."""
         on_own_task = {job.slot: job for job in board.active()}
-        results = tasks.evaluate(on_own_task)
+        results, known = tasks.evaluate(on_own_task)
         if not results:
             return
         adapters = {on_own_task[slot].name: values for slot, values in results.items()}
-        for slot, acc in tasks.accuracy(on_own_task).items():
+        for slot, acc in tasks.accuracy(on_own_task, known).items():
             adapters[on_own_task[slot].name]["accuracy"] = acc
         for name, metrics in adapters.items():
             board.named(name).metrics["eval_loss"] = metrics["loss"]

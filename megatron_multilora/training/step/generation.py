@@ -169,6 +169,27 @@ class _Run:
                         or (self.give_up is not None and self.give_up(self.rows[k], out.tokens)))
 
 
+def forced_greedy(reference: Sequence[int], choices: Sequence[int], max_new_tokens: int,
+                  eos_id: int, give_up: Optional[GiveUp] = None, row: int = 0
+                  ) -> Optional[list[int]]:
+    """What :func:`greedy_generate` returns for a prompt, known without decoding it, from a
+    teacher-forced pass over the prompt followed by ``reference``: ``choices[k]`` is the clear
+    greedy choice after the prompt and ``reference[:k]`` (-1: not clear; see
+    ``models/loss_rows.clear_choices``). While the choices follow the reference, greedy
+    generation follows it too, and where they first leave it, generation takes the same
+    token. None when generation would go on past that point (or meets an unclear choice)."""
+    run = _Run([(0, [])], [row], [max_new_tokens], [frozenset({eos_id})], greedy, give_up)
+    for token, choice in zip(reference, choices):
+        if run.done[0]:
+            break
+        if choice < 0:
+            return None
+        run.take(0, choice, 0.0)
+        if choice != token and not run.done[0]:
+            return None
+    return run.out[0].tokens if run.done[0] else None
+
+
 def _has_moe(chunks: list[torch.nn.Module]) -> bool:
     # Slot routing through the token dispatcher is not tested under megatron's inference
     # context: MoE models generate uncached.

@@ -22,7 +22,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_multilora.data.packing import MicroBatch
 from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
-from megatron_multilora.models.loss_rows import selectable, token_loss
+from megatron_multilora.models.loss_rows import selectable, token_loss_and_choices
 from megatron_multilora.training.objectives.objective import MAX_METRICS, Objective
 from megatron_multilora.training.objectives.sft import SFT
 from megatron_multilora.training.step.micro_batches import chunk_inputs
@@ -32,14 +32,17 @@ LossFunc = Callable[[MicroBatch, torch.Tensor], Any]
 
 
 def run_schedule(model: ModelOrChunks, micro_batches: Sequence[MicroBatch], loss_func: LossFunc,
-                 forward_only: bool, collect_non_loss_data: bool = False,
+                 forward_only: bool, collect_non_loss_data: bool = False, choices: bool = False,
                  **forward_kwargs: Any) -> list[Any]:
     """Run the micro-batches through the schedule; returns what the last stage's
     ``loss_func`` reported per micro-batch (empty on the other stages).
 
     The chunk is called with :func:`.micro_batches.chunk_inputs` and the labels (unless
     ``forward_kwargs`` says ``labels=None``); ``loss_func(mb, output)`` returns megatron's ``(loss, num_tokens, data)`` or, with
-    ``collect_non_loss_data``, the data alone. Forward-only calls run without autograd.
+    ``collect_non_loss_data``, the data alone. ``choices``: ``loss_func(mb, output,
+    choices=...)`` is also given the loss rows' clear greedy choices
+    (:func:`~megatron_multilora.models.loss_rows.token_loss_and_choices`; None where the model
+    runs whole). Forward-only calls run without autograd.
     """
     chunks = model_chunks(model)
     if not micro_batches:
@@ -62,16 +65,17 @@ def run_schedule(model: ModelOrChunks, micro_batches: Sequence[MicroBatch], loss
         # their recompute re-runs, which may run after later micro-batches' forwards).
         if at is None:
             output = chunk(**chunk_inputs(chunk, mb), **{"labels": mb.labels, **forward_kwargs})
+            chosen = None
         else:
-            output = token_loss(chunk, {**chunk_inputs(chunk, mb), **forward_kwargs}, mb.labels,
-                                at)
+            output, chosen = token_loss_and_choices(
+                chunk, {**chunk_inputs(chunk, mb), **forward_kwargs}, mb.labels, at, choices)
         if output.requires_grad:
             # A filler's (pads only) aux-loss gradient is scaled to zero: it trains nothing.
             # Its backward runs whenever the schedule says; the hook fires as it starts, before
             # any layer's aux-loss backward, and every micro-batch sets its own scale.
             only_pads = mb.n_pad == mb.tokens.size(1)
             output.register_hook(partial(_set_aux_loss_scale, 0.0 if only_pads else 1.0))
-        return output, partial(loss_func, mb)
+        return output, partial(loss_func, mb, choices=chosen) if choices else partial(loss_func, mb)
 
     with torch.no_grad() if forward_only else contextlib.nullcontext(), _aux_loss_scale_kept(device):
         return get_forward_backward_func()(
@@ -109,13 +113,14 @@ def _aux_loss_scale_kept(device: torch.device) -> Iterator[None]:
 
 
 def objective_loss(objectives: Sequence[Objective], weights: Sequence[float], mb: MicroBatch,
-                   token_loss: torch.Tensor
+                   token_loss: torch.Tensor, choices: Optional[torch.Tensor] = None
                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """The last stage's loss of one micro-batch: each slot's span goes to its objective
     (``objectives[s]``), whose loss and metric sums weigh ``weights[s]`` (1 / the slot's loss
     units; 0: the slot does not count). Returns megatron's ``(loss, num_tokens, data)`` with
     the per-slot table (float64 ``[n_slots, 1 + MAX_METRICS]``: loss, then the objective's
-    metrics) and every position's target log-prob (0 where the mask is) as data. Used with ``calculate_per_token_loss=True``, so megatron divides by
+    metrics) and every position's target log-prob (0 where the mask is) as data, with the
+    greedy ``choices`` (``[1, S]``) where given. Used with ``calculate_per_token_loss=True``, so megatron divides by
     neither the token count nor the number of micro-batches."""
     mask = mb.loss_mask[0]
     # where(): a token that does not count (padding, prompt) must not carry a non-finite
@@ -140,7 +145,10 @@ def objective_loss(objectives: Sequence[Objective], weights: Sequence[float], mb
         total = total + loss * weights[slot]
         table[slot, 0] = loss.detach().double() * weights[slot]
         table[slot, 1:1 + metrics.numel()] = metrics.double() * weights[slot]
-    return total, mask.sum().to(torch.int), {"per_slot": table, "logprobs": logprobs.detach()}
+    data = {"per_slot": table, "logprobs": logprobs.detach()}
+    if choices is not None:
+        data["choices"] = choices[0]
+    return total, mask.sum().to(torch.int), data
 
 
 def per_slot_results(model: ModelOrChunks, micro_batches: Sequence[MicroBatch],
@@ -155,17 +163,24 @@ def per_slot_results(model: ModelOrChunks, micro_batches: Sequence[MicroBatch],
     values are means over its global batch. ``objectives[s]``: slot s's objective (default,
     and where None: SFT).
     """
-    return per_slot_results_and_logprobs(model, micro_batches, denominators, forward_only,
-                                         objectives, keep_logprobs=False)[0]
+    return per_slot_results_and_data(model, micro_batches, denominators, forward_only,
+                                     objectives, keep=())[0]
 
 
-def per_slot_results_and_logprobs(model: ModelOrChunks, micro_batches: Sequence[MicroBatch],
-                                  denominators: torch.Tensor, forward_only: bool = False,
-                                  objectives: Optional[Sequence[Optional[Objective]]] = None,
-                                  keep_logprobs: bool = True
-                                  ) -> tuple[torch.Tensor, list[list[list[float]]]]:
-    """:func:`per_slot_results`, and (``keep_logprobs``) per slot, per example, the log-prob
-    of each of its targets where its loss mask is set (0 elsewhere), on every stage."""
+KEPT_DTYPES = {"logprobs": torch.float32, "choices": torch.int64}
+"""What :func:`per_slot_results_and_data` can keep per example, and its dtype."""
+
+
+def per_slot_results_and_data(model: ModelOrChunks, micro_batches: Sequence[MicroBatch],
+                              denominators: torch.Tensor, forward_only: bool = False,
+                              objectives: Optional[Sequence[Optional[Objective]]] = None,
+                              keep: Sequence[str] = ("logprobs",)
+                              ) -> tuple[torch.Tensor, dict[str, list[list[list]]]]:
+    """:func:`per_slot_results`, and for each name in ``keep``, per slot, per example, the
+    value at each of its positions, on every stage: ``"logprobs"``, each target's log-prob
+    where its loss mask is set (0 elsewhere); ``"choices"``, the clear greedy choice after
+    each prefix where the mask is set (-1 elsewhere, and everywhere where the model's output
+    layer runs whole: :func:`~megatron_multilora.models.loss_rows.token_loss_and_choices`)."""
     chunks = model_chunks(model)
     if not chunks[0].config.calculate_per_token_loss:
         raise ValueError("build the model with calculate_per_token_loss=True: the per-adapter "
@@ -175,24 +190,30 @@ def per_slot_results_and_logprobs(model: ModelOrChunks, micro_batches: Sequence[
     weights = [1.0 / float(d) if d > 0 else 0.0 for d in denominators.tolist()]
     chosen = [SFT() if o is None else o for o in (objectives or [None] * n)]
     store = run_schedule(chunks, micro_batches, partial(objective_loss, chosen, weights),
-                         forward_only=forward_only)
+                         forward_only=forward_only, choices="choices" in keep)
     per_slot = torch.zeros(n, 1 + MAX_METRICS, dtype=torch.float64, device=device)
     for data in store:
         per_slot += data["per_slot"]
-    logprobs = (per_example(micro_batches, [data["logprobs"] for data in store], n, device)
-                if keep_logprobs else [])
-    return from_last_stage(per_slot).cpu(), logprobs  # read back once per call
+    kept = {}
+    for name in keep:
+        values = [data[name] if name in data else torch.full_like(data["logprobs"], -1,
+                                                                    dtype=torch.int64)
+                  for data in store]
+        kept[name] = per_example(micro_batches, values, n, device, KEPT_DTYPES[name])
+    return from_last_stage(per_slot).cpu(), kept  # read back once per call
 
 
 def per_example(micro_batches: Sequence[MicroBatch], per_position: list[torch.Tensor],
-                n_slots: int, device: torch.device) -> list[list[list[float]]]:
+                n_slots: int, device: torch.device, dtype: torch.dtype = torch.float32
+                ) -> list[list[list]]:
     """Per slot, per example (in packing order), its positions' values of ``per_position``
-    (the last stage's ``[S]`` tensor of each micro-batch; empty on the other stages), on
-    every stage."""
-    out: list[list[list[float]]] = [[] for _ in range(n_slots)]
+    (the last stage's ``[S]`` tensor of each micro-batch, as ``dtype``; empty on the other
+    stages), on every stage."""
+    out: list[list[list]] = [[] for _ in range(n_slots)]
     for i, mb in enumerate(micro_batches):
-        values = per_position[i] if per_position else torch.zeros(mb.tokens.size(1), device=device)
-        values = from_last_stage(values.float().contiguous()).cpu().tolist()
+        values = (per_position[i] if per_position
+                  else torch.zeros(mb.tokens.size(1), device=device))
+        values = from_last_stage(values.to(dtype).contiguous()).cpu().tolist()
         position, sequence = 0, 0
         for slot, count in enumerate(mb.examples_per_slot):
             for _ in range(count):
