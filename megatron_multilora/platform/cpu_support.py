@@ -97,15 +97,22 @@ def _import_megatron_with_fusions_uncompiled() -> None:
     """Import megatron with its ``jit_fuser`` (torch.compile, applied to its fused GPU kernels
     as their modules load) off, as megatron's own ``disable_jit_fuser`` leaves it: preparing
     38 functions for inductor is ~1 s of every process's start-up, and none of them runs on
-    the CPU paths. A no-op where megatron is already imported."""
+    the CPU paths. Its dynamic inference engine's optional wandb logging is left off too
+    (it imports wandb if it can: ~0.4 s more; the run's own wandb logging imports it when
+    asked). A no-op where megatron is already imported."""
     if "megatron.core" in sys.modules:
         return
     compile_ = torch.compile
     torch.compile = _uncompiled  # type: ignore[assignment]  # what megatron.core.jit binds
+    hide_wandb = "wandb" not in sys.modules
+    if hide_wandb:
+        sys.modules["wandb"] = None  # type: ignore[assignment]  # `import wandb` fails
     try:
         jit = importlib.import_module("megatron.core.jit")  # imports megatron.core first
     finally:
         torch.compile = compile_  # type: ignore[assignment]
+        if hide_wandb:
+            del sys.modules["wandb"]
     jit.disable_jit_fuser()  # for megatron modules imported later
 
 

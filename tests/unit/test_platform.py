@@ -29,7 +29,8 @@ def test_the_router_gemm_stand_in_does_not_depend_on_cuda(monkeypatch):
 def test_megatron_imported_by_the_cpu_shims_prepares_no_compiled_kernels():
     """Activated before megatron's first import (as the recipe does), the CPU shims import it
     with its jit_fuser off: its fused kernels stay plain functions, and torch.compile is
-    torch's own again for everyone else."""
+    torch's own again for everyone else; megatron's optional wandb logging is off, and
+    wandb imports for whoever asks for it later."""
     code = """
 import sys, torch
 real = torch.compile
@@ -43,6 +44,10 @@ assert torch.compile is real
 assert jit.jit_fuser is jit.noop_decorator, jit.jit_fuser
 for fn in (fused_bias_swiglu.swiglu, router.TopKRouter._apply_expert_bias):
     assert not hasattr(fn, "_torchdynamo_orig_callable"), fn  # what torch.compile wraps
+from megatron.core.inference.contexts import dynamic_context
+assert "wandb" not in sys.modules and not dynamic_context.HAVE_WANDB
+import wandb
+assert wandb.init
 print("ok")
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
