@@ -30,7 +30,8 @@ import megatron_multilora as mm  # light: its names load megatron on first use
 from megatron_multilora.errors import RunError
 from megatron_multilora.training.checks import validate
 from megatron_multilora.training.config import ConfigError, RunConfig, load_run_config
-from megatron_multilora.training.stop import RunStopped, die_with_launcher, stop_on_signals
+from megatron_multilora.training.stop import (RunStopped, die_with_launcher,
+                                              exit_without_teardown, stop_on_signals)
 
 
 def checked_run(cfg: DictConfig, run_dir: str) -> RunConfig:
@@ -143,4 +144,5 @@ def _serve_api(run: RunConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main()  # a failure exits inside (with its status)
+    exit_without_teardown()
