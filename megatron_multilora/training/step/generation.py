@@ -170,15 +170,15 @@ class _Run:
 
 
 def forced_greedy(reference: Sequence[int], choices: Sequence[int], max_new_tokens: int,
-                  eos_id: int, give_up: Optional[GiveUp] = None, row: int = 0
-                  ) -> Optional[list[int]]:
+                  eos_id: int, give_up: Optional[GiveUp] = None) -> Optional[list[int]]:
     """What :func:`greedy_generate` returns for a prompt, known without decoding it, from a
     teacher-forced pass over the prompt followed by ``reference``: ``choices[k]`` is the clear
     greedy choice after the prompt and ``reference[:k]`` (-1: not clear; see
     ``models/loss_rows.clear_choices``). While the choices follow the reference, greedy
     generation follows it too, and where they first leave it, generation takes the same
-    token. None when generation would go on past that point (or meets an unclear choice)."""
-    run = _Run([(0, [])], [row], [max_new_tokens], [frozenset({eos_id})], greedy, give_up)
+    token. None when generation would go on past that point (or meets an unclear choice).
+    ``give_up`` is asked as :func:`generate` asks it, with prompt index 0."""
+    run = _Run([(0, [])], [0], [max_new_tokens], [frozenset({eos_id})], greedy, give_up)
     for token, choice in zip(reference, choices):
         if run.done[0]:
             break
