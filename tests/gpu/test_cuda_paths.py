@@ -12,12 +12,17 @@ Skipped without CUDA (``scripts/gpu_check.sh`` runs them on a GPU machine):
 - the training step on CUDA (an NCCL group of one: every collective takes device tensors)
   against a plain per-micro-batch loop, fp32;
 - a slot optimizer restored from its saved state on the GPU (the fused AdamW keeps ``step``
-  on the device) and the CUDA generator saved and restored with a checkpoint's RNG.
+  on the device) and the CUDA generator saved and restored with a checkpoint's RNG;
+- the tables' greedy generations read off the held-out pass of a bf16 model (its 1.0
+  margin) against cached decoding on the GPU.
 """
 
 import pytest
 import torch
 
+import megatron_multilora as mm
+from tests.unit.test_known_generations import CFG as KNOWN_CFG
+from tests.unit.test_known_generations import adapted, known_against_generated
 from tests.unit.test_multi_lora_linear import KERNEL_CASES, check_grouped_kernel_parity
 from tests.unit.test_step_schedule import DENSE, MOE, check_bf16_step
 
@@ -238,3 +243,11 @@ def test_experts_built_for_the_gpu_are_drawn_there():
                                 bias=False, skip_bias_add=True, is_expert=True)
     assert linear.weight0.is_cuda and linear.weight0.dtype == torch.bfloat16
     assert linear.weight0.abs().sum() > 0
+
+
+def test_bf16_known_generations_are_the_generated_ones():
+    model = adapted(mm.build_gpt_model(KNOWN_CFG, params_dtype=torch.bfloat16,
+                                       calculate_per_token_loss=True))
+    assert next(model.parameters()).is_cuda
+    failures, *_ = known_against_generated(model)
+    assert not failures, failures
