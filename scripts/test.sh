@@ -13,8 +13,11 @@ run_pytest() {
     return "$rc"
 }
 
-echo "test: single-process tests (units, the recipe in process and from the CLI, the benchmark smoke tests)"
-run_pytest .venv/bin/python -m pytest tests/unit tests/recipe tests/bench "$@"
+echo "test: single-process tests (units and the benchmark smoke tests, two at a time)"
+run_pytest .venv/bin/python -m pytest -n 2 tests/unit tests/bench "$@"
+# One at a time: each launches the recipe on 2 processes.
+echo "test: the recipe in process and from the CLI"
+run_pytest .venv/bin/python -m pytest tests/recipe "$@"
 for world in 2 4; do
     echo "test: multi-process tests (torchrun, $world processes, gloo)"
     OMP_NUM_THREADS=1 run_pytest .venv/bin/torchrun --standalone --nproc-per-node "$world" \
