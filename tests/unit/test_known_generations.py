@@ -3,6 +3,7 @@ teacher-forced choices at an example's completion positions give greedy decoding
 far as they follow the reference and where they first leave it, so the tables decode only
 the prompts that pass leaves open, with the accuracy of decoding every prompt."""
 
+import dataclasses
 import types
 
 import pytest
@@ -133,8 +134,10 @@ def known_against_generated(model) -> tuple[list[str], AdapterTaskEval, list, di
     return failures, ev, cells, known, len(decided)
 
 
-def test_the_tables_accuracy_is_every_prompts_generated_one(monkeypatch):
-    model = adapted(mm.build_gpt_model(CFG, calculate_per_token_loss=True))
+@pytest.mark.parametrize("cfg", [CFG, dataclasses.replace(CFG, num_moe_experts=4)],
+                         ids=["dense", "moe"])  # MoE: decoded without the KV cache
+def test_the_tables_accuracy_is_every_prompts_generated_one(monkeypatch, cfg):
+    model = adapted(mm.build_gpt_model(cfg, calculate_per_token_loss=True))
     failures, ev, cells, known, prompts = known_against_generated(model)
     assert not failures, failures
 
