@@ -18,7 +18,6 @@ from megatron_multilora.layers.lifecycle import ModelOrChunks, clear_adapter_slo
 from megatron_multilora.parallel import data_parallel_sum
 from megatron_multilora.training.jobs.job import Job
 from megatron_multilora.training.step import evaluation, generation
-from megatron_multilora.training.step.generation import GiveUp
 
 
 @dataclasses.dataclass
@@ -89,9 +88,9 @@ class AdapterTaskEval:
     def _prompt(self, record: dict) -> list[int]:
         return [self.tokenizer.bos_id] + self.tokenizer.encode(record["prompt"])
 
-    def _gives_up(self, completion: str) -> GiveUp:
+    def _missed(self, tokens: list[int], completion: str) -> bool:
         # Only the match is reported: a prompt whose text has left its answer stops.
-        return lambda _, tokens: not may_still_match(self.tokenizer.decode(tokens), completion)
+        return not may_still_match(self.tokenizer.decode(tokens), completion)
 
     def _known(self, task: Job, choices: list[list[list[int]]]) -> list[Optional[list[int]]]:
         """Each of ``task``'s records' greedy tokens where its example's teacher-forced
@@ -107,7 +106,8 @@ class AdapterTaskEval:
             # chosen at position len(prompt) - 1 + k.
             known.append(generation.forced_greedy(
                 tokens[len(prompt):], item_choices[0][len(prompt) - 1:], self.max_new_tokens,
-                self.tokenizer.eos_id, self._gives_up(record["completion"])))
+                self.tokenizer.eos_id,
+                lambda _, done, answer=record["completion"]: self._missed(done, answer)))
         return known + [None] * (len(task.eval_records) - len(known))
 
     def _cell_accuracy(self, cells: Sequence[tuple[int, Job]], known: Known
@@ -139,7 +139,7 @@ class AdapterTaskEval:
         outputs = generation.greedy_generate(
             self.model, prompts[rank::world], self.n_slots, self.max_new_tokens,
             self.tokenizer.eos_id, self.pad_multiple, self.tokenizer.pad_id,
-            give_up=lambda i, tokens: self._gives_up(mine[i][1])(i, tokens)) if prompts else []
+            give_up=lambda i, tokens: self._missed(tokens, mine[i][1])) if prompts else []
         generated = torch.zeros(len(cells), 2, dtype=torch.int64)
         for out, (index, answer) in zip(outputs, mine):
             generated[index] += torch.tensor([exact_match(self.tokenizer.decode(out), answer), 1])
