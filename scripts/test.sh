@@ -15,9 +15,10 @@ run_pytest() {
 
 echo "test: single-process tests (units and the benchmark smoke tests, two at a time)"
 run_pytest .venv/bin/python -m pytest -n 2 tests/unit tests/bench "$@"
-# One at a time: each launches the recipe on 2 processes.
-echo "test: the recipe in process and from the CLI"
-run_pytest .venv/bin/python -m pytest tests/recipe "$@"
+# Two files at a time: the launches wait on start-ups, kills and timeouts as much as they
+# compute, and a file's module fixtures (a running service) are made once.
+echo "test: the recipe in process and from the CLI (two files at a time)"
+run_pytest .venv/bin/python -m pytest -n 2 --dist loadfile tests/recipe "$@"
 for world in 2 4; do
     echo "test: multi-process tests (torchrun, $world processes, gloo)"
     OMP_NUM_THREADS=1 run_pytest .venv/bin/torchrun --standalone --nproc-per-node "$world" \
