@@ -3,7 +3,8 @@ token-by-token reference.
 
 Every rank computes the full reference from the same full weights and inputs, then checks
 its own shards of the outputs and gradients, for every slot (unequal ranks, a zero-token
-slot, a slot spanning the sequence-parallel window boundary).
+slot, a slot spanning the sequence-parallel window boundary), and for one slot holding every
+row (its plain-matmul path).
 """
 
 import pytest
@@ -20,6 +21,7 @@ from tests.reference import linear_config, lora_reference, random_slots
 
 IN, OUT, DIM = 16, 24, 8
 COUNTS = [5, 0, 7, 4]     # 16 tokens; with SP the rank windows are rows 0-7 and 8-15
+ONE_SLOT = [0, 0, 16, 0]  # one slot holds every row: plain matmuls (one_slot_term)
 RANKS = [8, 3, 1, 5]
 ALPHAS = [16.0, 4.0, 2.0, 10.0]
 REL = 1e-5
@@ -36,17 +38,18 @@ def sum_sequence_parallel_grads(layer: MultiLoRALinear) -> None:
 @pytest.mark.parametrize("fully", [False, True], ids=["default", "fully_sharded"])
 @pytest.mark.parametrize("sp", [False, True], ids=["sp_off", "sp_on"])
 @pytest.mark.parametrize("kind", ["column", "row", "replicated"])
-def test_tp2_layer_matches_unsharded_reference(layout, kind, sp, fully):
+@pytest.mark.parametrize("counts", [COUNTS, ONE_SLOT], ids=["three_slots", "one_slot"])
+def test_tp2_layer_matches_unsharded_reference(layout, kind, sp, fully, counts):
     layout(tp=2, sp=sp)
     tp, rank = 2, parallel_state.get_tensor_model_parallel_rank()
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(OUT, IN, generator=gen) * 0.3
-    slots = random_slots(len(COUNTS), DIM, IN, OUT, RANKS, ALPHAS, gen)
-    x = torch.randn(sum(COUNTS), IN, generator=gen)
-    g = torch.randn(sum(COUNTS), OUT, generator=gen)
+    slots = random_slots(len(counts), DIM, IN, OUT, RANKS, ALPHAS, gen)
+    x = torch.randn(sum(counts), IN, generator=gen)
+    g = torch.randn(sum(counts), OUT, generator=gen)
 
     x_ref = x.clone().requires_grad_()
-    y_ref = lora_reference(x_ref, w, slots, COUNTS)
+    y_ref = lora_reference(x_ref, w, slots, counts)
     (y_ref * g).sum().backward()
 
     def shard(t, dim):
@@ -64,7 +67,7 @@ def test_tp2_layer_matches_unsharded_reference(layout, kind, sp, fully):
     else:
         base = torch.nn.Linear(IN, OUT, bias=False)
         base.weight.data.copy_(w)
-    layer = MultiLoRALinear(base, len(COUNTS), DIM, 1.0, f"tp.{kind}", sequence_parallel=sp,
+    layer = MultiLoRALinear(base, len(counts), DIM, 1.0, f"tp.{kind}", sequence_parallel=sp,
                             fully_sharded=fully)
     # Fully sharded: A split on its rank dim (column) and B on its output dim (row) too.
     a_dim = {"row": 1, "column": 0 if fully else None}.get(kind)
@@ -75,7 +78,7 @@ def test_tp2_layer_matches_unsharded_reference(layout, kind, sp, fully):
             layer.init_adapter_slot(i, f.rank, f.alpha)
             layer.adapters[i].linear_in.weight.copy_(f.a if a_dim is None else shard(f.a, a_dim))
             layer.adapters[i].linear_out.weight.copy_(f.b if b_dim is None else shard(f.b, b_dim))
-    layer.slot_layout = SlotLayout(COUNTS)
+    layer.slot_layout = SlotLayout(counts)
 
     # What each rank's base sees and produces under this layout.
     in_rows = sp and kind in ("column", "replicated")
