@@ -14,8 +14,9 @@ them (where each factor lives, and that collective, per base kind: :mod:`.shardi
 per-slot scale is applied in fp32 to that small buffer, as serving kernels apply it, rather
 than to the full ``[tokens, out]`` output. Only the slots with tokens in the micro-batch take
 part, at the largest rank among them: an idle slot costs no GEMM work and gets no gradient,
-and a padded rank is not computed. The slots themselves (factors, rank/alpha/dropout,
-claim/clear) are the layer's :class:`~.slot_bank.SlotBank`.
+and a padded rank is not computed; a micro-batch of one slot (a job training alone) runs
+the same math as plain matmuls (:func:`one_slot_term`). The slots themselves (factors,
+rank/alpha/dropout, claim/clear) are the layer's :class:`~.slot_bank.SlotBank`.
 """
 
 from __future__ import annotations
