@@ -7,8 +7,8 @@ user would run instead, on the same cores:
   split by work (examples x steps) as evenly as whole jobs allow;
 * peft-seq-1t: one transformers + peft process, the jobs one after another, 1 thread;
 * peft-par-bf16: peft-par under ``torch.autocast("cpu", torch.bfloat16)``, run where ours
-  multiplies its frozen base in bf16 (``trainer.cpu_base_gemms=auto`` on a CPU with AMX), so
-  that ours also meets peft at the same precision.
+  multiplies its frozen base in bf16 (``trainer.cpu_base_gemms=auto`` on a CPU with AMX or
+  AVX-512 BF16), so that ours also meets peft at the same precision.
 
 The compute limit: the frozen base's forward and input-gradient backward, 4 FLOPs per matmul
 parameter (the decoder's and the output layer's) per trained position, at the fp32 GEMM rate

@@ -58,7 +58,13 @@ def hardware(device: torch.device) -> dict:
                         if line.startswith("model name")), cpu)
     except OSError:
         pass
-    info = {"cpu": cpu, "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    # The vector units decide the GEMM rates (and whether the main job multiplies in bf16):
+    # "AMD EPYC" alone names both a Zen 2 without AVX-512 and a Zen 4 with AVX-512 BF16.
+    units = [torch.backends.cpu.get_cpu_capability()] + [
+        name for name, has in (("AVX-512 BF16", torch.cpu._is_avx512_bf16_supported()),
+                               ("AMX", torch.cpu._is_amx_tile_supported())) if has]
+    info = {"cpu": cpu, "cpu_units": ", ".join(units), "cpu_cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads()}
     if device.type == "cuda":
         info.update(gpu=torch.cuda.get_device_name(device), gpu_count=torch.cuda.device_count())
     return info
@@ -98,7 +104,8 @@ def markdown(meta: dict, rows: list[Row]) -> str:
     device = hw.get("gpu", hw["cpu"])
     lines = [
         f"# multi-LoRA benchmark ({meta['device']})", "",
-        f"- hardware: {device}" + (f" (host CPU {hw['cpu']})" if "gpu" in hw else "")
+        f"- hardware: {device}" + (f" (host CPU {hw['cpu']}, {hw['cpu_units']})" if "gpu" in hw
+                                   else f" ({hw['cpu_units']})")
         + f"; {hw['cpu_cores']} CPU cores; torch threads: {hw['torch_threads']}",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in ver.items()),
         f"- dtype {s['dtype']}; load average (1, 5, 15 min) at start {meta['load_start']}, at end "

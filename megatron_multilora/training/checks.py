@@ -56,7 +56,8 @@ def validate(run: RunConfig, check_files: bool = True) -> None:
                         f"lora.max_rank={run.lora.max_rank} must be a multiple of it")
     if tr.cpu_base_gemms == "bf16" and not _bf16_gemms_run_here():
         problems.append("trainer.cpu_base_gemms=bf16: this CPU has no bf16 GEMMs (oneDNN needs "
-                        "AVX-512 BF16 or AMX); use fp32, or auto (bf16 where the CPU has AMX)")
+                        "AVX-512 BF16 or AMX); use fp32, or auto (bf16 where the CPU has AMX "
+                        "or AVX-512 BF16)")
     problems += _target_problems(run.lora.targets)
     problems += _model_problems(run, check_files)
     if not run.adapters and not tr.serve and not run.api.enabled:

@@ -228,3 +228,17 @@ def test_auto_picks_bf16_gemms_only_where_the_cpu_multiplies_bf16_in_hardware(mo
     assert model_setup.cpu_gemm_dtype("fp32") == torch.float32
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         use_packed_frozen_weights(build(DENSE), torch.float16)
+
+
+@pytest.mark.parametrize("supported, amx, avx512_bf16, fast", [
+    (True, True, True, True),     # Intel Sapphire Rapids and newer
+    (True, False, True, True),    # AMD Zen 4, Intel Cooper Lake: AVX-512 BF16 dot products
+    (True, False, False, False),  # plain AVX-512: oneDNN emulates bf16
+    (False, False, False, False),
+])
+def test_bf16_gemms_count_as_fast_where_the_cpu_has_bf16_instructions(monkeypatch, supported,
+                                                                     amx, avx512_bf16, fast):
+    monkeypatch.setattr(packed_linear, "bf16_gemms_supported", lambda: supported)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    assert packed_linear.bf16_gemms_fast() == fast
