@@ -34,6 +34,7 @@ from megatron_multilora.layers.layout import Layout
 from megatron_multilora.layers.sharding import dense_layout
 from megatron_multilora.layers.slot_bank import LoRASlot, SlotBank
 from megatron_multilora.layers.slot_dropout import dropout_by_counts
+from megatron_multilora.ops.grouped_mm import narrow_input_mm
 from megatron_multilora.ops.slot_layout import Segments, SlotLayout
 from megatron_multilora.validation import INIT_METHODS
 
@@ -66,10 +67,12 @@ def one_slot_term(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torc
     Plain matmuls, with autograd's gradients straight into the Parameters: stacking and
     grouping cost more than the rank-r GEMMs themselves at a micro-batch's rows (a job that
     trains alone; on a 2-core Intel Xeon the main job's sort-only steps, 68 rows: the LoRA
-    work of a layer's four linears, forward and backward, 3.9 -> 1.6 ms)."""
+    work of a layer's four linears, forward and backward, 3.9 -> 1.6 ms). B's product runs
+    the grouped call's GEMMs for its gradients (``narrow_input_mm``), so a slot's rows get
+    the same bits alone as beside other slots."""
     mid = reduce_mid(x @ a.to(x.dtype).t())                             # [T, r] = A x
     mid = (mid.float() * scale).to(mid.dtype)
-    return mid @ b.to(mid.dtype).t()                                    # [T, out] = B (s A x)
+    return narrow_input_mm(mid, b.to(mid.dtype))                        # [T, out] = B (s A x)
 
 
 def check_settings(where: str, n_adapters: int, dim: int, column_init_method: str,

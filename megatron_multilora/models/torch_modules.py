@@ -86,11 +86,11 @@ class SDPAttention(MegatronModule):
     def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 params: PackedSeqParams) -> torch.Tensor:
         """``[t, heads, head_dim]`` packed sequences: causal attention within each sequence
-        only, as batches of sequences of similar length right-padded to the longest (a causal
-        row never reads its own sequence's padding; pad rows are dropped)."""
+        only, as batches of sequences of one :func:`padded_length`, right-padded to it (a
+        causal row never reads its own sequence's padding; pad rows are dropped)."""
         layout = _packed_layout(params, query.device)
         outs = []
-        for rows in layout.buckets:  # rows: [n, longest] indices into the packed tokens
+        for rows in layout.buckets:  # rows: [n, padded] indices into the packed tokens
             q, k, v = (t[rows].permute(0, 2, 1, 3) for t in (query, key, value))  # [n, h, L, d]
             outs.append(self._attend(q, k, v, None, True).permute(0, 2, 1, 3).flatten(0, 1))
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
@@ -103,34 +103,39 @@ class _PackedLayout:
     unpack: torch.Tensor  # for each packed token, its row in the concatenated bucket outputs
 
 
+def padded_length(length: int) -> int:
+    """The length a sequence is padded to for attention: its own length rounded up to a
+    multiple of 4, or of a quarter of its leading power of two once that is larger (under
+    25% padding past 16 tokens). A function of its length alone, so a sequence's attention
+    does not depend on the sequences packed beside it: the CPU kernel rounds a row padded to
+    another length differently by an ulp (seen at 5-13 tokens), harmless in fp32 but enough,
+    once the frozen GEMMs round to bf16, to tell a job trained alone from one trained mixed."""
+    step = max(4, 1 << max(0, length.bit_length() - 3))
+    return -(-length // step) * step
+
+
 def _packed_layout(params: PackedSeqParams, device: torch.device) -> _PackedLayout:
-    """Bucket the packed sequences by length (at most ~1.5x padding per bucket), built once
-    per micro-batch: every layer gets the same ``params`` object, which caches it."""
+    """Bucket the packed sequences by :func:`padded_length`, built once per micro-batch:
+    every layer gets the same ``params`` object, which caches it."""
     cached = getattr(params, "_sdpa_layout", None)
     if cached is not None:
         return cached
     ends = params.cu_seqlens_q.tolist()
     starts, lengths = ends[:-1], [b - a for a, b in zip(ends, ends[1:])]
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    buckets: list[list[int]] = []
-    for i in order:  # longest first: a bucket's first sequence is its longest
-        bucket = buckets[-1] if buckets else None
-        if bucket and (len(bucket) + 1) * lengths[bucket[0]] <= 1.5 * (
-                sum(lengths[j] for j in bucket) + lengths[i]):
-            bucket.append(i)
-        else:
-            buckets.append([i])
+    by_length: dict[int, list[int]] = {}
+    for i, length in enumerate(lengths):
+        by_length.setdefault(padded_length(length), []).append(i)
     unpack = [0] * ends[-1]
     rows, offset = [], 0
-    for bucket in buckets:
-        longest = lengths[bucket[0]]
-        index = torch.zeros(len(bucket), longest, dtype=torch.int64)  # pads read token 0
+    for padded, bucket in sorted(by_length.items()):
+        index = torch.empty(len(bucket), padded, dtype=torch.int64)
         for n, i in enumerate(bucket):
             index[n, :lengths[i]] = torch.arange(starts[i], starts[i] + lengths[i])
-            unpack[starts[i]:starts[i] + lengths[i]] = range(offset + n * longest,
-                                                             offset + n * longest + lengths[i])
+            index[n, lengths[i]:] = starts[i]  # pads read the sequence's own first token
+            unpack[starts[i]:starts[i] + lengths[i]] = range(offset + n * padded,
+                                                             offset + n * padded + lengths[i])
         rows.append(index.to(device))
-        offset += len(bucket) * longest
+        offset += len(bucket) * padded
     layout = _PackedLayout(rows, torch.tensor(unpack, dtype=torch.int64, device=device))
     params._sdpa_layout = layout
     return layout

@@ -91,6 +91,17 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
     return torch.cat([p @ w[g].t() for g, p in enumerate(parts)], dim=0)
 
 
+def narrow_input_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [rows, in] @ w[out, in].T`` for one weight, whose gradients run on CPU as
+    :func:`grouped_mm`'s do for a narrow ``in``: the transposes of wide products, the same
+    GEMMs it runs per group. So the rows of one group get the same bits either way (what
+    mixed == alone rests on once later GEMMs round them to bf16), and the narrow
+    orientation's slowness is avoided here too."""
+    if not x.is_cuda and _narrow(w.size(1)):
+        return _NarrowInputMM.apply(x, w)
+    return x @ w.t()
+
+
 def _narrow(cols: int) -> bool:
     """A product with this many columns runs faster on CPU as its transpose (module doc)."""
     return 1 < cols < 16
@@ -115,3 +126,23 @@ class _NarrowInputGroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_w = _GROUPED_MM(x.t(), grad, offs=offsets).transpose(1, 2)
         return grad_x, grad_w, None
+
+
+class _NarrowInputMM(torch.autograd.Function):
+    """:class:`_NarrowInputGroupedMM` for one weight ``[out, in]`` (plain ``torch.mm``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w = ctx.saved_tensors
+        grad = kernel_layout(grad)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (w.t() @ grad.t()).t().contiguous()
+        if ctx.needs_input_grad[1]:
+            grad_w = (x.t() @ grad).t()
+        return grad_x, grad_w

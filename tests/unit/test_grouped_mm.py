@@ -59,3 +59,29 @@ def test_an_expanded_gradient_is_read_with_the_kernel_layout():
     reference(x_r, w_r, COUNTS).sum().backward()
     assert torch.allclose(x.grad.double(), x_r.grad, rtol=1e-5, atol=1e-5)
     assert torch.allclose(w.grad.double(), w_r.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", ["lora_b_rank_8", "lora_b_rank_12", "rank_16"])
+def test_one_groups_product_has_the_grouped_calls_bits(shape):
+    """``narrow_input_mm`` on one group's rows gives that group's rows of the grouped call
+    and its weight's gradient to the last bit, forward and backward: a slot trained alone
+    (plain matmuls) and beside others (the grouped call) see the same numbers, which later
+    bf16 rounding would otherwise turn into visible differences."""
+    in_f, out_f, _ = SHAPES[shape]
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(sum(COUNTS), in_f, generator=gen)
+    w = torch.randn(len(COUNTS), out_f, in_f, generator=gen)
+    g = torch.randn(sum(COUNTS), out_f, generator=gen)
+    x_all, w_all = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y_all = gmm.grouped_mm(x_all, w_all, gmm.group_offsets(COUNTS, x.device), COUNTS)
+    (y_all * g).sum().backward()
+    start = 0
+    for group, rows in enumerate(COUNTS):
+        span = slice(start, start + rows)
+        x_one, w_one = x[span].clone().requires_grad_(), w[group].clone().requires_grad_()
+        y_one = gmm.narrow_input_mm(x_one, w_one)
+        (y_one * g[span]).sum().backward()
+        assert torch.equal(y_one, y_all[span]), group
+        assert torch.equal(x_one.grad, x_all.grad[span]), group
+        assert torch.equal(w_one.grad, w_all.grad[group]), group
+        start += rows

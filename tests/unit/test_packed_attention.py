@@ -1,12 +1,16 @@
 """Packed micro-batches: attention runs per example (megatron's thd format), so a packed
-forward equals running each example on its own, and examples cannot see each other."""
+forward equals running each example on its own, examples cannot see each other, and an
+example's attention has the same bits whatever is packed beside it."""
 
 import pytest
 import torch
 
+from megatron.core.packed_seq_params import PackedSeqParams
+
 import megatron_multilora as mm
 from megatron_multilora.data.datasets import Example
 from megatron_multilora.data.packing import pack_micro_batches
+from megatron_multilora.models.torch_modules import padded_length
 
 CFG = mm.GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                         ffn_hidden_size=48, vocab_size=64, gated_linear_unit=True)
@@ -69,3 +73,31 @@ def test_examples_cannot_see_each_other(model):
     n = mb.seq_lengths[0]
     assert not torch.allclose(after[:n], before[:n])  # the edited example changed
     torch.testing.assert_close(after[n:], before[n:], rtol=0, atol=1e-6)  # no other did
+
+
+def packed_attention(attention, lengths: list[int], qkv: list[torch.Tensor]) -> torch.Tensor:
+    """``attention`` over the sequences ``qkv`` (each ``[3, length, heads, dim]``) packed."""
+    ends = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=ends, cu_seqlens_kv=ends,
+                             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    q, k, v = torch.cat(qkv, dim=1)
+    return attention(q, k, v, None, packed_seq_params=params)
+
+
+def test_an_examples_attention_does_not_depend_on_the_examples_beside_it(model):
+    attention = model.decoder.layers[0].self_attention.core_attention
+    gen = torch.Generator().manual_seed(3)
+    qkv = {n: torch.randn(3, n, 4, 8, generator=gen) for n in (9, 13, 11, 6, 10)}
+    alone = packed_attention(attention, [9], [qkv[9]])
+    # Beside longer and shorter examples, of its padded length and of others, first or not.
+    for beside in ([13], [11, 6], [10]):
+        for lengths in ([9, *beside], [*beside, 9]):
+            out = packed_attention(attention, lengths, [qkv[n] for n in lengths])
+            start = lengths.index(9) and sum(beside)
+            assert torch.equal(out[start:start + 9], alone), lengths
+
+
+def test_padded_lengths_depend_on_the_length_alone_and_stay_under_a_quarter_past_16():
+    assert [padded_length(n) for n in (1, 4, 5, 9, 12, 13, 17, 33, 100, 129)] == [
+        4, 4, 8, 12, 12, 16, 20, 40, 112, 160]
+    assert all(n <= padded_length(n) < n * 1.25 for n in range(17, 5000))
