@@ -92,13 +92,13 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
 
 
 def narrow_input_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x [rows, in] @ w[out, in].T`` for one weight, whose gradients run on CPU as
-    :func:`grouped_mm`'s do for a narrow ``in``: the transposes of wide products, the same
-    GEMMs it runs per group. So the rows of one group get the same bits either way (what
+    """``x [rows, in] @ w[out, in].T`` for one weight, with the gradients :func:`grouped_mm`
+    computes per group for the same shapes: on CPU, for a narrow ``in`` the kernel takes, the
+    transposes of wide products. So one group's rows get the same bits either way (what
     mixed == alone rests on once later GEMMs round them to bf16), and the narrow
     orientation's slowness is avoided here too."""
-    if not x.is_cuda and _narrow(w.size(1)):
-        return _NarrowInputMM.apply(x, w)
+    if not x.is_cuda and _narrow(w.size(1)) and kernel_takes(x, w.unsqueeze(0)):
+        return _NarrowInputMM.apply(kernel_layout(x), kernel_layout(w))
     return x @ w.t()
 
 

@@ -61,7 +61,7 @@ def test_an_expanded_gradient_is_read_with_the_kernel_layout():
     assert torch.allclose(w.grad.double(), w_r.grad, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("shape", ["lora_b_rank_8", "lora_b_rank_12", "rank_16"])
+@pytest.mark.parametrize("shape", ["lora_b_rank_8", "lora_b_rank_12", "rank_16", "loop_rank_3"])
 def test_one_groups_product_has_the_grouped_calls_bits(shape):
     """``narrow_input_mm`` on one group's rows gives that group's rows of the grouped call
     and its weight's gradient to the last bit, forward and backward: a slot trained alone

@@ -283,3 +283,38 @@ def check_grouped_kernel_parity(monkeypatch, device: str, dtype: torch.dtype, re
                          ids=["fp32", "bf16"])
 def test_grouped_kernel_matches_reference_at_any_max_rank(monkeypatch, case, dtype, rel):
     check_grouped_kernel_parity(monkeypatch, "cpu", dtype, rel, *KERNEL_CASES[case])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("slot", [0, 2, 3], ids=["rank8", "rank1", "rank5"])
+def test_a_slots_rows_have_the_same_bits_alone_as_beside_others(monkeypatch, kind, slot):
+    """A slot's LoRA term, its input gradient and its factor gradients are bit-identical when
+    it holds every row (plain matmuls) and beside other slots (the grouped call, at the
+    largest active rank): with bf16 frozen GEMMs after it, a last-bit difference could round
+    to a different bf16 value and make a job train differently beside others. (The frozen
+    base's own GEMM runs packed in a model, where rows are independent: tests of
+    ops/packed_linear.)"""
+    rows = COUNTS[slot]
+    gen = torch.Generator().manual_seed(4)
+    x_mixed = torch.randn(sum(COUNTS), IN, generator=gen)
+    g_mixed = torch.randn(sum(COUNTS), OUT, generator=gen)
+    span = slice(sum(COUNTS[:slot]), sum(COUNTS[:slot + 1]))
+
+    def run(counts, x, g):
+        monkeypatch.setitem(globals(), "COUNTS", counts)
+        layer, _ = make_layer(kind)
+        with torch.no_grad():  # the LoRA term alone: fp32 MKL GEMMs depend on the row count
+            layer.to_wrap.weight.zero_()
+        x = x.clone().requires_grad_()
+        (output(layer(x.view(-1, 1, IN))).view(x.size(0), -1) * g).sum().backward()
+        adapter = layer.adapters[slot]
+        return (output(layer(x.detach().view(-1, 1, IN))).view(x.size(0), -1), x.grad,
+                adapter.linear_in.weight.grad, adapter.linear_out.weight.grad)
+
+    mixed = run(list(COUNTS), x_mixed, g_mixed)
+    alone_counts = [0] * len(COUNTS)
+    alone_counts[slot] = rows
+    alone = run(alone_counts, x_mixed[span], g_mixed[span])
+    for what, got, want in zip(("output", "input grad", "A grad", "B grad"), alone,
+                               (mixed[0][span], mixed[1][span], mixed[2], mixed[3])):
+        assert torch.equal(got, want), what
