@@ -64,7 +64,7 @@ def one_slot_term(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torc
                   reduce_mid: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """:func:`lora_term` when one slot holds every row: ``a`` ``[r, in]`` and ``b``
     ``[out, r]`` are that slot's own Parameters (cut to the rank), ``scale`` its alpha/rank.
-    Plain matmuls, with autograd's gradients straight into the Parameters: stacking and
+    Plain matmuls, their gradients straight into the Parameters: stacking and
     grouping cost more than the rank-r GEMMs themselves at a micro-batch's rows (a job that
     trains alone; on a 2-core Intel Xeon the main job's sort-only steps, 68 rows: the LoRA
     work of a layer's four linears, forward and backward, 3.9 -> 1.6 ms). B's product runs

@@ -139,7 +139,7 @@ class _NarrowInputMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, w = ctx.saved_tensors
-        grad = kernel_layout(grad)
+        grad = kernel_layout(grad)  # as the grouped call reads it: the same operands, bits
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_x = (w.t() @ grad.t()).t().contiguous()

@@ -291,8 +291,10 @@ def test_a_slots_rows_have_the_same_bits_alone_as_beside_others(monkeypatch, kin
     """A slot's LoRA term, its input gradient and its factor gradients are bit-identical when
     it holds every row (plain matmuls) and beside other slots (the grouped call, at the
     largest active rank): with bf16 frozen GEMMs after it, a last-bit difference could round
-    to a different bf16 value and make a job train differently beside others. (The frozen
-    base's own GEMM runs packed in a model, where rows are independent: tests of
+    to a different bf16 value and make a job train differently beside others. Every slot
+    here computes at the layer's max rank 8, alone and beside others; a slot beside a
+    higher-rank one computes at that rank, and its bits may differ (docs/reference.md). (The
+    frozen base's own GEMM runs packed in a model, where rows are independent: tests of
     ops/packed_linear.)"""
     rows = COUNTS[slot]
     gen = torch.Generator().manual_seed(4)
