@@ -77,7 +77,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
     per-group fallback needs them, and reading them from ``offsets`` syncs on an accelerator.
     """
     if kernel_takes(x, w):
-        if not x.is_cuda and _narrow(w.size(2)):
+        if _transposed_backward(x, w):
             return _NarrowInputGroupedMM.apply(kernel_layout(x), kernel_layout(w), offsets)
         y = _GROUPED_MM(kernel_layout(x), kernel_layout(w).transpose(1, 2), offs=offsets)
         if y.requires_grad:
@@ -97,14 +97,16 @@ def narrow_input_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     transposes of wide products. So one group's rows get the same bits either way (what
     mixed == alone rests on once later GEMMs round them to bf16), and the narrow
     orientation's slowness is avoided here too."""
-    if not x.is_cuda and _narrow(w.size(1)) and kernel_takes(x, w.unsqueeze(0)):
+    if kernel_takes(x, w.unsqueeze(0)) and _transposed_backward(x, w.unsqueeze(0)):
         return _NarrowInputMM.apply(kernel_layout(x), kernel_layout(w))
     return x @ w.t()
 
 
-def _narrow(cols: int) -> bool:
-    """A product with this many columns runs faster on CPU as its transpose (module doc)."""
-    return 1 < cols < 16
+def _transposed_backward(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the kernel's product ``x [rows, in] x w [G, out, in]`` takes its gradients as
+    transposes: on CPU, where ``in`` has 2-15 columns, which MKL runs several times slower in
+    the narrow orientation (module doc)."""
+    return not x.is_cuda and 1 < w.size(2) < 16
 
 
 class _NarrowInputGroupedMM(torch.autograd.Function):
