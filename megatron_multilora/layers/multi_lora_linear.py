@@ -15,7 +15,7 @@ per-slot scale is applied in fp32 to that small buffer, as serving kernels apply
 than to the full ``[tokens, out]`` output. Only the slots with tokens in the micro-batch take
 part, at the largest rank among them: an idle slot costs no GEMM work and gets no gradient,
 and a padded rank is not computed; a micro-batch of one slot (a job training alone) runs
-the same math as plain matmuls (:func:`one_slot_term`). The slots themselves (factors,
+the same math on the slot's own Parameters, unstacked (:func:`one_slot_term`). The slots themselves (factors,
 rank/alpha/dropout, claim/clear) are the layer's :class:`~.slot_bank.SlotBank`.
 """
 
@@ -34,7 +34,7 @@ from megatron_multilora.layers.layout import Layout
 from megatron_multilora.layers.sharding import dense_layout
 from megatron_multilora.layers.slot_bank import LoRASlot, SlotBank
 from megatron_multilora.layers.slot_dropout import dropout_by_counts
-from megatron_multilora.ops.grouped_mm import narrow_input_mm
+from megatron_multilora.ops.grouped_mm import single_group_mm
 from megatron_multilora.ops.slot_layout import Segments, SlotLayout
 from megatron_multilora.validation import INIT_METHODS
 
@@ -64,15 +64,15 @@ def one_slot_term(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torc
                   reduce_mid: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """:func:`lora_term` when one slot holds every row: ``a`` ``[r, in]`` and ``b``
     ``[out, r]`` are that slot's own Parameters (cut to the rank), ``scale`` its alpha/rank.
-    Plain matmuls, their gradients straight into the Parameters: stacking and
-    grouping cost more than the rank-r GEMMs themselves at a micro-batch's rows (a job that
-    trains alone; on a 2-core Intel Xeon the main job's sort-only steps, 68 rows: the LoRA
-    work of a layer's four linears, forward and backward, 3.9 -> 1.6 ms). B's product runs
-    the grouped call's GEMMs for its gradients (``narrow_input_mm``), so a slot's rows get
-    the same bits alone as beside other slots."""
-    mid = reduce_mid(x @ a.to(x.dtype).t())                             # [T, r] = A x
+    Their gradients go straight into the Parameters: stacking and grouping cost more than
+    the rank-r GEMMs themselves at a micro-batch's rows (a job that trains alone; on a 2-core
+    Intel Xeon the main job's sort-only steps, 68 rows: the LoRA work of a layer's four
+    linears, forward and backward, 3.9 -> 1.6 ms). Each product runs the GEMMs of its group
+    in the grouped call (``single_group_mm``), so a slot's rows get the same bits alone as
+    beside other slots."""
+    mid = reduce_mid(single_group_mm(x, a.to(x.dtype)))                 # [T, r] = A x
     mid = (mid.float() * scale).to(mid.dtype)
-    return narrow_input_mm(mid, b.to(mid.dtype))                        # [T, out] = B (s A x)
+    return single_group_mm(mid, b.to(mid.dtype))                        # [T, out] = B (s A x)
 
 
 def check_settings(where: str, n_adapters: int, dim: int, column_init_method: str,

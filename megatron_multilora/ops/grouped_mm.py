@@ -91,14 +91,19 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
     return torch.cat([p @ w[g].t() for g, p in enumerate(parts)], dim=0)
 
 
-def narrow_input_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x [rows, in] @ w[out, in].T`` for one weight, with the gradients :func:`grouped_mm`
-    computes per group for the same shapes: on CPU, for a narrow ``in`` the kernel takes, the
-    transposes of wide products. So one group's rows get the same bits either way (what
-    mixed == alone rests on once later GEMMs round them to bf16), and the narrow
-    orientation's slowness is avoided here too."""
+def single_group_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """:func:`grouped_mm` of one group, ``x [rows, in] @ w[out, in].T``, with the GEMMs
+    that group has in a call with other groups: the same BLAS calls (transposes, shapes,
+    the operands' leading dims), so the same bits, forward and both gradients, which is what
+    mixed == alone rests on once later GEMMs round them to bf16. For a narrow ``in`` on CPU
+    that is the same kernel call with ``x`` as its one group; a plain ``torch.mm`` would
+    write a one-row input gradient ``[in, 1]`` column-major, a different BLAS call, which
+    MKL's AVX-512 path rounds differently. Elsewhere it is ``x @ w.T``, whose GEMMs are the
+    grouped call's per-group ones (``tests/unit/test_grouped_mm.py`` checks both)."""
     if kernel_takes(x, w.unsqueeze(0)) and _transposed_backward(x, w.unsqueeze(0)):
-        return _NarrowInputMM.apply(kernel_layout(x), kernel_layout(w))
+        offsets = torch.tensor([x.size(0)], dtype=torch.int32)  # on CPU, as x
+        return _NarrowInputGroupedMM.apply(kernel_layout(x), kernel_layout(w.unsqueeze(0)),
+                                           offsets)
     return x @ w.t()
 
 
@@ -128,23 +133,3 @@ class _NarrowInputGroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_w = _GROUPED_MM(x.t(), grad, offs=offsets).transpose(1, 2)
         return grad_x, grad_w, None
-
-
-class _NarrowInputMM(torch.autograd.Function):
-    """:class:`_NarrowInputGroupedMM` for one weight ``[out, in]`` (plain ``torch.mm``)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, w)
-        return x @ w.t()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, w = ctx.saved_tensors
-        grad = kernel_layout(grad)  # as the grouped call reads it: the same operands, bits
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = (w.t() @ grad.t()).t().contiguous()
-        if ctx.needs_input_grad[1]:
-            grad_w = (x.t() @ grad).t()
-        return grad_x, grad_w

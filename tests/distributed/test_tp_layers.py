@@ -4,7 +4,7 @@ token-by-token reference.
 Every rank computes the full reference from the same full weights and inputs, then checks
 its own shards of the outputs and gradients, for every slot (unequal ranks, a zero-token
 slot, a slot spanning the sequence-parallel window boundary), and for one slot holding every
-row (its plain-matmul path).
+row (its unstacked path, `one_slot_term`).
 """
 
 import pytest
@@ -21,7 +21,7 @@ from tests.reference import linear_config, lora_reference, random_slots
 
 IN, OUT, DIM = 16, 24, 8
 COUNTS = [5, 0, 7, 4]     # 16 tokens; with SP the rank windows are rows 0-7 and 8-15
-ONE_SLOT = [0, 0, 16, 0]  # one slot holds every row: plain matmuls (one_slot_term)
+ONE_SLOT = [0, 0, 16, 0]  # one slot holds every row: one_slot_term
 RANKS = [8, 3, 1, 5]
 ALPHAS = [16.0, 4.0, 2.0, 10.0]
 REL = 1e-5

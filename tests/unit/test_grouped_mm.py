@@ -3,6 +3,10 @@ every path it takes (the kernel with its own backward for a narrow input side, i
 B; the kernel with torch's backward; the per-group loop for shapes the kernel refuses),
 with an empty group, a group of one row and odd group sizes."""
 
+import collections
+import ctypes
+import re
+
 import pytest
 import torch
 
@@ -61,27 +65,77 @@ def test_an_expanded_gradient_is_read_with_the_kernel_layout():
     assert torch.allclose(w.grad.double(), w_r.grad, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("shape", ["lora_b_rank_8", "lora_b_rank_12", "rank_16", "loop_rank_3"])
-def test_one_groups_product_has_the_grouped_calls_bits(shape):
-    """``narrow_input_mm`` on one group's rows gives that group's rows of the grouped call
-    and its weight's gradient to the last bit, forward and backward: a slot trained alone
-    (plain matmuls) and beside others (the grouped call) see the same numbers, which later
-    bf16 rounding would otherwise turn into visible differences."""
-    in_f, out_f, _ = SHAPES[shape]
-    gen = torch.Generator().manual_seed(2)
-    x = torch.randn(sum(COUNTS), in_f, generator=gen)
-    w = torch.randn(len(COUNTS), out_f, in_f, generator=gen)
-    g = torch.randn(sum(COUNTS), out_f, generator=gen)
+def run_groups_alone(x, w, g):
+    """Each group's rows through ``single_group_mm``, forward and backward: its output and
+    gradients, group by group."""
+    results, start = [], 0
+    for group, rows in enumerate(COUNTS):
+        x_one = x[start:start + rows].clone().requires_grad_()
+        w_one = w[group].clone().requires_grad_()
+        y_one = gmm.single_group_mm(x_one, w_one)
+        (y_one * g[start:start + rows]).sum().backward()
+        results.append((y_one, x_one.grad, w_one.grad))
+        start += rows
+    return results
+
+
+def run_grouped(x, w, g):
     x_all, w_all = x.clone().requires_grad_(), w.clone().requires_grad_()
     y_all = gmm.grouped_mm(x_all, w_all, gmm.group_offsets(COUNTS, x.device), COUNTS)
     (y_all * g).sum().backward()
+    return y_all, x_all.grad, w_all.grad
+
+
+def operands(shape: str, seed: int = 2):
+    in_f, out_f, _ = SHAPES[shape]
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(sum(COUNTS), in_f, generator=gen),
+            torch.randn(len(COUNTS), out_f, in_f, generator=gen),
+            torch.randn(sum(COUNTS), out_f, generator=gen))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_one_groups_product_has_the_grouped_calls_bits(shape):
+    """``single_group_mm`` on one group's rows gives that group's rows of the grouped call
+    and its weight's gradient to the last bit, forward and backward (groups of 0, 1, 5, 9 and
+    23 rows): a slot trained alone and beside others sees the same numbers, which later bf16
+    rounding would otherwise turn into visible differences. It holds because the GEMMs are
+    the same BLAS calls (the next test); this checks the bits on whatever path MKL takes."""
+    x, w, g = operands(shape)
+    y_all, gx_all, gw_all = run_grouped(x, w, g)
     start = 0
-    for group, rows in enumerate(COUNTS):
-        span = slice(start, start + rows)
-        x_one, w_one = x[span].clone().requires_grad_(), w[group].clone().requires_grad_()
-        y_one = gmm.narrow_input_mm(x_one, w_one)
-        (y_one * g[span]).sum().backward()
+    for group, (y_one, gx_one, gw_one) in enumerate(run_groups_alone(x, w, g)):
+        span = slice(start, start + COUNTS[group])
         assert torch.equal(y_one, y_all[span]), group
-        assert torch.equal(x_one.grad, x_all.grad[span]), group
-        assert torch.equal(w_one.grad, w_all.grad[group]), group
-        start += rows
+        assert torch.equal(gx_one, gx_all[span]), group
+        assert torch.equal(gw_one, gw_all[group]), group
+        start += COUNTS[group]
+
+
+def blas_calls(capfd, run) -> collections.Counter:
+    """The fp32 GEMMs MKL runs for ``run()``, counted by what selects its kernel and the
+    order of its sums: transposes, m, n, k and the operands' leading dims (not the output's
+    leading dim or the addresses)."""
+    capfd.readouterr()
+    with torch.backends.mkl.verbose(torch.backends.mkl.VERBOSE_ON):
+        run()
+    ctypes.CDLL(None).fflush(None)  # MKL writes its lines through C's buffered stdout
+    calls = re.findall(r"MKL_VERBOSE SGEMM\(([^)]*)\)", capfd.readouterr().out)
+    fields = [call.split(",") for call in calls]
+    return collections.Counter(tuple(f[i] for i in (0, 1, 2, 3, 4, 7, 9)) for f in fields
+                               if "0" not in (f[2], f[3], f[4]))
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch without MKL")
+@pytest.mark.parametrize("shape", SHAPES)
+def test_one_groups_product_runs_the_grouped_calls_blas_calls(capfd, shape):
+    """Alone, a group's forward and backward issue exactly the BLAS calls its rows issue in
+    the grouped call, so equal bits do not depend on how MKL rounds on this CPU. This fails
+    where bits may happen to agree: before ``single_group_mm`` ran the kernel, a one-row
+    group's input gradient was a column-major ``[in, 1]`` GEMM alone, a row-major one
+    grouped (equal on AMD's MKL path, not on Intel's AVX-512 one)."""
+    x, w, g = operands(shape)
+    grouped = blas_calls(capfd, lambda: run_grouped(x, w, g))
+    alone = blas_calls(capfd, lambda: run_groups_alone(x, w, g))
+    assert sum(grouped.values()) >= 3 * sum(1 for c in COUNTS if c), grouped  # MKL ran them
+    assert alone == grouped
