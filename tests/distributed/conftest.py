@@ -20,6 +20,14 @@ WORST_REL_ERROR: dict[str, float] = {}  # per test, printed in the summary
 WORLD = int(os.environ.get("WORLD_SIZE", "0"))
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """Rank 0 alone writes a ``--junitxml`` report: every rank runs the same tests, and a
+    failure on any rank fails the test on all of them (``assert_all_ranks``)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        config.option.xmlpath = None
+
+
 def pytest_collection_modifyitems(config, items):
     """Each test runs in launches of its world size: ``@pytest.mark.world(4)``, else 2."""
     for item in items:
