@@ -36,11 +36,11 @@ tier() {  # tier NAME COMMAND...: run one tier's pytest command with a JUnit rep
     record "$name" "$rc" $((SECONDS - start)) "$n.xml" ""
 }
 
-fingerprint() {  # fingerprint [VAR=VALUE...]: MKL's GEMM bits under that environment
+fingerprint() {  # fingerprint [ENV ARGUMENT...]: MKL's GEMM bits under that environment (env(1))
     env "$@" "$PY" -W ignore -c 'from tests.cpu_paths import gemm_fingerprint as f; print(f())'
 }
 
-numerics_on() {  # numerics_on NAME VAR=VALUE...: the numerics tests on another MKL code path
+numerics_on() {  # numerics_on NAME ENV ARGUMENT...: the numerics tests on another MKL code path
     local name=$1
     shift
     if [ "$(fingerprint "$@")" = "$here" ]; then  # it must really be another path
@@ -57,7 +57,11 @@ here=$(fingerprint)
 
 tier "units and benchmark smoke tests" "$PY" -m pytest -n 2 tests/unit tests/bench "${ARGS[@]}"
 
-numerics_on "numerics, MKL_CBWR=AVX2" MKL_CBWR=AVX2
+if [ -z "${MKL_CBWR:-}" ]; then
+    numerics_on "numerics, MKL_CBWR=AVX2" MKL_CBWR=AVX2
+else  # run under a branch already: the other tier is MKL's default
+    numerics_on "numerics, MKL_CBWR unset" -u MKL_CBWR
+fi
 # MKL asks whether the CPU is an Intel one before it picks its kernels; a preloaded answer
 # the other way runs the other vendor's path (tests/mkl_vendor.c).
 intel=$("$PY" -m tests.cpu_paths --intel)

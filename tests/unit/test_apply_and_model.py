@@ -71,7 +71,7 @@ def test_wildcard_targets_and_model_chunks():
 
 
 def test_base_checkpoint_keys_unchanged_and_fresh_adapters_are_a_noop():
-    plain = gpt()
+    plain = gpt().requires_grad_(False)  # a frozen base, as the wrapped model's: the same GEMMs
     ids = torch.randint(0, CFG.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(12)[None]
     want = plain(ids, pos, None, labels=ids)
