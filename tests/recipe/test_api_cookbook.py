@@ -44,9 +44,10 @@ def test_the_cookbook_supervised_loop_trains_through_the_service(tmp_path):
              "--log-path", str(tmp_path / "cookbook"), "--epochs", "3"],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        # 12 tiny steps take seconds; a call whose answer the SDK never read costs its 45 s
-        # read timeout (the client transport the service's client config picks).
-        assert time.monotonic() - start < 40, "the loop waited out an SDK read timeout"
+        # 12 tiny steps take seconds (15 s with the start-up here); a call whose answer the
+        # SDK never read costs its 45 s read timeout (the client transport the service's
+        # client config picks), so a loop of 45 s or more has waited one out.
+        assert time.monotonic() - start < 45, "the loop waited out an SDK read timeout"
     finally:
         service.stop()
     rows = [json.loads(line) for line in open(tmp_path / "cookbook/metrics.jsonl")]

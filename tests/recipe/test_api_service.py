@@ -472,10 +472,15 @@ def test_sigkill_then_a_data_parallel_restart_resumes_a_client_from_its_saved_st
         for w, g in zip(want_logprobs, got, strict=True):
             assert g["logprobs"].tolist() == pytest.approx(w["logprobs"].tolist(), rel=1e-5)
         # `mmlora status` shows the service and its client; `mmlora stop` stops it.
-        time.sleep(1.5)  # the status file is rewritten at most once a second
-        report = json.loads(mmlora("status", "--run-dir", str(run_dir), "--json").stdout)
+        deadline = time.monotonic() + 60  # the status file is rewritten at most once a second
+        while True:
+            report = json.loads(mmlora("status", "--run-dir", str(run_dir), "--json").stdout)
+            rows = report["jobs"]
+            if (rows and rows[0]["steps_done"] == 2) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         assert report["trainer"]["service"]["url"] == second.url and report["trainer_alive"]
-        (row,) = report["jobs"]
+        (row,) = rows
         assert (row["name"], row["steps_done"]) == (resumed.model_id, 2)
         assert row["loss"] == pytest.approx(want[-1], rel=1e-5)
         assert "the training service stops" in mmlora("stop", "--run-dir", str(run_dir)).stdout

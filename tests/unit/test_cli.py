@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from megatron_multilora import cli
+from megatron_multilora.cli import serve as serve_cli
 from megatron_multilora.training.serve import inbox
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,7 +78,6 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 
 
 def live_status(**fields) -> dict:
-    # Shown as "updated 1m05s ago" (rounded) for up to 0.9 s: time for a slow disk to be read.
     status = {"state": "training", "step": 12, "updated_at": time.time() - 64.6, "pid": os.getpid(),
               "host": socket.gethostname(), "dp_size": 1, "max_rank": 16, "slots": 4, "jobs": [
                   {"name": "reverse", "status": "active", "slot": 0, "steps_done": 10,
@@ -260,13 +261,18 @@ def _submit(run_dir: Path, data: Path, tmp_path: Path, name: str) -> None:
     assert run_cli("submit", "--run-dir", run_dir, spec)[0] == 0
 
 
-def test_status_merges_reports_submissions_cancels_and_refusals(run_dir, data, tmp_path):
+def test_status_merges_reports_submissions_cancels_and_refusals(run_dir, data, tmp_path,
+                                                                monkeypatch):
     _submit(run_dir, data, tmp_path, "pending")
     _submit(run_dir, data, tmp_path, "turned-down")
     inbox.append_event(run_dir, {"event": "refuse", "name": "turned-down", "step": 11,
                                      "reason": "rank 16 exceeds the free memory"})
     inbox.request_cancel(run_dir, "reverse")
-    inbox.write_status(run_dir, live_status())  # just before: "updated 1m05s ago"
+    status = live_status()
+    inbox.write_status(run_dir, status)
+    # Read 64.6 s after the report, however slow this machine's disk: "updated 1m05s ago".
+    monkeypatch.setattr(serve_cli, "time", types.SimpleNamespace(
+        time=lambda: status["updated_at"] + 64.6))
     code, out, err = run_cli("status", "--run-dir", run_dir)
     assert (code, err) == (0, "")
     header, _, columns, *rows = out.splitlines()
