@@ -22,6 +22,12 @@ from tests.unit.test_step_schedule import DENSE, N, PAD, build, slot_examples
 
 needs_bf16_gemms = pytest.mark.skipif(not packed_linear.bf16_gemms_supported(),
                                       reason="oneDNN runs no bf16 GEMMs on this CPU")
+# Where oneDNN emulates bf16 (plain AVX-512), a one-row GEMM rounds differently from the same
+# row among others (measured under ONEDNN_MAX_CPU_ISA=AVX512_CORE on a Zen 4): rows are
+# independent only on bf16 instructions (AVX-512 BF16, AMX), whose sums keep their order.
+needs_bf16_instructions = pytest.mark.skipif(
+    not packed_linear.bf16_gemms_fast(),
+    reason="oneDNN emulates bf16 on this CPU: rows of a bf16 GEMM are not independent")
 
 
 @pytest.fixture
@@ -187,7 +193,7 @@ def test_bf16_gemms_round_inputs_and_weights_and_return_fp32(packed_calls):
     torch.testing.assert_close(x.grad, want_grad, rtol=8e-3, atol=1e-6)
 
 
-@needs_bf16_gemms
+@needs_bf16_instructions
 def test_with_bf16_gemms_a_rows_results_do_not_depend_on_the_rows_beside_it():
     layer = _bf16_model().decoder.layers[0].mlp.linear_fc2.to_wrap
     x = torch.randn(300, 1, layer.weight.size(1))
@@ -203,6 +209,31 @@ def test_with_bf16_gemms_a_rows_results_do_not_depend_on_the_rows_beside_it():
     for rows in (1, 7, 33, 180):
         out, input_grad = run(rows)
         assert torch.equal(out, whole[:rows]) and torch.equal(input_grad, whole_grad[:rows])
+
+
+@needs_bf16_instructions
+@pytest.mark.parametrize("in_f,out_f", [(576, 960), (576, 3072), (1536, 576)],
+                         ids=["smollm2_qkv", "smollm2_fc1", "smollm2_fc2"])
+def test_with_bf16_gemms_rows_are_independent_at_the_main_jobs_widths(in_f, out_f):
+    """The same at SmolLM2's widths, where a sum runs over 576 or 1536 terms (fp32 GEMMs of
+    one row there differ from the same row among others, on oneDNN as on MKL)."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(out_f, in_f, generator=gen) * 0.05
+    packs = packed_linear._pack(weight, torch.bfloat16)
+    x = torch.randn(300, in_f, generator=gen)
+    grad = torch.randn(300, out_f, generator=gen)
+
+    def run(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        part = x[:rows].clone().requires_grad_()
+        out = packed_linear._PackedFrozenLinear.apply(part, packs, weight, None, False, None)
+        out.backward(grad[:rows])
+        return out.detach(), part.grad
+
+    whole, whole_grad = run(300)
+    for rows in (1, 2, 7, 68, 180):
+        out, input_grad = run(rows)
+        assert torch.equal(out, whole[:rows]), rows
+        assert torch.equal(input_grad, whole_grad[:rows]), rows
 
 
 @needs_bf16_gemms
