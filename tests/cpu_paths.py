@@ -88,27 +88,20 @@ def mkl_takes_intel_path() -> bool:
     """MKL's answer to "is this an Intel CPU?", which picks its kernels, asked as MKL asks
     it: in the process's global symbols first, where a preloaded tests/mkl_vendor.c answers,
     then in torch's library (False without MKL)."""
-    lib = _mkl()
-    for library in (ctypes.CDLL(None), lib) if lib is not None else (ctypes.CDLL(None),):
+    for library in (ctypes.CDLL(None), _mkl()):
         try:
             return bool(library.mkl_serv_intel_cpu_true())
-        except AttributeError:
+        except AttributeError:  # not here (or no library: None has no such attribute)
             continue
     return False
 
 
 def cpu() -> str:
-    name = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as info:
-            name = next((line.split(":", 1)[1].strip() for line in info
-                         if line.startswith("model name")), name)
-    except OSError:
-        pass
-    units = [torch.backends.cpu.get_cpu_capability()] + [
-        unit for unit, has in (("AVX-512 BF16", torch.cpu._is_avx512_bf16_supported()),
-                               ("AMX", torch.cpu._is_amx_tile_supported())) if has]
-    return f"{name} ({', '.join(units)}), {os.cpu_count()} cores"
+    """The CPU as the benchmark reports name it: model, vector units, cores."""
+    from benchmarks.report import hardware
+
+    info = hardware(torch.device("cpu"))
+    return f"{info['cpu']} ({info['cpu_units']}), {info['cpu_cores']} cores"
 
 
 if __name__ == "__main__":
