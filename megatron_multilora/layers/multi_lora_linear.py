@@ -141,7 +141,7 @@ class MultiLoRALinear(torch.nn.Module):
         super().__init__()
         self.to_wrap, self.layout, self.full_name = to_wrap, layout, full_name
         self.where = f"{type(self).__name__}({full_name})"
-        self.init_methods, self.dropout_position, self.seed = init_methods, dropout_position, seed
+        self._init_methods, self._dropout_position, self.seed = init_methods, dropout_position, seed
         self.slot_layout: Optional[SlotLayout] = None
         self.returns_ln_output = False
         weight = next(to_wrap.parameters())
@@ -167,6 +167,25 @@ class MultiLoRALinear(torch.nn.Module):
         """The max rank."""
         return self.adapters.max_rank
 
+    # The constructor's settings, read-only (each slot's own rank, alpha and dropout are the
+    # SlotBank's).
+    @property
+    def column_init_method(self) -> str:
+        return self._init_methods[A]
+
+    @property
+    def row_init_method(self) -> str:
+        return self._init_methods[B]
+
+    @property
+    def dropout(self) -> float:
+        """Every slot's initial LoRA dropout rate (a freed slot returns to it)."""
+        return self.adapters.default_dropout
+
+    @property
+    def dropout_position(self) -> str:
+        return self._dropout_position
+
     def reset_adapter(self, idx: int, init_key: Optional[str] = None) -> None:
         """Re-initialise slot ``idx``'s weights, identically on every rank and layout: drawn
         from a generator seeded by (seed, layer name, ``init_key`` or the slot index), so
@@ -174,7 +193,7 @@ class MultiLoRALinear(torch.nn.Module):
         with an ``init_key``, on the slot)."""
         self.adapters.check(idx)
         shapes = {f: tuple(f.weight(self.adapters[idx]).shape) for f in FACTORS}
-        self.adapters.load(idx, self.layout.draw(self.init_methods, shapes, self._generator,
+        self.adapters.load(idx, self.layout.draw(self._init_methods, shapes, self._generator,
                                                  idx if init_key is None else init_key))
 
     def init_adapter_slot(self, idx: int, rank: int, alpha: float,

@@ -179,3 +179,24 @@ def test_expert_adapters_follow_the_slot_api():
     assert torch.equal(fc1.adapters[2].linear_out.weight, fc1.adapters[0].linear_out.weight)
     with mm.hide_adapters(model):
         assert not any("adapter" in k for k in model.state_dict())
+
+
+@pytest.mark.parametrize("kind", ["dense", "expert"])
+def test_both_layer_classes_expose_the_seeds_settings_read_only(kind):
+    """The seed API's constructor settings, as Megatron-Bridge's layer tests read them."""
+    settings = dict(column_init_method="kaiming", row_init_method="normal", dropout=0.1,
+                    dropout_position="post")
+    cfg = mm.GPTModelConfig(num_layers=1, hidden_size=HID, num_attention_heads=4,
+                            ffn_hidden_size=FFN, vocab_size=32,
+                            **(dict(num_moe_experts=E, moe_router_topk=TOPK) if kind == "expert"
+                               else {}))
+    model = mm.apply_multi_lora(mm.build_gpt_model(cfg), N, DIM, 1.0, **settings)
+    mlp = model.decoder.layers[0].mlp
+    layer = mlp.experts.linear_fc1 if kind == "expert" else mlp.linear_fc1
+    assert type(layer).__name__ == ("MultiLoRAGroupedExpertLinear" if kind == "expert"
+                                    else "MultiLoRALinear")
+    assert {name: getattr(layer, name) for name in settings} == settings
+    assert (layer.n_adapters, layer.dim) == (N, DIM)
+    for name in settings:
+        with pytest.raises(AttributeError):
+            setattr(layer, name, settings[name])
