@@ -36,14 +36,32 @@ def _free_port() -> int:
 def _launch(s: Settings, run_dir: Path, port: int, log: Path) -> subprocess.Popen:
     """The service on the dense model of rows 1c/2c, one process, its default batching
     window (up to 20 ms for the last batch's clients; a lone client does not wait)."""
-    cfg = ["hf_dir=null", f"lora.slots={CLIENTS}", f"lora.max_rank={s.rank}",
-           f"model.hidden_size={s.model_hidden}", f"model.num_layers={s.model_layers}",
-           f"model.ffn_hidden_size={2 * s.model_hidden}", "trainer.micro_batch_tokens=16384"]
+    cfg = [
+        "hf_dir=null",
+        f"lora.slots={CLIENTS}",
+        f"lora.max_rank={s.rank}",
+        f"model.hidden_size={s.model_hidden}",
+        f"model.num_layers={s.model_layers}",
+        f"model.ffn_hidden_size={2 * s.model_hidden}",
+        "trainer.micro_batch_tokens=16384",
+    ]
     env = {**os.environ, "MMLORA_API_KEYS": ",".join(KEYS), "OMP_NUM_THREADS": str(s.threads)}
-    proc = subprocess.Popen([str(REPO / ".venv/bin/mmlora"), "api", "--run-dir", str(run_dir),
-                             "--port", str(port), *cfg], cwd=REPO, env=env,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            str(REPO / ".venv/bin/mmlora"),
+            "api",
+            "--run-dir",
+            str(run_dir),
+            "--port",
+            str(port),
+            *cfg,
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 180
     while "api: serving" not in log.read_text():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -56,21 +74,34 @@ def section_api(s: Settings, device: torch.device, clock: Clock, out: Results) -
     import tinker
 
     if device.type != "cpu":
-        out.rows.append(Row("12a", "training service", "", "", "", "s",
-                            skipped="the service benchmark runs on CPU"))
+        out.rows.append(
+            Row(
+                "12a",
+                "training service",
+                "",
+                "",
+                "",
+                "s",
+                skipped="the service benchmark runs on CPU",
+            )
+        )
         return
     tmp = Path(tempfile.mkdtemp(prefix="bench-api-"))
     port, log = _free_port(), tmp / "service.log"
     clock.say(f"api: starting the service ({CLIENTS} slots)")
     proc = _launch(s, tmp / "run", port, log)
     try:
-        services = [tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=k)
-                    for k in KEYS]
-        clients = [sc.create_lora_training_client(base_model="tiny", rank=s.rank, seed=i).result()
-                   for i, sc in enumerate(services)]
+        services = [
+            tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=k) for k in KEYS
+        ]
+        clients = [
+            sc.create_lora_training_client(base_model="tiny", rank=s.rank, seed=i).result()
+            for i, sc in enumerate(services)
+        ]
         sizes = {"12a": (2 * s.examples_per_slot, s.example_tokens), "12c": (1, 16)}
-        samples = {row: _at_once_vs_alone(s, clock, clients, *size, row)
-                   for row, size in sizes.items()}
+        samples = {
+            row: _at_once_vs_alone(s, clock, clients, *size, row) for row, size in sizes.items()
+        }
         out.samples["api"] = samples["12a"]
         out.samples["api-small"] = samples["12c"]
         # 12b: one client alone, call by call: the engine's time (the service's log) vs the
@@ -92,21 +123,40 @@ def section_api(s: Settings, device: torch.device, clock: Clock, out: Results) -
         proc.wait(60)
     for row_id, (n_datums, n) in sizes.items():
         med = medians(samples[row_id])
-        row = Row(row_id, f"{CLIENTS} SDK clients' steps ({n_datums} x {n}-token datums): one "
-                  "batched service vs one client at a time", (
-            f"{CLIENTS} tinker SDK clients (tinker 0.38.0, one thread each), each {s.job_steps} x "
-            f"(forward_backward of {n_datums} datums of {n} tokens, cross_entropy + "
-            f"optim_step), rank {s.rank}, through mmlora api on the dense GPT of rows 1c/2c (one "
-            "process, the default api.batch_window_ms): all clients at once (their calls share steps) vs "
-            "the same clients one after another"), "at once", "one after another", "s").fill(
-            med["at once"], med["one after another"])
+        row = Row(
+            row_id,
+            f"{CLIENTS} SDK clients' steps ({n_datums} x {n}-token datums): one "
+            "batched service vs one client at a time",
+            (
+                f"{CLIENTS} tinker SDK clients (tinker 0.38.0, one thread each), each {s.job_steps} x "
+                f"(forward_backward of {n_datums} datums of {n} tokens, cross_entropy + "
+                f"optim_step), rank {s.rank}, through mmlora api on the dense GPT of rows 1c/2c (one "
+                "process, the default api.batch_window_ms): all clients at once (their calls share steps) vs "
+                "the same clients one after another"
+            ),
+            "at once",
+            "one after another",
+            "s",
+        ).fill(med["at once"], med["one after another"])
         row.note = f"At once is {1 / row.ratio:.2f}x the throughput."
         out.rows.append(row)
-    out.rows.append(Row("12b", "service overhead per call (one client alone, the datums of 12a)", (
-        "the client's time per call (forward_backward or optim_step) vs the engine's time to run "
-        "it (the service's log)"), "client", "engine", "ms").fill(client_ms, engine_ms))
-    out.rows[-1].note = (f"The service's own cost (HTTP, protobuf/JSON, polling the future) is "
-                         f"{100 * (1 - engine_ms / client_ms):.0f}% of a call.")
+    out.rows.append(
+        Row(
+            "12b",
+            "service overhead per call (one client alone, the datums of 12a)",
+            (
+                "the client's time per call (forward_backward or optim_step) vs the engine's time to run "
+                "it (the service's log)"
+            ),
+            "client",
+            "engine",
+            "ms",
+        ).fill(client_ms, engine_ms)
+    )
+    out.rows[-1].note = (
+        f"The service's own cost (HTTP, protobuf/JSON, polling the future) is "
+        f"{100 * (1 - engine_ms / client_ms):.0f}% of a call."
+    )
 
 
 def _stepper(s: Settings, clients: list, n_datums: int, n: int):
@@ -114,11 +164,16 @@ def _stepper(s: Settings, clients: list, n_datums: int, n: int):
     from tinker import types
 
     gen = torch.Generator().manual_seed(4)
-    batches = [[types.Datum(model_input=types.ModelInput.from_ints(t[:-1]),
-                            loss_fn_inputs={"target_tokens": t[1:],
-                                            "weights": [1.0 / n] * (n - 1)})
-                for t in torch.randint(3, 200, (n_datums, n), generator=gen).tolist()]
-               for _ in clients]
+    batches = [
+        [
+            types.Datum(
+                model_input=types.ModelInput.from_ints(t[:-1]),
+                loss_fn_inputs={"target_tokens": t[1:], "weights": [1.0 / n] * (n - 1)},
+            )
+            for t in torch.randint(3, 200, (n_datums, n), generator=gen).tolist()
+        ]
+        for _ in clients
+    ]
     adam = types.AdamParams(learning_rate=1e-4)
 
     def steps(i: int) -> None:
@@ -129,8 +184,9 @@ def _stepper(s: Settings, clients: list, n_datums: int, n: int):
     return steps
 
 
-def _at_once_vs_alone(s: Settings, clock: Clock, clients: list, n_datums: int, n: int,
-                      label: str) -> dict[str, list[float]]:
+def _at_once_vs_alone(
+    s: Settings, clock: Clock, clients: list, n_datums: int, n: int, label: str
+) -> dict[str, list[float]]:
     steps = _stepper(s, clients, n_datums, n)
 
     def together() -> None:
@@ -144,8 +200,10 @@ def _at_once_vs_alone(s: Settings, clock: Clock, clients: list, n_datums: int, n
         for i in range(len(clients)):
             steps(i)
 
-    clock.say(f"api {label}: {len(clients)} clients x {s.job_steps} steps of {n_datums} x {n} "
-              "tokens, at once vs one after another")
-    return time_side_by_side(clock, f"api {label}", {"at once": together,
-                                                     "one after another": alone},
-                             s.job_rounds, 1)
+    clock.say(
+        f"api {label}: {len(clients)} clients x {s.job_steps} steps of {n_datums} x {n} "
+        "tokens, at once vs one after another"
+    )
+    return time_side_by_side(
+        clock, f"api {label}", {"at once": together, "one after another": alone}, s.job_rounds, 1
+    )

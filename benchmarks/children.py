@@ -9,7 +9,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 from benchmarks.settings import REPO, Settings
 from benchmarks.timing import Clock
@@ -26,8 +25,9 @@ def python_child(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "benchmarks", *args], cwd=REPO, env=child_env())
 
 
-def torchrun_two(s: Settings, clock: Clock, worker_flag: str, what: str,
-                 worker_args: Optional[list[str]] = None) -> tuple[Optional[dict], Optional[str]]:
+def torchrun_two(
+    s: Settings, clock: Clock, worker_flag: str, what: str, worker_args: list[str] | None = None
+) -> tuple[dict | None, str | None]:
     """Run the benchmark's ``worker_flag`` worker in 2 processes under torchrun (1 torch thread
     each: they share the cores); returns what rank 0 wrote, or why there is nothing."""
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -35,13 +35,27 @@ def torchrun_two(s: Settings, clock: Clock, worker_flag: str, what: str,
         return None, f"skipped: {torchrun} not found"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "--local-ranks-filter", "0",
-               "-m", "benchmarks", worker_flag, "--settings-json",
-               json.dumps(dataclasses.asdict(s)), "--result-file", str(out), *(worker_args or [])]
+        cmd = [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--local-ranks-filter",
+            "0",
+            "-m",
+            "benchmarks",
+            worker_flag,
+            "--settings-json",
+            json.dumps(dataclasses.asdict(s)),
+            "--result-file",
+            str(out),
+            *(worker_args or []),
+        ]
         clock.say(f"launching 2 processes for {what}: " + " ".join(cmd[:5]) + f" ... {worker_flag}")
         env = {**child_env(), "OMP_NUM_THREADS": "1"}  # 2 processes share the cores
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=env)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
         tail: list[str] = []
         for line in proc.stdout:
             print("    " + line.rstrip(), flush=True)

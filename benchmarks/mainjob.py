@@ -52,14 +52,18 @@ def gemm_rate(seconds: float = 3.0, dtype: str = "float32") -> float:
     ways = {"mkl": lambda a, b, packed: a @ b}
     if torch.backends.mkldnn.is_available():
         ways["onednn"] = lambda a, b, packed: torch.ops.mkldnn._linear_pointwise(
-            a, packed, None, "none", [], "")
+            a, packed, None, "none", [], ""
+        )
     rates: dict[str, list[float]] = {way: [] for way in ways}
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         for m, k, n in GEMM_SHAPES:
             a, b = torch.randn(m, k, dtype=kind), torch.randn(k, n, dtype=kind)
-            packed = (torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous())
-                      if "onednn" in ways else None)
+            packed = (
+                torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous())
+                if "onednn" in ways
+                else None
+            )
             for way, run in ways.items():
                 run(a, b, packed)
                 start = time.perf_counter()
@@ -72,8 +76,12 @@ def gemm_rates(processes: int, dtype: str = "float32") -> list[float]:
     """:func:`gemm_rate` in ``processes`` fresh processes at once."""
     code = f"from benchmarks.mainjob import gemm_rate; print(gemm_rate(dtype={dtype!r}))"
     env = {**child_env(), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, text=True) for _ in range(processes)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(processes)
+    ]
     return [float(p.communicate()[0].split()[-1]) for p in procs]
 
 
@@ -116,100 +124,179 @@ def run_main_job(rounds: int, say) -> dict:
                         continue
                     got = run_peft({**spec, "autocast": "bf16"}, groups, 1, tmp)
                 else:
-                    got = run_peft(spec, groups if way == "peft-par" else
-                                   [list(range(len(spec["jobs"])))], 1, tmp)
+                    got = run_peft(
+                        spec,
+                        groups if way == "peft-par" else [list(range(len(spec["jobs"])))],
+                        1,
+                        tmp,
+                    )
                 results.setdefault(way, []).append(got)
-                say(f"main job round {r + 1}/{rounds}: {way}: training {got['train_s']:.1f} s, "
+                say(
+                    f"main job round {r + 1}/{rounds}: {way}: training {got['train_s']:.1f} s, "
                     f"launch {got['launch_s']:.1f} s, CPU {got['cpu_s']:.1f} s; held-out loss "
-                    + ", ".join(f"{k} {v:.3f}" for k, v in got["eval_loss"].items()))
+                    + ", ".join(f"{k} {v:.3f}" for k, v in got["eval_loss"].items())
+                )
             for dtype in ("float32", "bfloat16") if BF16_WAY in results else ("float32",):
                 key = "" if dtype == "float32" else "_bf16"
                 gemm.setdefault(f"alone{key}", []).extend(gemm_rates(1, dtype))
                 gemm.setdefault(f"together{key}", []).append(gemm_rates(2, dtype))
-                say(f"main job round {r + 1}/{rounds}: 1-thread {dtype} GEMM "
+                say(
+                    f"main job round {r + 1}/{rounds}: 1-thread {dtype} GEMM "
                     f"{gemm[f'alone{key}'][-1]:.1f} GFLOP/s alone, "
-                    f"{' + '.join(f'{g:.1f}' for g in gemm[f'together{key}'][-1])} GFLOP/s at once")
-    return {"spec": {k: v for k, v in spec.items() if k not in ("hf_dir", "overrides")},
-            "groups": [[spec["jobs"][i]["name"] for i in g] for g in groups],
-            "results": results, "gemm": gemm, "matmul_parameters": matmul_parameters(HF_DIR)}
+                    f"{' + '.join(f'{g:.1f}' for g in gemm[f'together{key}'][-1])} GFLOP/s at once"
+                )
+    return {
+        "spec": {k: v for k, v in spec.items() if k not in ("hf_dir", "overrides")},
+        "groups": [[spec["jobs"][i]["name"] for i in g] for g in groups],
+        "results": results,
+        "gemm": gemm,
+        "matmul_parameters": matmul_parameters(HF_DIR),
+    }
 
 
 def main_job_rows(m: dict) -> list[Row]:
     res = m["results"]
-    med = {w: {k: statistics.median(r[k] for r in rs)
-               for k in ("train_s", "launch_s", "cpu_s")} for w, rs in res.items()}
+    med = {
+        w: {k: statistics.median(r[k] for r in rs) for k in ("train_s", "launch_s", "cpu_s")}
+        for w, rs in res.items()
+    }
     ours = res["ours"]
-    phases = {k: statistics.median(r[k] for r in ours)
-              for k in ("first_step_at_s", "last_step_at_s", "table_at_s", "launch_s")}
+    phases = {
+        k: statistics.median(r[k] for r in ours)
+        for k in ("first_step_at_s", "last_step_at_s", "table_at_s", "launch_s")
+    }
     positions = res["peft-par"][0]["positions"]
     flops = 4 * m["matmul_parameters"] * positions
     together = statistics.median(sum(g) for g in m["gemm"]["together"])
     alone = statistics.median(m["gemm"]["alone"])
     limit_s = flops / (together * 1e9)
     names = [j["name"] for j in m["spec"]["jobs"]]
-    loss = {w: {n: statistics.median(r["eval_loss"][n] for r in rs) for n in names}
-            for w, rs in res.items()}
-    setting = ("the main job (conf/smollm2.yaml: " + ", ".join(
-        f"{j['name']} {j['max_steps']} steps of {j['global_batch_size']}"
-        for j in m["spec"]["jobs"]) + f"; {positions:,} trained positions); ours "
-        f"{ours[0]['precision']}, peft fp32")
-    peft_par = ("2 independent transformers + peft processes at once, 1 thread each, jobs "
-                f"split by work ({' | '.join(', '.join(g) for g in m['groups'])})")
+    loss = {
+        w: {n: statistics.median(r["eval_loss"][n] for r in rs) for n in names}
+        for w, rs in res.items()
+    }
+    setting = (
+        "the main job (conf/smollm2.yaml: "
+        + ", ".join(
+            f"{j['name']} {j['max_steps']} steps of {j['global_batch_size']}"
+            for j in m["spec"]["jobs"]
+        )
+        + f"; {positions:,} trained positions); ours "
+        f"{ours[0]['precision']}, peft fp32"
+    )
+    peft_par = (
+        "2 independent transformers + peft processes at once, 1 thread each, jobs "
+        f"split by work ({' | '.join(', '.join(g) for g in m['groups'])})"
+    )
     rows = []
-    train = Row("13a", "main job: training wall, ours vs 2 independent peft processes",
-                f"{setting}: mmlora train --nproc 2 (2 x 1 thread) vs {peft_par}; training "
-                "wall as rows 10", "ours", "peft-par", "s").fill(med["ours"]["train_s"],
-                                                                 med["peft-par"]["train_s"])
-    train.note = ("Held-out loss per job (ours / peft-par / peft-seq-1t): " + ", ".join(
-        f"{n} {loss['ours'][n]:.3f} / {loss['peft-par'][n]:.3f} / {loss['peft-seq-1t'][n]:.3f}"
-        for n in names) + f". peft one after another, 1 thread: "
-        f"{med['peft-seq-1t']['train_s']:.1f} s.")
+    train = Row(
+        "13a",
+        "main job: training wall, ours vs 2 independent peft processes",
+        f"{setting}: mmlora train --nproc 2 (2 x 1 thread) vs {peft_par}; training wall as rows 10",
+        "ours",
+        "peft-par",
+        "s",
+    ).fill(med["ours"]["train_s"], med["peft-par"]["train_s"])
+    train.note = (
+        "Held-out loss per job (ours / peft-par / peft-seq-1t): "
+        + ", ".join(
+            f"{n} {loss['ours'][n]:.3f} / {loss['peft-par'][n]:.3f} / {loss['peft-seq-1t'][n]:.3f}"
+            for n in names
+        )
+        + f". peft one after another, 1 thread: "
+        f"{med['peft-seq-1t']['train_s']:.1f} s."
+    )
     if BF16_WAY in res:
-        train.note += (" peft-par under bf16 autocast: " + ", ".join(
-            f"{n} {loss[BF16_WAY][n]:.3f}" for n in names) + ".")
+        train.note += (
+            " peft-par under bf16 autocast: "
+            + ", ".join(f"{n} {loss[BF16_WAY][n]:.3f}" for n in names)
+            + "."
+        )
     rows.append(train)
-    limit = Row("13b", "main job: training wall, ours vs the machine's compute limit", (
-        f"as row 13a; the limit: 4 x {m['matmul_parameters'] / 1e6:.1f} M matmul parameters x "
-        f"{positions:,} positions = {flops / 1e12:.2f} TFLOP at {together:.0f} GFLOP/s (two "
-        f"1-thread fp32 GEMM processes at once, {GEMM_SHAPES}, MKL or packed oneDNN, the faster; one alone: {alone:.0f} GFLOP/s, "
-        f"so {flops / (2 * alone * 1e9):.1f} s if the cores did not slow each other)"),
-        "ours", "limit", "s").fill(med["ours"]["train_s"], limit_s)
+    limit = Row(
+        "13b",
+        "main job: training wall, ours vs the machine's compute limit",
+        (
+            f"as row 13a; the limit: 4 x {m['matmul_parameters'] / 1e6:.1f} M matmul parameters x "
+            f"{positions:,} positions = {flops / 1e12:.2f} TFLOP at {together:.0f} GFLOP/s (two "
+            f"1-thread fp32 GEMM processes at once, {GEMM_SHAPES}, MKL or packed oneDNN, the faster; one alone: {alone:.0f} GFLOP/s, "
+            f"so {flops / (2 * alone * 1e9):.1f} s if the cores did not slow each other)"
+        ),
+        "ours",
+        "limit",
+        "s",
+    ).fill(med["ours"]["train_s"], limit_s)
     rows.append(limit)
     if BF16_WAY in res:
-        rows.append(Row("13e", "main job: training wall, ours vs 2 independent peft processes "
-                        "under bf16 autocast", f"as row 13a, peft under torch.autocast('cpu', "
-                        "torch.bfloat16) (ours multiplies its frozen base in bf16 here)",
-                        "ours", BF16_WAY, "s").fill(med["ours"]["train_s"],
-                                                    med[BF16_WAY]["train_s"]))
+        rows.append(
+            Row(
+                "13e",
+                "main job: training wall, ours vs 2 independent peft processes under bf16 autocast",
+                "as row 13a, peft under torch.autocast('cpu', "
+                "torch.bfloat16) (ours multiplies its frozen base in bf16 here)",
+                "ours",
+                BF16_WAY,
+                "s",
+            ).fill(med["ours"]["train_s"], med[BF16_WAY]["train_s"])
+        )
         together16 = statistics.median(sum(g) for g in m["gemm"]["together_bf16"])
-        rows.append(Row("13f", "main job: training wall, ours vs the machine's bf16 compute limit",
-                        f"as row 13b at {together16:.0f} GFLOP/s (two 1-thread bf16 GEMM "
-                        f"processes at once; one alone: "
-                        f"{statistics.median(m['gemm']['alone_bf16']):.0f} GFLOP/s)",
-                        "ours", "limit", "s").fill(med["ours"]["train_s"],
-                                                   flops / (together16 * 1e9)))
-    whole = Row("13c", "main job: whole command, ours vs 2 independent peft processes",
-                "as row 13a: launch to exit (ours: set-up, training, final checkpoint, "
-                "exports, the adapter x task tables; peft: imports, loading, training, its "
-                "held-out losses)", "ours", "peft-par", "s").fill(med["ours"]["launch_s"],
-                                                                  med["peft-par"]["launch_s"])
-    whole.note = (f"Ours: first step {phases['first_step_at_s']:.1f} s after the launch, last "
-                  f"step ended at {phases['last_step_at_s']:.1f} s, the tables printed at "
-                  f"{phases['table_at_s']:.1f} s (final checkpoint, exports, 5 adapter rows x "
-                  f"{len(names)} tasks of held-out loss and greedy generations), exit at "
-                  f"{phases['launch_s']:.1f} s.")
+        rows.append(
+            Row(
+                "13f",
+                "main job: training wall, ours vs the machine's bf16 compute limit",
+                f"as row 13b at {together16:.0f} GFLOP/s (two 1-thread bf16 GEMM "
+                f"processes at once; one alone: "
+                f"{statistics.median(m['gemm']['alone_bf16']):.0f} GFLOP/s)",
+                "ours",
+                "limit",
+                "s",
+            ).fill(med["ours"]["train_s"], flops / (together16 * 1e9))
+        )
+    whole = Row(
+        "13c",
+        "main job: whole command, ours vs 2 independent peft processes",
+        "as row 13a: launch to exit (ours: set-up, training, final checkpoint, "
+        "exports, the adapter x task tables; peft: imports, loading, training, its "
+        "held-out losses)",
+        "ours",
+        "peft-par",
+        "s",
+    ).fill(med["ours"]["launch_s"], med["peft-par"]["launch_s"])
+    whole.note = (
+        f"Ours: first step {phases['first_step_at_s']:.1f} s after the launch, last "
+        f"step ended at {phases['last_step_at_s']:.1f} s, the tables printed at "
+        f"{phases['table_at_s']:.1f} s (final checkpoint, exports, 5 adapter rows x "
+        f"{len(names)} tasks of held-out loss and greedy generations), exit at "
+        f"{phases['launch_s']:.1f} s."
+    )
     rows.append(whole)
-    cpu = Row("13d", "main job: CPU seconds of the whole command, ours vs peft one after "
-              "another (1 thread)", "as row 13c: user + system seconds of every process",
-              "ours", "peft-seq-1t", "s").fill(med["ours"]["cpu_s"], med["peft-seq-1t"]["cpu_s"])
+    cpu = Row(
+        "13d",
+        "main job: CPU seconds of the whole command, ours vs peft one after another (1 thread)",
+        "as row 13c: user + system seconds of every process",
+        "ours",
+        "peft-seq-1t",
+        "s",
+    ).fill(med["ours"]["cpu_s"], med["peft-seq-1t"]["cpu_s"])
     rows.append(cpu)
     return rows
 
 
 def section_mainjob(s: Settings, device: torch.device, clock: Clock, out: Results) -> None:
     if not (HF_DIR / "config.json").is_file() or not DATA_DIR.is_dir():
-        out.rows.append(Row("13a", "main job", "", "", "", "s", skipped=(
-            f"skipped: {HF_DIR} or {DATA_DIR} is missing; bash scripts/demo.sh writes them")))
+        out.rows.append(
+            Row(
+                "13a",
+                "main job",
+                "",
+                "",
+                "",
+                "s",
+                skipped=(
+                    f"skipped: {HF_DIR} or {DATA_DIR} is missing; bash scripts/demo.sh writes them"
+                ),
+            )
+        )
         return
     out.mainjob = run_main_job(s.peer_rounds, clock.say)
     out.rows += main_job_rows(out.mainjob)

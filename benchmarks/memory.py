@@ -7,8 +7,8 @@ import dataclasses
 import json
 import statistics
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -45,14 +45,16 @@ def memory_probe(s: Settings, variant: str) -> dict:
             slots = int(variant)
             model = build_model(cfg, s, slots)
             per_slot, single = slot_and_single_examples(s, cfg.vocab_size)
-            train, ((examples, mbs),) = training_step(model, slots,
-                                                      [per_slot if slots > 1 else single], device)
+            train, ((examples, mbs),) = training_step(
+                model, slots, [per_slot if slots > 1 else single], device
+            )
             opts = start_jobs(model, s, cfg, 2, slots)
             for _ in range(2):
                 train(examples, opts, micro_batches=mbs)
             params = mm.slot_parameters(model, 0)
-            result.update(params_per_slot=sum(p.numel() for p in params),
-                          param_bytes=params[0].element_size())
+            result.update(
+                params_per_slot=sum(p.numel() for p in params), param_bytes=params[0].element_size()
+            )
     result["peak_bytes"] = peak["bytes"]
     mm.destroy_parallel(destroy_process_group=True)
     return result
@@ -78,8 +80,9 @@ def tensor_memory_peak(device: torch.device) -> Iterator[dict]:
 
     # Shapes are needed (the timeline's data flow uses them), stacks are not: the same peaks
     # for every variant, and half the replay time.
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=False) as prof:
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=False
+    ) as prof:
         yield out
     held = peak = 0
     for _, action, _, size in MemoryProfile(prof.profiler.kineto_results).timeline:
@@ -98,15 +101,27 @@ def run_memory_probes(s: Settings, clock: Clock) -> dict[str, list[dict]]:
     for k in range(s.memory_probes):
         with tempfile.TemporaryDirectory() as tmp:
             outs = {v: Path(tmp) / f"probe-{v}.json" for v in probes}
-            procs = [python_child(["--memory-probe", v,
-                                   "--settings-json", json.dumps(dataclasses.asdict(s)),
-                                   "--result-file", str(out)]) for v, out in outs.items()]
+            procs = [
+                python_child(
+                    [
+                        "--memory-probe",
+                        v,
+                        "--settings-json",
+                        json.dumps(dataclasses.asdict(s)),
+                        "--result-file",
+                        str(out),
+                    ]
+                )
+                for v, out in outs.items()
+            ]
             if any(proc.wait() for proc in procs):
                 raise RuntimeError("a memory probe failed (its output is above)")
             for v, out in outs.items():
                 probes[v].append(json.loads(out.read_text()))
-        clock.say(f"memory probes {k + 1}/{s.memory_probes}: " + ", ".join(
-            f"{v} {ps[-1]['peak_bytes'] / MiB:.1f} MiB" for v, ps in probes.items()))
+        clock.say(
+            f"memory probes {k + 1}/{s.memory_probes}: "
+            + ", ".join(f"{v} {ps[-1]['peak_bytes'] / MiB:.1f} MiB" for v, ps in probes.items())
+        )
     return probes
 
 
@@ -121,13 +136,25 @@ def adapter_state_bytes(probe: dict, slots: int) -> int:
 def memory_row(s: Settings, probes: dict[str, list[dict]]) -> Row:
     peak = {v: statistics.median(p["peak_bytes"] for p in ps) / MiB for v, ps in probes.items()}
     n = str(s.slots)
-    row = Row("5", f"peak memory: {n} slots vs 1 slot", (
-        "peak memory of 2 training steps (fwd+bwd+AdamW state) of the dense model, above the "
-        "frozen base's own fwd+bwd peak (a fresh process per variant"
-        + (f", median of {s.memory_probes}" if s.memory_probes > 1 else "") + "; "
-        + ("torch.cuda.max_memory_allocated" if s.device == "cuda" else
-           "peak bytes held by tensors, from torch's profiler memory timeline") + ")"),
-        f"{n} slots", "1 slot", "MiB").fill(peak[n] - peak["base"], peak["1"] - peak["base"])
+    row = Row(
+        "5",
+        f"peak memory: {n} slots vs 1 slot",
+        (
+            "peak memory of 2 training steps (fwd+bwd+AdamW state) of the dense model, above the "
+            "frozen base's own fwd+bwd peak (a fresh process per variant"
+            + (f", median of {s.memory_probes}" if s.memory_probes > 1 else "")
+            + "; "
+            + (
+                "torch.cuda.max_memory_allocated"
+                if s.device == "cuda"
+                else "peak bytes held by tensors, from torch's profiler memory timeline"
+            )
+            + ")"
+        ),
+        f"{n} slots",
+        "1 slot",
+        "MiB",
+    ).fill(peak[n] - peak["base"], peak["1"] - peak["base"])
     ref = probes["1"][0]
     state = {k: adapter_state_bytes(ref, int(k)) / MiB for k in ("1", n)}
     row.note = (
@@ -137,7 +164,8 @@ def memory_row(s: Settings, probes: dict[str, list[dict]]) -> Row:
         f"is beyond the adapter state: the LoRA path's activations and temporaries. Going "
         f"from 1 to {n} slots adds "
         f"{row.a_value - row.b_value:.2f} MiB measured vs {state[n] - state['1']:.2f} MiB of "
-        "adapter state: there is no per-slot copy of the base.")
+        "adapter state: there is no per-slot copy of the base."
+    )
     return row
 
 

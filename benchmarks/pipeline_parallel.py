@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 from megatron.core import parallel_state
@@ -41,8 +41,10 @@ def pp_data(s: Settings, vocab: int) -> tuple[list[list[Example]], int]:
     """One step's global batch (every slot's examples, all of one length) and the token
     budget that packs it into ``pp_micro_batches`` micro-batches."""
     gen = torch.Generator().manual_seed(2)
-    data = [random_examples(pp_examples_per_slot(s), s.example_tokens, vocab, gen)
-            for _ in range(s.slots)]
+    data = [
+        random_examples(pp_examples_per_slot(s), s.example_tokens, vocab, gen)
+        for _ in range(s.slots)
+    ]
     per_batch = -(-s.slots * pp_examples_per_slot(s) // s.pp_micro_batches)
     return data, per_batch * (s.example_tokens - 1)
 
@@ -58,7 +60,7 @@ def pp_trainer_step(s: Settings) -> Callable[[], StepResult]:
     dp_size = parallel_state.get_data_parallel_world_size()
     examples = [shard_for_data_parallel(exs, dp_rank, dp_size) for exs in data]  # as the trainer
     train = SlotTrainStep(model, s.slots, budget, pad_multiple=1, pad_id=0)
-    steps = 10 ** 6  # constant schedule: the count only bounds the lr schedule
+    steps = 10**6  # constant schedule: the count only bounds the lr schedule
     opts = start_jobs(model, s, cfg, steps, s.slots)
     return lambda: train(examples, opts)
 
@@ -76,12 +78,15 @@ def pp_timed(clock: Clock, step: Callable[[], StepResult]) -> tuple[float, list[
 
 def pp_blocks(s: Settings) -> list[int]:
     """The rounds of each block: ``rounds`` in blocks of ``PP_ROUNDS_PER_BLOCK``."""
-    return [min(PP_ROUNDS_PER_BLOCK, s.rounds - done)
-            for done in range(0, s.rounds, PP_ROUNDS_PER_BLOCK)]
+    return [
+        min(PP_ROUNDS_PER_BLOCK, s.rounds - done)
+        for done in range(0, s.rounds, PP_ROUNDS_PER_BLOCK)
+    ]
 
 
-def pp_block(s: Settings, clock: Clock, layouts: dict[str, int], block: int
-             ) -> dict[str, dict[str, list[float]]]:
+def pp_block(
+    s: Settings, clock: Clock, layouts: dict[str, int], block: int
+) -> dict[str, dict[str, list[float]]]:
     """One block of rounds of each layout (name -> pipeline size), one after another: build
     it, run ``max(2, warmup)`` untimed steps, time the block's rounds, tear it down. Returns
     the times and each layout's second-step losses (after one update: do the layouts train
@@ -94,9 +99,12 @@ def pp_block(s: Settings, clock: Clock, layouts: dict[str, int], block: int
         timed = [pp_timed(clock, step) for _ in range(max(2, s.warmup) + rounds)]
         mm.destroy_parallel()
         out["check_losses"][name] = timed[1][1]
-        out["samples"][name] = [elapsed for elapsed, _ in timed[max(2, s.warmup):]]
-        clock.say(f"PP block {block + 1}/{len(pp_blocks(s))} {name}: "
-                  + ", ".join(f"{x * 1e3:.1f}" for x in out["samples"][name]) + " ms")
+        out["samples"][name] = [elapsed for elapsed, _ in timed[max(2, s.warmup) :]]
+        clock.say(
+            f"PP block {block + 1}/{len(pp_blocks(s))} {name}: "
+            + ", ".join(f"{x * 1e3:.1f}" for x in out["samples"][name])
+            + " ms"
+        )
     return out
 
 
@@ -110,7 +118,7 @@ def pp_worker(s: Settings, result_file: str, block: int) -> None:
     torch.distributed.destroy_process_group()
 
 
-def run_pp(s: Settings, clock: Clock) -> tuple[Optional[dict], Optional[str]]:
+def run_pp(s: Settings, clock: Clock) -> tuple[dict | None, str | None]:
     """PP=1 on this one process (its ``threads``) and PP=2 vs DP=2 in 2 processes (a fresh
     torchrun of this script per block), block by block in alternating order; or why they
     were skipped."""
@@ -126,9 +134,13 @@ def run_pp(s: Settings, clock: Clock) -> tuple[Optional[dict], Optional[str]]:
                 clock.say(f"PP block {b + 1}/{len(blocks)}: PP=1 on this process")
                 got = pp_block(s, clock, {"PP=1 one process": 1}, b)
             else:
-                got, skipped = torchrun_two(s, clock, "--pp-worker",
-                                            f"PP=2 vs DP=2 (block {b + 1}/{len(blocks)})",
-                                            ["--pp-block", str(b)])
+                got, skipped = torchrun_two(
+                    s,
+                    clock,
+                    "--pp-worker",
+                    f"PP=2 vs DP=2 (block {b + 1}/{len(blocks)})",
+                    ["--pp-block", str(b)],
+                )
                 if got is None:
                     return None, skipped
             for name, times in got["samples"].items():
@@ -139,32 +151,54 @@ def run_pp(s: Settings, clock: Clock) -> tuple[Optional[dict], Optional[str]]:
     return result, None
 
 
-def pp_rows(s: Settings, result: Optional[dict], skipped: Optional[str]) -> list[Row]:
+def pp_rows(s: Settings, result: dict | None, skipped: str | None) -> list[Row]:
     cfg = pp_model_config(s)
     layers, e = cfg.num_layers, pp_examples_per_slot(s)
     cpu = s.device == "cpu"
-    step = (f"one trainer step of {s.slots} adapter jobs (SlotTrainStep: pack, forward/backward "
-            f"of the micro-batches through megatron's schedule, per-slot grad sync, norms, "
-            f"AdamW) on the dense GPT with {layers} layers; a global batch of {e} examples of "
-            f"{s.example_tokens} tokens per job, packed into micro-batches of at most "
-            f"{pp_data(s, cfg.vocab_size)[1]} positions ({s.pp_micro_batches} in all)")
-    pp2 = (f"PP=2 runs it on 2 processes ({'1 thread' if cpu else '1 GPU'} each) holding "
-           f"{layers // 2} layer{'s' if layers > 2 else ''} each, every micro-batch through "
-           "both stages (1F1B schedule)")
-    method = (f"The layouts are built in turn, in blocks of {PP_ROUNDS_PER_BLOCK} rounds "
-              f"(each after {max(2, s.warmup)} untimed steps) in alternating order: PP=1 in "
-              "this process, PP=2 and DP=2 in a fresh 2-process torchrun per block; each "
-              "2-process round starts both ranks together and counts the slower")
+    step = (
+        f"one trainer step of {s.slots} adapter jobs (SlotTrainStep: pack, forward/backward "
+        f"of the micro-batches through megatron's schedule, per-slot grad sync, norms, "
+        f"AdamW) on the dense GPT with {layers} layers; a global batch of {e} examples of "
+        f"{s.example_tokens} tokens per job, packed into micro-batches of at most "
+        f"{pp_data(s, cfg.vocab_size)[1]} positions ({s.pp_micro_batches} in all)"
+    )
+    pp2 = (
+        f"PP=2 runs it on 2 processes ({'1 thread' if cpu else '1 GPU'} each) holding "
+        f"{layers // 2} layer{'s' if layers > 2 else ''} each, every micro-batch through "
+        "both stages (1F1B schedule)"
+    )
+    method = (
+        f"The layouts are built in turn, in blocks of {PP_ROUNDS_PER_BLOCK} rounds "
+        f"(each after {max(2, s.warmup)} untimed steps) in alternating order: PP=1 in "
+        "this process, PP=2 and DP=2 in a fresh 2-process torchrun per block; each "
+        "2-process round starts both ranks together and counts the slower"
+    )
     one = f"{s.threads} thread{'s' if s.threads > 1 else ''}" if cpu else "1 GPU"
     rows = [
-        Row("7a", "PP=2 vs DP=2: trainer step", (
-            f"{step}. {pp2}; DP=2 runs it on the same 2 processes, each holding the whole model "
-            "and half of every job's examples (gradients summed across them): the same "
-            f"{'cores' if cpu else 'GPUs'} used as pipeline stages or as data-parallel ranks. "
-            f"{method}"), "PP=2", "DP=2", "ms"),
-        Row("7b", "PP=2 vs PP=1 (one process): trainer step", (
-            f"the same step: {pp2}, vs 1 process ({one}) holding the whole model and every "
-            "example. " + method), "PP=2", "PP=1, 1 process", "ms"),
+        Row(
+            "7a",
+            "PP=2 vs DP=2: trainer step",
+            (
+                f"{step}. {pp2}; DP=2 runs it on the same 2 processes, each holding the whole model "
+                "and half of every job's examples (gradients summed across them): the same "
+                f"{'cores' if cpu else 'GPUs'} used as pipeline stages or as data-parallel ranks. "
+                f"{method}"
+            ),
+            "PP=2",
+            "DP=2",
+            "ms",
+        ),
+        Row(
+            "7b",
+            "PP=2 vs PP=1 (one process): trainer step",
+            (
+                f"the same step: {pp2}, vs 1 process ({one}) holding the whole model and every "
+                "example. " + method
+            ),
+            "PP=2",
+            "PP=1, 1 process",
+            "ms",
+        ),
     ]
     for row, b in zip(rows, ("DP=2", "PP=1 one process")):
         if result is None:
@@ -174,9 +208,11 @@ def pp_rows(s: Settings, result: Optional[dict], skipped: Optional[str]) -> list
         row.fill(med["PP=2"] * 1e3, med[b] * 1e3)
         check = result["check_losses"]
         diff = max(abs(x - y) for x, y in zip(check["PP=2"], check[b]))
-        row.note = (f"Same training: the {s.slots} per-job losses of the second step (after "
-                    f"one optimizer update) differ by at most {diff:.1e} between {row.a} and "
-                    f"{row.b}.")
+        row.note = (
+            f"Same training: the {s.slots} per-job losses of the second step (after "
+            f"one optimizer update) differ by at most {diff:.1e} between {row.a} and "
+            f"{row.b}."
+        )
     return rows
 
 

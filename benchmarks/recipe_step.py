@@ -36,11 +36,19 @@ JOBS = [(16, 0.0), (8, 0.0), (16, 0.05), (12, 0.0)]  # (rank, dropout)
 
 
 def run_overrides(kind: str) -> list[str]:
-    jobs = ",".join(f"{{name:job{j},dataset:-,rank:{rank},alpha:{2 * rank},dropout:{dropout},"
-                    "max_steps:100}"
-                    for j, (rank, dropout) in enumerate(JOBS))
-    return [f"model={kind}", "hf_dir=null", f"adapters=[{jobs}]", f"lora.slots={len(JOBS)}",
-            "lora.max_rank=16", "trainer.micro_batch_tokens=1024", "seed=0"]
+    jobs = ",".join(
+        f"{{name:job{j},dataset:-,rank:{rank},alpha:{2 * rank},dropout:{dropout},max_steps:100}}"
+        for j, (rank, dropout) in enumerate(JOBS)
+    )
+    return [
+        f"model={kind}",
+        "hf_dir=null",
+        f"adapters=[{jobs}]",
+        f"lora.slots={len(JOBS)}",
+        "lora.max_rank=16",
+        "trainer.micro_batch_tokens=1024",
+        "seed=0",
+    ]
 
 
 def main(kind: str) -> None:
@@ -50,22 +58,36 @@ def main(kind: str) -> None:
     mm.init_parallel(seed=run.seed)
     cfg = base_model_config(run)
     model = build_run_model(run, cfg)
-    optimizers = {slot: start_job(model, slot, job, 100, cfg)
-                  for slot, job in enumerate(run.adapters)}
-    train_step = SlotTrainStep(model, run.lora.slots, run.trainer.micro_batch_tokens,
-                               pad_multiple=1, pad_id=0)
+    optimizers = {
+        slot: start_job(model, slot, job, 100, cfg) for slot, job in enumerate(run.adapters)
+    }
+    train_step = SlotTrainStep(
+        model, run.lora.slots, run.trainer.micro_batch_tokens, pad_multiple=1, pad_id=0
+    )
     rng = random.Random(0)
     times = []
     for i in range(13):
-        slot_examples = [[Example(tuple(rng.randrange(3, 250) for _ in range(n + 1)), (True,) * n)
-                          for n in (rng.randint(16, 128) for _ in range(16))] for _ in JOBS]
+        slot_examples = [
+            [
+                Example(tuple(rng.randrange(3, 250) for _ in range(n + 1)), (True,) * n)
+                for n in (rng.randint(16, 128) for _ in range(16))
+            ]
+            for _ in JOBS
+        ]
         micro_batches = train_step.batcher.ready(slot_examples)
         start = time.perf_counter()
         train_step(slot_examples, optimizers, micro_batches=micro_batches)
         if i >= 3:
             times.append(time.perf_counter() - start)
-    print(json.dumps({"model": kind, "micro_batches": len(micro_batches),
-                      "median_step_ms": round(1e3 * statistics.median(times), 1)}))
+    print(
+        json.dumps(
+            {
+                "model": kind,
+                "micro_batches": len(micro_batches),
+                "median_step_ms": round(1e3 * statistics.median(times), 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

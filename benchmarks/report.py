@@ -6,14 +6,13 @@ import dataclasses
 import os
 import platform
 import subprocess
-from typing import Optional
 
 import torch
 
 import megatron_multilora as mm
 from benchmarks.settings import REPO
 
-MiB = 2.0 ** 20
+MiB = 2.0**20
 
 
 @dataclasses.dataclass
@@ -26,13 +25,13 @@ class Row:
     a: str
     b: str
     unit: str  # "ms", "s" or "MiB"
-    a_value: Optional[float] = None
-    b_value: Optional[float] = None
-    ratio: Optional[float] = None
-    skipped: Optional[str] = None
+    a_value: float | None = None
+    b_value: float | None = None
+    ratio: float | None = None
+    skipped: str | None = None
     note: str = ""
 
-    def fill(self, a_value: float, b_value: float) -> "Row":
+    def fill(self, a_value: float, b_value: float) -> Row:
         self.a_value, self.b_value = a_value, b_value
         self.ratio = a_value / b_value if b_value > 0 else None
         return self
@@ -45,8 +44,8 @@ class Results:
     rows: list[Row] = dataclasses.field(default_factory=list)
     samples: dict[str, dict[str, list[float]]] = dataclasses.field(default_factory=dict)
     probes: dict[str, list[dict]] = dataclasses.field(default_factory=dict)
-    peers: Optional[dict] = None
-    mainjob: Optional[dict] = None
+    peers: dict | None = None
+    mainjob: dict | None = None
     failed: dict[str, str] = dataclasses.field(default_factory=dict)  # section -> error
 
 
@@ -54,17 +53,27 @@ def hardware(device: torch.device) -> dict:
     cpu = platform.processor() or "unknown CPU"
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name")), cpu)
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu
+            )
     except OSError:
         pass
     # The vector units decide the GEMM rates (and whether the main job multiplies in bf16):
     # "AMD EPYC" alone names both a Zen 2 without AVX-512 and a Zen 4 with AVX-512 BF16.
     units = [torch.backends.cpu.get_cpu_capability()] + [
-        name for name, has in (("AVX-512 BF16", torch.cpu._is_avx512_bf16_supported()),
-                               ("AMX", torch.cpu._is_amx_tile_supported())) if has]
-    info = {"cpu": cpu, "cpu_units": ", ".join(units), "cpu_cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads()}
+        name
+        for name, has in (
+            ("AVX-512 BF16", torch.cpu._is_avx512_bf16_supported()),
+            ("AMX", torch.cpu._is_amx_tile_supported()),
+        )
+        if has
+    ]
+    info = {
+        "cpu": cpu,
+        "cpu_units": ", ".join(units),
+        "cpu_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
     if device.type == "cuda":
         info.update(gpu=torch.cuda.get_device_name(device), gpu_count=torch.cuda.device_count())
     return info
@@ -73,17 +82,24 @@ def hardware(device: torch.device) -> dict:
 def versions() -> dict:
     from importlib import metadata
 
-    out = {"python": platform.python_version(), "torch": torch.__version__,
-           "megatron-core": metadata.version("megatron-core")}
+    out = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "megatron-core": metadata.version("megatron-core"),
+    }
     try:
         out["transformer-engine"] = metadata.version("transformer-engine")
     except metadata.PackageNotFoundError:
         pass
     try:  # a machine without git (or a copy without .git) reports no commit
-        git = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True)
-        status = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain",
-                                 "--untracked-files=no"], capture_output=True, text=True)
+        git = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        )
+        status = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+        )
     except OSError:
         return out
     if git.returncode == 0:
@@ -92,7 +108,7 @@ def versions() -> dict:
     return out
 
 
-def fmt(value: Optional[float], unit: str) -> str:
+def fmt(value: float | None, unit: str) -> str:
     if value is None:
         return "-"
     return f"{value:.3f} s" if unit == "s" else f"{value:.2f} {unit}"
@@ -103,32 +119,46 @@ def markdown(meta: dict, rows: list[Row]) -> str:
     defaults = dataclasses.asdict(mm.GPTModelConfig())
     device = hw.get("gpu", hw["cpu"])
     lines = [
-        f"# multi-LoRA benchmark ({meta['device']})", "",
-        f"- hardware: {device}" + (f" (host CPU {hw['cpu']}, {hw['cpu_units']})" if "gpu" in hw
-                                   else f" ({hw['cpu_units']})")
+        f"# multi-LoRA benchmark ({meta['device']})",
+        "",
+        f"- hardware: {device}"
+        + (
+            f" (host CPU {hw['cpu']}, {hw['cpu_units']})"
+            if "gpu" in hw
+            else f" ({hw['cpu_units']})"
+        )
         + f"; {hw['cpu_cores']} CPU cores; torch threads: {hw['torch_threads']}",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in ver.items()),
         f"- dtype {s['dtype']}; load average (1, 5, 15 min) at start {meta['load_start']}, at end "
         f"{meta['load_end']}; total run time {meta['runtime_s']:.0f} s",
-        "- sections: " + ", ".join(
+        "- sections: "
+        + ", ".join(
             f"{name} ({'FAILED' if name in meta['failed'] else 'done'})"
-            for name in meta["sections_done"]) + "".join(
-            f", {name} (not run yet)" for name in meta["sections"][len(meta["sections_done"]):]),
+            for name in meta["sections_done"]
+        )
+        + "".join(
+            f", {name} (not run yet)" for name in meta["sections"][len(meta["sections_done"]) :]
+        ),
         "- settings: " + ", ".join(f"{k}={v}" for k, v in s.items()),
-        *(f"- whole model {kind}: GPTModelConfig("
-          + ", ".join(f"{k}={v}" for k, v in cfg.items() if defaults.get(k) != v)
-          + "), other fields at their defaults (full configs in the JSON)"
-          for kind, cfg in meta["models"].items()),
+        *(
+            f"- whole model {kind}: GPTModelConfig("
+            + ", ".join(f"{k}={v}" for k, v in cfg.items() if defaults.get(k) != v)
+            + "), other fields at their defaults (full configs in the JSON)"
+            for kind, cfg in meta["models"].items()
+        ),
         "- method: every time is the median over the rounds; each round runs every variant of "
         "its group once, in turn, in one process, so machine noise hits all alike. A / B is the "
-        "ratio of the medians.", "",
+        "ratio of the medians.",
+        "",
         "| row | comparison | A | B | median A | median B | A / B |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = f"{r.ratio:.2f}x" if r.ratio is not None else (r.skipped or "-")
-        lines.append(f"| {r.id} | {r.title} | {r.a} | {r.b} | {fmt(r.a_value, r.unit)} | "
-                     f"{fmt(r.b_value, r.unit)} | {ratio} |")
+        lines.append(
+            f"| {r.id} | {r.title} | {r.a} | {r.b} | {fmt(r.a_value, r.unit)} | "
+            f"{fmt(r.b_value, r.unit)} | {ratio} |"
+        )
     lines += ["", "What each row measures:", ""]
     lines += [f"- **{r.id}**: {r.what}." + (f" {r.note}" if r.note else "") for r in rows]
     return "\n".join(lines) + "\n"

@@ -29,9 +29,16 @@ from benchmarks.workloads import model_config
 RUN_SECTION = {
     "layers": lambda s, d, c, o: section_layers_models("layers", s, d, c, o),
     "models": lambda s, d, c, o: section_layers_models("models", s, d, c, o),
-    "jobs": section_jobs, "memory": section_memory, "tp": section_tp, "pp": section_pp,
-    "scaling": section_scaling, "width": section_width, "peers": section_peers,
-    "post": section_post, "api": section_api, "mainjob": section_mainjob,
+    "jobs": section_jobs,
+    "memory": section_memory,
+    "tp": section_tp,
+    "pp": section_pp,
+    "scaling": section_scaling,
+    "width": section_width,
+    "peers": section_peers,
+    "post": section_post,
+    "api": section_api,
+    "mainjob": section_mainjob,
 }
 
 
@@ -54,14 +61,23 @@ def run_benchmark(s: Settings, out_dir: Path, sections: tuple[str, ...] = SECTIO
     clock = Clock(device)
     mm.init_parallel(seed=0)
     hw, ver = hardware(device), versions()
-    clock.say(f"{hw.get('gpu', hw['cpu'])}, {hw['cpu_cores']} cores, {hw['torch_threads']} "
-              f"threads; " + ", ".join(f"{k} {v}" for k, v in ver.items()))
+    clock.say(
+        f"{hw.get('gpu', hw['cpu'])}, {hw['cpu_cores']} cores, {hw['torch_threads']} "
+        f"threads; " + ", ".join(f"{k} {v}" for k, v in ver.items())
+    )
     clock.say(f"settings: {dataclasses.asdict(s)}; sections: {', '.join(sections)}")
-    meta = {"device": device.type, "hardware": hw, "versions": ver,
-            "settings": dataclasses.asdict(s), "sections": list(sections),
-            "models": model_configs(s, sections), "load_start": load_average()}
+    meta = {
+        "device": device.type,
+        "hardware": hw,
+        "versions": ver,
+        "settings": dataclasses.asdict(s),
+        "sections": list(sections),
+        "models": model_configs(s, sections),
+        "load_start": load_average(),
+    }
     name = ("gpu" if device.type == "cuda" else "cpu") + (
-        "" if tuple(sections) == SECTIONS else "-only-" + "-".join(sections))
+        "" if tuple(sections) == SECTIONS else "-only-" + "-".join(sections)
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     out = Results()
     for k, section in enumerate(sections):
@@ -70,19 +86,42 @@ def run_benchmark(s: Settings, out_dir: Path, sections: tuple[str, ...] = SECTIO
         except Exception as e:  # the next sections still run; the report says what failed
             traceback.print_exc()
             out.failed[section] = f"{type(e).__name__}: {e}"[:300]
-            out.rows.append(Row(section, f"section {section}", f"the {section} section", "-", "-",
-                                "ms", skipped=f"FAILED ({out.failed[section]})"))
-        meta.update(sections_done=list(sections[:k + 1]), failed=out.failed,
-                    load_end=load_average(), runtime_s=time.perf_counter() - clock.start)
+            out.rows.append(
+                Row(
+                    section,
+                    f"section {section}",
+                    f"the {section} section",
+                    "-",
+                    "-",
+                    "ms",
+                    skipped=f"FAILED ({out.failed[section]})",
+                )
+            )
+        meta.update(
+            sections_done=list(sections[: k + 1]),
+            failed=out.failed,
+            load_end=load_average(),
+            runtime_s=time.perf_counter() - clock.start,
+        )
         text = markdown(meta, out.rows)
         (out_dir / f"{name}.md").write_text(text)
-        (out_dir / f"{name}.json").write_text(json.dumps(
-            {"meta": meta, "rows": [dataclasses.asdict(r) for r in out.rows],
-             "samples_s": out.samples, "memory_probes": out.probes,
-             **({"peers": out.peers} if out.peers else {}),
-             **({"mainjob": out.mainjob} if out.mainjob else {})}, indent=1))
-        clock.say(f"section {section} {'FAILED' if section in out.failed else 'done'}: "
-                  f"wrote {out_dir / name}.md and .json")
+        (out_dir / f"{name}.json").write_text(
+            json.dumps(
+                {
+                    "meta": meta,
+                    "rows": [dataclasses.asdict(r) for r in out.rows],
+                    "samples_s": out.samples,
+                    "memory_probes": out.probes,
+                    **({"peers": out.peers} if out.peers else {}),
+                    **({"mainjob": out.mainjob} if out.mainjob else {}),
+                },
+                indent=1,
+            )
+        )
+        clock.say(
+            f"section {section} {'FAILED' if section in out.failed else 'done'}: "
+            f"wrote {out_dir / name}.md and .json"
+        )
     mm.destroy_parallel(destroy_process_group=True)
     print(text, flush=True)
     return list(out.failed)

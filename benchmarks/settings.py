@@ -6,23 +6,58 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
-from typing import Optional
 
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-FULL = dict(rounds=11, warmup=2, slots=8, rank=16, layer_hidden=1024, layer_tokens=2048,
-            experts=8, model_hidden=256, model_layers=4, examples_per_slot=2, example_tokens=64,
-            job_steps=4, job_rounds=5, memory_probes=1, pp_micro_batches=4,
-            width_layers=30, width_tokens=512, width_rounds=5, peer_steps=500, peer_rounds=3)
+FULL = dict(
+    rounds=11,
+    warmup=2,
+    slots=8,
+    rank=16,
+    layer_hidden=1024,
+    layer_tokens=2048,
+    experts=8,
+    model_hidden=256,
+    model_layers=4,
+    examples_per_slot=2,
+    example_tokens=64,
+    job_steps=4,
+    job_rounds=5,
+    memory_probes=1,
+    pp_micro_batches=4,
+    width_layers=30,
+    width_tokens=512,
+    width_rounds=5,
+    peer_steps=500,
+    peer_rounds=3,
+)
 
 
-QUICK = dict(rounds=2, warmup=1, slots=8, rank=8, layer_hidden=128, layer_tokens=256,
-             experts=4, model_hidden=64, model_layers=1, examples_per_slot=1, example_tokens=16,
-             job_steps=2, job_rounds=2, memory_probes=1, pp_micro_batches=2,
-             width_layers=1, width_tokens=64, width_rounds=2, peer_steps=5, peer_rounds=1)
+QUICK = dict(
+    rounds=2,
+    warmup=1,
+    slots=8,
+    rank=8,
+    layer_hidden=128,
+    layer_tokens=256,
+    experts=4,
+    model_hidden=64,
+    model_layers=1,
+    examples_per_slot=1,
+    example_tokens=16,
+    job_steps=2,
+    job_rounds=2,
+    memory_probes=1,
+    pp_micro_batches=2,
+    width_layers=1,
+    width_tokens=64,
+    width_rounds=2,
+    peer_steps=5,
+    peer_rounds=1,
+)
 
 
 SECTIONS = ("layers", "models", "jobs", "memory", "tp", "pp", "scaling", "width", "post")
@@ -80,26 +115,40 @@ class Settings:
         return 2.0 * self.rank
 
 
-def parse_settings(argv: Optional[list[str]] = None) -> tuple[Settings, argparse.Namespace]:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks",
-                                     description="Benchmark multi-LoRA training.")
+def parse_settings(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks", description="Benchmark multi-LoRA training."
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--dtype", choices=["fp32", "bf16"],
-                        help="default: fp32 on cpu, bf16 on cuda")
+    parser.add_argument(
+        "--dtype", choices=["fp32", "bf16"], help="default: fp32 on cpu, bf16 on cuda"
+    )
     parser.add_argument("--out-dir", type=Path, default=REPO / "benchmarks")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds (smoke run)")
     parser.add_argument("--skip-tp", action="store_true", help="skip the 2-process TP rows")
     parser.add_argument("--skip-pp", action="store_true", help="skip the 2-process PP rows")
-    parser.add_argument("--only", nargs="+", choices=ALL_SECTIONS, metavar="SECTION",
-                        help="run only these sections (" + ", ".join(ALL_SECTIONS) + "; peers, "
-                             "api and mainjob run only when named here); writes "
-                             "<out-dir>/cpu-only-<sections>.md and .json instead of cpu.md")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
-                        help="torch CPU threads (default: torch's, %(default)s); 1 is steadier "
-                             "on a machine other jobs load")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=ALL_SECTIONS,
+        metavar="SECTION",
+        help="run only these sections (" + ", ".join(ALL_SECTIONS) + "; peers, "
+        "api and mainjob run only when named here); writes "
+        "<out-dir>/cpu-only-<sections>.md and .json instead of cpu.md",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=torch.get_num_threads(),
+        help="torch CPU threads (default: torch's, %(default)s); 1 is steadier "
+        "on a machine other jobs load",
+    )
     for key, value in FULL.items():
-        parser.add_argument("--" + key.replace("_", "-"), type=int,
-                            help=f"default {value} ({QUICK[key]} with --quick)")
+        parser.add_argument(
+            "--" + key.replace("_", "-"),
+            type=int,
+            help=f"default {value} ({QUICK[key]} with --quick)",
+        )
     # Internal: how this script runs its own child processes.
     parser.add_argument("--memory-probe", help=argparse.SUPPRESS)
     parser.add_argument("--tp-worker", action="store_true", help=argparse.SUPPRESS)
@@ -115,5 +164,12 @@ def parse_settings(argv: Optional[list[str]] = None) -> tuple[Settings, argparse
     sizes = QUICK if args.quick else FULL
     values = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in sizes.items()}
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
-    return Settings(device=args.device, dtype=dtype, threads=args.threads, quick=args.quick,
-                    skip_tp=args.skip_tp, skip_pp=args.skip_pp, **values), args
+    return Settings(
+        device=args.device,
+        dtype=dtype,
+        threads=args.threads,
+        quick=args.quick,
+        skip_tp=args.skip_tp,
+        skip_pp=args.skip_pp,
+        **values,
+    ), args

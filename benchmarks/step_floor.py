@@ -38,8 +38,7 @@ def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     """(intercept, slope) of the least-squares line through ``points``."""
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     mx, my = statistics.mean(xs), statistics.mean(ys)
-    slope = (sum((x - mx) * (y - my) for x, y in points)
-             / sum((x - mx) ** 2 for x in xs))
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x in xs)
     return my - slope * mx, slope
 
 
@@ -49,8 +48,12 @@ def _phase(trainer, jobs: list, share: int, reps: int, warmup: int) -> tuple[int
     for i in range(warmup + reps):
         examples, _, order = trainer.board.global_batch(i, jobs, 0, share)
         start = time.perf_counter()
-        trainer.train_step(examples, {job.slot: job.optimizer for job in jobs}, slot_order=order,
-                           objectives={job.slot: job.objective for job in jobs})
+        trainer.train_step(
+            examples,
+            {job.slot: job.optimizer for job in jobs},
+            slot_order=order,
+            objectives={job.slot: job.objective for job in jobs},
+        )
         if i >= warmup:
             times.append(time.perf_counter() - start)
             rows.append(sum(len(e.tokens) for slot in examples for e in slot))
@@ -59,6 +62,7 @@ def _phase(trainer, jobs: list, share: int, reps: int, warmup: int) -> tuple[int
 
 def compile_probe(rows: int, hidden: int, ffn: int, reps: int = 30) -> dict:
     """Cold-compile seconds and median ms eager / compiled of one MLP block (see above)."""
+
     def block(x, g, w1, w2):
         h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * g
         gate, up = (h @ w1.t()).chunk(2, dim=-1)
@@ -75,14 +79,24 @@ def compile_probe(rows: int, hidden: int, ffn: int, reps: int = 30) -> dict:
         return time.perf_counter() - start
 
     cold = run(compiled)
-    eager_ms, compiled_ms = ([1e3 * statistics.median([run(fn) for _ in range(reps)][5:])
-                              for fn in (block, compiled)])
-    return {"rows": rows, "cold_compile_s": round(cold, 1), "eager_ms": round(eager_ms, 3),
-            "compiled_ms": round(compiled_ms, 3)}
+    eager_ms, compiled_ms = [
+        1e3 * statistics.median([run(fn) for _ in range(reps)][5:]) for fn in (block, compiled)
+    ]
+    return {
+        "rows": rows,
+        "cold_compile_s": round(cold, 1),
+        "eager_ms": round(eager_ms, 3),
+        "compiled_ms": round(compiled_ms, 3),
+    }
 
 
-def measure(config_name: str, overrides: list[str], reps: int = 7, warmup: int = 2,
-            with_compile: bool = False) -> dict:
+def measure(
+    config_name: str,
+    overrides: list[str],
+    reps: int = 7,
+    warmup: int = 2,
+    with_compile: bool = False,
+) -> dict:
     """The figures described in the module docstring, for the run of ``config_name``."""
     import megatron_multilora as mm
     from benchmarks.mainjob import gemm_rate, matmul_parameters
@@ -92,8 +106,10 @@ def measure(config_name: str, overrides: list[str], reps: int = 7, warmup: int =
     mm.support_megatron_here()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as run_dir:
-        run = recipe_run([f"run_dir={run_dir}", "checkpoint.resume=never", "logging.plots=false",
-                          *overrides], config_name=config_name)
+        run = recipe_run(
+            [f"run_dir={run_dir}", "checkpoint.resume=never", "logging.plots=false", *overrides],
+            config_name=config_name,
+        )
         trainer = Trainer(run)
         trainer.setup()
         trainer.board.admit(0)
@@ -104,8 +120,11 @@ def measure(config_name: str, overrides: list[str], reps: int = 7, warmup: int =
         for name, jobs in phases.items():
             points = [_phase(trainer, jobs, share, reps, warmup) for share in SHARES]
             fixed, per_position = _fit(points)
-            out["phases"][name] = {"positions_ms": points, "fixed_ms": round(fixed, 1),
-                                   "ms_per_position": round(per_position, 3)}
+            out["phases"][name] = {
+                "positions_ms": points,
+                "fixed_ms": round(fixed, 1),
+                "ms_per_position": round(per_position, 3),
+            }
     if with_compile:
         alone = next(reversed(out["phases"].values()))["positions_ms"][1][0]  # share 1/2
         cfg = trainer.model_config
@@ -124,8 +143,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--compile", action="store_true", help="add the compile probe")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the run")
     args = parser.parse_args(argv)
-    print(json.dumps(measure(args.config_name, args.overrides, args.reps,
-                             with_compile=args.compile)))
+    print(
+        json.dumps(measure(args.config_name, args.overrides, args.reps, with_compile=args.compile))
+    )
 
 
 if __name__ == "__main__":

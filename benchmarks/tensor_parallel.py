@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -32,38 +31,54 @@ def tp_worker(s: Settings, result_file: str) -> None:
     batch, _ = slot_and_single_batches(s, cfg.vocab_size, device, pad_multiple=2)
     groups = {}
     for sp in (False, True):
-        models = {layout: build_model(cfg, s, s.slots, sequence_parallel=sp,
-                                      fully_sharded=layout == "fully-sharded")
-                  for layout in ("fully-sharded", "default")}
-        groups[f"sp={sp}"] = time_side_by_side(clock, f"TP=2{' +SP' if sp else ''}",
-                                               {k: timed_model_step(m, batch)
-                                                for k, m in models.items()},
-                                               s.rounds, s.warmup)
+        models = {
+            layout: build_model(
+                cfg, s, s.slots, sequence_parallel=sp, fully_sharded=layout == "fully-sharded"
+            )
+            for layout in ("fully-sharded", "default")
+        }
+        groups[f"sp={sp}"] = time_side_by_side(
+            clock,
+            f"TP=2{' +SP' if sp else ''}",
+            {k: timed_model_step(m, batch) for k, m in models.items()},
+            s.rounds,
+            s.warmup,
+        )
     if torch.distributed.get_rank() == 0:  # ranks time the same lockstep steps
         Path(result_file).write_text(json.dumps(groups))
     mm.destroy_parallel(destroy_process_group=True)
 
 
-def run_tp(s: Settings, clock: Clock) -> tuple[Optional[dict], Optional[str]]:
+def run_tp(s: Settings, clock: Clock) -> tuple[dict | None, str | None]:
     """The TP groups from a 2-process torchrun of this script, or why they were skipped."""
     if s.skip_tp:
         return None, "skipped: --skip-tp"
     if s.device == "cuda" and torch.cuda.device_count() < 2:
         return None, f"skipped: TP=2 needs 2 GPUs, found {torch.cuda.device_count()}"
     if s.device == "cuda" and transformer_engine_usable():
-        return None, ("skipped: fully_sharded needs megatron's own parallel linears, and "
-                      "build_gpt_model uses Transformer Engine's here")
+        return None, (
+            "skipped: fully_sharded needs megatron's own parallel linears, and "
+            "build_gpt_model uses Transformer Engine's here"
+        )
     return torchrun_two(s, clock, "--tp-worker", "TP=2")
 
 
-def tp_rows(s: Settings, groups: Optional[dict], skipped: Optional[str]) -> list[Row]:
+def tp_rows(s: Settings, groups: dict | None, skipped: str | None) -> list[Row]:
     rows = []
     for suffix, sp in (("a", False), ("b", True)):
-        row = Row(f"6{suffix}", f"TP=2{' + SP' if sp else ''}: fully sharded vs default", (
-            f"dense model step with {s.slots} slots on 2 tensor-parallel processes"
-            f"{' (1 thread each)' if s.device == 'cpu' else ''}"
-            f"{' with sequence parallelism' if sp else ''}: fully sharded (S-LoRA) adapter layout "
-            "vs the default one (replicated A or B)"), "fully sharded", "default", "ms")
+        row = Row(
+            f"6{suffix}",
+            f"TP=2{' + SP' if sp else ''}: fully sharded vs default",
+            (
+                f"dense model step with {s.slots} slots on 2 tensor-parallel processes"
+                f"{' (1 thread each)' if s.device == 'cpu' else ''}"
+                f"{' with sequence parallelism' if sp else ''}: fully sharded (S-LoRA) adapter layout "
+                "vs the default one (replicated A or B)"
+            ),
+            "fully sharded",
+            "default",
+            "ms",
+        )
         if groups is None:
             row.skipped = skipped
         else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -28,8 +28,9 @@ class Clock:
         print(f"[{time.perf_counter() - self.start:6.1f}s] {text}", flush=True)
 
 
-def time_side_by_side(clock: Clock, label: str, variants: dict[str, Callable[[], None]],
-                      rounds: int, warmup: int) -> dict[str, list[float]]:
+def time_side_by_side(
+    clock: Clock, label: str, variants: dict[str, Callable[[], None]], rounds: int, warmup: int
+) -> dict[str, list[float]]:
     """Seconds per call of each variant; every round calls each variant once, in turn."""
     samples: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(warmup + rounds):
@@ -40,8 +41,10 @@ def time_side_by_side(clock: Clock, label: str, variants: dict[str, Callable[[],
             if r >= warmup:
                 samples[name].append(elapsed)
         if r >= warmup:
-            clock.say(f"{label} round {r - warmup + 1}/{rounds}: " + ", ".join(
-                f"{n} {samples[n][-1] * 1e3:.1f} ms" for n in variants))
+            clock.say(
+                f"{label} round {r - warmup + 1}/{rounds}: "
+                + ", ".join(f"{n} {samples[n][-1] * 1e3:.1f} ms" for n in variants)
+            )
     return samples
 
 

@@ -4,7 +4,7 @@ and its training step (``SlotTrainStep``) over jobs started by ``start_job``."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -22,19 +22,31 @@ from megatron_multilora.training.step.train_step import SlotTrainStep
 
 
 def layer_config(s: Settings) -> TransformerConfig:
-    return TransformerConfig(num_layers=1, hidden_size=s.layer_hidden, num_attention_heads=1,
-                             params_dtype=s.torch_dtype, use_cpu_initialization=True,
-                             gradient_accumulation_fusion=False, bf16=s.dtype == "bf16")
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=s.layer_hidden,
+        num_attention_heads=1,
+        params_dtype=s.torch_dtype,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        bf16=s.dtype == "bf16",
+    )
 
 
-def fwd_bwd(fn: Callable[[], object], leaves: list[torch.Tensor], grad: torch.Tensor,
-            params: list[torch.nn.Parameter]) -> Callable[[], None]:
+def fwd_bwd(
+    fn: Callable[[], object],
+    leaves: list[torch.Tensor],
+    grad: torch.Tensor,
+    params: list[torch.nn.Parameter],
+) -> Callable[[], None]:
     """One layer step: clear gradients, forward, backward with a fixed output gradient."""
+
     def step() -> None:
         for t in leaves + params:
             t.grad = None
         out = fn()
         (out[0] if isinstance(out, tuple) else out).backward(grad)
+
     return step
 
 
@@ -52,13 +64,22 @@ def model_config(kind: str, s: Settings) -> mm.GPTModelConfig:
     return mm.GPTModelConfig(**fields)
 
 
-def build_model(cfg: mm.GPTModelConfig, s: Settings, slots: Optional[int],
-                sequence_parallel: bool = False, fully_sharded: bool = False) -> torch.nn.Module:
+def build_model(
+    cfg: mm.GPTModelConfig,
+    s: Settings,
+    slots: int | None,
+    sequence_parallel: bool = False,
+    fully_sharded: bool = False,
+) -> torch.nn.Module:
     """The GPT with ``slots`` adapter slots (recipe defaults: A xavier, B zero), or the frozen
     base alone when ``slots`` is None. Same base weights on every call."""
     torch.manual_seed(0)
-    model = mm.build_gpt_model(cfg, sequence_parallel=sequence_parallel, params_dtype=s.torch_dtype,
-                               calculate_per_token_loss=True)  # as the recipe's
+    model = mm.build_gpt_model(
+        cfg,
+        sequence_parallel=sequence_parallel,
+        params_dtype=s.torch_dtype,
+        calculate_per_token_loss=True,
+    )  # as the recipe's
     if slots is not None:
         kwargs = {"fully_sharded": True} if fully_sharded else {}
         return mm.apply_multi_lora(model, slots, s.rank, s.alpha, seed=0, **kwargs)
@@ -79,11 +100,13 @@ def random_examples(count: int, length: int, vocab: int, gen: torch.Generator) -
     return out
 
 
-def pack_one(slot_examples: list[list[Example]], device: torch.device,
-             pad_multiple: int = 1) -> MicroBatch:
+def pack_one(
+    slot_examples: list[list[Example]], device: torch.device, pad_multiple: int = 1
+) -> MicroBatch:
     """All examples in one adapter-major micro-batch, on the device."""
-    (mb,) = pack_micro_batches(slot_examples, one_batch_budget(slot_examples, pad_multiple),
-                               pad_multiple)
+    (mb,) = pack_micro_batches(
+        slot_examples, one_batch_budget(slot_examples, pad_multiple), pad_multiple
+    )
     return mb.to(device)
 
 
@@ -92,17 +115,20 @@ def one_batch_budget(slot_examples: list[list[Example]], pad_multiple: int = 1) 
     return sum(len(ex.tokens) - 1 for exs in slot_examples for ex in exs) + pad_multiple
 
 
-def slot_and_single_examples(s: Settings, vocab: int) -> tuple[list[list[Example]],
-                                                               list[list[Example]]]:
+def slot_and_single_examples(
+    s: Settings, vocab: int
+) -> tuple[list[list[Example]], list[list[Example]]]:
     """The same examples for N slots (``examples_per_slot`` each) and all in one slot."""
     gen = torch.Generator().manual_seed(0)
-    per_slot = [random_examples(s.examples_per_slot, s.example_tokens, vocab, gen)
-                for _ in range(s.slots)]
+    per_slot = [
+        random_examples(s.examples_per_slot, s.example_tokens, vocab, gen) for _ in range(s.slots)
+    ]
     return per_slot, [[ex for exs in per_slot for ex in exs]]
 
 
-def slot_and_single_batches(s: Settings, vocab: int, device: torch.device,
-                            pad_multiple: int = 1) -> tuple[MicroBatch, MicroBatch]:
+def slot_and_single_batches(
+    s: Settings, vocab: int, device: torch.device, pad_multiple: int = 1
+) -> tuple[MicroBatch, MicroBatch]:
     """The same tokens packed for N slots (``examples_per_slot`` each) and for one slot."""
     per_slot, single = slot_and_single_examples(s, vocab)
     return pack_one(per_slot, device, pad_multiple), pack_one(single, device, pad_multiple)
@@ -116,38 +142,51 @@ def model_step(model: torch.nn.Module, mb: MicroBatch) -> None:
 
 def timed_model_step(model: torch.nn.Module, mb: MicroBatch) -> Callable[[], None]:
     """What a model row times: gradients reset, then :func:`model_step` on ``mb``."""
+
     def step() -> None:
         model.zero_grad(set_to_none=True)
         model_step(model, mb)
+
     return step
 
 
 def make_job(j: int, s: Settings) -> AdapterJob:
-    return AdapterJob(name=f"job{j}", dataset="(random tokens)", rank=s.rank, alpha=s.alpha,
-                      lr=1e-4, schedule="constant", max_steps=s.job_steps)
+    return AdapterJob(
+        name=f"job{j}",
+        dataset="(random tokens)",
+        rank=s.rank,
+        alpha=s.alpha,
+        lr=1e-4,
+        schedule="constant",
+        max_steps=s.job_steps,
+    )
 
 
 Packed = tuple[list[list[Example]], list[MicroBatch]]  # one step's examples, micro-batches
 
 
-def start_jobs(model: torch.nn.Module, s: Settings, cfg: mm.GPTModelConfig, steps: int,
-               slots: int) -> dict[int, SlotOptimizer]:
+def start_jobs(
+    model: torch.nn.Module, s: Settings, cfg: mm.GPTModelConfig, steps: int, slots: int
+) -> dict[int, SlotOptimizer]:
     """Job j of :func:`make_job` in slot j, as the trainer starts a job: its optimizer by slot."""
     return {j: start_job(model, j, make_job(j, s), steps, cfg) for j in range(slots)}
 
 
-def training_step(model: torch.nn.Module, slots: int, batches: list[list[list[Example]]],
-                  device: torch.device) -> tuple[SlotTrainStep, list[Packed]]:
+def training_step(
+    model: torch.nn.Module, slots: int, batches: list[list[list[Example]]], device: torch.device
+) -> tuple[SlotTrainStep, list[Packed]]:
     """The recipe's step for ``model`` and each step's (examples, micro-batches), packed
     beforehand (as a data loader would: only training is timed)."""
     budget = max(one_batch_budget(examples) for examples in batches)
     train = SlotTrainStep([model], slots, budget, pad_multiple=1, pad_id=0)
-    return train, [(examples, [mb.to(device) for mb in train.batcher.ready(examples)])
-                   for examples in batches]
+    return train, [
+        (examples, [mb.to(device) for mb in train.batcher.ready(examples)]) for examples in batches
+    ]
 
 
-def recipe_run(overrides: list[str], check_files: bool = True,
-               config_name: str = "config") -> RunConfig:
+def recipe_run(
+    overrides: list[str], check_files: bool = True, config_name: str = "config"
+) -> RunConfig:
     """The run the recipe trains with ``--config-name config_name`` and ``overrides``: conf/
     composed by Hydra, then checked as the recipe checks it (``check_files``: its datasets too;
     its run_dir is never written)."""

@@ -28,11 +28,18 @@ from transformers import AutoTokenizer
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--hf-dir", type=Path, required=True,
-                        help="the service's base model folder (its tokenizer is read here)")
-    parser.add_argument("--model-name", default=None,
-                        help="the service's base model name (default: --hf-dir's folder name, "
-                             "as `mmlora api` names it)")
+    parser.add_argument(
+        "--hf-dir",
+        type=Path,
+        required=True,
+        help="the service's base model folder (its tokenizer is read here)",
+    )
+    parser.add_argument(
+        "--model-name",
+        default=None,
+        help="the service's base model name (default: --hf-dir's folder name, "
+        "as `mmlora api` names it)",
+    )
     parser.add_argument("--conversations", type=Path, required=True)
     parser.add_argument("--log-path", type=Path, required=True)
     parser.add_argument("--renderer", default="role_colon")
@@ -47,16 +54,27 @@ def main() -> None:
     # The cookbook loads a model's tokenizer from the Hub by name; offline, from the folder.
     register_tokenizer(model_name, lambda: AutoTokenizer.from_pretrained(args.hf_dir))
     common = ChatDatasetBuilderCommonConfig(
-        model_name_for_tokenizer=model_name, renderer_name=args.renderer,
-        max_length=args.max_length, batch_size=args.batch_size,
-        train_on_what=TrainOnWhat.ALL_ASSISTANT_MESSAGES)
+        model_name_for_tokenizer=model_name,
+        renderer_name=args.renderer,
+        max_length=args.max_length,
+        batch_size=args.batch_size,
+        train_on_what=TrainOnWhat.ALL_ASSISTANT_MESSAGES,
+    )
     config = train.Config(
-        log_path=str(args.log_path), model_name=model_name, recipe_name="sl_basic",
-        renderer_name=args.renderer, base_url=f"http://127.0.0.1:{args.port}",
-        dataset_builder=FromConversationFileBuilder(common_config=common,
-                                                    file_path=str(args.conversations)),
-        learning_rate=args.lr, num_epochs=args.epochs, lora_rank=args.rank,
-        save_every=5, eval_every=0)
+        log_path=str(args.log_path),
+        model_name=model_name,
+        recipe_name="sl_basic",
+        renderer_name=args.renderer,
+        base_url=f"http://127.0.0.1:{args.port}",
+        dataset_builder=FromConversationFileBuilder(
+            common_config=common, file_path=str(args.conversations)
+        ),
+        learning_rate=args.lr,
+        num_epochs=args.epochs,
+        lora_rank=args.rank,
+        save_every=5,
+        eval_every=0,
+    )
     asyncio.run(train.main(config))
 
 

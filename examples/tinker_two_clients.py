@@ -17,9 +17,10 @@ from tinker import types
 
 def datum(tokens: list[int]) -> types.Datum:
     """Next-token targets for every position (weights 1: the loss is their sum)."""
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:],
-                                       "weights": [1.0] * (len(tokens) - 1)})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
 
 
 def train(url: str, key: str, text: str, steps: int, out: dict) -> None:
@@ -46,8 +47,9 @@ def main() -> None:
     args = parser.parse_args()
     url, out = f"http://127.0.0.1:{args.port}", {}
     jobs = [("tml-alice", "hello multi-lora"), ("tml-bob", "batched together")]
-    threads = [threading.Thread(target=train, args=(url, key, text, args.steps, out))
-               for key, text in jobs]
+    threads = [
+        threading.Thread(target=train, args=(url, key, text, args.steps, out)) for key, text in jobs
+    ]
     for t in threads:
         t.start()
     for t in threads:

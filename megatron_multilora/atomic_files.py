@@ -14,8 +14,9 @@ import re
 import shutil
 import tempfile
 import uuid
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import IO, Any, Callable, Iterable, Iterator
+from typing import IO, Any
 
 # Names of a write's temporary entries beside its target: ".<name>.tmp-<random>" while
 # written, ".<name>.old-<pid>" for the folder being replaced.
@@ -57,7 +58,9 @@ def write_json_atomic(path: str | Path, data: Any, exclusive: bool = False) -> N
         json.dump(data, f, indent=2)
 
 
-def write_dir_atomic(path: str | Path, fill: Callable[[Path], None], overwrite: bool = False) -> Path:
+def write_dir_atomic(
+    path: str | Path, fill: Callable[[Path], None], overwrite: bool = False
+) -> Path:
     """Create folder ``path`` by ``fill(tmp_folder)`` then a rename; a crash in between
     leaves ``path`` as it was. An existing non-empty ``path`` needs ``overwrite``."""
     path = Path(path)

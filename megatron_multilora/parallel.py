@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import os
 import random
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -25,8 +24,11 @@ from megatron_multilora.validation import INIT_NAMES, layout_problems
 def collective_device() -> torch.device:
     """Where a small host-built tensor must live for a collective: the current CUDA device
     under NCCL (which takes no CPU tensors), the CPU under gloo."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
         else torch.device("cpu")
+    )
 
 
 def data_parallel_sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -50,8 +52,13 @@ def _init_process_group(timeout_s: float) -> None:
     else:
         # A group of one on a free local port, without touching os.environ (child
         # processes must not mistake themselves for torchrun ranks).
-        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
-                                rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://127.0.0.1:{_free_port()}",
+            rank=0,
+            world_size=1,
+            timeout=timeout,
+        )
 
 
 def _free_port() -> int:
@@ -69,7 +76,7 @@ def init_parallel(
     sequence_parallel: bool = False,
     seed: int = 1234,
     timeout_s: float = 120.0,
-    virtual_pipeline_model_parallel_size: Optional[int] = None,
+    virtual_pipeline_model_parallel_size: int | None = None,
 ) -> None:
     """Initialize torch.distributed, megatron's parallel_state and RNG for one layout.
 
@@ -85,17 +92,22 @@ def init_parallel(
     ``100 * pipeline rank``; we do not, so that a model built after this call has the same
     base weights per global layer on any pipeline layout, see ``build_model_chunks``).
     """
-    tp, pp, ep = (tensor_model_parallel_size, pipeline_model_parallel_size,
-                  expert_model_parallel_size)
+    tp, pp, ep = (
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        expert_model_parallel_size,
+    )
     vpp = virtual_pipeline_model_parallel_size
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     problems = layout_problems(world, tp, ep, pp, sequence_parallel, vpp, INIT_NAMES)
     if problems:
         raise ValueError("invalid parallel layout: " + "; ".join(problems))
     if not torch.cuda.is_available() and not cpu_support_active():
-        raise RuntimeError("megatron-core needs its CPU support on a machine without CUDA: call "
-                           "megatron_multilora.support_megatron_here() first (the recipe, the "
-                           "scripts and the tests do)")
+        raise RuntimeError(
+            "megatron-core needs its CPU support on a machine without CUDA: call "
+            "megatron_multilora.support_megatron_here() first (the recipe, the "
+            "scripts and the tests do)"
+        )
     _init_process_group(timeout_s)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 # Names settings take, shared by the config schema and the layers that use them.
 INIT_METHODS = ("xavier", "kaiming", "normal", "zero")
@@ -33,7 +34,7 @@ class Rule:
     ok: Callable[[Any], bool]
     optional: bool = False
 
-    def problem(self, key: str, value: Any) -> Optional[str]:
+    def problem(self, key: str, value: Any) -> str | None:
         try:
             fine = self.optional if value is None else self.ok(value)
         except TypeError:
@@ -58,8 +59,7 @@ def within(low: float, high: float, optional: bool = False) -> Rule:
 
 def one_of(*values: Any) -> Rule:
     named = [v for v in values if v is not None]
-    return Rule(f"one of {', '.join(repr(v) for v in named)}", lambda v: v in named,
-                None in values)
+    return Rule(f"one of {', '.join(repr(v) for v in named)}", lambda v: v in named, None in values)
 
 
 def ranged(default: Any, rule: Rule) -> Any:
@@ -89,40 +89,53 @@ def schema_problems(config: Any, prefix: str = "", skip: tuple[str, ...] = ()) -
 
 
 # The layout's sizes as the config names them and as init_parallel's arguments do.
-CONFIG_NAMES = {"tp": "parallel.tp", "ep": "parallel.ep", "pp": "parallel.pp",
-                "vpp": "parallel.vpp", "sp": "parallel.sp"}
-INIT_NAMES = {"tp": "tensor_model_parallel_size", "ep": "expert_model_parallel_size",
-              "pp": "pipeline_model_parallel_size", "vpp": "virtual_pipeline_model_parallel_size",
-              "sp": "sequence_parallel"}
+CONFIG_NAMES = {
+    "tp": "parallel.tp",
+    "ep": "parallel.ep",
+    "pp": "parallel.pp",
+    "vpp": "parallel.vpp",
+    "sp": "parallel.sp",
+}
+INIT_NAMES = {
+    "tp": "tensor_model_parallel_size",
+    "ep": "expert_model_parallel_size",
+    "pp": "pipeline_model_parallel_size",
+    "vpp": "virtual_pipeline_model_parallel_size",
+    "sp": "sequence_parallel",
+}
 
 
-def layout_problems(world: int, tp: int, ep: int, pp: int, sp: bool, vpp: Optional[int],
-                    names: dict[str, str]) -> list[str]:
+def layout_problems(
+    world: int, tp: int, ep: int, pp: int, sp: bool, vpp: int | None, names: dict[str, str]
+) -> list[str]:
     """What keeps the layout from running on ``world`` processes (``names``: how to call the
     sizes, :data:`CONFIG_NAMES` or :data:`INIT_NAMES`)."""
     n = names
-    low = [f"{n[k]}={v}" for k, v in (("tp", tp), ("ep", ep), ("pp", pp), ("vpp", vpp or 1))
-           if v < 1]
+    low = [
+        f"{n[k]}={v}" for k, v in (("tp", tp), ("ep", ep), ("pp", pp), ("vpp", vpp or 1)) if v < 1
+    ]
     if low:
         return [f"{', '.join(low)}: must be at least 1"]
     problems = []
     if world % (tp * pp):
         problems.append(f"{n['tp']}={tp} x {n['pp']}={pp} must divide the world size {world}")
     elif (world // pp) % ep:  # megatron's expert grid lies within each pipeline stage
-        problems.append(f"{n['ep']}={ep} must divide the {world // pp} processes of each "
-                        f"pipeline stage (world size {world} / {n['pp']}={pp})")
+        problems.append(
+            f"{n['ep']}={ep} must divide the {world // pp} processes of each "
+            f"pipeline stage (world size {world} / {n['pp']}={pp})"
+        )
     if sp and tp == 1:
         problems.append(f"{n['sp']}=true needs {n['tp']} > 1")
     if vpp is not None and pp == 1:
-        problems.append(f"{n['vpp']}={vpp} needs {n['pp']} > 1; without pipelining leave it "
-                        "null")
+        problems.append(f"{n['vpp']}={vpp} needs {n['pp']} > 1; without pipelining leave it null")
     return problems
 
 
-def model_layout_problems(model: Any, tp: int, pp: int, vpp: Optional[int], ep: int) -> list[str]:
+def model_layout_problems(model: Any, tp: int, pp: int, vpp: int | None, ep: int) -> list[str]:
     """What keeps ``model`` (a ``GPTModelConfig``) from splitting over the layout."""
     problems = model.check(max(tp, 1), max(pp, 1), vpp if (vpp or 0) >= 1 else None)
     if model.num_moe_experts is not None and ep >= 1 and model.num_moe_experts % ep:
-        problems.append(f"num_moe_experts={model.num_moe_experts} is not divisible by expert "
-                        f"parallel size {ep}")
+        problems.append(
+            f"num_moe_experts={model.num_moe_experts} is not divisible by expert parallel size {ep}"
+        )
     return problems

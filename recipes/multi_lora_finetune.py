@@ -30,8 +30,12 @@ import megatron_multilora as mm  # light: its names load megatron on first use
 from megatron_multilora.errors import RunError
 from megatron_multilora.training.checks import validate
 from megatron_multilora.training.config import ConfigError, RunConfig, load_run_config
-from megatron_multilora.training.stop import (RunStopped, die_with_launcher,
-                                              exit_without_teardown, stop_on_signals)
+from megatron_multilora.training.stop import (
+    RunStopped,
+    die_with_launcher,
+    exit_without_teardown,
+    stop_on_signals,
+)
 
 
 def checked_run(cfg: DictConfig, run_dir: str) -> RunConfig:
@@ -54,8 +58,18 @@ def _report_and_exit(message: str, code: int, printed: bool = False) -> None:
         error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
         if error_file:  # torchelastic's error-file format
             with open(error_file, "w") as f:
-                json.dump({"message": {"message": message, "extraInfo": {
-                    "py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
+                json.dump(
+                    {
+                        "message": {
+                            "message": message,
+                            "extraInfo": {
+                                "py_callstack": message,
+                                "timestamp": str(int(time.time())),
+                            },
+                        }
+                    },
+                    f,
+                )
     elif "TORCHELASTIC_ERROR_FILE" in os.environ:
         # torchrun names the first failure it observes as the root cause: the other ranks
         # leave after rank 0 (which carries the message); torchrun ends them once it exits.
@@ -67,8 +81,11 @@ def _checked_run_dir(path: str) -> str:
     """``run_dir`` as Hydra's run folder, refused here when it is a file: Hydra creates the
     folder before the recipe's own check runs, and would end in a FileExistsError traceback."""
     if os.path.exists(path) and not os.path.isdir(path):
-        _report_and_exit(f"the run cannot start:\n  - run_dir={path}: is a file, not a folder; "
-                         "choose another run_dir", 2)
+        _report_and_exit(
+            f"the run cannot start:\n  - run_dir={path}: is a file, not a folder; "
+            "choose another run_dir",
+            2,
+        )
     return path
 
 
@@ -119,9 +136,12 @@ def main(cfg: DictConfig) -> None:
     failed = trainer.finish()
     mm.destroy_parallel(destroy_process_group=True)  # NCCL warns of a leak at exit otherwise
     if failed:
-        _report_and_exit(f"{len(failed)} of {len(run.adapters)} adapter jobs FAILED: "
-                         f"{', '.join(failed)} (see the job lines above); the others were "
-                         "exported", 1)
+        _report_and_exit(
+            f"{len(failed)} of {len(run.adapters)} adapter jobs FAILED: "
+            f"{', '.join(failed)} (see the job lines above); the others were "
+            "exported",
+            1,
+        )
 
 
 def _serve_api(run: RunConfig) -> None:
@@ -136,8 +156,13 @@ def _serve_api(run: RunConfig) -> None:
 
     try:
         with stop_on_signals():  # SIGTERM / Ctrl-C / mmlora stop: stop serving, states stay
-            serve_api(run, keys, say=lambda line: print(line, flush=True)
-                      if int(os.environ.get("RANK", "0")) == 0 else None)
+            serve_api(
+                run,
+                keys,
+                say=lambda line: (
+                    print(line, flush=True) if int(os.environ.get("RANK", "0")) == 0 else None
+                ),
+            )
     except RunError as err:  # a port taken, a damaged file: one clear message
         _report_and_exit(str(err), 1)
     mm.destroy_parallel(destroy_process_group=True)

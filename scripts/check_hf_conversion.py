@@ -34,8 +34,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-dir", required=True, help="Hugging Face model folder")
     p.add_argument("--prompts", nargs="+", default=DEFAULT_PROMPTS)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--tp", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
-                   help="tensor-parallel size (default: the torchrun world size)")
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=int(os.environ.get("WORLD_SIZE", "1")),
+        help="tensor-parallel size (default: the torchrun world size)",
+    )
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size")
     p.add_argument("--tolerance", type=float, default=None)
     return p.parse_args()
@@ -53,8 +57,10 @@ def prompt_ids(folder: str, prompts: list[str], vocab: int) -> tuple[list[torch.
         if all(0 < t.numel() and int(t.max()) < vocab for t in ids):
             return ids, "the folder's tokenizer"
     gen = torch.Generator().manual_seed(0)
-    return ([torch.randint(0, vocab, (1, 8 + 4 * i), generator=gen) for i in range(len(prompts))],
-            "random ids (no usable tokenizer in the folder)")
+    return (
+        [torch.randint(0, vocab, (1, 8 + 4 * i), generator=gen) for i in range(len(prompts))],
+        "random ids (no usable tokenizer in the folder)",
+    )
 
 
 def main() -> int:
@@ -73,10 +79,12 @@ def main() -> int:
     hf_model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=dtype).eval()
     megatron_params = _megatron_param_count(model)
     hf_params = sum(p.numel() for p in hf_model.parameters())
-    say(f"{args.hf_dir}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+    say(
+        f"{args.hf_dir}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
         f"{cfg.num_attention_heads} heads / {cfg.num_query_groups} KV groups, vocab "
         f"{cfg.vocab_size}, experts {cfg.num_moe_experts or 0}, dtype {args.dtype}, "
-        f"TP={args.tp} EP={args.ep}")
+        f"TP={args.tp} EP={args.ep}"
+    )
     say(f"parameters: transformers {hf_params:,}, Megatron {megatron_params:,}")
 
     ids_list, source = prompt_ids(args.hf_dir, args.prompts, cfg.vocab_size)
@@ -92,13 +100,17 @@ def main() -> int:
             same_top = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
             scale = max(want.abs().max().item(), 1e-6)
             worst, worst_p90_rel = max(worst, diff), max(worst_p90_rel, p90 / scale)
-            say(f"  {prompt[:36]!r:40} tokens {ids.size(1):3d}  max |logit diff| {diff:.3e}  "
+            say(
+                f"  {prompt[:36]!r:40} tokens {ids.size(1):3d}  max |logit diff| {diff:.3e}  "
                 f"p90 {p90:.3e}  (max |logit| {want.abs().max().item():.2f}, same argmax "
-                f"{same_top:.0%})")
+                f"{same_top:.0%})"
+            )
     judged, what = (worst, "max") if fp32 else (worst_p90_rel, "p90 per-token / max |logit|")
     ok = judged <= tolerance
-    say(f"{'OK' if ok else 'FAIL'}: max |logit diff| {worst:.3e}; judged on the {what} "
-        f"difference: {judged:.3e} (tolerance {tolerance:g})")
+    say(
+        f"{'OK' if ok else 'FAIL'}: max |logit diff| {worst:.3e}; judged on the {what} "
+        f"difference: {judged:.3e} (tolerance {tolerance:g})"
+    )
     mm.destroy_parallel(destroy_process_group=True)
     return 0 if ok else 1
 

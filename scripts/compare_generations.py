@@ -24,8 +24,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("base", type=Path)
     parser.add_argument("adapters", type=Path, nargs="+")
     parser.add_argument("--prompts", nargs="+", default=None)
-    parser.add_argument("--eval-files", type=Path, nargs="+", default=[],
-                        help="JSONL prompt/completion files to take prompts and answers from")
+    parser.add_argument(
+        "--eval-files",
+        type=Path,
+        nargs="+",
+        default=[],
+        help="JSONL prompt/completion files to take prompts and answers from",
+    )
     parser.add_argument("--per-file", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=8)
     args = parser.parse_args(argv)
@@ -42,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[tuple[str, str | None]] = [(p, None) for p in args.prompts or []]
     for path in args.eval_files:
-        rows += [(r["prompt"], r["completion"]) for r in read_records(path)[:args.per_file]]
+        rows += [(r["prompt"], r["completion"]) for r in read_records(path)[: args.per_file]]
     rows = rows or [(p, None) for p in DEFAULT_PROMPTS]
     tok = HFTokenizer(AutoTokenizer.from_pretrained(args.base))
     base = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32).eval()
@@ -55,9 +60,14 @@ def main(argv: list[str] | None = None) -> int:
 
     @torch.no_grad()
     def generate(model) -> list[str]:
-        out = model.generate(input_ids=batch, attention_mask=mask, do_sample=False,
-                             max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_id,
-                             pad_token_id=tok.pad_id)
+        out = model.generate(
+            input_ids=batch,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=args.max_new_tokens,
+            eos_token_id=tok.eos_id,
+            pad_token_id=tok.pad_id,
+        )
         outs = []
         for (_, answer), new in zip(rows, out[:, longest:].tolist()):
             text = tok.decode(new)

@@ -34,11 +34,16 @@ REPO = Path(__file__).resolve().parent.parent
 PYTHON = "3.12"
 # The wheels .whl/ must hold (what scripts/gpu_wheels.sh fetches): the versions the CPU
 # suite runs; hydra-core 1.3.8 takes omegaconf < 2.4 and antlr4 4.9.*.
-CARRIED = {"megatron-core": "0.16.1", "hydra-core": "1.3.8", "omegaconf": "2.3.1",
-           "antlr4-python3-runtime": "4.9.3"}
+CARRIED = {
+    "megatron-core": "0.16.1",
+    "hydra-core": "1.3.8",
+    "omegaconf": "2.3.1",
+    "antlr4-python3-runtime": "4.9.3",
+}
 # The image's packages (the device tool's KINDS.md, read 2026-11-17), with the versions
 # known from a session's pip list there; None: installed, version not read.
-IMAGE = dict.fromkeys("""
+IMAGE = dict.fromkeys(
+    """
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch
 build certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage
 cuda-bindings cuda-core cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn
@@ -61,30 +66,57 @@ six sortedcontainers statsmodels sympy tabulate tensorboard tensorboard-data-ser
 threadpoolctl tifffile tiktoken timm tokenizers toolz torch torchaudio torchdiffeq torch-geometric
 torchmetrics torchvision tqdm transformers treescope triton typer typing-extensions
 typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp
-""".split())
-IMAGE.update({"torch": "2.11.0", "transformers": "5.17.0", "numpy": "2.5.2",
-              "safetensors": "0.8.0", "tokenizers": "0.23.2", "huggingface-hub": "1.33.0",
-              "accelerate": "1.15.0", "triton": "3.6.0", "sentencepiece": "0.2.2"})
+""".split()
+)
+IMAGE.update(
+    {
+        "torch": "2.11.0",
+        "transformers": "5.17.0",
+        "numpy": "2.5.2",
+        "safetensors": "0.8.0",
+        "tokenizers": "0.23.2",
+        "huggingface-hub": "1.33.0",
+        "accelerate": "1.15.0",
+        "triton": "3.6.0",
+        "sentencepiece": "0.2.2",
+    }
+)
 # Import names that differ from their distribution's name.
-IMPORT_OF = {"pyyaml": "yaml", "pillow": "PIL", "scikit-learn": "sklearn",
-             "python-dateutil": "dateutil", "protobuf": "google", "megatron-core": "megatron",
-             "hydra-core": "hydra", "antlr4-python3-runtime": "antlr4",
-             "opencv-python-headless": "cv2", "huggingface-hub": "huggingface_hub"}
+IMPORT_OF = {
+    "pyyaml": "yaml",
+    "pillow": "PIL",
+    "scikit-learn": "sklearn",
+    "python-dateutil": "dateutil",
+    "protobuf": "google",
+    "megatron-core": "megatron",
+    "hydra-core": "hydra",
+    "antlr4-python3-runtime": "antlr4",
+    "opencv-python-headless": "cv2",
+    "huggingface-hub": "huggingface_hub",
+}
 # Imported by the repository but not by anything gpu_check.sh runs there.
-NOT_NEEDED = {"wandb": "imported only when logging.wandb_mode is not 'disabled' (gpu_check.sh "
-                       "disables it)",
-              "datasets": "imported only for Parquet, JSON and save_to_disk datasets (gpu_check.sh "
-                          "reads JSONL)",
-              "trl": "imported only by the CPU tests that compare with TRL"}
+NOT_NEEDED = {
+    "wandb": "imported only when logging.wandb_mode is not 'disabled' (gpu_check.sh disables it)",
+    "datasets": "imported only for Parquet, JSON and save_to_disk datasets (gpu_check.sh "
+    "reads JSONL)",
+    "trl": "imported only by the CPU tests that compare with TRL",
+}
 PLATFORMS = re.compile(r"any|manylinux(1|2010|2014|_2_(\d+))_x86_64")
 MAX_GLIBC = 28  # what every carried wheel needs at most (the image is newer)
 
 
 def _marker_env() -> dict[str, str]:
     env = default_environment()
-    env.update(python_version=PYTHON, python_full_version=f"{PYTHON}.3", sys_platform="linux",
-               platform_system="Linux", platform_machine="x86_64", os_name="posix",
-               implementation_name="cpython", platform_python_implementation="CPython")
+    env.update(
+        python_version=PYTHON,
+        python_full_version=f"{PYTHON}.3",
+        sys_platform="linux",
+        platform_system="Linux",
+        platform_machine="x86_64",
+        os_name="posix",
+        implementation_name="cpython",
+        platform_python_implementation="CPython",
+    )
     return env
 
 
@@ -94,8 +126,11 @@ def _wheel_problems(path: Path) -> list[str]:
     for tag in tags:
         platform = PLATFORMS.fullmatch(tag.platform)
         glibc_ok = platform and (platform.group(2) is None or int(platform.group(2)) <= MAX_GLIBC)
-        if (tag.interpreter in ("py3", "cp312") and tag.abi in ("none", "abi3", "cp312")
-                and glibc_ok):
+        if (
+            tag.interpreter in ("py3", "cp312")
+            and tag.abi in ("none", "abi3", "cp312")
+            and glibc_ok
+        ):
             return []
     return [f"{path.name}: no tag for CPython {PYTHON} on manylinux (<= 2_{MAX_GLIBC}) x86_64"]
 
@@ -105,22 +140,30 @@ def _metadata(path: Path) -> tuple[list[str], set[str]]:
     with zipfile.ZipFile(path) as z:
         meta_name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         requires = Parser().parsestr(z.read(meta_name).decode()).get_all("Requires-Dist") or []
-        tops = {n.split("/")[0].removesuffix(".py") for n in z.namelist()
-                if not n.split("/")[0].endswith((".dist-info", ".data"))}
+        tops = {
+            n.split("/")[0].removesuffix(".py")
+            for n in z.namelist()
+            if not n.split("/")[0].endswith((".dist-info", ".data"))
+        }
     return requires, tops
 
 
 # The training service (the optional `api` extra), its tests and benchmark: not installed
 # or run on the GPU machine.
-NOT_ON_THE_MACHINE = ("megatron_multilora/service/", "tests/recipe/test_api_service.py",
-                      "tests/recipe/test_api_cookbook.py", "benchmarks/api_service.py")
+NOT_ON_THE_MACHINE = (
+    "megatron_multilora/service/",
+    "tests/recipe/test_api_service.py",
+    "tests/recipe/test_api_cookbook.py",
+    "benchmarks/api_service.py",
+)
 
 
 def repo_imports() -> dict[str, str]:
     """Third-party top-level modules the repository imports (but NOT_ON_THE_MACHINE) -> one
     file importing each."""
     local = {p.stem for p in (REPO / "scripts").glob("*.py")} | {
-        p.name for p in REPO.iterdir() if p.is_dir()}
+        p.name for p in REPO.iterdir() if p.is_dir()
+    }
     found: dict[str, str] = {}
     for folder in ("megatron_multilora", "benchmarks", "recipes", "scripts", "tests"):
         for f in sorted((REPO / folder).rglob("*.py")):
@@ -197,22 +240,38 @@ def print_env() -> None:
             return "not installed"
 
     print(f"python {platform.python_version()} ({sys.executable})")
-    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN "
-          f"{torch.backends.cudnn.version()}, NCCL "
-          f"{'.'.join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else '-'}")
+    print(
+        f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN "
+        f"{torch.backends.cudnn.version()}, NCCL "
+        f"{'.'.join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else '-'}"
+    )
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)
-        print(f"GPU {i}: {props.name}, capability {props.major}.{props.minor}, "
-              f"{props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs")
+        print(
+            f"GPU {i}: {props.name}, capability {props.major}.{props.minor}, "
+            f"{props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs"
+        )
     if not torch.cuda.is_available():
         print("no CUDA device visible to torch")
     print(f"torch._grouped_mm: {'present' if hasattr(torch, '_grouped_mm') else 'absent'}")
-    for dist in ("megatron-core", "transformer-engine", "transformers", "peft", "hydra-core",
-                 "omegaconf", "safetensors", "pytest"):
+    for dist in (
+        "megatron-core",
+        "transformer-engine",
+        "transformers",
+        "peft",
+        "hydra-core",
+        "omegaconf",
+        "safetensors",
+        "pytest",
+    ):
         print(f"{dist} {version(dist)}")
     try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         print(f"nvidia-smi: {smi.stdout.strip() or smi.stderr.strip()}")
     except (OSError, subprocess.TimeoutExpired) as e:
         print(f"nvidia-smi: {e}")
@@ -227,17 +286,28 @@ def pytest_result(log: Path, returncode: int) -> str:
     reason the machine should not have, e.g. an old GPU) or ``FAIL``, then the counts and
     each skip's reason."""
     text = log.read_text(errors="replace") if log.is_file() else ""
-    summary = next((line.strip("= ") for line in reversed(text.splitlines())
-                    if re.search(r"\d+ (passed|failed|skipped|errors?)\b.* in [\d.]+s", line)),
-                   "no pytest summary (see the log)")
+    summary = next(
+        (
+            line.strip("= ")
+            for line in reversed(text.splitlines())
+            if re.search(r"\d+ (passed|failed|skipped|errors?)\b.* in [\d.]+s", line)
+        ),
+        "no pytest summary (see the log)",
+    )
     skips: dict[str, int] = {}  # reason -> tests skipped for it
     for count, reason in re.findall(r"^SKIPPED \[(\d+)\] [^:]+:\d+: ([^\n]+)", text, re.M):
         skips[reason] = skips.get(reason, 0) + int(count)
     unexpected = {r: n for r, n in skips.items() if not EXPECTED_SKIPS.search(r)}
-    status = ("FAIL" if returncode != 0 or "passed" not in summary
-              else "INCOMPLETE" if unexpected else "pass")
+    status = (
+        "FAIL"
+        if returncode != 0 or "passed" not in summary
+        else "INCOMPLETE"
+        if unexpected
+        else "pass"
+    )
     return f"{status}: {summary}" + "".join(
-        f"; {n} skipped{'' if r in unexpected else ' as expected'}: {r}" for r, n in skips.items())
+        f"; {n} skipped{'' if r in unexpected else ' as expected'}: {r}" for r, n in skips.items()
+    )
 
 
 def main() -> None:
@@ -263,9 +333,14 @@ def main() -> None:
         size = sum(p.stat().st_size for p in wheels)
         for path in wheels:
             print(f"  {path.name} ({path.stat().st_size / 2**20:.1f} MiB)")
-        print(f"{args.folder}: {len(wheels)} wheels, {size / 2**20:.1f} MiB; "
-              + ("complete for CPython 3.12 on the GPU machine" if not problems else
-                 f"INCOMPLETE ({len(problems)} problems):"))
+        print(
+            f"{args.folder}: {len(wheels)} wheels, {size / 2**20:.1f} MiB; "
+            + (
+                "complete for CPython 3.12 on the GPU machine"
+                if not problems
+                else f"INCOMPLETE ({len(problems)} problems):"
+            )
+        )
         for problem in problems:
             print(f"  - {problem}")
         sys.exit(1 if problems else 0)

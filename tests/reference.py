@@ -20,40 +20,60 @@ class SlotFactors:
     alpha: float
 
 
-def random_slots(n: int, dim: int, in_f: int, out_f: int, ranks: list[int], alphas: list[float],
-                 gen: torch.Generator) -> list[SlotFactors]:
+def random_slots(
+    n: int,
+    dim: int,
+    in_f: int,
+    out_f: int,
+    ranks: list[int],
+    alphas: list[float],
+    gen: torch.Generator,
+) -> list[SlotFactors]:
     """Random factors with the padded rank already zero (the layer's invariant)."""
     slots = []
     for i in range(n):
         a = torch.randn(dim, in_f, generator=gen) * 0.3
         b = torch.randn(out_f, dim, generator=gen) * 0.3
-        a[ranks[i]:] = 0
-        b[:, ranks[i]:] = 0
+        a[ranks[i] :] = 0
+        b[:, ranks[i] :] = 0
         slots.append(SlotFactors(a.requires_grad_(), b.requires_grad_(), ranks[i], alphas[i]))
     return slots
 
 
-def lora_reference(x: torch.Tensor, base_w: torch.Tensor, slots: list[SlotFactors],
-                   counts: list[int], mask: torch.Tensor | None = None) -> torch.Tensor:
+def lora_reference(
+    x: torch.Tensor,
+    base_w: torch.Tensor,
+    slots: list[SlotFactors],
+    counts: list[int],
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``y_t = W x_t + (alpha_s / r_s) * B_s[:, :r_s] @ A_s[:r_s] @ (m_t * x_t)``, per token."""
     rows, t = [], 0
     for s, c in enumerate(counts):
         f = slots[s]
         for _ in range(c):
             xt = x[t] if mask is None else x[t] * mask[t]
-            lora = f.b[:, :f.rank] @ (f.a[:f.rank] @ xt)
+            lora = f.b[:, : f.rank] @ (f.a[: f.rank] @ xt)
             rows.append(base_w @ x[t] + (f.alpha / f.rank) * lora)
             t += 1
     return torch.stack(rows)
 
 
-def linear_config(tp: int = 1, sequence_parallel: bool = False,
-                  dtype: torch.dtype = torch.float32) -> TransformerConfig:
+def linear_config(
+    tp: int = 1, sequence_parallel: bool = False, dtype: torch.dtype = torch.float32
+) -> TransformerConfig:
     """A megatron config carrying only what a standalone parallel linear reads."""
     return TransformerConfig(
-        num_layers=1, hidden_size=8, num_attention_heads=4, tensor_model_parallel_size=tp,
-        sequence_parallel=sequence_parallel, params_dtype=dtype, use_cpu_initialization=True,
-        gradient_accumulation_fusion=False, bf16=dtype == torch.bfloat16)
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=4,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=sequence_parallel,
+        params_dtype=dtype,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        bf16=dtype == torch.bfloat16,
+    )
 
 
 @dataclasses.dataclass
@@ -64,9 +84,16 @@ class ExpertFactors:
     alpha: float
 
 
-def moe_reference(x: torch.Tensor, router_w: torch.Tensor, topk: int, w1: torch.Tensor,
-                  w2: torch.Tensor, fc1: list[ExpertFactors], fc2: list[ExpertFactors],
-                  counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+def moe_reference(
+    x: torch.Tensor,
+    router_w: torch.Tensor,
+    topk: int,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    fc1: list[ExpertFactors],
+    fc2: list[ExpertFactors],
+    counts: list[int],
+) -> tuple[torch.Tensor, list[int]]:
     """A token-choice MoE with SwiGLU experts and per-(slot, expert) LoRA, token by token.
 
     Router: softmax over the top-k logits. Expert e on token t of slot s:
@@ -74,6 +101,7 @@ def moe_reference(x: torch.Tensor, router_w: torch.Tensor, topk: int, w1: torch.
     ``W_e x + (alpha_s / r_s) B_{s,e}[:, :r] A_{s,e}[:r] x``. Returns the output and the
     number of (token, expert) assignments each expert received.
     """
+
     def lora_linear(w, f, e, v):
         r = f.rank
         return w[e] @ v + (f.alpha / r) * (f.b[e][:, :r] @ (f.a[e][:r] @ v))
@@ -95,8 +123,9 @@ def moe_reference(x: torch.Tensor, router_w: torch.Tensor, topk: int, w1: torch.
     return torch.stack(rows), per_expert
 
 
-def dispatch_slot_ids(model: torch.nn.Module, counts: list[int], hidden: int,
-                      seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+def dispatch_slot_ids(
+    model: torch.nn.Module, counts: list[int], hidden: int, seed: int = 7
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run layer 0's MoE on tokens whose first feature is their slot id; return (slot ids as
     the experts received them in the hidden states, slot ids from the co-permutation)."""
     from megatron_multilora import set_tokens_per_adapter_slot

@@ -26,7 +26,7 @@ def test_id(classname: str, name: str) -> str:
     """pytest's id of a JUnit test case (``tests.unit.test_x[.Class]`` -> the file's path)."""
     parts = classname.split(".")
     module = next((i for i, p in enumerate(parts) if p.startswith("test_")), len(parts) - 1)
-    return "::".join(["/".join(parts[:module + 1]) + ".py", *parts[module + 1:], name])
+    return "::".join(["/".join(parts[: module + 1]) + ".py", *parts[module + 1 :], name])
 
 
 def read_report(path: Path) -> tuple[int, list[str], int]:
@@ -69,12 +69,18 @@ def failed(tier: Tier) -> bool:
 
 def table(tiers: list[Tier]) -> str:
     head = ("tier", "passed", "failed", "skipped", "seconds", "result")
-    rows = [head] + [(t.name, str(t.passed), str(len(t.failed)), str(t.skipped),
-                      str(t.seconds), t.status) for t in tiers]
+    rows = [head] + [
+        (t.name, str(t.passed), str(len(t.failed)), str(t.skipped), str(t.seconds), t.status)
+        for t in tiers
+    ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(cell.ljust(w) if i in (0, 5) else cell.rjust(w)
-                       for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
-             for row in rows]
+    lines = [
+        "  ".join(
+            cell.ljust(w) if i in (0, 5) else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths))
+        ).rstrip()
+        for row in rows
+    ]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
 
@@ -87,8 +93,10 @@ def main(folder: Path) -> int:
         print("\nfailed:")
         print("\n".join(f"  [{tier}] {test}" for tier, test in names))
     bad = [t.name for t in tiers if failed(t)]
-    print(f"\ntest: {len(tiers) - len(bad)} of {len(tiers)} tiers passed"
-          + (f"; failed: {', '.join(bad)}" if bad else ""))
+    print(
+        f"\ntest: {len(tiers) - len(bad)} of {len(tiers)} tiers passed"
+        + (f"; failed: {', '.join(bad)}" if bad else "")
+    )
     return 1 if bad else 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import resource
@@ -32,7 +33,11 @@ def training_span(step_end_times: list[list[float]]) -> float:
     warm-up in step 1 is left out on every side alike."""
     starts, ends = [], []
     for times in step_end_times:
-        dt = statistics.median(b - a for a, b in zip(times, times[1:])) if len(times) > 1 else 0.0
+        dt = (
+            statistics.median(b - a for a, b in itertools.pairwise(times))
+            if len(times) > 1
+            else 0.0
+        )
         starts.append(times[0] - dt)
         ends.append(times[-1])
     return max(ends) - min(starts)
@@ -46,14 +51,28 @@ def run_ours(spec: dict, data_dir: Path, run_dir: Path, processes: int) -> dict:
     """``mmlora train`` of ``spec``'s run as a user launches it, a metrics record every step;
     its training span, whole launch, CPU seconds, held-out losses, and when (seconds after
     the launch) its first step started, its last ended and its adapter x task table came."""
-    cmd = [sys.executable, "-m", "megatron_multilora.cli", "train", "--nproc", str(processes),
-           "--config-name", spec["config_name"], *spec["overrides"], f"run_dir={run_dir}",
-           "trainer.log_interval=1", "trainer.eval_interval=0", "checkpoint.save_interval=0",
-           "logging.wandb_mode=disabled", "logging.plots=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_multilora.cli",
+        "train",
+        "--nproc",
+        str(processes),
+        "--config-name",
+        spec["config_name"],
+        *spec["overrides"],
+        f"run_dir={run_dir}",
+        "trainer.log_interval=1",
+        "trainer.eval_interval=0",
+        "checkpoint.save_interval=0",
+        "logging.wandb_mode=disabled",
+        "logging.plots=false",
+    ]
     cpu, start = _children_cpu(), time.perf_counter()
     launched = time.time()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(1), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     lines, table_at = [], None
     for line in proc.stdout:
         lines.append(line)
@@ -72,11 +91,17 @@ def run_ours(spec: dict, data_dir: Path, run_dir: Path, processes: int) -> dict:
     precision = re.search(r"dp \d+\), (.+?), [\d,]+ trainable parameters", "".join(lines))
     times = [r["time"] for r in train]
     span = training_span([times])
-    return {"train_s": span, "launch_s": wall, "cpu_s": cpu,
-            "first_step_at_s": times[-1] - span - launched, "last_step_at_s": times[-1] - launched,
-            "table_at_s": table_at, "precision": precision.group(1),
-            "eval_loss": {n: final[n][f"loss_on_{n}"] for n in names},
-            "base_eval_loss": {n: final["base"][f"loss_on_{n}"] for n in names}}
+    return {
+        "train_s": span,
+        "launch_s": wall,
+        "cpu_s": cpu,
+        "first_step_at_s": times[-1] - span - launched,
+        "last_step_at_s": times[-1] - launched,
+        "table_at_s": table_at,
+        "precision": precision.group(1),
+        "eval_loss": {n: final[n][f"loss_on_{n}"] for n in names},
+        "base_eval_loss": {n: final["base"][f"loss_on_{n}"] for n in names},
+    }
 
 
 def run_peft(spec: dict, groups: list[list[int]], threads: int, tmp: Path) -> dict:
@@ -89,10 +114,28 @@ def run_peft(spec: dict, groups: list[list[int]], threads: int, tmp: Path) -> di
     for k, group in enumerate(groups):
         result = tmp / f"peft-{threads}t-{k}.json"
         results.append(result)
-        cmd = [*WORKER, "--peft-worker", "--spec", str(spec_file), "--jobs",
-               ",".join(map(str, group)), "--threads", str(threads), "--result-file", str(result)]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=_env(threads), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        cmd = [
+            *WORKER,
+            "--peft-worker",
+            "--spec",
+            str(spec_file),
+            "--jobs",
+            ",".join(map(str, group)),
+            "--threads",
+            str(threads),
+            "--result-file",
+            str(result),
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=_env(threads),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = [p.communicate()[0] for p in procs]
     wall, cpu = time.perf_counter() - start, _children_cpu() - cpu
     for p, text in zip(procs, outputs):
@@ -100,12 +143,17 @@ def run_peft(spec: dict, groups: list[list[int]], threads: int, tmp: Path) -> di
             raise RuntimeError(f"peft worker failed (exit {p.returncode}): {text[-2000:]}")
     got = [json.loads(r.read_text()) for r in results]
     jobs = {n: j for g in got for n, j in g["jobs"].items()}
-    return {"train_s": training_span([[t for j in g["jobs"].values() for t in j["step_end_times"]]
-                                      for g in got]),
-            "launch_s": wall, "cpu_s": cpu, "loop_cpu_s": sum(g["loop_cpu_s"] for g in got),
-            "eval_loss": {n: j["eval_loss"] for n, j in jobs.items()},
-            "positions": sum(j["positions"] for j in jobs.values()),
-            "lora_params": {n: j["params"] for n, j in jobs.items()}}
+    return {
+        "train_s": training_span(
+            [[t for j in g["jobs"].values() for t in j["step_end_times"]] for g in got]
+        ),
+        "launch_s": wall,
+        "cpu_s": cpu,
+        "loop_cpu_s": sum(g["loop_cpu_s"] for g in got),
+        "eval_loss": {n: j["eval_loss"] for n, j in jobs.items()},
+        "positions": sum(j["positions"] for j in jobs.values()),
+        "lora_params": {n: j["params"] for n, j in jobs.items()},
+    }
 
 
 def run_way(way: str, spec: dict, data_dir: Path, tmp: Path, round_: int) -> dict:
@@ -127,8 +175,9 @@ def run_step_costs(spec: dict, side: str, tmp: Path) -> dict:
     cmd = [*WORKER, "--step-worker", side, "--spec", str(spec_file), "--result-file", str(result)]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(1), capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"{side} step worker failed (exit {proc.returncode}): "
-                           f"{proc.stderr[-2000:]}")
+        raise RuntimeError(
+            f"{side} step worker failed (exit {proc.returncode}): {proc.stderr[-2000:]}"
+        )
     return json.loads(result.read_text())
 
 
@@ -138,8 +187,18 @@ def run_peers(steps: int, rounds: int, say) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp_name:
         tmp = Path(tmp_name)
         data_dir = tmp / "demo"
-        subprocess.run([sys.executable, str(REPO / "scripts" / "make_demo_data.py"), "--out-dir",
-                        str(data_dir)], cwd=REPO, env=_env(1), check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "scripts" / "make_demo_data.py"),
+                "--out-dir",
+                str(data_dir),
+            ],
+            cwd=REPO,
+            env=_env(1),
+            check=True,
+            capture_output=True,
+        )
         spec = job_spec(data_dir, steps)
         say(f"peers: {len(spec['jobs'])} demo4 jobs x {steps} steps; LoRA on {spec['targets']}")
         results: dict[str, list[dict]] = {w: [] for w in WAYS}
@@ -148,14 +207,18 @@ def run_peers(steps: int, rounds: int, say) -> dict:
             for way in WAYS:
                 got = run_way(way, spec, data_dir, tmp, r)
                 results[way].append(got)
-                say(f"peers round {r + 1}/{rounds}: {way}: training {got['train_s']:.1f} s, launch "
+                say(
+                    f"peers round {r + 1}/{rounds}: {way}: training {got['train_s']:.1f} s, launch "
                     f"{got['launch_s']:.1f} s, CPU {got['cpu_s']:.1f} s; held-out loss "
-                    + ", ".join(f"{k} {v:.3f}" for k, v in got["eval_loss"].items()))
+                    + ", ".join(f"{k} {v:.3f}" for k, v in got["eval_loss"].items())
+                )
             for side in costs:
                 got = run_step_costs(spec, side, tmp)
                 costs[side].append(got)
-                say(f"peers round {r + 1}/{rounds}: one global step on one core, {side}: "
-                    + ", ".join(f"{k} {got[k]:.1f} ms" for k in STEP_PARTS))
+                say(
+                    f"peers round {r + 1}/{rounds}: one global step on one core, {side}: "
+                    + ", ".join(f"{k} {got[k]:.1f} ms" for k in STEP_PARTS)
+                )
         spec = {k: v for k, v in spec.items() if k != "hf_dir"}
         for job in spec["jobs"]:
             job["dataset"] = Path(job["dataset"]).name

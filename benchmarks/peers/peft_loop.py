@@ -64,8 +64,14 @@ def with_peft_adapters(model, jobs: list, targets: list[str]):
 
     peft_model = None
     for job in jobs:
-        cfg = LoraConfig(r=job.rank, lora_alpha=job.alpha, lora_dropout=job.dropout,
-                         target_modules=targets, bias="none", task_type="CAUSAL_LM")
+        cfg = LoraConfig(
+            r=job.rank,
+            lora_alpha=job.alpha,
+            lora_dropout=job.dropout,
+            target_modules=targets,
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
         if peft_model is None:
             peft_model = get_peft_model(model, cfg, adapter_name=peft_name(job))
         else:
@@ -87,7 +93,8 @@ class PeftLoop:
         self.params = [p for n, p in peft_model.named_parameters() if f".{peft_name(job)}." in n]
         self.opt = torch.optim.AdamW(self.params, lr=job.lr, weight_decay=job.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lambda step: lr_factor(step, job, steps))
+            self.opt, lambda step: lr_factor(step, job, steps)
+        )
 
     def step(self, examples, pad_id: int) -> float:
         """One optimizer step on ``examples``; returns the loss."""
@@ -125,8 +132,9 @@ def peft_worker(spec: dict, job_indices: list[int], threads: int, result_file: s
     model = AutoModelForCausalLM.from_pretrained(spec["hf_dir"], dtype=torch.float32)
     jobs = [AdapterJob(**spec["jobs"][i]) for i in job_indices]
     train = [load_dataset(j.dataset, tok, spec["max_seq_len"]) for j in jobs]
-    evals = [load_dataset(j.eval_dataset, tok, spec["max_seq_len"])[:spec["eval_samples"]]
-             for j in jobs]
+    evals = [
+        load_dataset(j.eval_dataset, tok, spec["max_seq_len"])[: spec["eval_samples"]] for j in jobs
+    ]
     peft_model = with_peft_adapters(model, jobs, spec["targets"])
     autocast = spec.get("autocast") == "bf16"
     out = {"jobs": {}, "threads": threads, "torch_threads": torch.get_num_threads()}
@@ -143,9 +151,13 @@ def peft_worker(spec: dict, job_indices: list[int], threads: int, result_file: s
             losses.append(loop.step(picked, tok.pad_id))
             positions += sum(len(ex.tokens) for ex in picked)
             times.append(time.time())
-        out["jobs"][job.name] = {"step_end_times": times[1:], "loop_start": times[0],
-                                 "train_loss_last": losses[-1], "positions": positions,
-                                 "params": sum(p.numel() for p in loop.params)}
+        out["jobs"][job.name] = {
+            "step_end_times": times[1:],
+            "loop_start": times[0],
+            "train_loss_last": losses[-1],
+            "positions": positions,
+            "params": sum(p.numel() for p in loop.params),
+        }
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     out["loop_cpu_s"] = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
     for job, held_out in zip(jobs, evals):  # after every loop: outside the timed span

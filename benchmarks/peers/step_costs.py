@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from benchmarks.peers.peft_loop import PeftLoop, batch, peft_name, with_peft_adapters
 
@@ -20,8 +20,10 @@ def _step_batches(data: list, jobs: list, seed: int, rep: int) -> list:
     import random
 
     rng = random.Random(seed * 100_003 + rep)
-    return [[d[rng.randrange(len(d))] for _ in range(job.global_batch_size)]
-            for d, job in zip(data, jobs)]
+    return [
+        [d[rng.randrange(len(d))] for _ in range(job.global_batch_size)]
+        for d, job in zip(data, jobs)
+    ]
 
 
 def _median_ms(run, reps: int, warmup: int) -> float:
@@ -34,8 +36,9 @@ def _median_ms(run, reps: int, warmup: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def step_cost_worker(spec: dict, side: str, result_file: str, reps: int = 20,
-                     warmup: int = 3) -> None:
+def step_cost_worker(
+    spec: dict, side: str, result_file: str, reps: int = 20, warmup: int = 3
+) -> None:
     """Median ms (1 thread) of one global step of every job, per :data:`STEP_PARTS`; the
     frozen base's backward gives the gradient w.r.t. the token embeddings only. ``peft``:
     HF Llama, the jobs one after another (each a step of its loop); ``ours``: every job's
@@ -59,8 +62,10 @@ def step_cost_worker(spec: dict, side: str, result_file: str, reps: int = 20,
 
     timed = _peft_step_costs if side == "peft" else _our_step_costs
     out = timed(spec, jobs, batches, tok.pad_id, lambda run: _median_ms(run, reps, warmup))
-    out["positions"] = statistics.mean(sum(len(e.tokens) - 1 for b in batches(rep) for e in b)
-                                       for rep in range(warmup, warmup + reps))
+    out["positions"] = statistics.mean(
+        sum(len(e.tokens) - 1 for b in batches(rep) for e in b)
+        for rep in range(warmup, warmup + reps)
+    )
     Path(result_file).write_text(json.dumps(out))
 
 
@@ -127,9 +132,14 @@ def _our_step_costs(spec: dict, jobs: list, batches, pad_id: int, median) -> dic
         def run_it(rep: int) -> None:
             examples = batches(rep)
             loss_tokens = torch.tensor([sum(sum(e.loss_mask) for e in b) for b in examples])
-            per_slot_losses(chunks, pack_micro_batches(examples, run.trainer.micro_batch_tokens,
-                                                       pad_id=pad_id, slot_order=order),
-                            loss_tokens)
+            per_slot_losses(
+                chunks,
+                pack_micro_batches(
+                    examples, run.trainer.micro_batch_tokens, pad_id=pad_id, slot_order=order
+                ),
+                loss_tokens,
+            )
+
         return run_it
 
     base = build_model_chunks(cfg, calculate_per_token_loss=True)
@@ -139,8 +149,9 @@ def _our_step_costs(spec: dict, jobs: list, batches, pad_id: int, median) -> dic
     base[0].embedding.register_forward_hook(lambda module, args, out: out.requires_grad_())
     out = {"frozen": median(forward_backward(base))}
     model = build_run_model(run, cfg)
-    optimizers = {slot: start_job(model, slot, job, spec["steps"], cfg)
-                  for slot, job in enumerate(jobs)}
+    optimizers = {
+        slot: start_job(model, slot, job, spec["steps"], cfg) for slot, job in enumerate(jobs)
+    }
     out["lora"] = median(forward_backward(model))
     train_step = SlotTrainStep(model, run.lora.slots, run.trainer.micro_batch_tokens, 1, pad_id)
     out["step"] = median(lambda rep: train_step(batches(rep), optimizers, slot_order=order))

@@ -5,19 +5,21 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Optional
 
 from benchmarks.peers.peft_loop import peft_worker
 from benchmarks.peers.step_costs import step_cost_worker
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.peers.worker",
-                                     description="workers of the benchmark's peers rows")
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.peers.worker",
+        description="workers of the benchmark's peers rows",
+    )
     worker = parser.add_mutually_exclusive_group(required=True)
     worker.add_argument("--peft-worker", action="store_true", help="train jobs with peft")
-    worker.add_argument("--step-worker", choices=("peft", "ours"),
-                        help="time one global step's parts on one core")
+    worker.add_argument(
+        "--step-worker", choices=("peft", "ours"), help="time one global step's parts on one core"
+    )
     parser.add_argument("--spec", required=True)
     parser.add_argument("--jobs", help="comma-separated job indices (--peft-worker)")
     parser.add_argument("--threads", type=int, default=1)

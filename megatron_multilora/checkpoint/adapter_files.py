@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from megatron_multilora.atomic_files import write_dir_atomic
 from megatron_multilora.checkpoint.adapter_folders import (
     ADAPTER_FORMAT,
     ADAPTER_TENSORS,
@@ -22,15 +23,22 @@ from megatron_multilora.checkpoint.adapter_folders import (
     FolderFormat,
     expect_format,
 )
-from megatron_multilora.layers.slot_tensors import get_slot_tensors, set_slot_tensors, slot_rank_alpha
 from megatron_multilora.checkpoint.files import refuse_existing
 from megatron_multilora.layers.lifecycle import ModelOrChunks
-from megatron_multilora.atomic_files import write_dir_atomic
+from megatron_multilora.layers.slot_tensors import (
+    get_slot_tensors,
+    set_slot_tensors,
+    slot_rank_alpha,
+)
 
 
-
-def export_adapter(model: ModelOrChunks, idx: int, out_dir: str | Path, meta: dict[str, Any],
-                   overwrite: bool = False) -> Path:
+def export_adapter(
+    model: ModelOrChunks,
+    idx: int,
+    out_dir: str | Path,
+    meta: dict[str, Any],
+    overwrite: bool = False,
+) -> Path:
     """Write slot ``idx`` as an adapter folder (collective: every rank calls it)."""
     refuse_existing(out_dir, overwrite)
     tensors = get_slot_tensors(model, idx)
@@ -39,9 +47,11 @@ def export_adapter(model: ModelOrChunks, idx: int, out_dir: str | Path, meta: di
         raise ValueError(f"slot {idx} holds no adapter (alpha={alpha}): nothing to export")
     config = {"format": ADAPTER_FORMAT, "version": 1, "rank": rank, "alpha": alpha, **meta}
     if dist.get_rank() == 0:
+
         def fill(tmp: Path) -> None:
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / ADAPTER_TENSORS))
             (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+
         write_dir_atomic(out_dir, fill, overwrite=overwrite)
     dist.barrier()
     return Path(out_dir)

@@ -9,7 +9,7 @@ import enum
 import json
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 CONFIG_FILE = "adapter_config.json"  # both adapter formats
 ADAPTER_TENSORS = "adapter.safetensors"
@@ -19,7 +19,9 @@ CHECKPOINT_STATE = "state.pt"  # a training checkpoint folder's state (training.
 
 
 class FolderFormat(enum.Enum):
-    ADAPTER = f"an adapter folder ({CONFIG_FILE} with format {ADAPTER_FORMAT!r} + {ADAPTER_TENSORS})"
+    ADAPTER = (
+        f"an adapter folder ({CONFIG_FILE} with format {ADAPTER_FORMAT!r} + {ADAPTER_TENSORS})"
+    )
     PEFT = f"a PEFT LoRA folder ({CONFIG_FILE} with peft_type + {PEFT_TENSORS})"
     TRAINING_CHECKPOINT = f"a training checkpoint ({CHECKPOINT_STATE})"
 
@@ -38,24 +40,29 @@ def folder_format(folder: str | Path) -> FolderFormat:
         return FolderFormat.TRAINING_CHECKPOINT
     config_path = folder / CONFIG_FILE
     if not config_path.is_file():
-        raise FileNotFoundError(f"{folder} holds no {CONFIG_FILE} or {CHECKPOINT_STATE}: not any "
-                                f"of: {_ANY}")
+        raise FileNotFoundError(
+            f"{folder} holds no {CONFIG_FILE} or {CHECKPOINT_STATE}: not any of: {_ANY}"
+        )
     try:
         config = json.loads(config_path.read_text())
     except (ValueError, UnicodeDecodeError) as err:
         raise ValueError(f"{config_path}: not valid JSON ({err})") from None
     if isinstance(config, dict) and "format" in config:
         if config["format"] != ADAPTER_FORMAT:
-            raise ValueError(f"{config_path}: format {config['format']!r} is not {ADAPTER_FORMAT!r}")
+            raise ValueError(
+                f"{config_path}: format {config['format']!r} is not {ADAPTER_FORMAT!r}"
+            )
         found, tensors = FolderFormat.ADAPTER, ADAPTER_TENSORS
     elif isinstance(config, dict) and "peft_type" in config:
         found, tensors = FolderFormat.PEFT, PEFT_TENSORS
     else:
-        raise ValueError(f"{config_path}: neither a 'format' nor a 'peft_type' field: not any of: "
-                         f"{_ANY}")
+        raise ValueError(
+            f"{config_path}: neither a 'format' nor a 'peft_type' field: not any of: {_ANY}"
+        )
     if not (folder / tensors).is_file():
-        raise FileNotFoundError(f"{folder}: {tensors} is missing ({CONFIG_FILE} says it is "
-                                f"{found.value})")
+        raise FileNotFoundError(
+            f"{folder}: {tensors} is missing ({CONFIG_FILE} says it is {found.value})"
+        )
     return found
 
 
@@ -73,7 +80,7 @@ def peft_alpha(config: dict[str, Any]) -> float:
     return alpha * math.sqrt(int(config["r"])) if config.get("use_rslora") else alpha
 
 
-def declared_rank_alpha(folder: str | Path) -> Optional[tuple[int, float]]:
+def declared_rank_alpha(folder: str | Path) -> tuple[int, float] | None:
     """(rank, alpha) an adapter folder of either format declares (reading only its config, for
     config checks), or None when the folder is not a readable adapter folder declaring them
     (the caller names the problem)."""

@@ -42,8 +42,11 @@ def write_manifest(folder: str | Path) -> None:
     """Record the size and sha256 of every file in ``folder`` in ``folder/manifest.json``.
     Call it last: a folder whose manifest verifies was completely written and is unchanged."""
     folder = Path(folder)
-    files = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)}
-             for f in sorted(folder.iterdir()) if f.name != MANIFEST}
+    files = {
+        f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+        for f in sorted(folder.iterdir())
+        if f.name != MANIFEST
+    }
     (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=2))
 
 
@@ -64,7 +67,9 @@ def verify_manifest(folder: str | Path) -> None:
             raise DamagedFolderError(f"{path} is missing (listed in {MANIFEST})")
         size = path.stat().st_size
         if size != want["bytes"]:
-            raise DamagedFolderError(f"{path} has {size} bytes, {MANIFEST} says {want['bytes']} "
-                                     f"(truncated or overwritten)")
+            raise DamagedFolderError(
+                f"{path} has {size} bytes, {MANIFEST} says {want['bytes']} "
+                f"(truncated or overwritten)"
+            )
         if _sha256(path) != want["sha256"]:
             raise DamagedFolderError(f"{path} is damaged: its sha256 differs from {MANIFEST}")

@@ -20,12 +20,13 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from megatron_multilora.atomic_files import write_dir_atomic
 from megatron_multilora.checkpoint.adapter_folders import (
     CONFIG_FILE,
     PEFT_TENSORS,
@@ -36,19 +37,24 @@ from megatron_multilora.checkpoint.adapter_folders import (
 from megatron_multilora.checkpoint.files import refuse_existing
 from megatron_multilora.layers.factors import A, B
 from megatron_multilora.layers.lifecycle import ModelOrChunks, named_multi_lora_modules
-from megatron_multilora.layers.slot_tensors import get_slot_tensors, set_slot_tensors, slot_rank_alpha
+from megatron_multilora.layers.slot_tensors import (
+    get_slot_tensors,
+    set_slot_tensors,
+    slot_rank_alpha,
+)
 from megatron_multilora.models.gpt_config import GPTModelConfig
 from megatron_multilora.ops.fused_rows import QKVLayout, fuse_gate_up, split_gate_up
-from megatron_multilora.atomic_files import write_dir_atomic
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-def hf_module_names(megatron_rest: str, model_type: str) -> Optional[list[str]]:
+def hf_module_names(megatron_rest: str, model_type: str) -> list[str] | None:
     """HF module names (below ``model.layers.L.``) a Megatron linear splits into; ``{e}``
     stands for the expert index."""
-    experts = ("block_sparse_moe.experts.{e}." if model_type == "mixtral" else "mlp.experts.{e}.")
-    gate_up_down = ("w1", "w3", "w2") if model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    experts = "block_sparse_moe.experts.{e}." if model_type == "mixtral" else "mlp.experts.{e}."
+    gate_up_down = (
+        ("w1", "w3", "w2") if model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    )
     table = {
         "self_attention.linear_qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
         "self_attention.linear_proj": ["self_attn.o_proj"],
@@ -56,7 +62,10 @@ def hf_module_names(megatron_rest: str, model_type: str) -> Optional[list[str]]:
         "mlp.linear_fc2": ["mlp.down_proj"],
         "mlp.experts.linear_fc1": [experts + gate_up_down[0], experts + gate_up_down[1]],
         "mlp.experts.linear_fc2": [experts + gate_up_down[2]],
-        "mlp.shared_experts.linear_fc1": ["mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"],
+        "mlp.shared_experts.linear_fc1": [
+            "mlp.shared_expert.gate_proj",
+            "mlp.shared_expert.up_proj",
+        ],
         "mlp.shared_experts.linear_fc2": ["mlp.shared_expert.down_proj"],
     }
     return table.get(megatron_rest)
@@ -85,13 +94,16 @@ def _layers(model: ModelOrChunks) -> dict[str, tuple[int, str]]:
     for path, _ in named_multi_lora_modules(model):
         m = _LAYER.match(path)
         if m is None:
-            raise ValueError(f"{path}: not a decoder layer linear; PEFT export covers decoder layers")
+            raise ValueError(
+                f"{path}: not a decoder layer linear; PEFT export covers decoder layers"
+            )
         out[path] = (int(m.group(1)), m.group(2))
     return out
 
 
-def to_peft_tensors(full: dict[str, torch.Tensor], cfg: GPTModelConfig,
-                    model_type: str) -> tuple[dict[str, torch.Tensor], list[str]]:
+def to_peft_tensors(
+    full: dict[str, torch.Tensor], cfg: GPTModelConfig, model_type: str
+) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Full slot tensors (``<layer path>.adapter.linear_in/out.weight``, as from
     ``get_slot_tensors`` or an adapter folder) -> PEFT keys, and the target module names."""
     tensors, targets = {}, set()
@@ -104,7 +116,7 @@ def to_peft_tensors(full: dict[str, torch.Tensor], cfg: GPTModelConfig,
         layer, rest = int(m.group(1)), m.group(2)
         a = full[f"{path}.adapter.linear_in.weight"]
         b = full[f"{path}.adapter.linear_out.weight"]
-        for e in (range(a.size(0)) if a.dim() == 3 else [None]):
+        for e in range(a.size(0)) if a.dim() == 3 else [None]:
             a_e, b_e = (a, b) if e is None else (a[e], b[e])
             for part, b_part in zip(parts, _split_rows(rest, b_e, cfg)):
                 module = f"base_model.model.model.layers.{layer}.{part.format(e=e)}"
@@ -114,28 +126,52 @@ def to_peft_tensors(full: dict[str, torch.Tensor], cfg: GPTModelConfig,
     return tensors, sorted(targets)
 
 
-def peft_config(rank: int, alpha: float, dropout: float, targets: list[str],
-                base_model_name_or_path: str) -> dict[str, Any]:
+def peft_config(
+    rank: int, alpha: float, dropout: float, targets: list[str], base_model_name_or_path: str
+) -> dict[str, Any]:
     """A PEFT LoRA config that peft and vLLM load (uniform r and alpha, no extras)."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-            "target_modules": targets, "lora_dropout": dropout, "bias": "none",
-            "use_rslora": False, "use_dora": False, "modules_to_save": None,
-            "fan_in_fan_out": False, "init_lora_weights": True,
-            "base_model_name_or_path": base_model_name_or_path}
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": targets,
+        "lora_dropout": dropout,
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "base_model_name_or_path": base_model_name_or_path,
+    }
 
 
-def write_peft(out_dir: str | Path, tensors: dict[str, torch.Tensor], config: dict[str, Any],
-               overwrite: bool = False) -> Path:
+def write_peft(
+    out_dir: str | Path,
+    tensors: dict[str, torch.Tensor],
+    config: dict[str, Any],
+    overwrite: bool = False,
+) -> Path:
     """Write a PEFT folder atomically (call on one process)."""
+
     def fill(tmp: Path) -> None:
         save_file(tensors, str(tmp / PEFT_TENSORS))
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+
     return write_dir_atomic(out_dir, fill, overwrite=overwrite)
 
 
-def export_peft(model: ModelOrChunks, idx: int, out_dir: str | Path, cfg: GPTModelConfig,
-                model_type: str = "llama", base_model_name_or_path: str = "",
-                overwrite: bool = False, dropout: Optional[float] = None) -> Path:
+def export_peft(
+    model: ModelOrChunks,
+    idx: int,
+    out_dir: str | Path,
+    cfg: GPTModelConfig,
+    model_type: str = "llama",
+    base_model_name_or_path: str = "",
+    overwrite: bool = False,
+    dropout: float | None = None,
+) -> Path:
     """Write slot ``idx`` as a PEFT LoRA folder (collective: every rank calls it).
     ``dropout``: the rate to record (the job's exact value; default: the slot's float32 one)."""
     out_dir = Path(out_dir)
@@ -145,10 +181,16 @@ def export_peft(model: ModelOrChunks, idx: int, out_dir: str | Path, cfg: GPTMod
     refuse_existing(out_dir, overwrite)
     tensors, targets = to_peft_tensors(get_slot_tensors(model, idx), cfg, model_type)
     if dropout is None:
-        dropout = float(next(layer for _, layer in named_multi_lora_modules(model)).adapters[idx].dropout)
+        dropout = float(
+            next(layer for _, layer in named_multi_lora_modules(model)).adapters[idx].dropout
+        )
     if dist.get_rank() == 0:
-        write_peft(out_dir, tensors, peft_config(rank, alpha, dropout, targets,
-                                                 base_model_name_or_path), overwrite)
+        write_peft(
+            out_dir,
+            tensors,
+            peft_config(rank, alpha, dropout, targets, base_model_name_or_path),
+            overwrite,
+        )
     dist.barrier()
     return out_dir
 
@@ -159,8 +201,13 @@ def read_peft(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tenso
     return json.loads((folder / CONFIG_FILE).read_text()), load_file(str(folder / PEFT_TENSORS))
 
 
-def import_peft(model: ModelOrChunks, idx: int, folder: str | Path, cfg: GPTModelConfig,
-                model_type: str = "llama") -> dict[str, Any]:
+def import_peft(
+    model: ModelOrChunks,
+    idx: int,
+    folder: str | Path,
+    cfg: GPTModelConfig,
+    model_type: str = "llama",
+) -> dict[str, Any]:
     """Load a PEFT LoRA folder into slot ``idx`` (any layout); returns its config.
 
     Refused with a clear error: DoRA, rank/alpha patterns, a rank above the slot's max rank,
@@ -169,21 +216,27 @@ def import_peft(model: ModelOrChunks, idx: int, folder: str | Path, cfg: GPTMode
     config, peft = read_peft(folder)
     where = f"{folder}"
     if config.get("peft_type") != "LORA" or config.get("use_dora"):
-        raise ValueError(f"{where}: only plain LoRA adapters load (peft_type="
-                         f"{config.get('peft_type')}, use_dora={config.get('use_dora')})")
+        raise ValueError(
+            f"{where}: only plain LoRA adapters load (peft_type="
+            f"{config.get('peft_type')}, use_dora={config.get('use_dora')})"
+        )
     if config.get("rank_pattern") or config.get("alpha_pattern"):
-        raise ValueError(f"{where}: rank_pattern/alpha_pattern are not supported: a slot has one "
-                         "rank and alpha")
+        raise ValueError(
+            f"{where}: rank_pattern/alpha_pattern are not supported: a slot has one rank and alpha"
+        )
     r, alpha = int(config["r"]), peft_alpha(config)
     remaining = dict(peft)
     full = {}
     for path, (layer, rest) in _layers(model).items():
         parts = hf_module_names(rest, model_type)
         layer_module = next(m for p, m in named_multi_lora_modules(model) if p == path)
-        n_experts = (layer_module.num_local_experts * _ep_size()
-                     if hasattr(layer_module, "num_local_experts") else None)
+        n_experts = (
+            layer_module.num_local_experts * _ep_size()
+            if hasattr(layer_module, "num_local_experts")
+            else None
+        )
         a_list, b_list = [], []
-        for e in (range(n_experts) if n_experts else [None]):
+        for e in range(n_experts) if n_experts else [None]:
             a_e, b_parts = None, []
             for part in parts:
                 module = f"base_model.model.model.layers.{layer}.{part.format(e=e)}"
@@ -192,23 +245,28 @@ def import_peft(model: ModelOrChunks, idx: int, folder: str | Path, cfg: GPTMode
                 if (a_p is None) != (b_p is None):
                     raise ValueError(f"{where}: {module} has only one of lora_A/lora_B")
                 if a_p is not None and a_e is not None and not torch.equal(a_p, a_e):
-                    raise ValueError(f"{where}: {module}.lora_A differs from the other parts of "
-                                     f"fused {path} ({', '.join(parts)}): cannot fuse")
+                    raise ValueError(
+                        f"{where}: {module}.lora_A differs from the other parts of "
+                        f"fused {path} ({', '.join(parts)}): cannot fuse"
+                    )
                 a_e = a_p if a_p is not None else a_e
                 b_parts.append(b_p)
             if a_e is None:  # the adapter leaves this linear alone
                 a_e = torch.zeros(r, _in_features(layer_module, path))
             out_rows = _out_rows(rest, cfg, layer_module)
-            b_parts = [b if b is not None else torch.zeros(rows, r)
-                       for b, rows in zip(b_parts, out_rows)]
+            b_parts = [
+                b if b is not None else torch.zeros(rows, r) for b, rows in zip(b_parts, out_rows)
+            ]
             a_list.append(a_e.float())
             b_list.append(_fuse_rows(rest, [b.float() for b in b_parts], cfg))
         stacked = n_experts is not None
         full[f"{path}.adapter.linear_in.weight"] = torch.stack(a_list) if stacked else a_list[0]
         full[f"{path}.adapter.linear_out.weight"] = torch.stack(b_list) if stacked else b_list[0]
     if remaining:
-        raise ValueError(f"{where}: the adapter has modules this model does not wrap: "
-                         f"{sorted(remaining)[:4]}{' ...' if len(remaining) > 4 else ''}")
+        raise ValueError(
+            f"{where}: the adapter has modules this model does not wrap: "
+            f"{sorted(remaining)[:4]}{' ...' if len(remaining) > 4 else ''}"
+        )
     try:
         set_slot_tensors(model, idx, full, r, alpha)
     except (KeyError, ValueError) as err:

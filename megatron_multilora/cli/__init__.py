@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import sys
 from importlib import metadata
-from typing import Optional
 
 from megatron_multilora.cli import export, serve, train
 from megatron_multilora.cli.command import EXIT_REFUSED, CommandError, Commands
@@ -25,21 +24,25 @@ from megatron_multilora.cli.command import EXIT_REFUSED, CommandError, Commands
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mmlora", description="Train adapter jobs, export them, and talk to a serving "
-        "training run.",
+        prog="mmlora",
+        description="Train adapter jobs, export them, and talk to a serving training run.",
         epilog="Training: mmlora train --nproc 2 trainer.steps_per_job=50 (any Hydra override "
-               "of conf/config.yaml). Serve mode: launch with trainer.serve=true, then submit, "
-               "status, cancel and stop talk to it through its run directory. Training service: "
-               "mmlora api --run-dir R --port 8000 (tinker SDK clients; README).")
-    parser.add_argument("--version", action="version",
-                        version=f"mmlora (megatron-multilora) {metadata.version('megatron-multilora')}")
+        "of conf/config.yaml). Serve mode: launch with trainer.serve=true, then submit, "
+        "status, cancel and stop talk to it through its run directory. Training service: "
+        "mmlora api --run-dir R --port 8000 (tinker SDK clients; README).",
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"mmlora (megatron-multilora) {metadata.version('megatron-multilora')}",
+    )
     commands = Commands(parser)
     for module in (train, export, serve):
         module.add_commands(commands)
     return parser
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     try:
         args, extra = parser.parse_known_args(argv)

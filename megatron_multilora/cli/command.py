@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from collections.abc import Callable
 
 EXIT_REFUSED = 2
 
@@ -18,8 +18,9 @@ class Commands:
     def __init__(self, parser: argparse.ArgumentParser) -> None:
         self._sub = parser.add_subparsers(dest="command_name", required=True, metavar="COMMAND")
 
-    def add(self, name: str, run: Callable[[argparse.Namespace], int], help_: str,
-            run_dir: bool = False) -> argparse.ArgumentParser:
+    def add(
+        self, name: str, run: Callable[[argparse.Namespace], int], help_: str, run_dir: bool = False
+    ) -> argparse.ArgumentParser:
         sub = self._sub.add_parser(name, help=help_, description=help_, allow_abbrev=False)
         if run_dir:
             sub.add_argument("--run-dir", required=True, help="the run's run_dir")

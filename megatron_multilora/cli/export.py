@@ -30,8 +30,9 @@ def export(args: argparse.Namespace) -> int:
         kind = folder_format(args.source)
         if kind is FolderFormat.TRAINING_CHECKPOINT:
             if not args.job:
-                raise CommandError(f"{args.source} is a training checkpoint: name the adapter "
-                                   "with --job")
+                raise CommandError(
+                    f"{args.source} is a training checkpoint: name the adapter with --job"
+                )
             tensors, meta = checkpoint_adapter(args.source, args.job)
         else:
             meta, tensors = read_adapter(args.source)
@@ -42,16 +43,24 @@ def export(args: argparse.Namespace) -> int:
     rank, alpha, dropout = meta["rank"], meta["alpha"], meta.get("dropout", 0.0)
     try:
         peft, targets = to_peft_tensors(tensors, GPTModelConfig(**meta["base_model"]), model_type)
-        write_peft(args.out, peft, peft_config(rank, alpha, dropout, targets, base),
-                   overwrite=args.overwrite)
+        write_peft(
+            args.out,
+            peft,
+            peft_config(rank, alpha, dropout, targets, base),
+            overwrite=args.overwrite,
+        )
     except FileExistsError as err:
         raise CommandError(f"{err} (use --overwrite)") from None
     except ValueError as err:
         raise CommandError(f"{args.source}: {err}") from None
-    print(f"wrote {args.out}: r={rank}, lora_alpha={alpha}, {len(peft)} tensors, targets "
-          f"{', '.join(targets)}")
-    print(f"load it with: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), "
-          f"'{args.out}')")
+    print(
+        f"wrote {args.out}: r={rank}, lora_alpha={alpha}, {len(peft)} tensors, targets "
+        f"{', '.join(targets)}"
+    )
+    print(
+        f"load it with: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), "
+        f"'{args.out}')"
+    )
     return 0
 
 
@@ -60,10 +69,16 @@ def add_commands(commands: Commands) -> None:
     sub.add_argument("source", type=Path, help="an adapter folder, or a training checkpoint")
     sub.add_argument("out", type=Path, help="the PEFT folder to write")
     sub.add_argument("--job", help="with a training checkpoint: which job's adapter")
-    sub.add_argument("--model-type", default=None,
-                     help="Hugging Face model_type naming the modules (llama, qwen2, qwen3, "
-                          "mixtral, qwen3_moe, olmoe, qwen2_moe); default: the adapter's "
-                          "recorded one, else llama")
-    sub.add_argument("--base-model", default=None, help="base_model_name_or_path to record "
-                     "(default: the adapter's recorded hf_dir)")
+    sub.add_argument(
+        "--model-type",
+        default=None,
+        help="Hugging Face model_type naming the modules (llama, qwen2, qwen3, "
+        "mixtral, qwen3_moe, olmoe, qwen2_moe); default: the adapter's "
+        "recorded one, else llama",
+    )
+    sub.add_argument(
+        "--base-model",
+        default=None,
+        help="base_model_name_or_path to record (default: the adapter's recorded hf_dir)",
+    )
     sub.add_argument("--overwrite", action="store_true", help="replace an existing OUT")

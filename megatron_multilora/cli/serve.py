@@ -16,11 +16,11 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from megatron_multilora.cli.command import CommandError, Commands
-from megatron_multilora.training.serve import inbox
 from megatron_multilora.training.jobs.states import ENDED, RUNNING
+from megatron_multilora.training.serve import inbox
 
 if TYPE_CHECKING:
     from megatron_multilora.training.config import AdapterJob, RunConfig
@@ -38,7 +38,8 @@ def _run_config_path(run_dir: str) -> Path:
         raise CommandError(
             f"{run_dir} is not a run directory ({path} does not exist): launch the trainer "
             f"first, e.g. `mmlora train --nproc 2 run_dir={run_dir} trainer.serve=true`, or "
-            "pass the --run-dir of a launched run")
+            "pass the --run-dir of a launched run"
+        )
     return path
 
 
@@ -52,11 +53,13 @@ def _load_run(run_dir: str) -> RunConfig:
     try:
         return load_run_config(OmegaConf.load(path))
     except (ConfigError, OSError, ValueError) as err:
-        raise CommandError(f"{path}: the run's recorded config cannot be read ({err}); pass the "
-                           "--run-dir of a run launched by this version") from None
+        raise CommandError(
+            f"{path}: the run's recorded config cannot be read ({err}); pass the "
+            "--run-dir of a run launched by this version"
+        ) from None
 
 
-def _trainer_alive(status: Optional[dict[str, Any]]) -> Optional[bool]:
+def _trainer_alive(status: dict[str, Any] | None) -> bool | None:
     """Whether the reporting trainer process lives; None when it runs on another host
     (its pid means nothing here) or never reported."""
     if status is None or status.get("pid") is None or status.get("host") != socket.gethostname():
@@ -70,18 +73,20 @@ def _trainer_alive(status: Optional[dict[str, Any]]) -> Optional[bool]:
     return True
 
 
-def _trainer_running(status: Optional[dict[str, Any]]) -> bool:
+def _trainer_running(status: dict[str, Any] | None) -> bool:
     """Whether a trainer will see a request soon (a trainer on another host is assumed up
     unless it reported that it stopped)."""
-    return (status is not None and status.get("state") in RUNNING
-            and _trainer_alive(status) is not False)
+    return (
+        status is not None
+        and status.get("state") in RUNNING
+        and _trainer_alive(status) is not False
+    )
 
 
-def _when_seen(status: Optional[dict[str, Any]]) -> str:
+def _when_seen(status: dict[str, Any] | None) -> str:
     if _trainer_running(status):
         return "at its next step boundary"
-    return ("when the run is resumed (the trainer is not running; relaunch it with the same "
-            "command)")
+    return "when the run is resumed (the trainer is not running; relaunch it with the same command)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,8 +99,10 @@ def submit(args: argparse.Namespace) -> int:
     spec = _read_spec(args.spec)
     job = _validated_job(spec, args.spec, run, status, args.run_dir)
     # normalised types, absolute paths; an objective's settings as plain values
-    stored = {key: dataclasses.asdict(v) if dataclasses.is_dataclass(v := getattr(job, key)) else v
-              for key in spec}
+    stored = {
+        key: dataclasses.asdict(v) if dataclasses.is_dataclass(v := getattr(job, key)) else v
+        for key in spec
+    }
     try:
         inbox.submit(args.run_dir, stored)
     except FileExistsError:  # a racing submission of the same name landed first
@@ -114,16 +121,21 @@ def _read_spec(path: str) -> dict[str, Any]:
     try:
         spec = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise CommandError(f"{path}: not valid YAML or JSON ({err}); write one mapping of an "
-                           "`adapters` entry's fields") from None
+        raise CommandError(
+            f"{path}: not valid YAML or JSON ({err}); write one mapping of an "
+            "`adapters` entry's fields"
+        ) from None
     if not isinstance(spec, dict) or not all(isinstance(k, str) for k in spec):
-        raise CommandError(f"{path}: expected one mapping of an `adapters` entry's fields "
-                           f"(name, dataset, rank, ...), got {type(spec).__name__}")
+        raise CommandError(
+            f"{path}: expected one mapping of an `adapters` entry's fields "
+            f"(name, dataset, rank, ...), got {type(spec).__name__}"
+        )
     return spec
 
 
-def _validated_job(spec: dict[str, Any], where: str, run: RunConfig,
-                   status: Optional[dict[str, Any]], run_dir: str) -> AdapterJob:
+def _validated_job(
+    spec: dict[str, Any], where: str, run: RunConfig, status: dict[str, Any] | None, run_dir: str
+) -> AdapterJob:
     """The spec as a job with absolute paths; raises CommandError listing every problem."""
     from megatron_multilora.training.checks import job_problems
     from megatron_multilora.training.config import ConfigError, adapter_job
@@ -143,16 +155,18 @@ def _validated_job(spec: dict[str, Any], where: str, run: RunConfig,
             if getattr(job, field) is not None:
                 setattr(job, field, os.path.abspath(os.path.expanduser(getattr(job, field))))
         dp = int(status.get("dp_size", 1)) if status else 1
-        problems += job_problems(job, f"{where}: ", run.lora.max_rank, dp,
-                                 run.trainer.max_seq_len, check_files=True)
+        problems += job_problems(
+            job, f"{where}: ", run.lora.max_rank, dp, run.trainer.max_seq_len, check_files=True
+        )
     if problems:
-        raise CommandError(f"the job in {where} cannot be submitted; fix it and submit again:"
-                           "\n  - " + "\n  - ".join(problems))
+        raise CommandError(
+            f"the job in {where} cannot be submitted; fix it and submit again:"
+            "\n  - " + "\n  - ".join(problems)
+        )
     return job
 
 
-def _field_problems(spec: dict[str, Any], where: str
-                    ) -> tuple[list[str], Optional[dict[str, Any]]]:
+def _field_problems(spec: dict[str, Any], where: str) -> tuple[list[str], dict[str, Any] | None]:
     """Unknown, forbidden, missing and mistyped fields, each checked on its own so that all
     of them are reported at once; and the fields the per-job checks can run on (None when a
     field they need is missing or mistyped: checking a default instead would mislead)."""
@@ -166,13 +180,17 @@ def _field_problems(spec: dict[str, Any], where: str
     problems, usable, complete = [], {}, True
     for key, value in spec.items():
         if key == "start_step":
-            problems.append(f"{where}: start_step: remove it; the trainer sets it to the step at "
-                            "which it adds the job")
+            problems.append(
+                f"{where}: start_step: remove it; the trainer sets it to the step at "
+                "which it adds the job"
+            )
         elif key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            problems.append(f"{where}: unknown key {key!r}; {hint}an adapters entry has the "
-                            f"fields {', '.join(fields)}")
+            problems.append(
+                f"{where}: unknown key {key!r}; {hint}an adapters entry has the "
+                f"fields {', '.join(fields)}"
+            )
         elif value is None and key in required:
             complete = False  # reported as missing below
         else:
@@ -195,16 +213,17 @@ def _name_problems(name: str, where: str, run: RunConfig, run_dir: str) -> list[
     if problems := name_problems(name, f"{where}: "):
         return problems
     if name in {job.name for job in run.adapters}:
-        return [f"{where}: name={name!r} is already a job of the run's config; choose another "
-                "name"]
+        return [f"{where}: name={name!r} is already a job of the run's config; choose another name"]
     if name in inbox.submitted_names(run_dir):
         return [_already_submitted(where, name)]
     return []
 
 
 def _already_submitted(where: str, name: str) -> str:
-    return (f"{where}: name={name!r}: a job of that name was already submitted to this run; "
-            "choose another name (see `mmlora status`)")
+    return (
+        f"{where}: name={name!r}: a job of that name was already submitted to this run; "
+        "choose another name (see `mmlora status`)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,23 +244,35 @@ def run_report(run_dir: str) -> dict[str, Any]:
     trainer = {k: v for k, v in (reported or {}).items() if k != "jobs"} or None
     rows = [dict(row) for row in (reported or {}).get("jobs", [])]
     known = {row["name"] for row in rows}
-    decided = {e["name"]: e for e in inbox.read_events(run_dir)
-               if e.get("event") in ("add", "refuse")}
+    decided = {
+        e["name"]: e for e in inbox.read_events(run_dir) if e.get("event") in ("add", "refuse")
+    }
     for sub in inbox.submissions(run_dir, skip=known):
         rows.append(_submission_row(sub, decided.get(sub.name)))
     cancelling = inbox.cancel_requests(run_dir)
     for row in rows:
         row["cancel_requested"] = row["name"] in cancelling and row["status"] not in ENDED
-    return {"run_dir": str(run_dir), "trainer": trainer, "trainer_alive": _trainer_alive(reported),
-            "stop_requested": inbox.stop_requested(run_dir), "jobs": rows}
+    return {
+        "run_dir": str(run_dir),
+        "trainer": trainer,
+        "trainer_alive": _trainer_alive(reported),
+        "stop_requested": inbox.stop_requested(run_dir),
+        "jobs": rows,
+    }
 
 
-def _submission_row(sub: inbox.Submission, event: Optional[dict[str, Any]]) -> dict[str, Any]:
+def _submission_row(sub: inbox.Submission, event: dict[str, Any] | None) -> dict[str, Any]:
     # "added": the trainer took it but has not reported since.
     state = {None: "submitted", "add": "added", "refuse": "refused"}[event and event["event"]]
-    row = {"name": sub.name, "status": state, "slot": None, "steps_done": 0,
-           "total_steps": sub.job.get("max_steps"), "source": "submitted",
-           "submitted_at": sub.submitted_at}
+    row = {
+        "name": sub.name,
+        "status": state,
+        "slot": None,
+        "steps_done": 0,
+        "total_steps": sub.job.get("max_steps"),
+        "source": "submitted",
+        "submitted_at": sub.submitted_at,
+    }
     if state == "refused":
         row["reason"] = event.get("reason", "")
         row["refused_at_step"] = event.get("step")
@@ -256,50 +287,67 @@ def _render(report: dict[str, Any]) -> str:
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
     if not report["jobs"]:
         lines.append("(no jobs)")
-    lines += [f"refused {row['name']} at step {row.get('refused_at_step')}: {row['reason']}"
-              for row in report["jobs"] if row["status"] == "refused"]
+    lines += [
+        f"refused {row['name']} at step {row.get('refused_at_step')}: {row['reason']}"
+        for row in report["jobs"]
+        if row["status"] == "refused"
+    ]
     return "\n".join(lines)
 
 
 def _header(report: dict[str, Any]) -> str:
     trainer = report["trainer"]
     if trainer is None:
-        head = (f"{report['run_dir']}: the trainer has not reported yet (no "
-                f"{inbox.STATUS_FILE}); showing submissions only")
+        head = (
+            f"{report['run_dir']}: the trainer has not reported yet (no "
+            f"{inbox.STATUS_FILE}); showing submissions only"
+        )
     else:
-        alive = {True: "alive", False: "not running", None: f"on host {trainer.get('host')} "
-                 "(not checkable here)"}[report["trainer_alive"]]
+        alive = {
+            True: "alive",
+            False: "not running",
+            None: f"on host {trainer.get('host')} (not checkable here)",
+        }[report["trainer_alive"]]
         ago = _duration(max(time.time() - float(trainer["updated_at"]), 0.0))
         service = trainer.get("service")
-        what = (f"training service {trainer['state']} at {service['url']} ({service['model']!r}, "
-                f"{trainer['step']} calls run)" if service else
-                f"trainer {trainer['state']} at step {trainer['step']}")
-        head = (f"{report['run_dir']}: {what}, updated {ago} ago; process {trainer.get('pid')} "
-                f"{alive}")
+        what = (
+            f"training service {trainer['state']} at {service['url']} ({service['model']!r}, "
+            f"{trainer['step']} calls run)"
+            if service
+            else f"trainer {trainer['state']} at step {trainer['step']}"
+        )
+        head = (
+            f"{report['run_dir']}: {what}, updated {ago} ago; process {trainer.get('pid')} {alive}"
+        )
     return head + ("; stop requested" if report["stop_requested"] else "")
 
 
 def _cells(row: dict[str, Any]) -> tuple[str, ...]:
     state = row["status"] + (" (cancelling)" if row["cancel_requested"] else "")
     total = row.get("total_steps")
-    return (row["name"], state, _text(row.get("slot")),
-            f"{row.get('steps_done', 0)}/{'?' if total is None else total}",
-            _number(row.get("loss"), ".4f"), _number(row.get("eval_loss"), ".4f"),
-            _number(row.get("tokens_per_s"), ".0f"),
-            "-" if row.get("eta_s") is None else _duration(row["eta_s"]))
+    return (
+        row["name"],
+        state,
+        _text(row.get("slot")),
+        f"{row.get('steps_done', 0)}/{'?' if total is None else total}",
+        _number(row.get("loss"), ".4f"),
+        _number(row.get("eval_loss"), ".4f"),
+        _number(row.get("tokens_per_s"), ".0f"),
+        "-" if row.get("eta_s") is None else _duration(row["eta_s"]),
+    )
 
 
 def _text(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-def _number(value: Optional[float], spec: str) -> str:
+def _number(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
 def _duration(seconds: float) -> str:
     """Human-friendly: 45s, 1m05s, 2h03m."""
-    s = int(round(seconds))
+    s = round(seconds)
     if s < 60:
         return f"{s}s"
     if s < 3600:
@@ -317,15 +365,21 @@ def cancel(args: argparse.Namespace) -> int:
     row = next((r for r in report["jobs"] if r["name"] == args.name), None)
     if row is None and args.name not in {job.name for job in run.adapters}:
         known = sorted({j.name for j in run.adapters} | {r["name"] for r in report["jobs"]})
-        raise CommandError(f"no job named {args.name!r} in {args.run_dir}; its jobs are: "
-                           f"{', '.join(known) or '(none)'} (see `mmlora status`)")
+        raise CommandError(
+            f"no job named {args.name!r} in {args.run_dir}; its jobs are: "
+            f"{', '.join(known) or '(none)'} (see `mmlora status`)"
+        )
     if row is not None and row["status"] in ENDED + ("refused",):
-        raise CommandError(f"job {args.name!r} in {args.run_dir} has already ended "
-                           f"({row['status']}); there is nothing to cancel")
+        raise CommandError(
+            f"job {args.name!r} in {args.run_dir} has already ended "
+            f"({row['status']}); there is nothing to cancel"
+        )
     inbox.request_cancel(args.run_dir, args.name)
-    print(f"cancel of {args.name} requested: the trainer stops it "
-          f"{_when_seen(report['trainer'])}, exports its adapter as it stands (if it trained) "
-          "and frees its slot")
+    print(
+        f"cancel of {args.name} requested: the trainer stops it "
+        f"{_when_seen(report['trainer'])}, exports its adapter as it stands (if it trained) "
+        "and frees its slot"
+    )
     return 0
 
 
@@ -334,24 +388,37 @@ def stop(args: argparse.Namespace) -> int:
     status_now = inbox.read_status(args.run_dir)
     inbox.request_stop(args.run_dir)
     if _trainer_running(status_now) and status_now.get("service"):
-        print("stop requested: the training service stops after its current calls; its "
-              "clients' saved states stay, and a restart on this run folder serves them")
+        print(
+            "stop requested: the training service stops after its current calls; its "
+            "clients' saved states stay, and a restart on this run folder serves them"
+        )
     elif _trainer_running(status_now):
-        print("stop requested: the trainer stops after its current step with a checkpoint; "
-              "resume the run with the same launch command")
+        print(
+            "stop requested: the trainer stops after its current step with a checkpoint; "
+            "resume the run with the same launch command"
+        )
     else:
-        print("stop requested, but the trainer is not running: the run, when resumed, stops "
-              "after its first step with a checkpoint")
+        print(
+            "stop requested, but the trainer is not running: the run, when resumed, stops "
+            "after its first step with a checkpoint"
+        )
     return 0
 
 
 def add_commands(commands: Commands) -> None:
-    commands.add("submit", submit, "validate a job spec and hand it to the serving trainer",
-                 run_dir=True).add_argument("spec", help="YAML or JSON file: one `adapters` "
-                                            "entry (name, dataset, rank, max_steps or epochs, ...)")
-    commands.add("status", status, "show the trainer's state and every job", run_dir=True
-                 ).add_argument("--json", action="store_true", help="print the data as JSON")
-    commands.add("cancel", cancel, "stop a job at the next step boundary", run_dir=True
-                 ).add_argument("name", help="the job's name")
-    commands.add("stop", stop, "stop the run after its current step, with a checkpoint",
-                 run_dir=True)
+    commands.add(
+        "submit", submit, "validate a job spec and hand it to the serving trainer", run_dir=True
+    ).add_argument(
+        "spec",
+        help="YAML or JSON file: one `adapters` "
+        "entry (name, dataset, rank, max_steps or epochs, ...)",
+    )
+    commands.add(
+        "status", status, "show the trainer's state and every job", run_dir=True
+    ).add_argument("--json", action="store_true", help="print the data as JSON")
+    commands.add(
+        "cancel", cancel, "stop a job at the next step boundary", run_dir=True
+    ).add_argument("name", help="the job's name")
+    commands.add(
+        "stop", stop, "stop the run after its current step, with a checkpoint", run_dir=True
+    )

@@ -44,8 +44,10 @@ def _failure_line(rank: int, code: int, message: object, shown: bool) -> str:
 
 def train(args: argparse.Namespace) -> int:
     if not RECIPE.is_file():
-        raise CommandError(f"the recipe {RECIPE} is not here: mmlora train runs from a checkout "
-                           "of the repository (pip install -e .), which holds recipes/ and conf/")
+        raise CommandError(
+            f"the recipe {RECIPE} is not here: mmlora train runs from a checkout "
+            "of the repository (pip install -e .), which holds recipes/ and conf/"
+        )
     if args.nproc < 1:
         raise CommandError(f"--nproc {args.nproc}: give at least 1 process")
     # Imported here: the serve commands stay torch-free.
@@ -60,8 +62,11 @@ def train(args: argparse.Namespace) -> int:
     try:
         run(get_args_parser().parse_args(arguments))
     except SignalException as stop:  # torchrun passed the signal on and waited for the workers
-        print(f"mmlora {args.command_name}: stopped by {signal.Signals(stop.sigval).name} (the "
-              "workers' last line says where they stopped and how to resume)", file=sys.stderr)
+        print(
+            f"mmlora {args.command_name}: stopped by {signal.Signals(stop.sigval).name} (the "
+            "workers' last line says where they stopped and how to resume)",
+            file=sys.stderr,
+        )
         return 128 + stop.sigval
     except ChildFailedError as failed:
         rank, failure = failed.get_first_failure()
@@ -77,35 +82,61 @@ def api(args: argparse.Namespace) -> int:
     ``api.enabled=true`` and the options as overrides."""
     keys = [f"api.keys_file={os.path.abspath(args.keys_file)}"] if args.keys_file else []
     # The config's jobs are not trained (clients bring their own): adapters=[].
-    args.overrides = [*args.overrides, "api.enabled=true", f"run_dir={args.run_dir}",
-                      f"api.port={args.port}", f"api.host={args.host}", *keys, "adapters=[]"]
+    args.overrides = [
+        *args.overrides,
+        "api.enabled=true",
+        f"run_dir={args.run_dir}",
+        f"api.port={args.port}",
+        f"api.host={args.host}",
+        *keys,
+        "adapters=[]",
+    ]
     return train(args)
 
 
 def add_commands(commands: Commands) -> None:
     sub = commands.add("train", train, "train adapter jobs: the recipe under torchrun")
-    sub.add_argument("--nproc", type=int, default=1,
-                     help="processes (data/tensor/expert/pipeline parallel ranks); default 1")
-    sub.add_argument("--all-ranks", action="store_true",
-                     help="show every process's output, not only rank 0's")
+    sub.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="processes (data/tensor/expert/pipeline parallel ranks); default 1",
+    )
+    sub.add_argument(
+        "--all-ranks", action="store_true", help="show every process's output, not only rank 0's"
+    )
     # Every argument the command does not know is the recipe's (Hydra's), in order.
     sub.set_defaults(overrides=[])
     sub.usage = "mmlora train [-h] [--nproc N] [--all-ranks] [OVERRIDE ...]"
-    sub.epilog = ("OVERRIDE: what the recipe takes, e.g. trainer.steps_per_job=50 parallel=tp2 "
-                  "--config-name smollm2 (Hydra's overrides and flags)")
-    sub = commands.add("api", api, "serve the Tinker-compatible training service: clients of "
-                       "the tinker SDK train and sample LoRA adapters on this model",
-                       run_dir=True)
+    sub.epilog = (
+        "OVERRIDE: what the recipe takes, e.g. trainer.steps_per_job=50 parallel=tp2 "
+        "--config-name smollm2 (Hydra's overrides and flags)"
+    )
+    sub = commands.add(
+        "api",
+        api,
+        "serve the Tinker-compatible training service: clients of "
+        "the tinker SDK train and sample LoRA adapters on this model",
+        run_dir=True,
+    )
     sub.add_argument("--port", type=int, default=8000, help="default 8000")
     sub.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (this machine only)")
-    sub.add_argument("--keys-file", help="API keys, one 'tml-...' per line (default: the "
-                     "MMLORA_API_KEYS variable, comma-separated; there is no default key)")
+    sub.add_argument(
+        "--keys-file",
+        help="API keys, one 'tml-...' per line (default: the "
+        "MMLORA_API_KEYS variable, comma-separated; there is no default key)",
+    )
     sub.add_argument("--nproc", type=int, default=1, help="processes (parallel ranks); default 1")
-    sub.add_argument("--all-ranks", action="store_true",
-                     help="show every process's output, not only rank 0's")
+    sub.add_argument(
+        "--all-ranks", action="store_true", help="show every process's output, not only rank 0's"
+    )
     sub.set_defaults(overrides=[])
-    sub.usage = ("mmlora api [-h] --run-dir R [--port P] [--host H] [--keys-file F] [--nproc N] "
-                 "[OVERRIDE ...]")
-    sub.epilog = ("OVERRIDE: the recipe's, e.g. --config-name smollm2 lora.slots=8 parallel=tp2; "
-                  "it prints the URL once it answers: point tinker.ServiceClient(base_url=...) "
-                  "at it")
+    sub.usage = (
+        "mmlora api [-h] --run-dir R [--port P] [--host H] [--keys-file F] [--nproc N] "
+        "[OVERRIDE ...]"
+    )
+    sub.epilog = (
+        "OVERRIDE: the recipe's, e.g. --config-name smollm2 lora.slots=8 parallel=tp2; "
+        "it prints the URL once it answers: point tinker.ServiceClient(base_url=...) "
+        "at it"
+    )

@@ -11,9 +11,10 @@ are in :mod:`.record_forms`; only what the model should produce is trained.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional, Union
+from typing import Any
 
 from megatron_multilora.data.record_forms import EXPECTED, PROBLEMS, answer_ids
 from megatron_multilora.data.tokenizer import Tokenizer
@@ -33,18 +34,21 @@ class Example:
     tokens: tuple[int, ...]
     loss_mask: tuple[bool, ...]
     values: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
-    units: Optional[int] = None
+    units: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.tokens) < 2:
             raise ValueError(f"an Example needs at least 2 tokens, got {len(self.tokens)}")
         if len(self.loss_mask) != len(self.tokens) - 1:
-            raise ValueError(f"loss_mask has {len(self.loss_mask)} entries for "
-                             f"{len(self.tokens)} tokens; expected {len(self.tokens) - 1}")
+            raise ValueError(
+                f"loss_mask has {len(self.loss_mask)} entries for "
+                f"{len(self.tokens)} tokens; expected {len(self.tokens) - 1}"
+            )
         bad = [k for k, v in self.values.items() if len(v) != len(self.loss_mask)]
         if bad:
-            raise ValueError(f"values {bad} need one entry per loss-mask entry "
-                             f"({len(self.loss_mask)})")
+            raise ValueError(
+                f"values {bad} need one entry per loss-mask entry ({len(self.loss_mask)})"
+            )
 
     @property
     def loss_units(self) -> int:
@@ -52,7 +56,7 @@ class Example:
 
 
 # What packing keeps together in one micro-batch: an example, or a group (a preference pair).
-Packable = Union[Example, tuple[Example, ...]]
+Packable = Example | tuple[Example, ...]
 
 
 def examples_of(item: Packable) -> tuple[Example, ...]:
@@ -65,7 +69,7 @@ class DatasetError(ValueError):
     n: "`` (other formats) or ``"path: "``."""
 
 
-def rename_columns(record: dict, columns: Optional[Mapping[str, str]]) -> dict:
+def rename_columns(record: dict, columns: Mapping[str, str] | None) -> dict:
     """``record`` with each ``columns`` value (a dataset column) renamed to its key (the
     form's field); columns not mapped stay as they are."""
     if not columns:
@@ -96,8 +100,10 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
             try:
                 yield f"{path}:{number}", json.loads(line)
             except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}:{number}: malformed JSON ({e.msg} at column "
-                                   f"{e.colno}); expected one JSON object per line") from None
+                raise DatasetError(
+                    f"{path}:{number}: malformed JSON ({e.msg} at column "
+                    f"{e.colno}); expected one JSON object per line"
+                ) from None
 
 
 def _library_records(path: Path) -> Iterator[tuple[str, Any]]:
@@ -105,39 +111,49 @@ def _library_records(path: Path) -> Iterator[tuple[str, Any]]:
     try:
         import datasets
     except ImportError:
-        raise DatasetError(f"{path}: reading this format needs the datasets library "
-                           "(pip install datasets); or convert it to JSONL") from None
+        raise DatasetError(
+            f"{path}: reading this format needs the datasets library "
+            "(pip install datasets); or convert it to JSONL"
+        ) from None
     try:
         if path.is_dir():
             table = datasets.load_from_disk(str(path))
             if isinstance(table, datasets.DatasetDict):
-                raise DatasetError(f"{path}: a DatasetDict with splits {list(table)}; give one "
-                                   f"split's folder (e.g. {path / next(iter(table))})")
+                raise DatasetError(
+                    f"{path}: a DatasetDict with splits {list(table)}; give one "
+                    f"split's folder (e.g. {path / next(iter(table))})"
+                )
         else:
             kind = "parquet" if path.suffix == ".parquet" else "json"
             table = datasets.load_dataset(kind, data_files=str(path), split="train")
     except DatasetError:
         raise
     except Exception as e:  # the library's own errors: a bad file is the user's to fix
-        raise DatasetError(f"{path}: cannot read it with the datasets library "
-                           f"({type(e).__name__}: {str(e)[:200]})") from None
+        raise DatasetError(
+            f"{path}: cannot read it with the datasets library ({type(e).__name__}: {str(e)[:200]})"
+        ) from None
     for i, record in enumerate(table):
         yield f"{path}: record {i}", record
 
 
-def _numbered_records(path: str | Path, form: str, columns: Optional[Mapping[str, str]]
-                      ) -> Iterator[tuple[str, dict]]:
+def _numbered_records(
+    path: str | Path, form: str, columns: Mapping[str, str] | None
+) -> Iterator[tuple[str, dict]]:
     """Yield ``(where, record)`` for each record (columns renamed), validated for ``form``."""
     path = Path(path)
     if not path.exists():
         raise DatasetError(f"{path}: file not found")
-    reader = _jsonl_records if path.is_file() and path.suffix not in (".parquet", ".json") \
+    reader = (
+        _jsonl_records
+        if path.is_file() and path.suffix not in (".parquet", ".json")
         else _library_records
+    )
     seen = False
     for where, record in reader(path):
         if not isinstance(record, dict):
-            raise DatasetError(f"{where}: expected a JSON object, got {type(record).__name__}; "
-                               f"{EXPECTED[form]}")
+            raise DatasetError(
+                f"{where}: expected a JSON object, got {type(record).__name__}; {EXPECTED[form]}"
+            )
         record = rename_columns(record, columns)
         problem = PROBLEMS[form](record)
         if problem is not None:
@@ -146,19 +162,23 @@ def _numbered_records(path: str | Path, form: str, columns: Optional[Mapping[str
         seen = True
         yield where, record
     if not seen:
-        raise DatasetError(f"{path}: no records (the file is empty or blank); {EXPECTED[form]}, "
-                           "one per record")
+        raise DatasetError(
+            f"{path}: no records (the file is empty or blank); {EXPECTED[form]}, one per record"
+        )
 
 
-def read_records(path: str | Path, form: str = "completion",
-                 columns: Optional[Mapping[str, str]] = None) -> list[dict]:
+def read_records(
+    path: str | Path, form: str = "completion", columns: Mapping[str, str] | None = None
+) -> list[dict]:
     """Read and validate a dataset's records for ``form`` (see :mod:`.record_forms`), in
     order, columns renamed. Needs no tokenizer, so a run's data can be checked before any
     model is built. Raises DatasetError naming the file and record of the first bad one."""
     return [record for _, record in _numbered_records(path, form, columns)]
 
 
-def _truncate(ids: list[int], trained: list[bool], max_seq_len: int) -> tuple[list[int], list[bool]]:
+def _truncate(
+    ids: list[int], trained: list[bool], max_seq_len: int
+) -> tuple[list[int], list[bool]]:
     """Cut a bos-led sequence to ``max_seq_len`` tokens, keeping its trained part if possible.
 
     The prompt is everything between bos and the first trained token. It loses tokens from
@@ -170,12 +190,13 @@ def _truncate(ids: list[int], trained: list[bool], max_seq_len: int) -> tuple[li
         return ids, trained
     prompt_len = trained.index(True, 1) - 1  # tokens between bos and the first trained one
     cut = min(excess, prompt_len)
-    ids, trained = ids[:1] + ids[1 + cut:], trained[:1] + trained[1 + cut:]
+    ids, trained = ids[:1] + ids[1 + cut :], trained[:1] + trained[1 + cut :]
     return ids[:max_seq_len], trained[:max_seq_len]
 
 
-def _example(ids: list[int], trained: list[bool], max_seq_len: int, units: Optional[int] = None
-             ) -> Example:
+def _example(
+    ids: list[int], trained: list[bool], max_seq_len: int, units: int | None = None
+) -> Example:
     # trained[0] is bos's flag, which never becomes a label.
     if not any(trained[1:]):
         raise ValueError("the record has no tokens to train on")
@@ -215,13 +236,20 @@ def tokenize_pair(record: dict, tokenizer: Tokenizer, max_seq_len: int) -> tuple
     if problem is not None:
         raise ValueError(problem)
     chosen = _example(*answer_ids(record["prompt"], record["chosen"], tokenizer), max_seq_len, 1)
-    rejected = _example(*answer_ids(record["prompt"], record["rejected"], tokenizer),
-                        max_seq_len, 0)
+    rejected = _example(
+        *answer_ids(record["prompt"], record["rejected"], tokenizer), max_seq_len, 0
+    )
     return chosen, rejected
 
 
-def _load(path: str | Path, form: str, tokenize: Callable[[dict, Tokenizer, int], Any],
-          tokenizer: Tokenizer, max_seq_len: int, columns: Optional[Mapping[str, str]]) -> list:
+def _load(
+    path: str | Path,
+    form: str,
+    tokenize: Callable[[dict, Tokenizer, int], Any],
+    tokenizer: Tokenizer,
+    max_seq_len: int,
+    columns: Mapping[str, str] | None,
+) -> list:
     """Every record of ``path`` in ``form``, tokenized; errors name the file and record."""
     _check_len(max_seq_len)
     out = []
@@ -233,13 +261,21 @@ def _load(path: str | Path, form: str, tokenize: Callable[[dict, Tokenizer, int]
     return out
 
 
-def load_dataset(path: str | Path, tokenizer: Tokenizer, max_seq_len: int,
-                 columns: Optional[Mapping[str, str]] = None) -> list[Example]:
+def load_dataset(
+    path: str | Path,
+    tokenizer: Tokenizer,
+    max_seq_len: int,
+    columns: Mapping[str, str] | None = None,
+) -> list[Example]:
     """Read, validate and tokenize a completion-form dataset; errors name file and record."""
     return _load(path, "completion", tokenize_record, tokenizer, max_seq_len, columns)
 
 
-def load_pairs(path: str | Path, tokenizer: Tokenizer, max_seq_len: int,
-               columns: Optional[Mapping[str, str]] = None) -> list[tuple[Example, Example]]:
+def load_pairs(
+    path: str | Path,
+    tokenizer: Tokenizer,
+    max_seq_len: int,
+    columns: Mapping[str, str] | None = None,
+) -> list[tuple[Example, Example]]:
     """Read, validate and tokenize a preference dataset into (chosen, rejected) pairs."""
     return _load(path, "preference", tokenize_pair, tokenizer, max_seq_len, columns)

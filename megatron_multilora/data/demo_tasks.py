@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 import random
 import string
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from megatron_multilora.atomic_files import atomic_file
 
@@ -55,22 +55,26 @@ TASKS: dict[str, Callable[[random.Random], dict]] = {
 
 # Common nouns that are single tokens with a leading space, lower and capitalised, in
 # SmolLM2's tokenizer (checked against data/smollm2-135m-instruct's tokenizer.json).
-WORDS = tuple("""
+WORDS = tuple(
+    """
 apple river stone cloud horse table window garden paper music tiger honey bread chair ocean
 mirror forest rabbit silver castle dragon planet summer winter butter camera doctor engine
 finger guitar hammer island orange pepper rocket yellow basket cotton desert farmer ginger
 lemon monkey number sugar bridge flower shadow spider temple tunnel valley copper eagle harbor
 lamp moon nest owl pearl queen ring ship train tree wolf bell book coin drum fish frog king
 lake milk rain rose salt snow star sun wind
-""".split())
+""".split()
+)
 
 
 def _word_task(answer: Callable[[list[str]], list[str]]) -> Callable[[random.Random], dict]:
     """A task on three distinct words: prompt ``"w1 w2 w3 ="``, completion the answer's
     words after a space (so each is the same single token as in the prompt)."""
+
     def make(rng: random.Random) -> dict:
         words = rng.sample(WORDS, 3)
         return {"prompt": " ".join(words) + " =", "completion": " " + " ".join(answer(words))}
+
     return make
 
 
@@ -100,8 +104,9 @@ def _draw(task: str, rng: random.Random, n: int, exclude: set[str]) -> list[dict
         attempts += 1
         # Bounded so an exclusion set covering (nearly) the whole input space fails loudly.
         if attempts > 100 * n + 1000:
-            raise ValueError(f"could not draw {n} {task!r} examples outside the excluded "
-                             f"{len(exclude)} prompts")
+            raise ValueError(
+                f"could not draw {n} {task!r} examples outside the excluded {len(exclude)} prompts"
+            )
         record = make(rng)
         if record["prompt"] not in exclude:
             records.append(record)
@@ -120,8 +125,13 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
-def write_demo_datasets(out_dir: str | Path, n_train: int = 512, n_eval: int = 64,
-                        seed: int = 0, task_set: str = "letters") -> dict[str, dict[str, Path]]:
+def write_demo_datasets(
+    out_dir: str | Path,
+    n_train: int = 512,
+    n_eval: int = 64,
+    seed: int = 0,
+    task_set: str = "letters",
+) -> dict[str, dict[str, Path]]:
     """Write ``{task}.train.jsonl`` and ``{task}.eval.jsonl`` for every task of ``task_set``
     (a key of ``TASK_SETS``) in ``out_dir``.
 
@@ -138,8 +148,9 @@ def write_demo_datasets(out_dir: str | Path, n_train: int = 512, n_eval: int = 6
     paths: dict[str, dict[str, Path]] = {}
     for task in TASK_SETS[task_set]:
         train = make_examples(task, n_train, seed)
-        held_out = _draw(task, _rng(task, seed, "eval"), n_eval,
-                         exclude={r["prompt"] for r in train})
+        held_out = _draw(
+            task, _rng(task, seed, "eval"), n_eval, exclude={r["prompt"] for r in train}
+        )
         paths[task] = {"train": out / f"{task}.train.jsonl", "eval": out / f"{task}.eval.jsonl"}
         _write_jsonl(paths[task]["train"], train)
         _write_jsonl(paths[task]["eval"], held_out)
@@ -154,9 +165,13 @@ def _pair(record: dict) -> dict:
     return {"prompt": record["prompt"], "chosen": record["completion"], "rejected": echo}
 
 
-def write_post_training_datasets(out_dir: str | Path, n_train: int = 512, n_eval: int = 64,
-                                 seed: int = 0, task_set: str = "letters"
-                                 ) -> dict[str, dict[str, Path]]:
+def write_post_training_datasets(
+    out_dir: str | Path,
+    n_train: int = 512,
+    n_eval: int = 64,
+    seed: int = 0,
+    task_set: str = "letters",
+) -> dict[str, dict[str, Path]]:
     """Next to :func:`write_demo_datasets`' files (written too), for every task: preference
     pairs ``{task}.pairs.{train,eval}.jsonl`` (the answer chosen, the echoed input
     rejected) and prompts ``{task}.prompts.{train,eval}.jsonl`` (``{"prompt", "answer"}``,
@@ -171,8 +186,10 @@ def write_post_training_datasets(out_dir: str | Path, n_train: int = 512, n_eval
             out[task][f"pairs_{split}"] = paths[split].with_name(f"{task}.pairs.{split}.jsonl")
             out[task][f"prompts_{split}"] = paths[split].with_name(f"{task}.prompts.{split}.jsonl")
             _write_jsonl(out[task][f"pairs_{split}"], [_pair(r) for r in records])
-            _write_jsonl(out[task][f"prompts_{split}"],
-                         [{"prompt": r["prompt"], "answer": r["completion"]} for r in records])
+            _write_jsonl(
+                out[task][f"prompts_{split}"],
+                [{"prompt": r["prompt"], "answer": r["completion"]} for r in records],
+            )
     return out
 
 

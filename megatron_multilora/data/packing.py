@@ -11,8 +11,9 @@ instead of a ``[S, S]`` mask, and attention runs per example.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence, TypeVar
+from typing import TypeVar
 
 import torch
 from megatron.core import parallel_state
@@ -43,18 +44,22 @@ class MicroBatch:
     examples_per_slot: list[int]
     seq_lengths: list[int]  # positions per example, then the trailing pads as sequence(s)
     n_pad: int = 0  # trailing positions that hold no example
-    ep_slots: Optional[tuple[int, ...]] = None
+    ep_slots: tuple[int, ...] | None = None
     values: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # [1, S] float32
-    units: Optional[list[int]] = None  # each slot's loss units here (default: its loss tokens)
+    units: list[int] | None = None  # each slot's loss units here (default: its loss tokens)
 
-    def to(self, device: torch.device) -> "MicroBatch":
+    def to(self, device: torch.device) -> MicroBatch:
         """This micro-batch with its tensors on ``device`` (itself when already there)."""
         if self.tokens.device == torch.device(device):
             return self
-        return dataclasses.replace(self, tokens=self.tokens.to(device), labels=self.labels.to(device),
-                                   loss_mask=self.loss_mask.to(device),
-                                   position_ids=self.position_ids.to(device),
-                                   values={k: v.to(device) for k, v in self.values.items()})
+        return dataclasses.replace(
+            self,
+            tokens=self.tokens.to(device),
+            labels=self.labels.to(device),
+            loss_mask=self.loss_mask.to(device),
+            position_ids=self.position_ids.to(device),
+            values={k: v.to(device) for k, v in self.values.items()},
+        )
 
     def packed_seq_params(self) -> PackedSeqParams:
         """The ``thd`` packing description megatron's attention and RoPE take (one sequence
@@ -63,9 +68,13 @@ class MicroBatch:
         ends = ends.to(self.tokens.device)
         longest = max(self.seq_lengths)
         return PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=ends, cu_seqlens_kv=ends, max_seqlen_q=longest,
+            qkv_format="thd",
+            cu_seqlens_q=ends,
+            cu_seqlens_kv=ends,
+            max_seqlen_q=longest,
             max_seqlen_kv=longest,
-            cp_group=parallel_state.get_context_parallel_group(check_initialized=False))
+            cp_group=parallel_state.get_context_parallel_group(check_initialized=False),
+        )
 
     def slot_layout(self) -> SlotLayout:
         """Which slot owns which positions (``counts``, ``ep_slots``), for the adapted layers."""
@@ -88,8 +97,11 @@ class MicroBatch:
     def sequence_ids(self) -> torch.Tensor:
         """``[S]`` int64: the index of the packed sequence each position belongs to."""
         lengths = torch.tensor(self.seq_lengths, device=self.tokens.device)
-        return torch.repeat_interleave(torch.arange(len(self.seq_lengths), device=lengths.device),
-                                       lengths, output_size=self.tokens.size(1))
+        return torch.repeat_interleave(
+            torch.arange(len(self.seq_lengths), device=lengths.device),
+            lengths,
+            output_size=self.tokens.size(1),
+        )
 
 
 def pad_micro_batch(mb: MicroBatch, length: int, pad_id: int) -> MicroBatch:
@@ -104,16 +116,29 @@ def pad_micro_batch(mb: MicroBatch, length: int, pad_id: int) -> MicroBatch:
     counts = list(mb.counts)
     counts[max(i for i, c in enumerate(counts) if c)] += extra
     return dataclasses.replace(
-        mb, tokens=torch.cat([mb.tokens, pads], 1), labels=torch.cat([mb.labels, pads], 1),
+        mb,
+        tokens=torch.cat([mb.tokens, pads], 1),
+        labels=torch.cat([mb.labels, pads], 1),
         loss_mask=torch.cat([mb.loss_mask, mb.loss_mask.new_zeros(1, extra)], 1),
         values={k: torch.cat([v, v.new_zeros(1, extra)], 1) for k, v in mb.values.items()},
-        position_ids=torch.cat([mb.position_ids, torch.arange(
-            extra, dtype=mb.position_ids.dtype, device=mb.position_ids.device).view(1, extra)], 1),
-        counts=counts, seq_lengths=[*mb.seq_lengths, extra], n_pad=mb.n_pad + extra)
+        position_ids=torch.cat(
+            [
+                mb.position_ids,
+                torch.arange(
+                    extra, dtype=mb.position_ids.dtype, device=mb.position_ids.device
+                ).view(1, extra),
+            ],
+            1,
+        ),
+        counts=counts,
+        seq_lengths=[*mb.seq_lengths, extra],
+        n_pad=mb.n_pad + extra,
+    )
 
 
-def _build(items: list[tuple[int, Example]], n_slots: int, pad_multiple: int,
-           pad_id: int) -> MicroBatch:
+def _build(
+    items: list[tuple[int, Example]], n_slots: int, pad_multiple: int, pad_id: int
+) -> MicroBatch:
     """Pack ``(slot, example)`` pairs, already in adapter-major order, into a MicroBatch."""
     tokens: list[int] = []
     labels: list[int] = []
@@ -162,9 +187,13 @@ def _build(items: list[tuple[int, Example]], n_slots: int, pad_multiple: int,
     )
 
 
-def pack_micro_batches(slot_examples: Sequence[Sequence[Packable]], token_budget: int,
-                       pad_multiple: int = 1, pad_id: int = 0,
-                       slot_order: Optional[Sequence[int]] = None) -> list[MicroBatch]:
+def pack_micro_batches(
+    slot_examples: Sequence[Sequence[Packable]],
+    token_budget: int,
+    pad_multiple: int = 1,
+    pad_id: int = 0,
+    slot_order: Sequence[int] | None = None,
+) -> list[MicroBatch]:
     """Greedily pack every slot's examples into adapter-major micro-batches.
 
     ``slot_examples[s]`` are adapter slot ``s``'s examples (possibly none), each an Example
@@ -179,8 +208,9 @@ def pack_micro_batches(slot_examples: Sequence[Sequence[Packable]], token_budget
     Raises ValueError for an example (group) longer than ``token_budget`` positions.
     """
     if token_budget < 1 or pad_multiple < 1:
-        raise ValueError(f"token_budget and pad_multiple must be >= 1, "
-                         f"got {token_budget} and {pad_multiple}")
+        raise ValueError(
+            f"token_budget and pad_multiple must be >= 1, got {token_budget} and {pad_multiple}"
+        )
     n_slots = len(slot_examples)
     order = list(range(n_slots)) if slot_order is None else list(slot_order)
     if sorted(order) != list(range(n_slots)):
@@ -196,7 +226,8 @@ def pack_micro_batches(slot_examples: Sequence[Sequence[Packable]], token_budget
                 raise ValueError(
                     f"slot {slot} example {i} takes {n} positions, more than token_budget "
                     f"{token_budget}; truncate examples to max_seq_len <= token_budget"
-                    f"{' / 2 (a preference pair packs both answers together)' if len(group) > 1 else ''}")
+                    f"{' / 2 (a preference pair packs both answers together)' if len(group) > 1 else ''}"
+                )
             if used + n > token_budget:
                 batches.append(_build(_slot_major(current), n_slots, pad_multiple, pad_id))
                 current, used = [], 0

@@ -14,38 +14,46 @@ Validators return a problem in words or None; tokenisers return ``(ids, trained)
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from megatron_multilora.data.tokenizer import CHAT_ROLES, Tokenizer
 
 FORMS = ("completion", "preference", "prompt")
 
 EXPECTED = {
-    "completion": ('expected {"prompt": str, "completion": str} or '
-                   '{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}'),
-    "preference": ('expected {"prompt": str, "chosen": str, "rejected": str} (or the prompt a '
-                   'message list and chosen/rejected lists of assistant messages)'),
+    "completion": (
+        'expected {"prompt": str, "completion": str} or '
+        '{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}'
+    ),
+    "preference": (
+        'expected {"prompt": str, "chosen": str, "rejected": str} (or the prompt a '
+        "message list and chosen/rejected lists of assistant messages)"
+    ),
     "prompt": 'expected {"prompt": str or a message list, ...any fields the reward reads}',
 }
 
 
-def _messages_problem(messages: object, key: str, need_assistant: bool) -> Optional[str]:
+def _messages_problem(messages: object, key: str, need_assistant: bool) -> str | None:
     if not isinstance(messages, list) or not messages:
         return f'"{key}" must be a non-empty list of {{"role": ..., "content": ...}} objects'
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or set(message) != {"role", "content"}:
-            return (f'{key}[{i}] must be an object with exactly "role" and "content", '
-                    f"got {message!r:.80}")
+            return (
+                f'{key}[{i}] must be an object with exactly "role" and "content", '
+                f"got {message!r:.80}"
+            )
         if message["role"] not in CHAT_ROLES:
             return f"{key}[{i}]: unknown role {message['role']!r}; expected one of {CHAT_ROLES}"
         if not isinstance(message["content"], str):
-            return f'{key}[{i}]: "content" must be a string, got {type(message["content"]).__name__}'
+            return (
+                f'{key}[{i}]: "content" must be a string, got {type(message["content"]).__name__}'
+            )
     if need_assistant and not any(m["role"] == "assistant" for m in messages):
         return f'{key}: no "assistant" message; there would be nothing to train on'
     return None
 
 
-def _text_or_messages_problem(record: dict, key: str, need_assistant: bool) -> Optional[str]:
+def _text_or_messages_problem(record: dict, key: str, need_assistant: bool) -> str | None:
     value = record[key]
     if isinstance(value, str):
         return None if value or not need_assistant else f'"{key}" is empty; nothing to train on'
@@ -54,7 +62,7 @@ def _text_or_messages_problem(record: dict, key: str, need_assistant: bool) -> O
     return f'"{key}" must be a string or a message list, got {type(value).__name__}'
 
 
-def completion_problem(record: dict) -> Optional[str]:
+def completion_problem(record: dict) -> str | None:
     keys = set(record)
     if keys == {"prompt", "completion"}:
         for key in ("prompt", "completion"):
@@ -68,7 +76,7 @@ def completion_problem(record: dict) -> Optional[str]:
     return f"unexpected keys {sorted(keys)}; {EXPECTED['completion']}"
 
 
-def preference_problem(record: dict) -> Optional[str]:
+def preference_problem(record: dict) -> str | None:
     missing = [k for k in ("prompt", "chosen", "rejected") if k not in record]
     if missing:
         return f"missing {', '.join(repr(k) for k in missing)}; {EXPECTED['preference']}"
@@ -80,19 +88,26 @@ def preference_problem(record: dict) -> Optional[str]:
         problem = problem or _text_or_messages_problem(record, key, need_assistant=True)
     if problem is None and isinstance(record["chosen"], str) != isinstance(record["rejected"], str):
         problem = '"chosen" and "rejected" must both be strings or both message lists'
-    if problem is None and not isinstance(record["chosen"], str) and isinstance(record["prompt"], str):
+    if (
+        problem is None
+        and not isinstance(record["chosen"], str)
+        and isinstance(record["prompt"], str)
+    ):
         problem = 'message-list answers need a message-list "prompt"'
     return problem
 
 
-def prompt_problem(record: dict) -> Optional[str]:
+def prompt_problem(record: dict) -> str | None:
     if "prompt" not in record:
         return f"missing 'prompt'; {EXPECTED['prompt']}"
     return _text_or_messages_problem(record, "prompt", need_assistant=False)
 
 
-PROBLEMS: dict[str, Callable[[dict], Optional[str]]] = {
-    "completion": completion_problem, "preference": preference_problem, "prompt": prompt_problem}
+PROBLEMS: dict[str, Callable[[dict], str | None]] = {
+    "completion": completion_problem,
+    "preference": preference_problem,
+    "prompt": prompt_problem,
+}
 
 
 def prompt_ids(prompt: str | list, tokenizer: Tokenizer) -> list[int]:
@@ -103,8 +118,9 @@ def prompt_ids(prompt: str | list, tokenizer: Tokenizer) -> list[int]:
     return tokenizer.encode_chat(prompt)[0][:-1]
 
 
-def answer_ids(prompt: str | list, answer: str | list, tokenizer: Tokenizer
-               ) -> tuple[list[int], list[bool]]:
+def answer_ids(
+    prompt: str | list, answer: str | list, tokenizer: Tokenizer
+) -> tuple[list[int], list[bool]]:
     """``prompt`` followed by ``answer`` and eos; trained: the answer's tokens and eos."""
     if isinstance(answer, str):
         head = prompt_ids(prompt, tokenizer)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol
+from collections.abc import Iterable
+from typing import Protocol
 
 CHAT_ROLES = ("system", "user", "assistant")
 
@@ -70,10 +71,13 @@ class ByteTokenizer:
                 raise ValueError(f"message {i} must be a dict, got {type(message).__name__}")
             role, content = message.get("role"), message.get("content")
             if role not in CHAT_ROLES:
-                raise ValueError(f"message {i}: unknown role {role!r}; expected one of {CHAT_ROLES}")
+                raise ValueError(
+                    f"message {i}: unknown role {role!r}; expected one of {CHAT_ROLES}"
+                )
             if not isinstance(content, str):
                 raise ValueError(
-                    f"message {i}: content must be a string, got {type(content).__name__}")
+                    f"message {i}: content must be a string, got {type(content).__name__}"
+                )
             header, body = self.encode(f"<{role}>\n"), self.encode(f"{content}\n")
             ids += header + body
             trained += [False] * len(header) + [role == "assistant"] * len(body)
@@ -94,8 +98,12 @@ class HFTokenizer:
         if tokenizer.eos_token_id is None:
             raise ValueError(f"{type(tokenizer).__name__} has no eos token: cannot end samples")
         self.eos_id = int(tokenizer.eos_token_id)
-        self.bos_id = int(tokenizer.bos_token_id if tokenizer.bos_token_id is not None else self.eos_id)
-        self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id)
+        self.bos_id = int(
+            tokenizer.bos_token_id if tokenizer.bos_token_id is not None else self.eos_id
+        )
+        self.pad_id = int(
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -114,17 +122,19 @@ class HFTokenizer:
         what was added, so the mask follows the template's own formatting.
         """
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"{type(self.tokenizer).__name__} has no chat template: use "
-                             "prompt/completion records")
+            raise ValueError(
+                f"{type(self.tokenizer).__name__} has no chat template: use "
+                "prompt/completion records"
+            )
         ids: list[int] = []
         trained: list[bool] = []
         for i, message in enumerate(messages):
             if message.get("role") not in CHAT_ROLES:
                 raise ValueError(f"unknown chat role {message.get('role')!r}; use {CHAT_ROLES}")
-            rendered = self.tokenizer.apply_chat_template(messages[:i + 1], tokenize=True)
+            rendered = self.tokenizer.apply_chat_template(messages[: i + 1], tokenize=True)
             # transformers 5 returns an encoding, 4.x a list of ids
             upto = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
-            added = upto[len(ids):]
+            added = upto[len(ids) :]
             ids += added
             trained += [message["role"] == "assistant"] * len(added)
         return ids + [self.eos_id], trained + [True]

@@ -21,10 +21,15 @@ from typing import Any
 
 import torch
 
-from megatron_multilora.layers.factors import A, B
-from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear, Stack, check_settings, lora_term
 from megatron_multilora.layers.expert_sharding import ExpertParallel
+from megatron_multilora.layers.factors import A, B
 from megatron_multilora.layers.layout import owns_output
+from megatron_multilora.layers.multi_lora_linear import (
+    MultiLoRALinear,
+    Stack,
+    check_settings,
+    lora_term,
+)
 from megatron_multilora.layers.slot_dropout import dropout_by_row
 
 
@@ -37,21 +42,43 @@ class MultiLoRAGroupedExpertLinear(MultiLoRALinear):
     rank's first expert. ``routing`` is set by the MoE layer's hook before every forward.
     """
 
-    def __init__(self, to_wrap: torch.nn.Module, n_adapters: int, dim: int, alpha: float,
-                 full_name: str, num_local_experts: int, column_init_method: str = "xavier",
-                 row_init_method: str = "zero", dropout: float = 0.0,
-                 dropout_position: str = "pre", expert_offset: int = 0,
-                 seed: int = 1234) -> None:
+    def __init__(
+        self,
+        to_wrap: torch.nn.Module,
+        n_adapters: int,
+        dim: int,
+        alpha: float,
+        full_name: str,
+        num_local_experts: int,
+        column_init_method: str = "xavier",
+        row_init_method: str = "zero",
+        dropout: float = 0.0,
+        dropout_position: str = "pre",
+        expert_offset: int = 0,
+        seed: int = 1234,
+    ) -> None:
         where = f"{type(self).__name__}({full_name})"
-        check_settings(where, n_adapters, dim, column_init_method, row_init_method, dropout,
-                       dropout_position)
+        check_settings(
+            where, n_adapters, dim, column_init_method, row_init_method, dropout, dropout_position
+        )
         gemms = getattr(to_wrap, "num_gemms", None)
         if gemms != num_local_experts:
-            raise ValueError(f"{where}: the base has num_gemms={gemms}, expected "
-                             f"num_local_experts={num_local_experts}")
-        self._build(to_wrap, ExpertParallel(num_local_experts, expert_offset), n_adapters, dim,
-                    alpha, full_name, {A: column_init_method, B: row_init_method}, dropout,
-                    dropout_position, seed)
+            raise ValueError(
+                f"{where}: the base has num_gemms={gemms}, expected "
+                f"num_local_experts={num_local_experts}"
+            )
+        self._build(
+            to_wrap,
+            ExpertParallel(num_local_experts, expert_offset),
+            n_adapters,
+            dim,
+            alpha,
+            full_name,
+            {A: column_init_method, B: row_init_method},
+            dropout,
+            dropout_position,
+            seed,
+        )
         self.routing = None
 
     @property
@@ -66,18 +93,25 @@ class MultiLoRAGroupedExpertLinear(MultiLoRALinear):
                 f"{self.where}: no slot routing for {x.size(0)} dispatched rows; "
                 "install_moe_slot_routing(model) must run (it is called by apply_multi_lora) "
                 "and a slot layout be given (packed_seq_params or set_tokens_per_adapter_slot) "
-                "before forward")
+                "before forward"
+            )
         if not routing.slots:
             return out, bias
         bank, seg = self.adapters, routing.segments
-        xs = x.index_select(0, routing.sort_idx)          # rows grouped by (slot, expert)
+        xs = x.index_select(0, routing.sort_idx)  # rows grouped by (slot, expert)
         rate_of_row, any_rate = bank.dropout_p[seg.label_of_row], any(bank.rates)
         if self.dropout_position == "pre":
             xs = dropout_by_row(xs, rate_of_row, self.training, any_rate, True)
         r = bank.compute_rank(routing.slots, False)
-        lora = lora_term(xs, self._expert_stack(A, routing.slots, r),
-                         self._expert_stack(B, routing.slots, r), seg, lambda rows: seg,
-                         bank.scale, lambda mid: mid)
+        lora = lora_term(
+            xs,
+            self._expert_stack(A, routing.slots, r),
+            self._expert_stack(B, routing.slots, r),
+            seg,
+            lambda rows: seg,
+            bank.scale,
+            lambda mid: mid,
+        )
         if self.dropout_position == "post":
             lora = dropout_by_row(lora, rate_of_row, self.training, any_rate, True)
         if owns_output(out):  # scatter back in place: no unpermuted copy of the LoRA term
@@ -90,5 +124,7 @@ class MultiLoRAGroupedExpertLinear(MultiLoRALinear):
         return w.flatten(0, 1), None if rebuild is None else (lambda: rebuild().flatten(0, 1))
 
     def extra_repr(self) -> str:
-        return (f"n_adapters={self.n_adapters}, dim={self.dim}, "
-                f"num_local_experts={self.num_local_experts}")
+        return (
+            f"n_adapters={self.n_adapters}, dim={self.dim}, "
+            f"num_local_experts={self.num_local_experts}"
+        )

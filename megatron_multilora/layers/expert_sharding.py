@@ -3,7 +3,7 @@ expert-parallel ranks."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from megatron.core import parallel_state
@@ -24,7 +24,7 @@ class ExpertParallel(Layout):
         super().__init__()
         self.num_local_experts, self.expert_offset = num_local_experts, expert_offset
 
-    def split_dim(self, factor: Factor) -> Optional[int]:
+    def split_dim(self, factor: Factor) -> int | None:
         return 0
 
     def slot_shapes(self, base: torch.nn.Module, max_rank: int) -> dict[Factor, tuple]:
@@ -32,8 +32,13 @@ class ExpertParallel(Layout):
         e = self.num_local_experts
         return {A: (e, max_rank, inp), B: (e, out, max_rank)}
 
-    def draw(self, methods: dict[Factor, str], local_shapes: dict[Factor, tuple],
-             generator: Generators, key: object) -> dict[Factor, torch.Tensor]:
+    def draw(
+        self,
+        methods: dict[Factor, str],
+        local_shapes: dict[Factor, tuple],
+        generator: Generators,
+        key: object,
+    ) -> dict[Factor, torch.Tensor]:
         """Each expert's factors from a generator seeded by ``key`` and the expert's *global*
         index, so the adapter does not depend on the expert-parallel layout."""
         out = {f: torch.empty(local_shapes[f]) for f in methods}
@@ -64,8 +69,14 @@ class ExpertParallel(Layout):
     def varies(self, side: str) -> bool:
         return True  # expert rows differ across ranks
 
-    def sharded_state_dict(self, factor_of: dict, tensors: dict, prefix: str,
-                           sharded_offsets: tuple, metadata: Optional[dict]) -> dict:
+    def sharded_state_dict(
+        self,
+        factor_of: dict,
+        tensors: dict,
+        prefix: str,
+        sharded_offsets: tuple,
+        metadata: dict | None,
+    ) -> dict:
         """Each factor as this EP rank's slice (local experts) of one tensor over all experts;
         rank and alpha, the same everywhere, saved by global rank 0."""
         ep_rank, ep_size = self._rank(), self._ranks()
@@ -78,8 +89,12 @@ class ExpertParallel(Layout):
             else:
                 offsets, replica = sharded_offsets, (0, 0, torch.distributed.get_rank())
             out[prefix + key] = ShardedTensor.from_rank_offsets(
-                prefix + key, value, *offsets, replica_id=replica,
-                prepend_axis_num=len(sharded_offsets))
+                prefix + key,
+                value,
+                *offsets,
+                replica_id=replica,
+                prepend_axis_num=len(sharded_offsets),
+            )
         return out
 
     def __repr__(self) -> str:

@@ -14,20 +14,22 @@ import math
 import torch
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Factor:
-    name: str       # "A" or "B", as in the LoRA papers
-    child: str      # the slot submodule holding it: "linear_in" or "linear_out"
-    rank_dim: int   # -2 for A, -1 for B
+    name: str  # "A" or "B", as in the LoRA papers
+    child: str  # the slot submodule holding it: "linear_in" or "linear_out"
+    rank_dim: int  # -2 for A, -1 for B
 
     def cut(self, t: torch.Tensor, rank: int) -> torch.Tensor:
         """``t`` (a factor, or a stack of them) cut to its first ``rank`` rank entries."""
         return t[self.rank_index(rank)]
 
     def rank_index(self, rank: int) -> tuple:
-        return (Ellipsis, slice(0, rank), slice(None)) if self.rank_dim == -2 else (
-            Ellipsis, slice(0, rank))
+        return (
+            (Ellipsis, slice(0, rank), slice(None))
+            if self.rank_dim == -2
+            else (Ellipsis, slice(0, rank))
+        )
 
     def weight(self, slot: torch.nn.Module) -> torch.nn.Parameter:
         return getattr(slot, self.child).weight
@@ -39,6 +41,7 @@ class Factor:
 A = Factor("A", "linear_in", -2)
 B = Factor("B", "linear_out", -1)
 FACTORS = (A, B)
+
 
 def init_weight(method: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
     """A fresh fp32 factor of ``shape`` drawn by ``method`` (one of

@@ -8,7 +8,7 @@ the stacked weights in backward.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -16,8 +16,12 @@ from megatron_multilora.ops.grouped_mm import grouped_mm
 from megatron_multilora.ops.slot_layout import Segments
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, seg: Segments,
-                   rebuild_w: Optional[Callable[[], torch.Tensor]] = None) -> torch.Tensor:
+def grouped_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    seg: Segments,
+    rebuild_w: Callable[[], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """``[rows, in] x [G, out, in] -> [rows, out]``, group g's rows times ``w[g].T``.
 
     ``rebuild_w`` recomputes ``w`` (e.g. a stack of per-slot weights): backward then rebuilds

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from megatron.core import parallel_state
@@ -13,12 +13,12 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_multilora.layers.expert_lora import MultiLoRAGroupedExpertLinear
 from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
-from megatron_multilora.parallel import collective_device
 from megatron_multilora.layers.micro_batch_layout import install_micro_batch_layout_hooks
 from megatron_multilora.layers.model_paths import global_named_modules
 from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear
 from megatron_multilora.layers.sharding import base_kind
 from megatron_multilora.layers.slot_routing import check_moe_config, install_moe_slot_routing
+from megatron_multilora.parallel import collective_device
 from megatron_multilora.validation import TARGETS
 
 
@@ -61,7 +61,7 @@ def apply_multi_lora(
     row_init_method: str = "zero",
     dropout: float = 0.0,
     dropout_position: str = "pre",
-    seed: Optional[int] = None,
+    seed: int | None = None,
     fully_sharded: bool = False,
 ) -> ModelOrChunks:
     """Wrap every target linear with a :class:`MultiLoRALinear` of ``n_adapters`` slots.
@@ -83,9 +83,16 @@ def apply_multi_lora(
     """
     if seed is None:
         seed = _first_stage_value(torch.initial_seed() % (2**31))
-    settings = dict(n_adapters=n_adapters, dim=dim, alpha=alpha, seed=seed,
-                    column_init_method=column_init_method, row_init_method=row_init_method,
-                    dropout=dropout, dropout_position=dropout_position)
+    settings = dict(
+        n_adapters=n_adapters,
+        dim=dim,
+        alpha=alpha,
+        seed=seed,
+        column_init_method=column_init_method,
+        row_init_method=row_init_method,
+        dropout=dropout,
+        dropout_position=dropout_position,
+    )
     # Every wrapper is built and every check runs before the model is touched: an error
     # leaves it exactly as it was (not half-wrapped, its base not frozen).
     planned: list[tuple[torch.nn.Module, str, MultiLoRALinear]] = []  # (parent, child, wrapper)
@@ -94,10 +101,13 @@ def apply_multi_lora(
         planned += _plan(chunk, target_modules, settings, fully_sharded, matched)
     unmatched = _everywhere_unmatched(set(target_modules) - matched)
     if unmatched:
-        raise ValueError(f"apply_multi_lora: target_modules {sorted(unmatched)} matched no "
-                         "linear of the model (misspelt, or a pattern for layers it lacks)")
-    adapted_experts = {id(parent) for parent, _, w in planned
-                       if isinstance(w, MultiLoRAGroupedExpertLinear)}
+        raise ValueError(
+            f"apply_multi_lora: target_modules {sorted(unmatched)} matched no "
+            "linear of the model (misspelt, or a pattern for layers it lacks)"
+        )
+    adapted_experts = {
+        id(parent) for parent, _, w in planned if isinstance(w, MultiLoRAGroupedExpertLinear)
+    }
     for chunk in model_chunks(model):
         for layer in chunk.modules():
             if isinstance(layer, MoELayer) and id(layer.experts) in adapted_experts:
@@ -112,8 +122,13 @@ def apply_multi_lora(
     return model
 
 
-def _plan(chunk: torch.nn.Module, targets: Sequence[str], settings: dict, fully_sharded: bool,
-          matched: set[str]) -> list[tuple[torch.nn.Module, str, MultiLoRALinear]]:
+def _plan(
+    chunk: torch.nn.Module,
+    targets: Sequence[str],
+    settings: dict,
+    fully_sharded: bool,
+    matched: set[str],
+) -> list[tuple[torch.nn.Module, str, MultiLoRALinear]]:
     """The wrappers for ``chunk``'s target linears (checked, not installed); the targets
     that matched (an already-wrapped linear counts) are added to ``matched``."""
     planned = []
@@ -124,9 +139,11 @@ def _plan(chunk: torch.nn.Module, targets: Sequence[str], settings: dict, fully_
         hits = [t for t in targets if name and _matches(name, t)]
         if isinstance(module, MultiLoRALinear):
             if (module.n_adapters, module.dim) != (settings["n_adapters"], settings["dim"]):
-                raise ValueError(f"{name} is already wrapped with n_adapters={module.n_adapters}, "
-                                 f"dim={module.dim}; asked for n_adapters="
-                                 f"{settings['n_adapters']}, dim={settings['dim']}")
+                raise ValueError(
+                    f"{name} is already wrapped with n_adapters={module.n_adapters}, "
+                    f"dim={module.dim}; asked for n_adapters="
+                    f"{settings['n_adapters']}, dim={settings['dim']}"
+                )
             matched.update(hits)
             continue
         ancestors = _ancestors(chunk, local)
@@ -137,19 +154,28 @@ def _plan(chunk: torch.nn.Module, targets: Sequence[str], settings: dict, fully_
                 f"{name} is an expert of a SequentialMLP (megatron's moe_grouped_gemm=False "
                 "experts): multi-LoRA adapts grouped experts (TEGroupedMLP) only; build the "
                 "model with moe_grouped_gemm=True, or leave the experts out of "
-                "target_modules (e.g. '*.self_attention.*' patterns)")
+                "target_modules (e.g. '*.self_attention.*' patterns)"
+            )
         parent_name, _, child = local.rpartition(".")
         parent = chunk.get_submodule(parent_name) if parent_name else chunk
         if isinstance(parent, TEGroupedMLP):
             local_experts = parent.num_local_experts
             wrapper: MultiLoRALinear = MultiLoRAGroupedExpertLinear(
-                module, full_name=name, num_local_experts=local_experts,
+                module,
+                full_name=name,
+                num_local_experts=local_experts,
                 expert_offset=parallel_state.get_expert_model_parallel_rank() * local_experts,
-                **settings)
+                **settings,
+            )
         elif _wrappable(module):
-            wrapper = MultiLoRALinear(module, full_name=name, sequence_parallel=config_sp,
-                                      gated_output=_is_gated_fc1(parent, child),
-                                      fully_sharded=fully_sharded, **settings)
+            wrapper = MultiLoRALinear(
+                module,
+                full_name=name,
+                sequence_parallel=config_sp,
+                gated_output=_is_gated_fc1(parent, child),
+                fully_sharded=fully_sharded,
+                **settings,
+            )
         else:
             continue
         planned.append((parent, child, wrapper))
@@ -159,28 +185,37 @@ def _plan(chunk: torch.nn.Module, targets: Sequence[str], settings: dict, fully_
 
 def _everywhere_unmatched(unmatched: set[str]) -> set[str]:
     """The targets no pipeline stage matched (collective over the pipeline group)."""
-    if (not parallel_state.model_parallel_is_initialized()
-            or parallel_state.get_pipeline_model_parallel_world_size() == 1):
+    if (
+        not parallel_state.model_parallel_is_initialized()
+        or parallel_state.get_pipeline_model_parallel_world_size() == 1
+    ):
         return unmatched
     stages: list = [None] * parallel_state.get_pipeline_model_parallel_world_size()
-    torch.distributed.all_gather_object(stages, unmatched,
-                                        group=parallel_state.get_pipeline_model_parallel_group())
+    torch.distributed.all_gather_object(
+        stages, unmatched, group=parallel_state.get_pipeline_model_parallel_group()
+    )
     return set.intersection(*stages)
 
 
 def _first_stage_value(value: int) -> int:
     """``value`` as the first pipeline stage has it (collective over the pipeline group)."""
-    if (not parallel_state.model_parallel_is_initialized()
-            or parallel_state.get_pipeline_model_parallel_world_size() == 1):
+    if (
+        not parallel_state.model_parallel_is_initialized()
+        or parallel_state.get_pipeline_model_parallel_world_size() == 1
+    ):
         return value
     t = torch.tensor([value], device=collective_device())
-    torch.distributed.broadcast(t, src=parallel_state.get_pipeline_model_parallel_first_rank(),
-                                group=parallel_state.get_pipeline_model_parallel_group())
+    torch.distributed.broadcast(
+        t,
+        src=parallel_state.get_pipeline_model_parallel_first_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
     return int(t.item())
 
 
-def _embedding_output_requires_grad(module: torch.nn.Module, args: tuple,
-                                    output: torch.Tensor) -> torch.Tensor:
+def _embedding_output_requires_grad(
+    module: torch.nn.Module, args: tuple, output: torch.Tensor
+) -> torch.Tensor:
     return output if output.requires_grad else output.requires_grad_()
 
 
@@ -190,16 +225,23 @@ def _keep_graph_through_recompute(chunk: torch.nn.Module) -> None:
     embedding output require grad, as PEFT does for checkpointed models."""
     config = getattr(chunk, "config", None)
     embedding = getattr(chunk, "embedding", None)
-    if (getattr(config, "recompute_granularity", None) and embedding is not None
-            and not getattr(embedding, "_requires_grad_hook", None)):
+    if (
+        getattr(config, "recompute_granularity", None)
+        and embedding is not None
+        and not getattr(embedding, "_requires_grad_hook", None)
+    ):
         embedding._requires_grad_hook = embedding.register_forward_hook(
-            _embedding_output_requires_grad)
+            _embedding_output_requires_grad
+        )
 
 
 def _is_gated_fc1(parent: torch.nn.Module, child: str) -> bool:
     """megatron's (expert) MLPs keep fc1's output as [gate; up] (per TP rank) when gated."""
-    return (isinstance(parent, (MLP, TEGroupedMLP)) and child == "linear_fc1"
-            and bool(getattr(parent.config, "gated_linear_unit", False)))
+    return (
+        isinstance(parent, (MLP, TEGroupedMLP))
+        and child == "linear_fc1"
+        and bool(getattr(parent.config, "gated_linear_unit", False))
+    )
 
 
 def _ancestors(root: torch.nn.Module, name: str) -> list[torch.nn.Module]:

@@ -5,7 +5,8 @@ every layout answers; the TP layouts are in :mod:`.sharding`, the experts' in
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -49,15 +50,21 @@ class Layout:
     kind = "replicated"
     rank_is_split = False  # A's rank rows split over the ranks (then computed at max rank)
 
-    def __init__(self, tp_size: int = 1, tp_rank: int = 0, group: Any = None,
-                 sequence_parallel: bool = False, gated: bool = False) -> None:
+    def __init__(
+        self,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        group: Any = None,
+        sequence_parallel: bool = False,
+        gated: bool = False,
+    ) -> None:
         self.tp_size, self.tp_rank, self.group = tp_size, tp_rank, group
         self.sequence_parallel = sequence_parallel and tp_size > 1
         self.gated = gated  # a gated fc1: B's rows are [gate; up] within each TP shard
 
     # ----- factors ------------------------------------------------------------------------
 
-    def split_dim(self, factor: Factor) -> Optional[int]:
+    def split_dim(self, factor: Factor) -> int | None:
         """The dim of ``factor`` split over this layout's ranks (None: replicated)."""
         return None
 
@@ -93,13 +100,20 @@ class Layout:
         parts = all_gather_list(local, self._group())
         return unshard_gate_up(parts) if factor is B and self.gated else torch.cat(parts, dim=dim)
 
-    def draw(self, methods: dict[Factor, str], local_shapes: dict[Factor, tuple],
-             generator: Generators, key: object) -> dict[Factor, torch.Tensor]:
+    def draw(
+        self,
+        methods: dict[Factor, str],
+        local_shapes: dict[Factor, tuple],
+        generator: Generators,
+        key: object,
+    ) -> dict[Factor, torch.Tensor]:
         """A slot's initial factors: each drawn whole (A, then B) from one generator seeded
         by ``key`` and sharded, so they do not depend on the layout."""
         gen = generator(key)
-        return {f: self.shard(f, init_weight(method, self.full_shape(f, local_shapes[f]), gen))
-                for f, method in methods.items()}
+        return {
+            f: self.shard(f, init_weight(method, self.full_shape(f, local_shapes[f]), gen))
+            for f, method in methods.items()
+        }
 
     def tag(self, param: torch.nn.Parameter, factor: Factor) -> None:
         """megatron's attributes on a factor Parameter: TP split, partial (SP) gradient."""
@@ -136,8 +150,9 @@ class Layout:
         """The one TP collective on ``mid = A @ x``, matching the base's output layout."""
         return mid
 
-    def forward(self, layer: Any, x: torch.Tensor, slots: tuple[int, ...], args: tuple,
-                kwargs: dict) -> Any:
+    def forward(
+        self, layer: Any, x: torch.Tensor, slots: tuple[int, ...], args: tuple, kwargs: dict
+    ) -> Any:
         """The base's output plus the LoRA term of ``slots`` (``layer.lora``)."""
         result = layer.to_wrap(x, *args, **kwargs)
         # Megatron/TE linears return (output, bias); plain torch linears a tensor.
@@ -145,13 +160,23 @@ class Layout:
         if layer.returns_ln_output:  # TE hands the normalised input, what LoRA reads, back
             base_out, x = base_out
         if slots:
-            lora = layer.lora(x.reshape(-1, x.size(-1)), slots, self.sequence_shard("input"),
-                              self.sequence_shard("output"))
+            lora = layer.lora(
+                x.reshape(-1, x.size(-1)),
+                slots,
+                self.sequence_shard("input"),
+                self.sequence_shard("output"),
+            )
             base_out = add_lora(base_out, lora.view_as(base_out))
         return (base_out, bias) if isinstance(result, tuple) else base_out
 
-    def sharded_state_dict(self, factor_of: dict, tensors: dict, prefix: str,
-                           sharded_offsets: tuple, metadata: Optional[dict]) -> dict:
+    def sharded_state_dict(
+        self,
+        factor_of: dict,
+        tensors: dict,
+        prefix: str,
+        sharded_offsets: tuple,
+        metadata: dict | None,
+    ) -> dict:
         """megatron dist-checkpointing view of the adapter ``tensors`` (keys without
         ``prefix``; ``factor_of`` maps a factor Parameter to its :class:`Factor`), with their
         TP split axes, so checkpoints reshard across TP layouts."""
@@ -169,4 +194,6 @@ class Layout:
         return out
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(tp={self.tp_size}, sequence_parallel={self.sequence_parallel})"
+        return (
+            f"{type(self).__name__}(tp={self.tp_size}, sequence_parallel={self.sequence_parallel})"
+        )

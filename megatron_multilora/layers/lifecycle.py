@@ -7,7 +7,7 @@ model or a list of model chunks and act on every :class:`MultiLoRALinear` in it.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator, Optional, Sequence, Union
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -15,7 +15,7 @@ from megatron_multilora.layers.model_paths import chunk_prefixes, global_named_m
 from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear
 from megatron_multilora.ops.slot_layout import SlotLayout, check_ep_slots, check_token_counts
 
-ModelOrChunks = Union[torch.nn.Module, Sequence[torch.nn.Module]]
+ModelOrChunks = torch.nn.Module | Sequence[torch.nn.Module]
 
 
 def model_chunks(model: ModelOrChunks) -> list[torch.nn.Module]:
@@ -46,9 +46,11 @@ def num_adapter_slots(model: ModelOrChunks) -> int:
     return multi_lora_modules(model)[0].n_adapters
 
 
-def set_tokens_per_adapter_slot(model: ModelOrChunks,
-                                tokens_per_adapter: Union[torch.Tensor, Sequence[int]],
-                                ep_slots: Optional[Sequence[int]] = None) -> None:
+def set_tokens_per_adapter_slot(
+    model: ModelOrChunks,
+    tokens_per_adapter: torch.Tensor | Sequence[int],
+    ep_slots: Sequence[int] | None = None,
+) -> None:
     """Route the next packed micro-batch: slot i owns the next ``tokens_per_adapter[i]`` tokens.
 
     For calls whose ``packed_seq_params`` carry no layout. Under pipelining or activation
@@ -79,15 +81,16 @@ def slot_parameters(model: ModelOrChunks, idx: int) -> list[torch.nn.Parameter]:
     return [p for layer in layers for p in layer.adapters[idx].parameters()]
 
 
-def init_adapter_slot(model: ModelOrChunks, idx: int, rank: int, alpha: float,
-                      dropout: Optional[float] = None) -> None:
+def init_adapter_slot(
+    model: ModelOrChunks, idx: int, rank: int, alpha: float, dropout: float | None = None
+) -> None:
     """Claim slot ``idx`` in every layer with ``rank`` (1..dim), ``alpha`` and optionally its
     own LoRA dropout rate."""
     for layer in multi_lora_modules(model):
         layer.init_adapter_slot(idx, rank, alpha, dropout)
 
 
-def clear_adapter_slot(model: ModelOrChunks, idx: int, init_key: Optional[str] = None) -> None:
+def clear_adapter_slot(model: ModelOrChunks, idx: int, init_key: str | None = None) -> None:
     """Release slot ``idx`` in every layer: zero alpha, max rank, deterministic re-init
     (seeded by ``init_key`` when given, e.g. a job name, else by the slot index)."""
     for layer in multi_lora_modules(model):
@@ -153,9 +156,11 @@ def adapter_state_dict(model: ModelOrChunks, idx: int) -> dict[str, torch.Tensor
     dropout}``,
     the names :func:`load_adapter` expects.
     """
-    return {f"{path}.adapter.{k}": v.detach().clone()
-            for path, layer in named_multi_lora_modules(model)
-            for k, v in _slot_state(layer, idx).items()}
+    return {
+        f"{path}.adapter.{k}": v.detach().clone()
+        for path, layer in named_multi_lora_modules(model)
+        for k, v in _slot_state(layer, idx).items()
+    }
 
 
 def _slot_state(layer: MultiLoRALinear, idx: int) -> dict[str, torch.Tensor]:
@@ -171,25 +176,35 @@ def load_adapter(model: ModelOrChunks, idx: int, state_dict: dict[str, torch.Ten
     (``ValueError``); nothing is changed unless everything matches. Returns the number of
     tensors loaded.
     """
-    targets = {f"{path}.adapter.{k}": v
-               for path, layer in named_multi_lora_modules(model)
-               for k, v in _slot_state(layer, idx).items()}
+    targets = {
+        f"{path}.adapter.{k}": v
+        for path, layer in named_multi_lora_modules(model)
+        for k, v in _slot_state(layer, idx).items()
+    }
     if not targets:
         raise ValueError("the model has no multi-LoRA layers: call apply_multi_lora first")
     missing = sorted(targets.keys() - state_dict.keys())
     unexpected = sorted(state_dict.keys() - targets.keys())
     if missing or unexpected:
-        raise KeyError(f"adapter state dict does not match the model's slot {idx}: "
-                       f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''} "
-                       f"({len(missing)}), unexpected {unexpected[:5]}"
-                       f"{' ...' if len(unexpected) > 5 else ''} ({len(unexpected)})")
-    bad = [(k, tuple(v.shape), tuple(state_dict[k].shape)) for k, v in targets.items()
-           if v.shape != state_dict[k].shape]
+        raise KeyError(
+            f"adapter state dict does not match the model's slot {idx}: "
+            f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+            f"({len(missing)}), unexpected {unexpected[:5]}"
+            f"{' ...' if len(unexpected) > 5 else ''} ({len(unexpected)})"
+        )
+    bad = [
+        (k, tuple(v.shape), tuple(state_dict[k].shape))
+        for k, v in targets.items()
+        if v.shape != state_dict[k].shape
+    ]
     if bad:
         raise ValueError(f"adapter tensor shapes differ (key, model, given): {bad[:5]}")
     layers = dict(named_multi_lora_modules(model))
-    bad_ranks = [(path, int(state_dict[f"{path}.adapter.rank"])) for path, layer in layers.items()
-                 if not 1 <= int(state_dict[f"{path}.adapter.rank"]) <= layer.dim]
+    bad_ranks = [
+        (path, int(state_dict[f"{path}.adapter.rank"]))
+        for path, layer in layers.items()
+        if not 1 <= int(state_dict[f"{path}.adapter.rank"]) <= layer.dim
+    ]
     if bad_ranks:
         raise ValueError(f"adapter ranks outside 1..dim (layer, rank): {bad_ranks[:5]}")
     with torch.no_grad():

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
@@ -44,14 +45,14 @@ class SlotPackedSeqParams(PackedSeqParams):
     """megatron's ``PackedSeqParams`` plus the micro-batch's slot layout. megatron passes the
     object through unchanged (and ``dataclasses.replace`` keeps the subclass)."""
 
-    slot_layout: Optional[SlotLayout] = None
+    slot_layout: SlotLayout | None = None
 
 
 class SlotInferenceContext(StaticInferenceContext):
     """megatron's static KV-cache context plus the slot layout of the next forward (set
     before each one: prefill and decode steps lay slots out differently)."""
 
-    slot_layout: Optional[SlotLayout] = None
+    slot_layout: SlotLayout | None = None
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only these rows of every layer's KV cache, in this order. Rows left out
@@ -61,8 +62,11 @@ class SlotInferenceContext(StaticInferenceContext):
             self.key_value_memory_dict[layer] = (key[:, rows], value[:, rows])
 
 
-def with_slot_layout(params: PackedSeqParams, layout: Union[SlotLayout, Sequence[int]],
-                     ep_slots: Optional[Sequence[int]] = None) -> SlotPackedSeqParams:
+def with_slot_layout(
+    params: PackedSeqParams,
+    layout: SlotLayout | Sequence[int],
+    ep_slots: Sequence[int] | None = None,
+) -> SlotPackedSeqParams:
     """``params`` carrying a slot layout: a :class:`SlotLayout`, or the counts
     ``set_tokens_per_adapter_slot`` takes (slot i owns the next ``layout[i]`` tokens;
     ``ep_slots`` as there). The number of slots is checked against the model's in the hooks."""
@@ -81,7 +85,7 @@ def _hand(linears: list[MultiLoRALinear], layout: SlotLayout) -> None:
         linear.slot_layout = layout
 
 
-def _carried(call: dict[str, Any]) -> Optional[SlotLayout]:
+def _carried(call: dict[str, Any]) -> SlotLayout | None:
     """The layout a call's arguments carry, if any."""
     for carrier in (call.get("packed_seq_params"), call.get("inference_context")):
         layout = getattr(carrier, "slot_layout", None)
@@ -134,11 +138,19 @@ def install_micro_batch_layout_hooks(model: ModelOrChunks) -> None:
                     if layer.config.recompute_granularity == "selective":
                         handles.append(layer.register_forward_hook(post_hook, with_kwargs=True))
                 _replace_hooks(layer, handles)
-        outside = [m for m in chunk.modules()
-                   if isinstance(m, MultiLoRALinear) and id(m) not in in_layers]
-        _replace_hooks(chunk, (chunk.register_forward_pre_hook(
-            _chunk_pre_hook(outside, inspect.signature(chunk.forward)), with_kwargs=True),)
-            if outside else ())
+        outside = [
+            m for m in chunk.modules() if isinstance(m, MultiLoRALinear) and id(m) not in in_layers
+        ]
+        _replace_hooks(
+            chunk,
+            (
+                chunk.register_forward_pre_hook(
+                    _chunk_pre_hook(outside, inspect.signature(chunk.forward)), with_kwargs=True
+                ),
+            )
+            if outside
+            else (),
+        )
 
 
 def _replace_hooks(module: torch.nn.Module, handles: Sequence[Any]) -> None:

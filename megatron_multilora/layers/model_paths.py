@@ -9,7 +9,7 @@ agree between layouts. This is the one place that maps local paths to global one
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -25,7 +25,7 @@ def global_named_modules(chunk: torch.nn.Module) -> Iterator[tuple[str, str, tor
             local_layer, global_layer = name, f"{parent}.{index}" if parent else index
             yield name, global_layer, module
         elif local_layer is not None and name.startswith(local_layer + "."):
-            yield name, global_layer + name[len(local_layer):], module
+            yield name, global_layer + name[len(local_layer) :], module
         else:
             yield name, name, module
 

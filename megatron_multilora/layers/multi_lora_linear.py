@@ -22,7 +22,8 @@ rank/alpha/dropout, claim/clear) are the layer's :class:`~.slot_bank.SlotBank`.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from megatron.core.tensor_parallel.layers import RowParallelLinear
@@ -38,14 +39,20 @@ from megatron_multilora.ops.grouped_mm import single_group_mm
 from megatron_multilora.ops.slot_layout import Segments, SlotLayout
 from megatron_multilora.validation import INIT_METHODS
 
-Stack = tuple[torch.Tensor, Optional[Callable[[], torch.Tensor]]]  # (factor stack, its rebuild)
+Stack = tuple[torch.Tensor, Callable[[], torch.Tensor] | None]  # (factor stack, its rebuild)
 
 __all__ = ["LoRASlot", "MultiLoRALinear", "lora_term"]
 
 
-def lora_term(x: torch.Tensor, a: Stack, b: Stack, seg_in: Segments,
-              seg_out: Callable[[int], Segments], scale: torch.Tensor,
-              reduce_mid: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def lora_term(
+    x: torch.Tensor,
+    a: Stack,
+    b: Stack,
+    seg_in: Segments,
+    seg_out: Callable[[int], Segments],
+    scale: torch.Tensor,
+    reduce_mid: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
     """``(alpha_s / r_s) * B_s @ A_s @ x_t`` for every row t, grouped by slot.
 
     ``x`` ``[T, in]``; ``a`` / ``b`` the active slots' stacked factors (``[G, r, in]``,
@@ -53,39 +60,54 @@ def lora_term(x: torch.Tensor, a: Stack, b: Stack, seg_in: Segments,
     ``seg_out(rows)`` those of ``mid`` after the layout's collective ``reduce_mid``;
     ``scale`` alpha/rank per slot. Returns ``[T', out]``.
     """
-    mid = grouped_linear(x, a[0], seg_in, rebuild_w=a[1])              # [T, r] = A x
-    mid = reduce_mid(mid)                                               # the layout's one collective
+    mid = grouped_linear(x, a[0], seg_in, rebuild_w=a[1])  # [T, r] = A x
+    mid = reduce_mid(mid)  # the layout's one collective
     seg = seg_out(mid.size(0))
     mid = (mid.float() * scale[seg.label_of_row].unsqueeze(1)).to(mid.dtype)  # fp32, per token
-    return grouped_linear(mid, b[0], seg, rebuild_w=b[1])              # [T, out] = B (s A x)
+    return grouped_linear(mid, b[0], seg, rebuild_w=b[1])  # [T, out] = B (s A x)
 
 
-def one_slot_term(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
-                  reduce_mid: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def one_slot_term(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: torch.Tensor,
+    reduce_mid: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
     """:func:`lora_term` when one slot holds every row: ``a`` ``[r, in]`` and ``b``
     ``[out, r]`` are that slot's own Parameters (cut to the rank), ``scale`` its alpha/rank.
     Their gradients go straight into the Parameters: stacking and grouping cost more than
-    the rank-r GEMMs themselves at a micro-batch's rows (a job that trains alone; on a 2-core
-    Intel Xeon the main job's sort-only steps, 68 rows: the LoRA work of a layer's four
-    linears, forward and backward, 3.9 -> 1.6 ms). Each product runs the GEMMs of its group
+    the rank-r GEMMs themselves at a micro-batch's rows (a job that trains alone; figures:
+    benchmarks/README.md). Each product runs the GEMMs of its group
     in the grouped call (``single_group_mm``), so a slot's rows get the same bits alone as
     beside other slots."""
-    mid = reduce_mid(single_group_mm(x, a.to(x.dtype)))                 # [T, r] = A x
+    mid = reduce_mid(single_group_mm(x, a.to(x.dtype)))  # [T, r] = A x
     mid = (mid.float() * scale).to(mid.dtype)
-    return single_group_mm(mid, b.to(mid.dtype))                        # [T, out] = B (s A x)
+    return single_group_mm(mid, b.to(mid.dtype))  # [T, out] = B (s A x)
 
 
-def check_settings(where: str, n_adapters: int, dim: int, column_init_method: str,
-                   row_init_method: str, dropout: float, dropout_position: str) -> None:
+def check_settings(
+    where: str,
+    n_adapters: int,
+    dim: int,
+    column_init_method: str,
+    row_init_method: str,
+    dropout: float,
+    dropout_position: str,
+) -> None:
     """What every multi-LoRA layer refuses at construction, on every rank alike."""
     if n_adapters < 1 or dim < 1:
         raise ValueError(f"{where}: n_adapters={n_adapters} and dim={dim} must be >= 1")
     if column_init_method not in INIT_METHODS or row_init_method not in INIT_METHODS:
-        raise ValueError(f"{where}: init methods must be one of {INIT_METHODS}, got "
-                         f"{column_init_method!r}/{row_init_method!r}")
+        raise ValueError(
+            f"{where}: init methods must be one of {INIT_METHODS}, got "
+            f"{column_init_method!r}/{row_init_method!r}"
+        )
     if dropout_position not in ("pre", "post") or not 0.0 <= dropout < 1.0:
-        raise ValueError(f"{where}: dropout={dropout} must be in [0, 1) and "
-                         f"dropout_position={dropout_position!r} 'pre' or 'post'")
+        raise ValueError(
+            f"{where}: dropout={dropout} must be in [0, 1) and "
+            f"dropout_position={dropout_position!r} 'pre' or 'post'"
+        )
 
 
 class MultiLoRALinear(torch.nn.Module):
@@ -113,41 +135,82 @@ class MultiLoRALinear(torch.nn.Module):
             matmul the layout then runs itself.
     """
 
-    def __init__(self, to_wrap: torch.nn.Module, n_adapters: int, dim: int, alpha: float,
-                 full_name: str, column_init_method: str = "xavier",
-                 row_init_method: str = "zero", dropout: float = 0.0,
-                 dropout_position: str = "pre", a2a_experimental: bool = False,
-                 sequence_parallel: Optional[bool] = None, gated_output: bool = False,
-                 seed: int = 1234, fully_sharded: bool = False) -> None:
+    def __init__(
+        self,
+        to_wrap: torch.nn.Module,
+        n_adapters: int,
+        dim: int,
+        alpha: float,
+        full_name: str,
+        column_init_method: str = "xavier",
+        row_init_method: str = "zero",
+        dropout: float = 0.0,
+        dropout_position: str = "pre",
+        a2a_experimental: bool = False,
+        sequence_parallel: bool | None = None,
+        gated_output: bool = False,
+        seed: int = 1234,
+        fully_sharded: bool = False,
+    ) -> None:
         where = f"{type(self).__name__}({full_name})"
-        check_settings(where, n_adapters, dim, column_init_method, row_init_method, dropout,
-                       dropout_position)
+        check_settings(
+            where, n_adapters, dim, column_init_method, row_init_method, dropout, dropout_position
+        )
         if a2a_experimental:
             raise ValueError(f"{where}: a2a_experimental=True is not supported")
         _check_dense_base(to_wrap, where)
         layout = dense_layout(to_wrap, sequence_parallel, fully_sharded, gated_output, dim, where)
-        self._build(to_wrap, layout, n_adapters, dim, alpha, full_name,
-                    {A: column_init_method, B: row_init_method}, dropout, dropout_position, seed)
+        self._build(
+            to_wrap,
+            layout,
+            n_adapters,
+            dim,
+            alpha,
+            full_name,
+            {A: column_init_method, B: row_init_method},
+            dropout,
+            dropout_position,
+            seed,
+        )
         self.returns_ln_output = type(to_wrap).__name__ == "TELayerNormColumnParallelLinear"
         if self.returns_ln_output:
             # LoRA reads the normalised input; TE hands it back next to the output.
             to_wrap.return_layernorm_output = True
             to_wrap.return_layernorm_output_gathered = False
 
-    def _build(self, to_wrap: torch.nn.Module, layout: Layout, n_slots: int, max_rank: int,
-               alpha: float, full_name: str, init_methods: dict[Factor, str], dropout: float,
-               dropout_position: str, seed: int) -> None:
+    def _build(
+        self,
+        to_wrap: torch.nn.Module,
+        layout: Layout,
+        n_slots: int,
+        max_rank: int,
+        alpha: float,
+        full_name: str,
+        init_methods: dict[Factor, str],
+        dropout: float,
+        dropout_position: str,
+        seed: int,
+    ) -> None:
         """What both layer kinds hold: the base, its layout, the slots (fresh weights)."""
         super().__init__()
         self.to_wrap, self.layout, self.full_name = to_wrap, layout, full_name
         self.where = f"{type(self).__name__}({full_name})"
         self._init_methods, self._dropout_position, self.seed = init_methods, dropout_position, seed
-        self.slot_layout: Optional[SlotLayout] = None
+        self.slot_layout: SlotLayout | None = None
         self.returns_ln_output = False
         weight = next(to_wrap.parameters())
-        self.adapters = SlotBank(n_slots, max_rank, layout.slot_shapes(to_wrap, max_rank), alpha,
-                                 dropout, weight.dtype, weight.device, layout.tag,
-                                 layout.rank_offset, self.where)
+        self.adapters = SlotBank(
+            n_slots,
+            max_rank,
+            layout.slot_shapes(to_wrap, max_rank),
+            alpha,
+            dropout,
+            weight.dtype,
+            weight.device,
+            layout.tag,
+            layout.rank_offset,
+            self.where,
+        )
         for idx in range(n_slots):
             self.reset_adapter(idx)
         # The base keeps its own state-dict keys (no "to_wrap." level), so base checkpoints
@@ -186,22 +249,27 @@ class MultiLoRALinear(torch.nn.Module):
     def dropout_position(self) -> str:
         return self._dropout_position
 
-    def reset_adapter(self, idx: int, init_key: Optional[str] = None) -> None:
+    def reset_adapter(self, idx: int, init_key: str | None = None) -> None:
         """Re-initialise slot ``idx``'s weights, identically on every rank and layout: drawn
         from a generator seeded by (seed, layer name, ``init_key`` or the slot index), so
         data-parallel replicas agree and the adapter does not depend on the layout (nor,
         with an ``init_key``, on the slot)."""
         self.adapters.check(idx)
         shapes = {f: tuple(f.weight(self.adapters[idx]).shape) for f in FACTORS}
-        self.adapters.load(idx, self.layout.draw(self._init_methods, shapes, self._generator,
-                                                 idx if init_key is None else init_key))
+        self.adapters.load(
+            idx,
+            self.layout.draw(
+                self._init_methods, shapes, self._generator, idx if init_key is None else init_key
+            ),
+        )
 
-    def init_adapter_slot(self, idx: int, rank: int, alpha: float,
-                          dropout: Optional[float] = None) -> None:
+    def init_adapter_slot(
+        self, idx: int, rank: int, alpha: float, dropout: float | None = None
+    ) -> None:
         """Claim slot ``idx``: bind rank, alpha (and dropout) and zero the padded rank."""
         self.adapters.claim(idx, rank, alpha, dropout)
 
-    def clear_adapter_slot(self, idx: int, init_key: Optional[str] = None) -> None:
+    def clear_adapter_slot(self, idx: int, init_key: str | None = None) -> None:
         """Free slot ``idx``: zero alpha, restore max rank, re-initialise its weights."""
         self.adapters.release(idx)
         self.reset_adapter(idx, init_key)
@@ -220,9 +288,11 @@ class MultiLoRALinear(torch.nn.Module):
     def _active_slots(self) -> tuple[int, ...]:
         """The slots with tokens in this micro-batch (the same on every TP rank)."""
         if self.slot_layout is None:
-            raise RuntimeError(f"{self.where}: no slot layout; pass packed_seq_params carrying "
-                               "it (with_slot_layout) or call set_tokens_per_adapter_slot(model, "
-                               "counts) before forward")
+            raise RuntimeError(
+                f"{self.where}: no slot layout; pass packed_seq_params carrying "
+                "it (with_slot_layout) or call set_tokens_per_adapter_slot(model, "
+                "counts) before forward"
+            )
         return self.slot_layout.active
 
     def _segments(self, rows: int, is_shard: bool, device: torch.device) -> Segments:
@@ -230,16 +300,21 @@ class MultiLoRALinear(torch.nn.Module):
         layout, tp = self.slot_layout, self.layout.tp_size
         expected = layout.total // tp if is_shard else layout.total
         if rows != expected or (is_shard and layout.total % tp):
-            what = (f"this rank's sequence shard of {layout.total} tokens over {tp} ranks"
-                    if is_shard else f"{layout.total} tokens")
+            what = (
+                f"this rank's sequence shard of {layout.total} tokens over {tp} ranks"
+                if is_shard
+                else f"{layout.total} tokens"
+            )
             raise ValueError(
                 f"{self.where}: input has {rows} tokens but tokens_per_adapter="
                 f"{list(layout.counts)} describes {what}; the counts must sum to the "
-                "micro-batch's tokens (sequence x batch)")
+                "micro-batch's tokens (sequence x batch)"
+            )
         return layout.segments(self.layout.tp_rank * rows if is_shard else 0, rows, device)
 
-    def lora(self, x2: torch.Tensor, slots: tuple[int, ...], in_shard: bool,
-             out_shard: bool) -> torch.Tensor:
+    def lora(
+        self, x2: torch.Tensor, slots: tuple[int, ...], in_shard: bool, out_shard: bool
+    ) -> torch.Tensor:
         """The LoRA term of ``slots`` for the rows of ``x2`` (``[rows, in]``)."""
         bank, layout = self.adapters, self.layout
         seg_in = self._segments(x2.size(0), in_shard, x2.device)
@@ -249,35 +324,60 @@ class MultiLoRALinear(torch.nn.Module):
         r = bank.compute_rank(slots, layout.rank_is_split)
         if len(slots) == 1:  # every row is this slot's (the counts sum to the rows)
             slot = bank[slots[0]]
-            lora = one_slot_term(x2, A.cut(A.weight(slot), r), B.cut(B.weight(slot), r),
-                                 bank.scale[slots[0]], layout.reduce_mid)
+            lora = one_slot_term(
+                x2,
+                A.cut(A.weight(slot), r),
+                B.cut(B.weight(slot), r),
+                bank.scale[slots[0]],
+                layout.reduce_mid,
+            )
         else:
             # A copied factor stack is rebuilt for backward rather than kept: nothing but the
             # slots' own parameters grows with the number of slots.
-            lora = lora_term(x2.contiguous(), bank.stack(A, slots, r), bank.stack(B, slots, r),
-                             seg_in, lambda rows: self._segments(rows, out_shard, x2.device),
-                             bank.scale, layout.reduce_mid)
+            lora = lora_term(
+                x2.contiguous(),
+                bank.stack(A, slots, r),
+                bank.stack(B, slots, r),
+                seg_in,
+                lambda rows: self._segments(rows, out_shard, x2.device),
+                bank.scale,
+                layout.reduce_mid,
+            )
         if self.dropout_position == "post":
-            lora = dropout_by_counts(lora, self._segments(lora.size(0), out_shard,
-                                                          lora.device).counts,
-                                     rates, self.training, layout.varies("output"))
+            lora = dropout_by_counts(
+                lora,
+                self._segments(lora.size(0), out_shard, lora.device).counts,
+                rates,
+                self.training,
+                layout.varies("output"),
+            )
         return lora
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         return self.layout.forward(self, x, self._active_slots(), args, kwargs)
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
-                           metadata: Optional[dict] = None) -> dict:
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
         """megatron dist-checkpointing view: the base's own keys and sharding, plus the
         adapter tensors (``adapters.i.*``, or ``adapter.*`` while a slot is exposed) as the
         layout shards them, so checkpoints reshard across layouts."""
         sharded = sharded_state_dict_default(self.to_wrap, prefix, sharded_offsets, metadata)
-        factor_of = {f.weight(slot): f for slot in self.modules() if isinstance(slot, LoRASlot)
-                     for f in FACTORS}
-        tensors = {key: value for name, child in self.named_children() if child is not self.to_wrap
-                   for key, value in child.state_dict(prefix=f"{name}.", keep_vars=True).items()}
-        sharded.update(self.layout.sharded_state_dict(factor_of, tensors, prefix, sharded_offsets,
-                                                      metadata))
+        factor_of = {
+            f.weight(slot): f
+            for slot in self.modules()
+            if isinstance(slot, LoRASlot)
+            for f in FACTORS
+        }
+        tensors = {
+            key: value
+            for name, child in self.named_children()
+            if child is not self.to_wrap
+            for key, value in child.state_dict(prefix=f"{name}.", keep_vars=True).items()
+        }
+        sharded.update(
+            self.layout.sharded_state_dict(factor_of, tensors, prefix, sharded_offsets, metadata)
+        )
         return sharded
 
     def extra_repr(self) -> str:
@@ -301,11 +401,13 @@ def _refresh_after_load(module: MultiLoRALinear, incompatible_keys: Any) -> None
 def _strip_wrap_prefix(module, state_dict, prefix, local_metadata):
     inner = prefix + "to_wrap."
     for key in [k for k in state_dict if k.startswith(inner)]:
-        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+        state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
     return state_dict
 
 
-def _add_wrap_prefix(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+def _add_wrap_prefix(
+    module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors
+):
     for name in module.to_wrap.state_dict().keys():
         if prefix + name in state_dict:
             state_dict[prefix + "to_wrap." + name] = state_dict.pop(prefix + name)

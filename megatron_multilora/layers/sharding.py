@@ -47,7 +47,7 @@ sums them across TP ranks; fully sharded factors never are.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -58,8 +58,11 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron_multilora.layers.factors import A, B, Factor
 from megatron_multilora.layers.layout import Layout, add_lora
 
-_TE_KINDS = {"TEColumnParallelLinear": "column", "TELayerNormColumnParallelLinear": "column",
-             "TERowParallelLinear": "row"}
+_TE_KINDS = {
+    "TEColumnParallelLinear": "column",
+    "TELayerNormColumnParallelLinear": "column",
+    "TERowParallelLinear": "row",
+}
 
 
 class _SplitLikeTheBase(Layout):
@@ -73,7 +76,7 @@ class _SplitLikeTheBase(Layout):
     collective: staticmethod
     sp_collective: staticmethod
 
-    def split_dim(self, factor: Factor) -> Optional[int]:
+    def split_dim(self, factor: Factor) -> int | None:
         return self.split[1] if factor is self.split[0] and self.tp_size > 1 else None
 
     def sequence_shard(self, side: str) -> bool:
@@ -97,8 +100,9 @@ class ColumnParallel(_SplitLikeTheBase):
 
     kind, split, split_side = "column", (B, 0), "output"
     collective = staticmethod(mappings.copy_to_tensor_model_parallel_region)
-    sp_collective = staticmethod(partial(mappings.gather_from_sequence_parallel_region,
-                                         tensor_parallel_output_grad=True))
+    sp_collective = staticmethod(
+        partial(mappings.gather_from_sequence_parallel_region, tensor_parallel_output_grad=True)
+    )
 
 
 class RowParallel(_SplitLikeTheBase):
@@ -126,7 +130,7 @@ class FullyShardedColumn(_FullySharded, ColumnParallel):
 
     rank_is_split = True
 
-    def split_dim(self, factor: Factor) -> Optional[int]:
+    def split_dim(self, factor: Factor) -> int | None:
         return 0
 
     def rank_offset(self, local_rows: int) -> int:
@@ -140,16 +144,19 @@ class FullyShardedColumn(_FullySharded, ColumnParallel):
         # [T, r/tp] -> [T, r]; bwd sums the partial gradients
         return mappings.all_gather_last_dim_from_tensor_parallel_region(mid, group=self.group)
 
-    def forward(self, layer: Any, x: torch.Tensor, slots: tuple[int, ...], args: tuple,
-                kwargs: dict) -> Any:
+    def forward(
+        self, layer: Any, x: torch.Tensor, slots: tuple[int, ...], args: tuple, kwargs: dict
+    ) -> Any:
         base, add_bias, returned_bias = _plain_call(layer, args, kwargs)
         # The base's input collective, run here so that its backward also sums the LoRA
         # branch's input gradient, is the one the column layout takes on ``mid``.
         x_full = super().reduce_mid(x)
         out = F.linear(x_full, base.weight, add_bias)
         if slots:
-            out = add_lora(out, layer.lora(x_full.reshape(-1, x_full.size(-1)), slots, False,
-                                           False).view_as(out))
+            out = add_lora(
+                out,
+                layer.lora(x_full.reshape(-1, x_full.size(-1)), slots, False, False).view_as(out),
+            )
         return out, returned_bias
 
 
@@ -157,7 +164,7 @@ class FullyShardedRow(_FullySharded, RowParallel):
     """B split on out too: this rank's LoRA output columns are added into its partial sum of
     the base's output before the base's own reduction, which completes both."""
 
-    def split_dim(self, factor: Factor) -> Optional[int]:
+    def split_dim(self, factor: Factor) -> int | None:
         return 1 if factor is A else 0
 
     def slot_shapes(self, base: torch.nn.Module, max_rank: int) -> dict[Factor, tuple]:
@@ -173,15 +180,16 @@ class FullyShardedRow(_FullySharded, RowParallel):
         mid = mappings.reduce_from_tensor_model_parallel_region(mid, group=self.group)
         return mappings.copy_to_tensor_model_parallel_region(mid, group=self.group)
 
-    def forward(self, layer: Any, x: torch.Tensor, slots: tuple[int, ...], args: tuple,
-                kwargs: dict) -> Any:
+    def forward(
+        self, layer: Any, x: torch.Tensor, slots: tuple[int, ...], args: tuple, kwargs: dict
+    ) -> Any:
         base, add_bias, returned_bias = _plain_call(layer, args, kwargs)
         x2 = x.reshape(-1, x.size(-1))
         partial = F.linear(x2, base.weight)  # [T, out]: this rank's partial sum
         if slots:
             lora = layer.lora(x2, slots, False, False)  # [T, out/tp]: this rank's columns
             width = lora.size(1)
-            partial[:, self.tp_rank * width:(self.tp_rank + 1) * width] += lora
+            partial[:, self.tp_rank * width : (self.tp_rank + 1) * width] += lora
         # The base's own reduction (SP: reduce-scatter), the row layout's collective on ``mid``.
         out = super().reduce_mid(partial.view(*x.shape[:-1], partial.size(-1)))
         return (out if add_bias is None else out + add_bias), returned_bias
@@ -191,8 +199,10 @@ def _plain_call(layer: Any, args: tuple, kwargs: dict) -> tuple[torch.nn.Module,
     """The base whose matmul a fully sharded layout runs itself, the bias to add to its
     output and the bias to return (megatron's ``skip_bias_add`` hands it back instead)."""
     if args or kwargs:
-        raise TypeError(f"{layer.where}: a fully sharded layer takes only its input, got extra "
-                        f"arguments {args} {sorted(kwargs)}")
+        raise TypeError(
+            f"{layer.where}: a fully sharded layer takes only its input, got extra "
+            f"arguments {args} {sorted(kwargs)}"
+        )
     base = layer.to_wrap
     return (base, None, base.bias) if base.skip_bias_add else (base, base.bias, None)
 
@@ -206,16 +216,26 @@ def base_kind(to_wrap: torch.nn.Module) -> str:
     kind = _TE_KINDS.get(type(to_wrap).__name__)
     if kind is not None:
         return kind
-    if isinstance(to_wrap, torch.nn.Linear) or getattr(to_wrap, "parallel_mode", "") == "duplicated":
+    if (
+        isinstance(to_wrap, torch.nn.Linear)
+        or getattr(to_wrap, "parallel_mode", "") == "duplicated"
+    ):
         return "replicated"
     raise TypeError(
         f"MultiLoRALinear cannot wrap {type(to_wrap).__name__}: supported bases are megatron's "
         "ColumnParallelLinear/RowParallelLinear, TE's (LayerNorm)ColumnParallelLinear/"
-        "RowParallelLinear and TP-replicated linears")
+        "RowParallelLinear and TP-replicated linears"
+    )
 
 
-def dense_layout(to_wrap: torch.nn.Module, sequence_parallel: Optional[bool],
-                 fully_sharded: bool, gated: bool, max_rank: int, where: str) -> Layout:
+def dense_layout(
+    to_wrap: torch.nn.Module,
+    sequence_parallel: bool | None,
+    fully_sharded: bool,
+    gated: bool,
+    max_rank: int,
+    where: str,
+) -> Layout:
     """The layout of a wrapped dense base under the current TP group (checked)."""
     kind = base_kind(to_wrap)
     sp = getattr(to_wrap, "sequence_parallel", None)
@@ -228,23 +248,33 @@ def dense_layout(to_wrap: torch.nn.Module, sequence_parallel: Optional[bool],
     sharded = fully_sharded and tp > 1 and kind != "replicated"
     if sharded:
         _check_fully_sharded(to_wrap, kind, tp, max_rank, where)
-    cls = {("column", False): ColumnParallel, ("row", False): RowParallel,
-           ("replicated", False): Layout, ("column", True): FullyShardedColumn,
-           ("row", True): FullyShardedRow}[kind, sharded]
+    cls = {
+        ("column", False): ColumnParallel,
+        ("row", False): RowParallel,
+        ("replicated", False): Layout,
+        ("column", True): FullyShardedColumn,
+        ("row", True): FullyShardedRow,
+    }[kind, sharded]
     return cls(tp, rank, group, sp, gated)
 
 
-def _check_fully_sharded(to_wrap: torch.nn.Module, kind: str, tp: int, max_rank: int,
-                         where: str) -> None:
+def _check_fully_sharded(
+    to_wrap: torch.nn.Module, kind: str, tp: int, max_rank: int, where: str
+) -> None:
     if not isinstance(to_wrap, (ColumnParallelLinear, RowParallelLinear)):
         raise ValueError(
             f"{where}: fully_sharded=True needs megatron's ColumnParallelLinear/"
             f"RowParallelLinear base, got {type(to_wrap).__name__} (TE linears run their "
             "collectives inside TE): build the model with the local (non-TE) spec or use "
-            "fully_sharded=False")
+            "fully_sharded=False"
+        )
     if kind == "column" and max_rank % tp:
-        raise ValueError(f"{where}: fully_sharded=True splits the rank dim over {tp} TP ranks; "
-                         f"dim={max_rank} must be a multiple of it")
+        raise ValueError(
+            f"{where}: fully_sharded=True splits the rank dim over {tp} TP ranks; "
+            f"dim={max_rank} must be a multiple of it"
+        )
     if kind == "row" and to_wrap.weight.size(0) % tp:
-        raise ValueError(f"{where}: fully_sharded=True splits B's {to_wrap.weight.size(0)} output "
-                         f"rows over {tp} TP ranks: they must divide evenly")
+        raise ValueError(
+            f"{where}: fully_sharded=True splits B's {to_wrap.weight.size(0)} output "
+            f"rows over {tp} TP ranks: they must divide evenly"
+        )

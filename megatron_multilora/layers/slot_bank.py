@@ -11,7 +11,7 @@ device sync: the per-slot scale ``alpha / rank`` on the device, ranks and rates 
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -31,15 +31,25 @@ class LoRASlot(torch.nn.Module):
     """One adapter slot: ``linear_in`` (A), ``linear_out`` (B), and its ``rank``, ``alpha`` and
     ``dropout``. The factors are never called: the layer runs all slots at once."""
 
-    def __init__(self, shapes: dict[Factor, tuple], max_rank: int, alpha: float,
-                 dropout: float, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        shapes: dict[Factor, tuple],
+        max_rank: int,
+        alpha: float,
+        dropout: float,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         super().__init__()
         for factor in FACTORS:
             setattr(self, factor.child, FactorWeight(shapes[factor], dtype, device))
         self.register_buffer("rank", torch.tensor(max_rank, dtype=torch.int64, device=device))
-        self.register_buffer("alpha", torch.tensor(float(alpha), dtype=torch.float32, device=device))
-        self.register_buffer("dropout", torch.tensor(float(dropout), dtype=torch.float32,
-                                                     device=device))
+        self.register_buffer(
+            "alpha", torch.tensor(float(alpha), dtype=torch.float32, device=device)
+        )
+        self.register_buffer(
+            "dropout", torch.tensor(float(dropout), dtype=torch.float32, device=device)
+        )
 
 
 class SlotBank(torch.nn.ModuleList):
@@ -50,12 +60,22 @@ class SlotBank(torch.nn.ModuleList):
     (A's rank dim is split in the fully sharded column layout).
     """
 
-    def __init__(self, n: int, max_rank: int, shapes: dict[Factor, tuple], alpha: float,
-                 dropout: float, dtype: torch.dtype, device: torch.device,
-                 tag: Callable[[torch.nn.Parameter, Factor], None],
-                 rank_offset: Callable[[int], int], where: str) -> None:
-        super().__init__(LoRASlot(shapes, max_rank, alpha, dropout, dtype, device)
-                         for _ in range(n))
+    def __init__(
+        self,
+        n: int,
+        max_rank: int,
+        shapes: dict[Factor, tuple],
+        alpha: float,
+        dropout: float,
+        dtype: torch.dtype,
+        device: torch.device,
+        tag: Callable[[torch.nn.Parameter, Factor], None],
+        rank_offset: Callable[[int], int],
+        where: str,
+    ) -> None:
+        super().__init__(
+            LoRASlot(shapes, max_rank, alpha, dropout, dtype, device) for _ in range(n)
+        )
         self.max_rank, self.default_dropout, self.where = max_rank, dropout, where
         self._rank_offset = rank_offset
         for slot in self:
@@ -63,33 +83,39 @@ class SlotBank(torch.nn.ModuleList):
                 tag(factor.weight(slot), factor)
         # Not module state: each slot's Parameters stay its own (keys, optimizers, grads).
         self.factor_buffers = {f: SlotFactorBuffer(self.params(f), f) for f in FACTORS}
-        self.register_buffer("scale", torch.zeros(n, dtype=torch.float32, device=device),
-                             persistent=False)
-        self.register_buffer("dropout_p", torch.zeros(n, dtype=torch.float32, device=device),
-                             persistent=False)
+        self.register_buffer(
+            "scale", torch.zeros(n, dtype=torch.float32, device=device), persistent=False
+        )
+        self.register_buffer(
+            "dropout_p", torch.zeros(n, dtype=torch.float32, device=device), persistent=False
+        )
         self.refresh()
 
     def check(self, idx: int) -> None:
         if not 0 <= idx < len(self):
             raise IndexError(f"{self.where}: slot {idx} is out of range 0..{len(self) - 1}")
 
-    def params(self, factor: Factor, slots: Optional[Sequence[int]] = None
-               ) -> list[torch.nn.Parameter]:
+    def params(
+        self, factor: Factor, slots: Sequence[int] | None = None
+    ) -> list[torch.nn.Parameter]:
         """``factor``'s Parameters of ``slots`` (default: every slot)."""
         return [factor.weight(self[i]) for i in (range(len(self)) if slots is None else slots)]
 
-    def stack(self, factor: Factor, slots: tuple[int, ...], rank: int
-              ) -> tuple[torch.Tensor, Optional[Callable[[], torch.Tensor]]]:
+    def stack(
+        self, factor: Factor, slots: tuple[int, ...], rank: int
+    ) -> tuple[torch.Tensor, Callable[[], torch.Tensor] | None]:
         """``factor`` of ``slots`` cut to ``rank``, ``[G, ..., r, in]`` / ``[G, ..., out, r]``,
         read from the slot buffer; and how to rebuild it in backward when it is a copy."""
         return self.factor_buffers[factor].gather(slots, self.params(factor, slots), rank)
 
-    def claim(self, idx: int, rank: int, alpha: float, dropout: Optional[float] = None) -> None:
+    def claim(self, idx: int, rank: int, alpha: float, dropout: float | None = None) -> None:
         """Bind slot ``idx``'s rank, alpha (and dropout) and zero its padded rank."""
         self.check(idx)
         if not isinstance(rank, int) or not 1 <= rank <= self.max_rank:
-            raise ValueError(f"{self.where}: rank={rank} is outside 1..{self.max_rank} (the "
-                             "layer's max rank dim)")
+            raise ValueError(
+                f"{self.where}: rank={rank} is outside 1..{self.max_rank} (the "
+                "layer's max rank dim)"
+            )
         if dropout is not None and not 0.0 <= dropout < 1.0:
             raise ValueError(f"{self.where}: dropout={dropout} must be in [0, 1)")
         slot = self[idx]
@@ -124,7 +150,7 @@ class SlotBank(torch.nn.ModuleList):
         a, b = A.weight(slot), B.weight(slot)
         first = self._rank_offset(a.size(-2))
         with torch.no_grad():
-            a[..., max(0, min(a.size(-2), r - first)):, :].zero_()
+            a[..., max(0, min(a.size(-2), r - first)) :, :].zero_()
             b[..., r:].zero_()
 
     def refresh(self) -> None:

@@ -8,7 +8,7 @@ stream, which TP ranks share, so they drop the same elements.
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -19,20 +19,24 @@ def _stream(varies: bool):
     return tensor_parallel.get_cuda_rng_tracker().fork() if varies else contextlib.nullcontext()
 
 
-def dropout_by_counts(t: torch.Tensor, counts: Sequence[int], rates: Sequence[float],
-                      training: bool, varies: bool) -> torch.Tensor:
+def dropout_by_counts(
+    t: torch.Tensor, counts: Sequence[int], rates: Sequence[float], training: bool, varies: bool
+) -> torch.Tensor:
     """Rows grouped by slot with host-known ``counts`` (one rate each): only the groups with a
     rate above zero draw random numbers and pay the masking passes."""
     if not training or not any(rates):
         return t
     with _stream(varies):
-        pieces = [piece if rate == 0 else F.dropout(piece, rate)
-                  for rate, piece in zip(rates, t.split(list(counts)))]
+        pieces = [
+            piece if rate == 0 else F.dropout(piece, rate)
+            for rate, piece in zip(rates, t.split(list(counts)))
+        ]
     return torch.cat(pieces)
 
 
-def dropout_by_row(t: torch.Tensor, rate_of_row: torch.Tensor, training: bool, any_rate: bool,
-                   varies: bool) -> torch.Tensor:
+def dropout_by_row(
+    t: torch.Tensor, rate_of_row: torch.Tensor, training: bool, any_rate: bool, varies: bool
+) -> torch.Tensor:
     """Rows in any order, ``rate_of_row`` on the device (the counts per slot are not known on
     the host, e.g. the experts' rows)."""
     if not training or not any_rate:

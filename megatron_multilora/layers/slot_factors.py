@@ -13,7 +13,7 @@ falls back to stacking the Parameters, so results never depend on it.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -25,8 +25,13 @@ class _SlotFactors(torch.autograd.Function):
     gives the gradient to the slots' own Parameters, zero-padded to their full rank."""
 
     @staticmethod
-    def forward(ctx, w: torch.Tensor, rank_index: tuple,  # type: ignore[override]
-                full_shape: torch.Size, *params: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx,
+        w: torch.Tensor,
+        rank_index: tuple,  # type: ignore[override]
+        full_shape: torch.Size,
+        *params: torch.Tensor,
+    ) -> torch.Tensor:
         ctx.rank_index, ctx.full_shape = rank_index, full_shape
         return w
 
@@ -64,19 +69,24 @@ class SlotFactorBuffer:
 
     def _aliased(self, slots: Sequence[int], params: Sequence[torch.nn.Parameter]) -> bool:
         base = self.buffer.data_ptr()
-        return all(p.data_ptr() == base + s * self._step and p.dtype == self.buffer.dtype
-                   for s, p in zip(slots, params))
+        return all(
+            p.data_ptr() == base + s * self._step and p.dtype == self.buffer.dtype
+            for s, p in zip(slots, params)
+        )
 
-    def gather(self, slots: Sequence[int], params: Sequence[torch.nn.Parameter], r: int
-               ) -> tuple[torch.Tensor, Optional[Callable[[], torch.Tensor]]]:
+    def gather(
+        self, slots: Sequence[int], params: Sequence[torch.nn.Parameter], r: int
+    ) -> tuple[torch.Tensor, Callable[[], torch.Tensor] | None]:
         """The factors of ``slots`` (ascending; ``params`` their Parameters) cut to rank
         ``r``: ``[G, ..., r, in]`` (A) or ``[G, ..., out, r]`` (B), differentiable w.r.t.
         ``params``; and, when it is a fresh copy rather than a view of the long-lived
         buffer, a function that rebuilds it (for :func:`.grouped_gemm.grouped_linear`)."""
         index = (slice(None), *self.factor.rank_index(r))
         if not self._aliased(slots, params):
+
             def stack() -> torch.Tensor:
                 return torch.stack(list(params))[index]
+
             return stack(), stack
         lo, hi = slots[0], slots[-1] + 1
         contiguous = hi - lo == len(slots)

@@ -60,9 +60,11 @@ def local_slot_ids(tokens: SlotLayout, rows: int, device: torch.device) -> torch
     elif rows * tp == tokens.total:
         start = parallel_state.get_tensor_model_parallel_rank() * rows
     else:
-        raise ValueError(f"MoE layer input has {rows} tokens but tokens_per_adapter="
-                         f"{list(tokens.counts)} describes {tokens.total}; the counts must sum "
-                         "to the micro-batch's tokens (sequence x batch)")
+        raise ValueError(
+            f"MoE layer input has {rows} tokens but tokens_per_adapter="
+            f"{list(tokens.counts)} describes {tokens.total}; the counts must sum "
+            "to the micro-batch's tokens (sequence x batch)"
+        )
     return tokens.segments(start, rows, device).label_of_row
 
 
@@ -77,8 +79,11 @@ def co_permute_slot_ids(dispatcher: object, slot_ids: torch.Tensor) -> torch.Ten
             dist.all_to_all_single(received, slot, out_splits, in_splits, group=dispatcher.ep_group)
             slot = received
         if dispatcher.num_local_experts > 1:
-            slot, _ = sort_chunks_by_idxs(slot, dispatcher.num_global_tokens_per_local_expert.ravel(),
-                                          dispatcher.sort_input_by_local_experts)
+            slot, _ = sort_chunks_by_idxs(
+                slot,
+                dispatcher.num_global_tokens_per_local_expert.ravel(),
+                dispatcher.sort_input_by_local_experts,
+            )
         return slot
     if isinstance(dispatcher, MoEAllGatherTokenDispatcher):
         group = dispatcher.tp_ep_group
@@ -98,17 +103,22 @@ def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGro
     gather(out, inp, group=group)
 
 
-def build_expert_slot_routing(slot: torch.Tensor, tokens_per_expert: torch.Tensor | list[int],
-                              slots: tuple[int, ...], n_adapters: int,
-                              num_local_experts: int) -> ExpertSlotRouting:
+def build_expert_slot_routing(
+    slot: torch.Tensor,
+    tokens_per_expert: torch.Tensor | list[int],
+    slots: tuple[int, ...],
+    n_adapters: int,
+    num_local_experts: int,
+) -> ExpertSlotRouting:
     """Group the dispatched rows (slot ids ``slot``, expert-major) by (slot, local expert).
 
     Every row's slot must be in ``slots``. All on the device, with no device-to-host sync.
     """
     device, e = slot.device, num_local_experts
     counts = torch.as_tensor(tokens_per_expert, dtype=torch.int64).to(device)
-    expert = torch.repeat_interleave(torch.arange(e, device=device), counts,
-                                     output_size=slot.numel())
+    expert = torch.repeat_interleave(
+        torch.arange(e, device=device), counts, output_size=slot.numel()
+    )
     position = torch.zeros(n_adapters, dtype=torch.int64)
     position[list(slots)] = torch.arange(len(slots))
     slot = slot.to(torch.int64)
@@ -125,17 +135,20 @@ def _slot_routing_hook(layer: MoELayer, experts: list[MultiLoRAGroupedExpertLine
         dispatched, tokens_per_expert = args[0], args[1]
         tokens = experts[0].slot_layout
         if tokens is None:
-            raise RuntimeError(f"{experts[0].full_name}: no token counts; pass packed_seq_params "
-                               "carrying them or call set_tokens_per_adapter_slot(model, counts) "
-                               "before forward")
+            raise RuntimeError(
+                f"{experts[0].full_name}: no token counts; pass packed_seq_params "
+                "carrying them or call set_tokens_per_adapter_slot(model, counts) "
+                "before forward"
+            )
         dispatcher = layer.token_dispatcher
         rows = dispatcher.hidden_shape[:-1].numel()
         slot = co_permute_slot_ids(dispatcher, local_slot_ids(tokens, rows, dispatched.device))
         # Under expert parallelism rows also arrive from the other ranks' micro-batches: the
         # slots with tokens on any of them take part (see set_tokens_per_adapter_slot).
         slots = tokens.active if dispatcher.ep_size == 1 else tokens.ep_slots
-        routing = build_expert_slot_routing(slot, tokens_per_expert, slots,
-                                            experts[0].n_adapters, experts[0].num_local_experts)
+        routing = build_expert_slot_routing(
+            slot, tokens_per_expert, slots, experts[0].n_adapters, experts[0].num_local_experts
+        )
         for expert_linear in experts:
             expert_linear.routing = routing
 
@@ -146,17 +159,23 @@ def check_moe_config(layer: MoELayer) -> None:
     """Reject MoE settings slot routing cannot follow, at construction and on every rank."""
     cfg, problems = layer.config, []
     if cfg.moe_token_dispatcher_type not in ("alltoall", "allgather"):
-        problems.append(f"moe_token_dispatcher_type={cfg.moe_token_dispatcher_type!r} (use "
-                        "'alltoall' or 'allgather')")
+        problems.append(
+            f"moe_token_dispatcher_type={cfg.moe_token_dispatcher_type!r} (use "
+            "'alltoall' or 'allgather')"
+        )
     if cfg.moe_expert_capacity_factor is not None or cfg.moe_pad_expert_input_to_capacity:
-        problems.append("token dropping / padding to capacity (moe_expert_capacity_factor, "
-                        "moe_pad_expert_input_to_capacity)")
+        problems.append(
+            "token dropping / padding to capacity (moe_expert_capacity_factor, "
+            "moe_pad_expert_input_to_capacity)"
+        )
     if cfg.moe_permute_fusion:
         problems.append("moe_permute_fusion=True")
     if cfg.moe_router_padding_for_quantization:
         problems.append("moe_router_padding_for_quantization=True")
     if (cfg.expert_tensor_parallel_size or 1) > 1:
-        problems.append(f"expert_tensor_parallel_size={cfg.expert_tensor_parallel_size} (must be 1)")
+        problems.append(
+            f"expert_tensor_parallel_size={cfg.expert_tensor_parallel_size} (must be 1)"
+        )
     if cfg.moe_latent_size:
         problems.append("moe_latent_size (latent MoE projections)")
     if problems:
@@ -175,12 +194,14 @@ def install_moe_slot_routing(model: torch.nn.Module | list[torch.nn.Module]) -> 
         for layer in chunk.modules():
             if not isinstance(layer, MoELayer):
                 continue
-            experts = [m for m in layer.experts.children()
-                       if isinstance(m, MultiLoRAGroupedExpertLinear)]
+            experts = [
+                m for m in layer.experts.children() if isinstance(m, MultiLoRAGroupedExpertLinear)
+            ]
             if not experts or getattr(layer.experts, "_slot_routing_handle", None) is not None:
                 continue
             check_moe_config(layer)
             layer.experts._slot_routing_handle = layer.experts.register_forward_pre_hook(
-                _slot_routing_hook(layer, experts))
+                _slot_routing_hook(layer, experts)
+            )
             hooked += 1
     return hooked

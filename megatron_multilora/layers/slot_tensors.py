@@ -14,14 +14,19 @@ shaped like the parameters.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_multilora.layers.factors import FACTORS
-from megatron_multilora.layers.lifecycle import ModelOrChunks, multi_lora_modules, named_multi_lora_modules
+from megatron_multilora.layers.lifecycle import (
+    ModelOrChunks,
+    multi_lora_modules,
+    named_multi_lora_modules,
+)
 from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear
 
 ParamView = Callable[[torch.nn.Parameter], torch.Tensor]
@@ -32,15 +37,17 @@ def _factors(layer: MultiLoRALinear, idx: int):
     return [(f, f"{f.child}.weight", f.weight(layer.adapters[idx])) for f in FACTORS]
 
 
-def _pipeline_group() -> Optional[dist.ProcessGroup]:
+def _pipeline_group() -> dist.ProcessGroup | None:
     """The pipeline group when there are several stages, else None."""
-    if (not parallel_state.model_parallel_is_initialized()
-            or parallel_state.get_pipeline_model_parallel_world_size() == 1):
+    if (
+        not parallel_state.model_parallel_is_initialized()
+        or parallel_state.get_pipeline_model_parallel_world_size() == 1
+    ):
         return None
     return parallel_state.get_pipeline_model_parallel_group()
 
 
-def _every_stage(obj: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
+def _every_stage(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     """``obj`` of every pipeline stage, in stage order (just ``[obj]`` without stages)."""
     if group is None:
         return [obj]
@@ -49,8 +56,9 @@ def _every_stage(obj: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
     return gathered
 
 
-def get_slot_tensors(model: ModelOrChunks, idx: int,
-                     value: Optional[ParamView] = None) -> dict[str, torch.Tensor]:
+def get_slot_tensors(
+    model: ModelOrChunks, idx: int, value: ParamView | None = None
+) -> dict[str, torch.Tensor]:
     """Slot ``idx``'s factors as full fp32 CPU tensors cut to its rank (``value(param)``
     instead of the parameter, e.g. a gradient or an optimizer moment), for the whole model
     (every pipeline stage's layers). Collective: every rank must call it."""
@@ -60,7 +68,9 @@ def get_slot_tensors(model: ModelOrChunks, idx: int,
         rank = int(layer.adapters[idx].rank)
         for factor, name, param in _factors(layer, idx):
             local = (param if value is None else value(param)).detach().float()
-            out[f"{path}.adapter.{name}"] = factor.cut(layer.layout.gather(factor, local), rank).cpu()
+            out[f"{path}.adapter.{name}"] = factor.cut(
+                layer.layout.gather(factor, local), rank
+            ).cpu()
     return {k: v for stage in _every_stage(out, _pipeline_group()) for k, v in stage.items()}
 
 
@@ -70,9 +80,16 @@ def slot_rank_alpha(model: ModelOrChunks, idx: int) -> tuple[int, float]:
     return int(slot.rank), float(slot.alpha)
 
 
-def set_slot_tensors(model: ModelOrChunks, idx: int, tensors: dict[str, torch.Tensor], rank: int,
-                     alpha: float, dropout: Optional[float] = None, *,
-                     into: Optional[ParamView] = None) -> None:
+def set_slot_tensors(
+    model: ModelOrChunks,
+    idx: int,
+    tensors: dict[str, torch.Tensor],
+    rank: int,
+    alpha: float,
+    dropout: float | None = None,
+    *,
+    into: ParamView | None = None,
+) -> None:
     """Claim slot ``idx`` with ``rank``/``alpha`` (and ``dropout``; None keeps the slot's
     rate) and load full tensors (as from :func:`get_slot_tensors`) as this rank's shards.
 
@@ -85,12 +102,16 @@ def set_slot_tensors(model: ModelOrChunks, idx: int, tensors: dict[str, torch.Te
     layers = dict(named_multi_lora_modules(model))
     next(iter(layers.values())).adapters.check(idx)
     group = _pipeline_group()
-    local_keys = {f"{p}.adapter.{n}" for p, layer in layers.items() for _, n, _ in _factors(layer, idx)}
+    local_keys = {
+        f"{p}.adapter.{n}" for p, layer in layers.items() for _, n, _ in _factors(layer, idx)
+    }
     expected = set().union(*_every_stage(local_keys, group))  # the whole model's keys
     missing, unexpected = sorted(expected - tensors.keys()), sorted(tensors.keys() - expected)
     if missing or unexpected:
-        raise KeyError(f"adapter tensors do not match the model's layers: missing {missing[:3]} "
-                       f"({len(missing)}), unexpected {unexpected[:3]} ({len(unexpected)})")
+        raise KeyError(
+            f"adapter tensors do not match the model's layers: missing {missing[:3]} "
+            f"({len(missing)}), unexpected {unexpected[:3]} ({len(unexpected)})"
+        )
     dim = next(iter(layers.values())).dim
     if not isinstance(rank, int) or not 1 <= rank <= dim:
         raise ValueError(f"rank={rank} is outside 1..{dim} (the layers' max rank)")
@@ -101,8 +122,10 @@ def set_slot_tensors(model: ModelOrChunks, idx: int, tensors: dict[str, torch.Te
             padded = torch.zeros(layer.full_shape(factor), dtype=torch.float32)
             target = factor.cut(padded, rank)
             if target.shape != full.shape:
-                problem = problem or (f"{path}.adapter.{name}: shape {tuple(full.shape)} does "
-                                      f"not fit this model (expected {tuple(target.shape)})")
+                problem = problem or (
+                    f"{path}.adapter.{name}: shape {tuple(full.shape)} does "
+                    f"not fit this model (expected {tuple(target.shape)})"
+                )
                 continue
             target.copy_(full)
             shards[param] = layer.layout.shard(factor, padded)

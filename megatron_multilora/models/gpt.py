@@ -15,15 +15,33 @@ from megatron_multilora.ops.packed_linear import use_packed_frozen_weights
 from megatron_multilora.platform.missing_te import rope_fusion_available
 from megatron_multilora.validation import model_layout_problems, schema_problems
 
-
 # GPTModelConfig fields that TransformerConfig takes as they are, under the same name
-_SAME_NAMED = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-               "ffn_hidden_size", "kv_channels", "normalization", "gated_linear_unit",
-               "add_bias_linear", "add_qkv_bias", "qk_layernorm", "init_method_std",
-               "attention_dropout", "hidden_dropout")
-_MOE_SAME_NAMED = ("num_moe_experts", "moe_router_topk", "moe_router_score_function",
-                   "moe_aux_loss_coeff", "moe_shared_expert_intermediate_size",
-                   "moe_token_dispatcher_type", "moe_shared_expert_gate", "moe_router_dtype")
+_SAME_NAMED = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "kv_channels",
+    "normalization",
+    "gated_linear_unit",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "qk_layernorm",
+    "init_method_std",
+    "attention_dropout",
+    "hidden_dropout",
+)
+_MOE_SAME_NAMED = (
+    "num_moe_experts",
+    "moe_router_topk",
+    "moe_router_score_function",
+    "moe_aux_loss_coeff",
+    "moe_shared_expert_intermediate_size",
+    "moe_token_dispatcher_type",
+    "moe_shared_expert_gate",
+    "moe_router_dtype",
+)
 
 
 def transformer_config(
@@ -43,11 +61,18 @@ def transformer_config(
     if cfg.num_moe_experts is not None:
         overrides = {**_moe_settings(cfg, ep), **overrides}
     if cfg.recompute_granularity == "full":
-        overrides = {"recompute_granularity": "full", "recompute_method": "uniform",
-                     "recompute_num_layers": 1, **overrides}
+        overrides = {
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+            **overrides,
+        }
     elif cfg.recompute_granularity == "selective":
-        overrides = {"recompute_granularity": "selective",
-                     "recompute_modules": cfg.recompute_modules or ["core_attn"], **overrides}
+        overrides = {
+            "recompute_granularity": "selective",
+            "recompute_modules": cfg.recompute_modules or ["core_attn"],
+            **overrides,
+        }
     # One RoPE op per call (TE's, or ops/rope.py where TE is absent) instead of megatron's
     # unfused packed path, which splits the micro-batch into its sequences in every layer.
     overrides = {"apply_rope_fusion": rope_fusion_available(), **overrides}
@@ -87,8 +112,12 @@ def transformer_config(
 
 
 def _renormalised_top1(cfg: GPTModelConfig) -> bool:
-    return (cfg.num_moe_experts is not None and cfg.moe_router_topk == 1
-            and cfg.moe_router_score_function == "softmax" and not cfg.moe_router_pre_softmax)
+    return (
+        cfg.num_moe_experts is not None
+        and cfg.moe_router_topk == 1
+        and cfg.moe_router_score_function == "softmax"
+        and not cfg.moe_router_pre_softmax
+    )
 
 
 def _moe_settings(cfg: GPTModelConfig, ep: int) -> dict:
@@ -118,10 +147,12 @@ def build_gpt_model(
     ``cpu_gemm_dtype`` as for :func:`build_model_chunks`; ``config_overrides`` set further
     megatron TransformerConfig fields."""
     if parallel_state.get_virtual_pipeline_model_parallel_world_size() is not None:
-        raise ValueError("virtual pipeline stages give several model chunks per rank: use "
-                         "build_model_chunks")
-    (model,) = build_model_chunks(cfg, sequence_parallel, params_dtype, cpu_gemm_dtype,
-                                  **config_overrides)
+        raise ValueError(
+            "virtual pipeline stages give several model chunks per rank: use build_model_chunks"
+        )
+    (model,) = build_model_chunks(
+        cfg, sequence_parallel, params_dtype, cpu_gemm_dtype, **config_overrides
+    )
     return model
 
 
@@ -152,22 +183,30 @@ def build_model_chunks(
     torch.manual_seed(init_seed)
     chunks = []
     for vp_stage in range(vpp) if vpp is not None else (None,):
-        chunks.append(GPTModel(
-            config=config,
-            transformer_layer_spec=gpt_block_spec(
-                get_num_layers_to_build(config, vp_stage), cfg.qk_layernorm,
-                cfg.num_moe_experts, cfg.qk_layernorm_across_heads, init_seed),
-            vocab_size=cfg.vocab_size,
-            max_sequence_length=cfg.max_sequence_length,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
-                                                               vp_stage=vp_stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
-                                                               vp_stage=vp_stage),
-            share_embeddings_and_output_weights=cfg.tie_word_embeddings,
-            position_embedding_type=cfg.position_embedding_type,
-            rotary_base=cfg.rotary_base,
-            vp_stage=vp_stage,
-        ))
+        chunks.append(
+            GPTModel(
+                config=config,
+                transformer_layer_spec=gpt_block_spec(
+                    get_num_layers_to_build(config, vp_stage),
+                    cfg.qk_layernorm,
+                    cfg.num_moe_experts,
+                    cfg.qk_layernorm_across_heads,
+                    init_seed,
+                ),
+                vocab_size=cfg.vocab_size,
+                max_sequence_length=cfg.max_sequence_length,
+                pre_process=parallel_state.is_pipeline_first_stage(
+                    ignore_virtual=False, vp_stage=vp_stage
+                ),
+                post_process=parallel_state.is_pipeline_last_stage(
+                    ignore_virtual=False, vp_stage=vp_stage
+                ),
+                share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+                position_embedding_type=cfg.position_embedding_type,
+                rotary_base=cfg.rotary_base,
+                vp_stage=vp_stage,
+            )
+        )
     for chunk in chunks:
         if torch.cuda.is_available():
             chunk.cuda()

@@ -7,7 +7,6 @@ without waiting seconds for torch and megatron; models/gpt.py builds the model f
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 from megatron_multilora.validation import at_least, positive, ranged, within
 
@@ -22,7 +21,7 @@ class GPTModelConfig:
     num_layers: int = ranged(2, at_least(1))
     hidden_size: int = ranged(64, at_least(1))
     num_attention_heads: int = ranged(4, at_least(1))
-    num_query_groups: Optional[int] = ranged(None, at_least(1, optional=True))
+    num_query_groups: int | None = ranged(None, at_least(1, optional=True))
     """Key/value heads (GQA); None means one per attention head."""
     ffn_hidden_size: int = ranged(128, at_least(1))
     vocab_size: int = ranged(256, at_least(1))
@@ -43,16 +42,16 @@ class GPTModelConfig:
     qk_layernorm_across_heads: bool = False
     """With qk_layernorm: normalise q and k over the whole projection width (all heads, as
     OLMoE does) instead of each head on its own (Qwen3); RMSNorm only."""
-    kv_channels: Optional[int] = ranged(None, at_least(1, optional=True))
+    kv_channels: int | None = ranged(None, at_least(1, optional=True))
     """Head dimension; None means hidden_size // num_attention_heads."""
     tie_word_embeddings: bool = False
     init_method_std: float = ranged(0.02, positive())
     attention_dropout: float = ranged(0.0, within(0.0, 1.0))
     hidden_dropout: float = ranged(0.0, within(0.0, 1.0))
     # Mixture of experts (every layer's MLP when num_moe_experts is set).
-    num_moe_experts: Optional[int] = ranged(None, at_least(1, optional=True))
+    num_moe_experts: int | None = ranged(None, at_least(1, optional=True))
     moe_router_topk: int = ranged(2, at_least(1))
-    moe_ffn_hidden_size: Optional[int] = ranged(None, at_least(1, optional=True))
+    moe_ffn_hidden_size: int | None = ranged(None, at_least(1, optional=True))
     """Per-expert FFN width; None means ffn_hidden_size."""
     moe_router_score_function: str = "softmax"
     """softmax or sigmoid."""
@@ -61,21 +60,25 @@ class GPTModelConfig:
     False applies softmax over the chosen top-k, i.e. renormalised."""
     moe_aux_loss_coeff: float = ranged(0.0, at_least(0.0))
     """Load-balancing auxiliary loss weight; 0 disables it."""
-    moe_shared_expert_intermediate_size: Optional[int] = ranged(None, at_least(1, optional=True))
+    moe_shared_expert_intermediate_size: int | None = ranged(None, at_least(1, optional=True))
     moe_token_dispatcher_type: str = "alltoall"
     """alltoall or allgather."""
     moe_shared_expert_gate: bool = False
     """Scale the shared experts' output by sigmoid(x @ gate_weight.T) (Qwen2-MoE)."""
-    moe_router_dtype: Optional[str] = None
+    moe_router_dtype: str | None = None
     """None (the model dtype), "fp32" or "fp64": precision of the router logits and softmax."""
     # Activation recompute.
-    recompute_granularity: Optional[str] = None
+    recompute_granularity: str | None = None
     """"full" recomputes each transformer layer; "selective" the modules listed below."""
-    recompute_modules: Optional[list[str]] = None
+    recompute_modules: list[str] | None = None
     """With selective recompute, e.g. ["moe"] or ["core_attn"] (megatron's names)."""
 
-    def check(self, tensor_model_parallel_size: int, pipeline_model_parallel_size: int = 1,
-              virtual_pipeline_model_parallel_size: Optional[int] = None) -> list[str]:
+    def check(
+        self,
+        tensor_model_parallel_size: int,
+        pipeline_model_parallel_size: int = 1,
+        virtual_pipeline_model_parallel_size: int | None = None,
+    ) -> list[str]:
         """Problems with this config under the given parallel sizes; empty when fine."""
         tp = tensor_model_parallel_size
         groups = self.num_query_groups or self.num_attention_heads
@@ -87,40 +90,59 @@ class GPTModelConfig:
                 f"num_layers={self.num_layers} does not split into pipeline "
                 f"{pipeline_model_parallel_size} x virtual stages {vpp or 1} = {chunks} equal "
                 f"model chunks; choose pipeline and virtual sizes whose product divides "
-                f"{self.num_layers}")
+                f"{self.num_layers}"
+            )
         if self.num_attention_heads % groups:
-            problems.append(f"num_attention_heads={self.num_attention_heads} is not divisible "
-                            f"by num_query_groups={groups}")
-        for name, value in (("num_attention_heads", self.num_attention_heads),
-                            ("num_query_groups", groups), ("ffn_hidden_size", self.ffn_hidden_size),
-                            ("vocab_size", self.vocab_size)):
+            problems.append(
+                f"num_attention_heads={self.num_attention_heads} is not divisible "
+                f"by num_query_groups={groups}"
+            )
+        for name, value in (
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_query_groups", groups),
+            ("ffn_hidden_size", self.ffn_hidden_size),
+            ("vocab_size", self.vocab_size),
+        ):
             if value % tp:
                 problems.append(f"{name}={value} is not divisible by tensor parallel size {tp}")
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
-            problems.append(f"hidden_size={self.hidden_size} is not divisible by "
-                            f"num_attention_heads={self.num_attention_heads}; set kv_channels")
+            problems.append(
+                f"hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.num_attention_heads}; set kv_channels"
+            )
         if self.num_moe_experts is not None:
             if not 1 <= self.moe_router_topk <= self.num_moe_experts:
-                problems.append(f"moe_router_topk={self.moe_router_topk} must be in "
-                                f"1..num_moe_experts={self.num_moe_experts}")
+                problems.append(
+                    f"moe_router_topk={self.moe_router_topk} must be in "
+                    f"1..num_moe_experts={self.num_moe_experts}"
+                )
             if self.moe_token_dispatcher_type not in ("alltoall", "allgather"):
-                problems.append(f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r}: "
-                                "use 'alltoall' or 'allgather'")
+                problems.append(
+                    f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r}: "
+                    "use 'alltoall' or 'allgather'"
+                )
         for name, value, allowed in (
-                ("normalization", self.normalization, ("RMSNorm", "LayerNorm")),
-                ("position_embedding_type", self.position_embedding_type,
-                 ("rope", "learned_absolute", "none")),
-                ("moe_router_score_function", self.moe_router_score_function, ("softmax", "sigmoid")),
-                ("recompute_granularity", self.recompute_granularity, (None, "full", "selective"))):
+            ("normalization", self.normalization, ("RMSNorm", "LayerNorm")),
+            (
+                "position_embedding_type",
+                self.position_embedding_type,
+                ("rope", "learned_absolute", "none"),
+            ),
+            ("moe_router_score_function", self.moe_router_score_function, ("softmax", "sigmoid")),
+            ("recompute_granularity", self.recompute_granularity, (None, "full", "selective")),
+        ):
             if value not in allowed:
                 problems.append(f"{name}={value!r}: choose one of {allowed}")
-        if self.qk_layernorm_across_heads and not (self.qk_layernorm
-                                                   and self.normalization == "RMSNorm"):
-            problems.append("qk_layernorm_across_heads needs qk_layernorm=True and "
-                            "normalization='RMSNorm'")
+        if self.qk_layernorm_across_heads and not (
+            self.qk_layernorm and self.normalization == "RMSNorm"
+        ):
+            problems.append(
+                "qk_layernorm_across_heads needs qk_layernorm=True and normalization='RMSNorm'"
+            )
         if self.moe_router_dtype not in (None, "fp32", "fp64"):
-            problems.append(f"moe_router_dtype={self.moe_router_dtype!r}: choose one of "
-                            "(None, 'fp32', 'fp64')")
+            problems.append(
+                f"moe_router_dtype={self.moe_router_dtype!r}: choose one of (None, 'fp32', 'fp64')"
+            )
         if self.activation not in ACTIVATIONS:
             problems.append(f"activation={self.activation!r}: choose one of {sorted(ACTIVATIONS)}")
         return problems

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional
+from typing import Any
 
 from megatron_multilora.models.gpt_config import GPTModelConfig
 
@@ -93,8 +93,10 @@ class _Fields:
         self.d = hf_config
         self.model_type = hf_config.get("model_type")
         if self.model_type not in SUPPORTED_TYPES:
-            raise ValueError(f"model_type {self.model_type!r} is not supported; supported: "
-                             f"{', '.join(SUPPORTED_TYPES)}")
+            raise ValueError(
+                f"model_type {self.model_type!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_TYPES)}"
+            )
 
     def get(self, name: str, default: Any = None) -> Any:
         value = self.d.get(name)
@@ -128,7 +130,7 @@ def _rope_theta(hf: _Fields) -> float | int:
     return int(theta) if float(theta).is_integer() else float(theta)
 
 
-def _rope_type(d: dict) -> Optional[str]:
+def _rope_type(d: dict) -> str | None:
     return d.get("rope_type", d.get("type", "default"))
 
 
@@ -157,15 +159,24 @@ def _check_math(hf: _Fields) -> None:
         hf.reject("clip_qkv", hf.d["clip_qkv"], "q/k/v clamping is not implemented")
     _check_sliding_window(hf)
     if mt == "mixtral" and hf.get("router_jitter_noise", 0.0):
-        hf.reject("router_jitter_noise", hf.d["router_jitter_noise"],
-                  "router noise changes training-mode routing")
+        hf.reject(
+            "router_jitter_noise",
+            hf.d["router_jitter_noise"],
+            "router noise changes training-mode routing",
+        )
     if mt in ("qwen3_moe", "qwen2_moe"):
         if hf.get("mlp_only_layers", []):
-            hf.reject("mlp_only_layers", hf.d["mlp_only_layers"],
-                      "dense layers inside an MoE stack are not supported")
+            hf.reject(
+                "mlp_only_layers",
+                hf.d["mlp_only_layers"],
+                "dense layers inside an MoE stack are not supported",
+            )
         if hf.get("decoder_sparse_step", 1) != 1:
-            hf.reject("decoder_sparse_step", hf.d["decoder_sparse_step"],
-                      "every layer must be an MoE layer")
+            hf.reject(
+                "decoder_sparse_step",
+                hf.d["decoder_sparse_step"],
+                "every layer must be an MoE layer",
+            )
 
 
 def _check_sliding_window(hf: _Fields) -> None:
@@ -177,8 +188,11 @@ def _check_sliding_window(hf: _Fields) -> None:
     window = hf.get("sliding_window")
     # Mixtral applies sliding_window whenever it is set; the Qwen families only with
     # use_sliding_window (checked above). A window covering every position changes nothing.
-    if (hf.model_type == "mixtral" and window
-            and window < hf.get("max_position_embeddings", window + 1)):
+    if (
+        hf.model_type == "mixtral"
+        and window
+        and window < hf.get("max_position_embeddings", window + 1)
+    ):
         hf.reject("sliding_window", window, "sliding-window attention is not implemented")
 
 
@@ -198,8 +212,11 @@ def _add_moe(hf: _Fields, cfg: GPTModelConfig) -> None:
     cfg.moe_router_score_function = "softmax"
     cfg.moe_router_dtype = "fp32"
     cfg.moe_aux_loss_coeff = 0.0  # HF adds its aux loss only on request; not part of logits
-    cfg.moe_ffn_hidden_size = (hf.require("moe_intermediate_size")
-                               if mt in ("qwen3_moe", "qwen2_moe") else cfg.ffn_hidden_size)
+    cfg.moe_ffn_hidden_size = (
+        hf.require("moe_intermediate_size")
+        if mt in ("qwen3_moe", "qwen2_moe")
+        else cfg.ffn_hidden_size
+    )
     if mt == "qwen2_moe":
         shared = hf.get("shared_expert_intermediate_size", 0)
         if shared:

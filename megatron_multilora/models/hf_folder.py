@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Optional
 
 from megatron_multilora.models.hf_config import read_hf_config
 
@@ -15,7 +14,7 @@ from megatron_multilora.models.hf_config import read_hf_config
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
-def safetensors_problem(path: str) -> Optional[str]:
+def safetensors_problem(path: str) -> str | None:
     """Why the safetensors file at ``path`` cannot be read whole (None: it can): its header
     must parse and every tensor must lie within the file (a cut-off download does not)."""
     try:
@@ -29,8 +28,10 @@ def safetensors_problem(path: str) -> Optional[str]:
         return f"{path}: not a readable safetensors file ({type(err).__name__}: {err})"
     end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
     if 8 + header_len + end > size:
-        return (f"{path}: truncated: its tensors need {8 + header_len + end} bytes, the file has "
-                f"{size} (an interrupted download or copy?)")
+        return (
+            f"{path}: truncated: its tensors need {8 + header_len + end} bytes, the file has "
+            f"{size} (an interrupted download or copy?)"
+        )
     return None
 
 
@@ -46,6 +47,8 @@ def folder_problems(folder: str) -> list[str]:
         problems.append(f"{folder}: no *.safetensors weights")
     problems += [p for p in (safetensors_problem(os.path.join(folder, f)) for f in weights) if p]
     if not any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES):
-        problems.append(f"{folder}: no tokenizer files (any of {', '.join(TOKENIZER_FILES)}); "
-                        "save the tokenizer with the model (tokenizer.save_pretrained(folder))")
+        problems.append(
+            f"{folder}: no tokenizer files (any of {', '.join(TOKENIZER_FILES)}); "
+            "save the tokenizer with the model (tokenizer.save_pretrained(folder))"
+        )
     return problems

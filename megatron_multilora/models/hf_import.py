@@ -47,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from megatron.core import parallel_state
@@ -74,8 +74,10 @@ _LAYER_DIRECT = {
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
-_EXPERT = re.compile(r"mlp\.experts\.(?:linear_(fc[12])\.weight(\d+)|local_experts\.(\d+)\."
-                     r"linear_(fc[12])\.weight)")
+_EXPERT = re.compile(
+    r"mlp\.experts\.(?:linear_(fc[12])\.weight(\d+)|local_experts\.(\d+)\."
+    r"linear_(fc[12])\.weight)"
+)
 # HF tensors that carry no weights of the model (old checkpoints stored RoPE tables).
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq")
 
@@ -88,7 +90,7 @@ class MissingTensorError(ValueError):
 class _Shard:
     """This rank's part of a full tensor: chunk ``rank`` of ``size`` along ``dim``."""
 
-    dim: Optional[int] = None
+    dim: int | None = None
     rank: int = 0
     size: int = 1
 
@@ -108,8 +110,9 @@ class _Loader:
         self.etp_size = parallel_state.get_expert_tensor_parallel_world_size()
         if cfg.num_moe_experts:
             ep = parallel_state.get_expert_model_parallel_world_size()
-            self.first_expert = (parallel_state.get_expert_model_parallel_rank()
-                                 * (cfg.num_moe_experts // ep))
+            self.first_expert = parallel_state.get_expert_model_parallel_rank() * (
+                cfg.num_moe_experts // ep
+            )
 
     def shard(self, param: torch.Tensor, expert: bool = False) -> _Shard:
         """From megatron's attributes: TP-split params are chunked along ``partition_dim``
@@ -128,8 +131,10 @@ class _Loader:
             return self.ckpt.read(name)
         full = self.ckpt.shape(name)[shard.dim]
         if full % shard.size:
-            raise ValueError(f"{name}: dim {shard.dim} of size {full} does not split into "
-                             f"{shard.size} tensor-parallel parts")
+            raise ValueError(
+                f"{name}: dim {shard.dim} of size {full} does not split into "
+                f"{shard.size} tensor-parallel parts"
+            )
         n = full // shard.size
         index = [slice(None)] * shard.dim + [slice(shard.rank * n, (shard.rank + 1) * n)]
         return self.ckpt.read(name, tuple(index))
@@ -156,8 +161,9 @@ class _Loader:
             return self.ckpt.read(self.require(f"{prefix}.{name}.{suffix}"), (span,))
 
         d = layout.head_dim
-        return layout.fuse(rows("q_proj", layout.q_per_group * d), rows("k_proj", d),
-                           rows("v_proj", d))
+        return layout.fuse(
+            rows("q_proj", layout.q_per_group * d), rows("k_proj", d), rows("v_proj", d)
+        )
 
     # --- mapping -----------------------------------------------------------------------
     def tensor_for(self, key: str, param: torch.Tensor) -> torch.Tensor:
@@ -191,13 +197,18 @@ class _Loader:
             return self.expert(moe, self.first_expert + int(local), fc, self.shard(param, True))
         if rest.startswith("mlp.shared_experts."):
             return self.shared_expert(moe, rest.removeprefix("mlp.shared_experts."), shard)
-        raise ValueError(f"no Hugging Face counterpart is known for Megatron parameter "
-                         f"'decoder.layers.<i>.{rest}'")
+        raise ValueError(
+            f"no Hugging Face counterpart is known for Megatron parameter "
+            f"'decoder.layers.<i>.{rest}'"
+        )
 
     def moe_prefix(self, hf: str) -> str:
         """Mixtral keeps its MoE block under ``block_sparse_moe``, the others under ``mlp``."""
-        return f"{hf}.block_sparse_moe" if f"{hf}.block_sparse_moe.gate.weight" in self.ckpt \
+        return (
+            f"{hf}.block_sparse_moe"
+            if f"{hf}.block_sparse_moe.gate.weight" in self.ckpt
             else f"{hf}.mlp"
+        )
 
     def expert(self, moe: str, e: int, fc: str, shard: _Shard) -> torch.Tensor:
         """Global expert ``e``'s fc1 ([gate; up]) or fc2 (down), from per-expert tensors or
@@ -207,8 +218,11 @@ class _Loader:
             if shard.size > 1:
                 raise ValueError("expert tensor parallelism is not supported with fused experts")
             return self.ckpt.read(fused, (slice(e, e + 1),))[0]  # only expert e's rows
-        names = ({"fc1": ("w1", "w3"), "fc2": ("w2",)} if moe.endswith("block_sparse_moe")
-                 else {"fc1": ("gate_proj", "up_proj"), "fc2": ("down_proj",)})[fc]
+        names = (
+            {"fc1": ("w1", "w3"), "fc2": ("w2",)}
+            if moe.endswith("block_sparse_moe")
+            else {"fc1": ("gate_proj", "up_proj"), "fc2": ("down_proj",)}
+        )[fc]
         names = [f"{moe}.experts.{e}.{n}.weight" for n in names]
         return self.gated(*names, shard) if fc == "fc1" else self.read(names[0], shard)
 
@@ -217,15 +231,20 @@ class _Loader:
         ``shared_experts``; its sigmoid gate is ``shared_expert_gate``."""
         if rest == "gate_weight":
             return self.read(f"{moe}.shared_expert_gate.weight")
-        name = "shared_expert" if f"{moe}.shared_expert.down_proj.weight" in self.ckpt \
+        name = (
+            "shared_expert"
+            if f"{moe}.shared_expert.down_proj.weight" in self.ckpt
             else "shared_experts"
+        )
         if rest == "linear_fc1.weight":
-            return self.gated(f"{moe}.{name}.gate_proj.weight", f"{moe}.{name}.up_proj.weight",
-                              shard)
+            return self.gated(
+                f"{moe}.{name}.gate_proj.weight", f"{moe}.{name}.up_proj.weight", shard
+            )
         if rest == "linear_fc2.weight":
             return self.read(f"{moe}.{name}.down_proj.weight", shard)
-        raise ValueError(f"no Hugging Face counterpart is known for shared-expert parameter "
-                         f"{rest!r}")
+        raise ValueError(
+            f"no Hugging Face counterpart is known for shared-expert parameter {rest!r}"
+        )
 
 
 def base_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -243,8 +262,9 @@ def base_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return out
 
 
-def load_hf_checkpoint(model: torch.nn.Module | Sequence[torch.nn.Module], folder: str,
-                       model_config: GPTModelConfig) -> None:
+def load_hf_checkpoint(
+    model: torch.nn.Module | Sequence[torch.nn.Module], folder: str, model_config: GPTModelConfig
+) -> None:
     """Copy the Hugging Face checkpoint in ``folder`` into ``model`` on the current layout.
 
     ``model`` is a GPTModel from :func:`build_gpt_model` for ``model_config``, or this rank's
@@ -265,28 +285,34 @@ def load_hf_checkpoint(model: torch.nn.Module | Sequence[torch.nn.Module], folde
                 try:
                     tensor = loader.tensor_for(key, param)
                 except MissingTensorError as e:
-                    raise MissingTensorError(f"{e}, needed for Megatron parameter "
-                                             f"{_global_key(key, loader.global_layer)!r}") from None
+                    raise MissingTensorError(
+                        f"{e}, needed for Megatron parameter "
+                        f"{_global_key(key, loader.global_layer)!r}"
+                    ) from None
                 if tensor.shape != param.shape:
-                    raise ValueError(f"{_global_key(key, loader.global_layer)}: the checkpoint "
-                                     f"gives shape {tuple(tensor.shape)} for this rank, the model "
-                                     f"holds {tuple(param.shape)} (config.json and weights "
-                                     "disagree?)")
+                    raise ValueError(
+                        f"{_global_key(key, loader.global_layer)}: the checkpoint "
+                        f"gives shape {tuple(tensor.shape)} for this rank, the model "
+                        f"holds {tuple(param.shape)} (config.json and weights "
+                        "disagree?)"
+                    )
                 param.copy_(tensor.to(param.dtype))
         _check_all_used(ckpt, model_config, _Stage.of(chunks))
 
 
 def _unwrap(model: torch.nn.Module) -> GPTModel:
-    while not isinstance(model, GPTModel) and isinstance(getattr(model, "module", None),
-                                                         torch.nn.Module):
+    while not isinstance(model, GPTModel) and isinstance(
+        getattr(model, "module", None), torch.nn.Module
+    ):
         model = model.module  # DDP / Float16Module wrappers
     return model
 
 
 def _global_key(key: str, global_layer: list[int]) -> str:
     """``key`` with its chunk-local layer index replaced by the global one (for messages)."""
-    return re.sub(r"^decoder\.layers\.(\d+)\.",
-                  lambda m: f"decoder.layers.{global_layer[int(m[1])]}.", key)
+    return re.sub(
+        r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{global_layer[int(m[1])]}.", key
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,9 +324,12 @@ class _Stage:
     last: bool  # the final norm and the output layer
 
     @classmethod
-    def of(cls, chunks: list[GPTModel]) -> "_Stage":
-        return cls(frozenset(layer.layer_number - 1 for c in chunks for layer in c.decoder.layers),
-                   any(c.pre_process for c in chunks), any(c.post_process for c in chunks))
+    def of(cls, chunks: list[GPTModel]) -> _Stage:
+        return cls(
+            frozenset(layer.layer_number - 1 for c in chunks for layer in c.decoder.layers),
+            any(c.pre_process for c in chunks),
+            any(c.post_process for c in chunks),
+        )
 
     def elsewhere(self, name: str, cfg: GPTModelConfig) -> bool:
         """``name`` belongs on another pipeline stage (so this one does not read it)."""
@@ -316,17 +345,25 @@ def _check_all_used(ckpt: SafetensorsFolder, cfg: GPTModelConfig, stage: _Stage)
     """Every checkpoint tensor this stage is responsible for must have gone somewhere (so
     across all stages every tensor has). Under EP a rank reads only its experts, so expert
     indices are compared as wildcards."""
+
     def generic(name: str) -> str:
         return re.sub(r"\.experts\.\d+\.", ".experts.*.", name)
 
     used = {generic(n) for n in ckpt.used}
-    unused = [n for n in ckpt.names() if generic(n) not in used and not _IGNORED.fullmatch(n)
-              and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
-              and not stage.elsewhere(n, cfg)]
+    unused = [
+        n
+        for n in ckpt.names()
+        if generic(n) not in used
+        and not _IGNORED.fullmatch(n)
+        and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
+        and not stage.elsewhere(n, cfg)
+    ]
     if unused:
         more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
-        raise ValueError(f"{ckpt.folder}: checkpoint tensors with no place in the Megatron model "
-                         f"(config.json and weights disagree?): {unused[:5]}{more}")
+        raise ValueError(
+            f"{ckpt.folder}: checkpoint tensors with no place in the Megatron model "
+            f"(config.json and weights disagree?): {unused[:5]}{more}"
+        )
 
 
 def _drawn_from_the_checkpoint(weight: torch.Tensor) -> None:
@@ -337,11 +374,13 @@ def _drawn_from_the_checkpoint(weight: torch.Tensor) -> None:
 # TransformerConfig fields for a base whose weights come from a checkpoint: megatron (0.16.1)
 # tags parameters as tensor-parallel (tensor_model_parallel / partition_dim) only inside its
 # init functions, so they must run (perform_initialization=False would leave TP-split
-# parameters looking replicated), but drawing SmolLM2's 135 M random values first cost
-# about 1.2 s of start-up.
-INIT_FOR_CHECKPOINT = {"init_method": _drawn_from_the_checkpoint,
-                       "output_layer_init_method": _drawn_from_the_checkpoint,
-                       "embedding_init_method": _drawn_from_the_checkpoint}
+# parameters looking replicated), but drawing a model's random values first, only to
+# overwrite them, is a second of SmolLM2's start-up.
+INIT_FOR_CHECKPOINT = {
+    "init_method": _drawn_from_the_checkpoint,
+    "output_layer_init_method": _drawn_from_the_checkpoint,
+    "embedding_init_method": _drawn_from_the_checkpoint,
+}
 
 
 def load_hf_model(
@@ -366,5 +405,7 @@ def load_hf_tokenizer(folder: str):
     try:
         return AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as err:  # transformers' message names no file to add
-        raise RunError(f"{folder}: its tokenizer does not load ({type(err).__name__}: {err}); "
-                       "save it into the folder (tokenizer.save_pretrained)") from None
+        raise RunError(
+            f"{folder}: its tokenizer does not load ({type(err).__name__}: {err}); "
+            "save it into the folder (tokenizer.save_pretrained)"
+        ) from None

@@ -42,7 +42,7 @@ class SafetensorsFolder:
         self._handles: dict[str, Any] = {}
         self.used: set[str] = set()
 
-    def __enter__(self) -> "SafetensorsFolder":
+    def __enter__(self) -> SafetensorsFolder:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -62,8 +62,10 @@ class SafetensorsFolder:
         if file not in self._handles:
             path = os.path.join(self.folder, file)
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"{self.folder}: {INDEX_FILE} lists {file} for {name!r}, "
-                                        "but that file is missing")
+                raise FileNotFoundError(
+                    f"{self.folder}: {INDEX_FILE} lists {file} for {name!r}, "
+                    "but that file is missing"
+                )
             self._handles[file] = self._stack.enter_context(_opened(path))
         try:
             return self._handles[file].get_slice(name)
@@ -95,5 +97,7 @@ def _opened(path: str):
 
 
 def _damaged(path: str, err: Exception) -> RunError:
-    return RunError(f"{path} cannot be read ({type(err).__name__}: {err}): the file is damaged "
-                    "or incomplete; download or convert the model folder again")
+    return RunError(
+        f"{path} cannot be read ({type(err).__name__}: {err}): the file is damaged "
+        "or incomplete; download or convert the model folder again"
+    )

@@ -20,7 +20,8 @@ a held-out table without decoding them (``training/report/tables.py``).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,10 +40,15 @@ def compute_dtype(chunk: torch.nn.Module) -> torch.dtype:
     """fp32 where every GEMM of ``chunk`` runs in fp32, else bf16 (bf16 or fp16 training, or
     the frozen base's GEMMs in bf16 on CPU: ``ops/packed_linear.py``)."""
     config = chunk.config
-    reduced = (config.bf16 or config.fp16 or config.params_dtype not in (torch.float32,
-                                                                          torch.float64)
-               or any(getattr(m, "_frozen_gemm_dtype", torch.float32) != torch.float32
-                      for m in chunk.modules()))
+    reduced = (
+        config.bf16
+        or config.fp16
+        or config.params_dtype not in (torch.float32, torch.float64)
+        or any(
+            getattr(m, "_frozen_gemm_dtype", torch.float32) != torch.float32
+            for m in chunk.modules()
+        )
+    )
     return torch.bfloat16 if reduced else torch.float32
 
 
@@ -50,13 +56,17 @@ def selectable(chunk: torch.nn.Module) -> bool:
     """Whether ``chunk`` (a GPTModel, or a pipeline stage of one) can run its output layer at
     chosen rows: it has one, without sequence parallelism or multi-token prediction."""
     layer = getattr(chunk, "output_layer", None)
-    return (getattr(chunk, "post_process", False) and layer is not None
-            and not getattr(layer, "sequence_parallel", False)
-            and not getattr(chunk.config, "mtp_num_layers", None))
+    return (
+        getattr(chunk, "post_process", False)
+        and layer is not None
+        and not getattr(layer, "sequence_parallel", False)
+        and not getattr(chunk.config, "mtp_num_layers", None)
+    )
 
 
-def token_loss(chunk: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor,
-               rows: Optional[torch.Tensor]) -> torch.Tensor:
+def token_loss(
+    chunk: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor, rows: torch.Tensor | None
+) -> torch.Tensor:
     """``chunk(**inputs, labels=labels)`` (the per-token loss ``[1, S]`` on the last stage,
     the hidden states elsewhere), computed at ``rows`` only (positions of the packed
     sequence, on the chunk's device; the loss is 0 at the others). ``rows=None`` or a chunk
@@ -64,9 +74,13 @@ def token_loss(chunk: torch.nn.Module, inputs: dict[str, Any], labels: torch.Ten
     return token_loss_and_choices(chunk, inputs, labels, rows, choose=False)[0]
 
 
-def token_loss_and_choices(chunk: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor,
-                           rows: Optional[torch.Tensor], choose: bool = True
-                           ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def token_loss_and_choices(
+    chunk: torch.nn.Module,
+    inputs: dict[str, Any],
+    labels: torch.Tensor,
+    rows: torch.Tensor | None,
+    choose: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`token_loss`, and (``choose``) each row's clear greedy choice: ``[1, S]`` int64,
     the token of the highest logit where it leads by more than its :data:`CLEAR_MARGINS`,
     -1 where it does not and at the positions that are not rows. None where the model runs whole."""
@@ -93,14 +107,17 @@ def clear_choices(logits: torch.Tensor, margin: float) -> torch.Tensor:
     if tp > 1:  # the two best of every shard, then the two best of those
         ids = ids + parallel_state.get_tensor_model_parallel_rank() * logits.size(-1)
         group = parallel_state.get_tensor_model_parallel_group()
-        every_values, every_ids = [torch.empty_like(values) for _ in range(tp)], \
-            [torch.empty_like(ids) for _ in range(tp)]
+        every_values, every_ids = (
+            [torch.empty_like(values) for _ in range(tp)],
+            [torch.empty_like(ids) for _ in range(tp)],
+        )
         dist.all_gather(every_values, values.contiguous(), group=group)
         dist.all_gather(every_ids, ids.contiguous(), group=group)
         values, best = torch.cat(every_values, -1).topk(2, dim=-1)
         ids = torch.cat(every_ids, -1).gather(-1, best)
-    return torch.where(values[:, 0] - values[:, 1] > margin, ids[:, 0],
-                       torch.full_like(ids[:, 0], -1))
+    return torch.where(
+        values[:, 0] - values[:, 1] > margin, ids[:, 0], torch.full_like(ids[:, 0], -1)
+    )
 
 
 @contextlib.contextmanager

@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from typing import Optional
-
 import torch
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import (
@@ -45,8 +43,9 @@ class TorchSpecProvider(LocalSpecProvider):
 
     def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool):
         # TEGroupedMLP with TE-interface torch grouped linears: same module paths as with TE.
-        return TEGroupedMLP, MLPSubmodules(linear_fc1=TorchGroupedLinear,
-                                           linear_fc2=TorchGroupedLinear)
+        return TEGroupedMLP, MLPSubmodules(
+            linear_fc1=TorchGroupedLinear, linear_fc2=TorchGroupedLinear
+        )
 
 
 def transformer_engine_usable() -> bool:
@@ -64,22 +63,31 @@ class SeededTransformerLayer(TransformerLayer):
     on every layout too. (On GPU megatron draws TP-split weights from its tracker's
     per-TP-rank stream instead, so there init stays layout-dependent, as in megatron.)"""
 
-    def __init__(self, config: TransformerConfig, submodules: TransformerLayerSubmodules,
-                 layer_number: int = 1, hidden_dropout: Optional[float] = None,
-                 pg_collection: Optional[ProcessGroupCollection] = None,
-                 vp_stage: Optional[int] = None, *, init_seed: int) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: TransformerLayerSubmodules,
+        layer_number: int = 1,
+        hidden_dropout: float | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+        vp_stage: int | None = None,
+        *,
+        init_seed: int,
+    ) -> None:
         pp_rank = None if pg_collection is None else pg_collection.pp.rank()
         # The 1-based global number, as TransformerLayer computes it.
         global_number = layer_number + get_transformer_layer_offset(config, vp_stage, pp_rank)
         torch.manual_seed((init_seed + 1_000_003 * global_number) % 2**63)
-        super().__init__(config, submodules, layer_number, hidden_dropout, pg_collection,
-                         vp_stage)
+        super().__init__(config, submodules, layer_number, hidden_dropout, pg_collection, vp_stage)
 
 
-def gpt_block_spec(num_layers: int, qk_layernorm: bool = False,
-                   num_experts: Optional[int] = None,
-                   qk_layernorm_across_heads: bool = False,
-                   init_seed: int = 0) -> TransformerBlockSubmodules:
+def gpt_block_spec(
+    num_layers: int,
+    qk_layernorm: bool = False,
+    num_experts: int | None = None,
+    qk_layernorm_across_heads: bool = False,
+    init_seed: int = 0,
+) -> TransformerBlockSubmodules:
     """The decoder-block spec for ``num_layers`` layers of a GPT (one pipeline chunk's
     layers; MoE MLPs with experts), each a :class:`SeededTransformerLayer` for ``init_seed``.
 
@@ -89,8 +97,10 @@ def gpt_block_spec(num_layers: int, qk_layernorm: bool = False,
         from megatron.core.extensions.transformer_engine import TENorm
 
         layer = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=num_experts is not None,
-            qk_layernorm=qk_layernorm)
+            num_experts=num_experts,
+            moe_grouped_gemm=num_experts is not None,
+            qk_layernorm=qk_layernorm,
+        )
         final_norm = TENorm
     else:
         layer = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
@@ -98,8 +108,9 @@ def gpt_block_spec(num_layers: int, qk_layernorm: bool = False,
         final_norm = TorchNorm
     if qk_layernorm_across_heads:
         layer = across_heads_qk_norm_spec(layer)
-    layer = dataclasses.replace(layer, module=SeededTransformerLayer,
-                                params={**layer.params, "init_seed": init_seed})
+    layer = dataclasses.replace(
+        layer, module=SeededTransformerLayer, params={**layer.params, "init_seed": init_seed}
+    )
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm)
 
 
@@ -109,13 +120,19 @@ def across_heads_qk_norm_spec(layer: ModuleSpec) -> ModuleSpec:
     attn_sub = dataclasses.replace(
         attn.submodules,
         q_layernorm=ModuleSpec(module=AcrossHeadsRMSNorm, params={"projection": "query"}),
-        k_layernorm=ModuleSpec(module=AcrossHeadsRMSNorm, params={"projection": "key"}))
-    return dataclasses.replace(layer, submodules=dataclasses.replace(
-        layer.submodules, self_attention=dataclasses.replace(attn, submodules=attn_sub)))
+        k_layernorm=ModuleSpec(module=AcrossHeadsRMSNorm, params={"projection": "key"}),
+    )
+    return dataclasses.replace(
+        layer,
+        submodules=dataclasses.replace(
+            layer.submodules, self_attention=dataclasses.replace(attn, submodules=attn_sub)
+        ),
+    )
 
 
-def torch_layer_spec(layer: ModuleSpec, qk_layernorm: bool,
-                     num_experts: Optional[int] = None) -> ModuleSpec:
+def torch_layer_spec(
+    layer: ModuleSpec, qk_layernorm: bool, num_experts: int | None = None
+) -> ModuleSpec:
     """Swap the CUDA-only/non-SP submodules of a local layer spec for pure-torch ones."""
     attn = layer.submodules.self_attention
     attn_sub = dataclasses.replace(attn.submodules, core_attention=SDPAttention)
@@ -128,6 +145,10 @@ def torch_layer_spec(layer: ModuleSpec, qk_layernorm: bool,
         self_attention=dataclasses.replace(attn, submodules=attn_sub),
     )
     if num_experts is not None:
-        layer_sub = dataclasses.replace(layer_sub, mlp=get_moe_module_spec_for_backend(
-            TorchSpecProvider(), num_experts=num_experts, moe_grouped_gemm=True))
+        layer_sub = dataclasses.replace(
+            layer_sub,
+            mlp=get_moe_module_spec_for_backend(
+                TorchSpecProvider(), num_experts=num_experts, moe_grouped_gemm=True
+            ),
+        )
     return dataclasses.replace(layer, submodules=layer_sub)

@@ -21,8 +21,9 @@ def byte_level_tokenizer():
     bpe = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     bpe.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", bos_token="<s>",
-                                  eos_token="</s>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
@@ -37,18 +38,30 @@ def _byte_level_chars() -> dict[int, str]:
     return chars
 
 
-def write_tiny_llama(folder: str | Path, hidden_size: int = 128, num_layers: int = 2,
-                     seed: int = 0) -> Path:
+def write_tiny_llama(
+    folder: str | Path, hidden_size: int = 128, num_layers: int = 2, seed: int = 0
+) -> Path:
     """Save a random Llama (4 heads, 2 KV groups, SwiGLU 2x hidden, vocab 264) and the byte
     tokenizer to ``folder`` (atomically)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=264, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                         num_hidden_layers=num_layers, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
-                         rope_theta=10000.0, tie_word_embeddings=False, pad_token_id=0,
-                         bos_token_id=1, eos_token_id=2, initializer_range=0.02)
+    config = LlamaConfig(
+        vocab_size=264,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.02,
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).float()
     tokenizer = byte_level_tokenizer()

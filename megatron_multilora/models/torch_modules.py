@@ -7,7 +7,8 @@ the rest of the layer (and checkpoint keys) is unchanged.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+import itertools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,16 +37,18 @@ class SDPAttention(MegatronModule):
         layer_number: int,
         attn_mask_type: AttnMaskType,
         attention_type: str,
-        attention_dropout: Optional[float] = None,
-        softmax_scale: Optional[float] = None,
-        cp_comm_type: Optional[str] = None,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
         pg_collection: Any = None,
     ) -> None:
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise ValueError("SDPAttention does not support context parallelism")
         self.attn_mask_type = attn_mask_type
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.dropout_p = (
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
         self.softmax_scale = softmax_scale
 
     def forward(
@@ -53,17 +56,19 @@ class SDPAttention(MegatronModule):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        attention_mask: Optional[torch.Tensor],
-        attn_mask_type: Optional[AttnMaskType] = None,
-        attention_bias: Optional[torch.Tensor] = None,
-        packed_seq_params: Optional[PackedSeqParams] = None,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
     ) -> torch.Tensor:
         if attention_bias is not None:
             raise ValueError("SDPAttention does not support attention_bias")
         mask_type = attn_mask_type or self.attn_mask_type
         if packed_seq_params is not None:
             if attention_mask is not None or mask_type != AttnMaskType.causal:
-                raise ValueError("SDPAttention runs packed (thd) sequences causally, without a mask")
+                raise ValueError(
+                    "SDPAttention runs packed (thd) sequences causally, without a mask"
+                )
             return self._packed(query, key, value, packed_seq_params)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
@@ -72,19 +77,33 @@ class SDPAttention(MegatronModule):
         s, b = query.size(0), query.size(1)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                keep: Optional[torch.Tensor], causal: bool) -> torch.Tensor:
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        keep: torch.Tensor | None,
+        causal: bool,
+    ) -> torch.Tensor:
         dropout_p = self.dropout_p if self.training else 0.0
         # Heads are TP-sharded, so dropout draws from the tensor-parallel stream.
         with tensor_parallel.get_cuda_rng_tracker().fork():
             # enable_gqa: query groups share their key/value heads without copying them (a
             # copy of the whole KV cache per layer and token, when generating).
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p,
-                                                  is_causal=causal, scale=self.softmax_scale,
-                                                  enable_gqa=k.size(1) != q.size(1))
+            return F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=keep,
+                dropout_p=dropout_p,
+                is_causal=causal,
+                scale=self.softmax_scale,
+                enable_gqa=k.size(1) != q.size(1),
+            )
 
-    def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                params: PackedSeqParams) -> torch.Tensor:
+    def _packed(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: PackedSeqParams
+    ) -> torch.Tensor:
         """``[t, heads, head_dim]`` packed sequences: causal attention within each sequence
         only, as batches of sequences of one :func:`padded_length`, right-padded to it (a
         causal row never reads its own sequence's padding; pad rows are dropped)."""
@@ -121,7 +140,7 @@ def _packed_layout(params: PackedSeqParams, device: torch.device) -> _PackedLayo
     if cached is not None:
         return cached
     ends = params.cu_seqlens_q.tolist()
-    starts, lengths = ends[:-1], [b - a for a, b in zip(ends, ends[1:])]
+    starts, lengths = ends[:-1], [b - a for a, b in itertools.pairwise(ends)]
     by_length: dict[int, list[int]] = {}
     for i, length in enumerate(lengths):
         by_length.setdefault(padded_length(length), []).append(i)
@@ -130,10 +149,11 @@ def _packed_layout(params: PackedSeqParams, device: torch.device) -> _PackedLayo
     for padded, bucket in sorted(by_length.items()):
         index = torch.empty(len(bucket), padded, dtype=torch.int64)
         for n, i in enumerate(bucket):
-            index[n, :lengths[i]] = torch.arange(starts[i], starts[i] + lengths[i])
-            index[n, lengths[i]:] = starts[i]  # pads read the sequence's own first token
-            unpack[starts[i]:starts[i] + lengths[i]] = range(offset + n * padded,
-                                                             offset + n * padded + lengths[i])
+            index[n, : lengths[i]] = torch.arange(starts[i], starts[i] + lengths[i])
+            index[n, lengths[i] :] = starts[i]  # pads read the sequence's own first token
+            unpack[starts[i] : starts[i] + lengths[i]] = range(
+                offset + n * padded, offset + n * padded + lengths[i]
+            )
         rows.append(index.to(device))
         offset += len(bucket) * padded
     layout = _PackedLayout(rows, torch.tensor(unpack, dtype=torch.int64, device=device))
@@ -190,13 +210,15 @@ class TorchGroupedLinear(torch.nn.Module):
         bias: bool,
         skip_bias_add: bool,
         is_expert: bool,
-        tp_comm_buffer_name: Optional[str] = None,
+        tp_comm_buffer_name: str | None = None,
         pg_collection: Any = None,
-        parallel_mode: Optional[str] = None,
+        parallel_mode: str | None = None,
     ) -> None:
         super().__init__()
         if bias:
-            raise ValueError("TorchGroupedLinear: expert biases (add_bias_linear) are not supported")
+            raise ValueError(
+                "TorchGroupedLinear: expert biases (add_bias_linear) are not supported"
+            )
         if pg_collection is not None and pg_collection.expt_tp.size() > 1:
             raise ValueError("TorchGroupedLinear: expert tensor parallelism must be 1")
         self.num_gemms = num_gemms
@@ -220,8 +242,9 @@ class TorchGroupedLinear(torch.nn.Module):
         # On the GPU they must be drawn there: a CPU tensor would draw from the CPU generator
         # whatever CUDA stream the tracker forks, giving every EP rank the same experts.
         device = "cpu" if cfg.use_cpu_initialization else torch.cuda.current_device()
-        weights = [torch.empty(shape, dtype=cfg.params_dtype, device=device)
-                   for _ in range(self.num_gemms)]
+        weights = [
+            torch.empty(shape, dtype=cfg.params_dtype, device=device) for _ in range(self.num_gemms)
+        ]
         if not cfg.perform_initialization:
             return weights
         if cfg.use_cpu_initialization:
@@ -245,8 +268,9 @@ class TorchGroupedLinear(torch.nn.Module):
         w = torch.stack([getattr(self, f"weight{i}") for i in range(self.num_gemms)])
         return grouped_mm(x, w.to(x.dtype), group_offsets(counts, x.device), counts), None
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
-                           metadata: Optional[dict] = None) -> dict:
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
         """``weight{i}`` as global expert ``ep_rank * num_gemms + i`` of one ``weight``
         tensor, the layout TE's grouped linears and megatron's SequentialMLP checkpoint."""
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -256,11 +280,17 @@ class TorchGroupedLinear(torch.nn.Module):
         edp_rank = self.expt_dp_group.rank() if self.expt_dp_group is not None else 0
         out = {}
         for i in range(self.num_gemms):
-            offsets = (*sharded_offsets, (len(sharded_offsets), ep_rank * self.num_gemms + i,
-                                          ep_size * self.num_gemms))
+            offsets = (
+                *sharded_offsets,
+                (len(sharded_offsets), ep_rank * self.num_gemms + i, ep_size * self.num_gemms),
+            )
             out[f"{prefix}weight{i}"] = ShardedTensor.from_rank_offsets(
-                f"{prefix}weight", getattr(self, f"weight{i}"), *offsets,
-                replica_id=(0, 0, edp_rank), prepend_axis_num=len(offsets))
+                f"{prefix}weight",
+                getattr(self, f"weight{i}"),
+                *offsets,
+                replica_id=(0, 0, edp_rank),
+                prepend_axis_num=len(offsets),
+            )
         return out
 
 
@@ -298,20 +328,28 @@ class AcrossHeadsRMSNorm(torch.nn.Module):
     Hugging Face's RMSNorm does.
     """
 
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,
-                 projection: str = "query", **_: Any) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        hidden_size: int,
+        eps: float = 1e-5,
+        projection: str = "query",
+        **_: Any,
+    ) -> None:
         super().__init__()
         if projection not in ("query", "key"):
             raise ValueError(f"AcrossHeadsRMSNorm: projection={projection!r}, use query or key")
         if config.normalization != "RMSNorm":
-            raise ValueError("AcrossHeadsRMSNorm needs normalization='RMSNorm', got "
-                             f"{config.normalization!r}")
+            raise ValueError(
+                f"AcrossHeadsRMSNorm needs normalization='RMSNorm', got {config.normalization!r}"
+            )
         heads = config.num_attention_heads if projection == "query" else config.num_query_groups
         tp = config.tensor_model_parallel_size
         self.eps = eps
         self.width = heads * hidden_size  # the full projection width the mean runs over
         self.weight = torch.nn.Parameter(
-            torch.ones(heads // tp * hidden_size, dtype=config.params_dtype))
+            torch.ones(heads // tp * hidden_size, dtype=config.params_dtype)
+        )
         tensor_parallel.set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
         self.tp_size = tp
 
@@ -323,14 +361,17 @@ class AcrossHeadsRMSNorm(torch.nn.Module):
         square_sum = flat.pow(2).sum(-1, keepdim=True)
         if self.tp_size > 1:
             square_sum = _AllReduceSum.apply(
-                square_sum, parallel_state.get_tensor_model_parallel_group())
+                square_sum, parallel_state.get_tensor_model_parallel_group()
+            )
         normed = flat * torch.rsqrt(square_sum / self.width + self.eps)
         return (self.weight * normed.to(dtype)).view(shape)
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
-                           metadata: Optional[dict] = None) -> dict:
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
         """``weight`` as a TP-sharded tensor (split on dim 0), like the qkv rows."""
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
         return make_sharded_tensors_for_checkpoint(
-            self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0}, sharded_offsets)
+            self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0}, sharded_offsets
+        )

@@ -13,7 +13,8 @@ so the layouts are written once. Trailing dims (columns, a LoRA rank) are carrie
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -27,12 +28,14 @@ class QKVLayout:
     head_dim: int
 
     @classmethod
-    def of(cls, cfg: Any) -> "QKVLayout":
+    def of(cls, cfg: Any) -> QKVLayout:
         """From a model config with megatron's field names (``GPTModelConfig``,
         ``TransformerConfig``): ``num_query_groups`` None means one per head, ``kv_channels``
         None means ``hidden_size // num_attention_heads``."""
         heads = cfg.num_attention_heads
-        return cls(heads, cfg.num_query_groups or heads, cfg.kv_channels or cfg.hidden_size // heads)
+        return cls(
+            heads, cfg.num_query_groups or heads, cfg.kv_channels or cfg.hidden_size // heads
+        )
 
     @property
     def q_per_group(self) -> int:
@@ -46,16 +49,24 @@ class QKVLayout:
         """q, k, v rows of the same whole groups (all, or one TP rank's) -> fused rows."""
         d, rest = self.head_dim, q.shape[1:]
         groups = k.size(0) // d
-        return torch.cat([q.reshape(groups, self.q_per_group * d, *rest),
-                          k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)],
-                         dim=1).reshape(-1, *rest)
+        return torch.cat(
+            [
+                q.reshape(groups, self.q_per_group * d, *rest),
+                k.reshape(groups, d, *rest),
+                v.reshape(groups, d, *rest),
+            ],
+            dim=1,
+        ).reshape(-1, *rest)
 
     def split(self, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Inverse of :meth:`fuse`: fused rows -> (q, k, v) rows."""
         rest = fused.shape[1:]
         per_group = fused.reshape(-1, self.q_per_group + 2, self.head_dim, *rest)
-        return (per_group[:, :-2].reshape(-1, *rest), per_group[:, -2].reshape(-1, *rest),
-                per_group[:, -1].reshape(-1, *rest))
+        return (
+            per_group[:, :-2].reshape(-1, *rest),
+            per_group[:, -2].reshape(-1, *rest),
+            per_group[:, -1].reshape(-1, *rest),
+        )
 
 
 def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,8 @@ Used by the frozen base's expert linears and by the multi-LoRA layers.
 On CPU, where ``torch._grouped_mm`` is a loop of MKL GEMMs, the backward is our own: a
 gradient with a narrow last dim (2-15 columns: a LoRA rank, i.e. B's input and weight
 gradients) is computed as the transpose of its wide transpose, one ``torch._grouped_mm``
-call each. MKL runs the narrow orientation several times slower (2-core AMD EPYC, one
-thread, SmolLM2's fc1 B at rank 8, 4 groups of 45 rows: input gradient 837 -> 422 us, weight
-gradient 1518 -> 325 us).
+call each. MKL runs the narrow orientation several times slower (figures:
+benchmarks/README.md, "Figures behind choices in the code").
 
 The kernel reads every matrix with its rows 16-byte aligned: each stride but the last (1)
 a multiple of 16 bytes and, on CUDA, the data pointer too; it raises otherwise. Shapes decide
@@ -21,7 +20,8 @@ of 8) is copied first, which costs a weight-sized copy, not a fallback to the lo
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import itertools
+from collections.abc import Sequence
 
 import torch
 
@@ -47,9 +47,12 @@ def rows_aligned(t: torch.Tensor) -> bool:
     """``t``'s rows are laid out as the kernel reads them (see the module docstring)."""
     per16 = 16 // t.element_size()
     strides = t.stride()
-    return (strides[-1] == 1 and strides[-2] >= max(1, t.size(-1))
-            and all(s % per16 == 0 for s in strides[:-1])
-            and (not t.is_cuda or t.data_ptr() % 16 == 0))
+    return (
+        strides[-1] == 1
+        and strides[-2] >= max(1, t.size(-1))
+        and all(s % per16 == 0 for s in strides[:-1])
+        and (not t.is_cuda or t.data_ptr() % 16 == 0)
+    )
 
 
 def kernel_layout(t: torch.Tensor) -> torch.Tensor:
@@ -66,11 +69,12 @@ def group_offsets(counts: Sequence[int], device: torch.device) -> torch.Tensor:
 def group_sizes(offsets: torch.Tensor) -> tuple[int, ...]:
     """Group sizes from cumulative group ends (reads them back from the device)."""
     ends = [0] + offsets.tolist()
-    return tuple(b - a for a, b in zip(ends, ends[1:]))
+    return tuple(b - a for a, b in itertools.pairwise(ends))
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
-               counts: Optional[Sequence[int]] = None) -> torch.Tensor:
+def grouped_mm(
+    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: Sequence[int] | None = None
+) -> torch.Tensor:
     """``[rows, in] x [G, out, in] -> [rows, out]`` (same dtype): group g's rows times
     ``w[g].T``. ``offsets`` are the int32 cumulative group ends on the compute device (what
     ``torch._grouped_mm`` takes); ``counts`` the group sizes on the host when known: only the
@@ -102,8 +106,7 @@ def single_group_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     grouped call's per-group ones (``tests/unit/test_grouped_mm.py`` checks both)."""
     if kernel_takes(x, w.unsqueeze(0)) and _transposed_backward(x, w.unsqueeze(0)):
         offsets = torch.tensor([x.size(0)], dtype=torch.int32)  # on CPU, as x
-        return _NarrowInputGroupedMM.apply(kernel_layout(x), kernel_layout(w.unsqueeze(0)),
-                                           offsets)
+        return _NarrowInputGroupedMM.apply(kernel_layout(x), kernel_layout(w.unsqueeze(0)), offsets)
     return x @ w.t()
 
 

@@ -4,18 +4,14 @@ megatron runs a frozen weight as ``input @ weight.t()`` forward and ``grad @ wei
 backward (``LinearWithFrozenWeight``); on CPU MKL re-packs the weight into its blocked layout
 on every call of the forward, a pass over a weight that is cold in cache by the time its
 layer comes round. At the few hundred rows of a fine-tuning micro-batch, or the few dozen of
-a decode step, that pass is a large share of the GEMM (2-core AMD EPYC, one thread, SmolLM2's
-30 layers of linears: 50 GFLOP/s by MKL vs 71 packed at 68 rows, 69 vs 78 at 180). The base
-is frozen, so here each weight is packed once for the forward (one extra copy of the base)
-and repacked only when it changes (its version counter or storage moves). The input
-gradient ``grad @ weight`` runs on an Intel CPU as MKL on the weight itself, elsewhere on a
-second pack, of ``weight.t()`` (a second copy of the base). Which wins was measured on the
-two CPUs at hand: on a 2-core Intel Xeon MKL (one thread, the same 30 layers: 169 vs 160
-GFLOP/s at 180 rows, 158 vs 122 at 68), on a 2-core AMD EPYC the pack (54 vs 64 GFLOP/s at
-180 rows, 44-50 vs 55-60 at 76; the main job's steps, alternating in one process: a 4-job
-step 2350 -> 2229 ms, a sort-only step 1165 -> 1096). Timing the two ways per weight at
-start-up picked at random: a single GEMM of a hot weight is not the cold one of a step. A
-weight whose packs would leave less than a quarter of the machine's memory free stays
+a decode step, that pass is a large share of the GEMM. The base is frozen, so here each
+weight is packed once for the forward (one extra copy of the base) and repacked only when it
+changes (its version counter or storage moves). The input gradient ``grad @ weight`` runs on
+an Intel CPU as MKL on the weight itself, elsewhere on a second pack, of ``weight.t()`` (a
+second copy of the base): which wins was measured on both kinds of CPU (the figures of this
+module: benchmarks/README.md, "Figures behind choices in the code"). Timing the two ways per
+weight at start-up picked at random: a single GEMM of a hot weight is not the cold one of a
+step. A weight whose packs would leave less than a quarter of the machine's memory free stays
 unpacked (a model too large to double on this machine trains as before, on megatron's path).
 
 :func:`use_packed_frozen_weights` installs this on every megatron parallel linear of a model;
@@ -27,19 +23,16 @@ model's frozen GEMMs run in bf16 instead: the weight is packed once as bf16 for 
 and once transposed for the input gradient (two half-size copies, the memory of one fp32
 pack), inputs and gradients are rounded to bf16 on the way in and the results come back as
 fp32, like ``torch.autocast``'s linears; everything else (adapters, norms, attention, the
-optimizer) stays fp32. On a 2-core Intel Xeon (AMX), one thread, SmolLM2's 30 layers of
-linears: forward 130 -> 359 GFLOP/s at 66 rows and 176 -> 476 at 180, input gradient
-162 -> 362 and 190 -> 592, casts included; on a 2-core AMD EPYC with AVX-512 BF16 (Zen 4, no
-AMX) forward 105 -> 192 at 68 rows and 110 -> 204 at 200, input gradient 105 -> 194 and
-111 -> 207. The output layer stays fp32: its outputs are the logits, read by the loss and
-the evaluation tables with no later layer to absorb the rounding of its operands (in bf16 it
-would save ~40 ms of a 4-job step of the main job).
+optimizer) stays fp32; with AMX or AVX-512 BF16 these GEMMs run much faster than fp32
+ones, casts included. The output layer stays fp32: its outputs are the logits, read by
+the loss and the evaluation tables with no later layer to absorb the rounding of its
+operands.
 """
 
 from __future__ import annotations
 
 import types
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import psutil
 import torch
@@ -63,16 +56,17 @@ def bf16_gemms_supported() -> bool:
 
 def bf16_gemms_fast() -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware (AMX tiles, or AVX-512 BF16's
-    dot products): there bf16 GEMMs run 1.8-3x as fast as fp32 ones at a micro-batch's rows
+    dot products): there bf16 GEMMs run much faster than fp32 ones at a micro-batch's rows
     (see the module's note). oneDNN also runs bf16 on plain AVX-512, emulated: not fast."""
-    return bf16_gemms_supported() and (torch.cpu._is_amx_tile_supported()
-                                       or torch.cpu._is_avx512_bf16_supported())
+    return bf16_gemms_supported() and (
+        torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    )
 
 
 class _Packs(NamedTuple):
     forward: torch.Tensor
     """``weight`` in oneDNN's layout for ``input @ weight.t()``, in the GEMMs' dtype."""
-    input_grad: Optional[torch.Tensor]
+    input_grad: torch.Tensor | None
     """``weight.t()`` likewise, for ``grad @ weight`` (bf16, or fp32 off Intel CPUs); None:
     that GEMM runs on the fp32 weight itself."""
 
@@ -94,7 +88,7 @@ _INPUT_GRAD_PACKED = not _mkl_is_tuned_here()
 """Whether fp32 input gradients run on a pack of ``weight.t()`` (see the module docstring)."""
 
 
-def _pack(weight: torch.Tensor, dtype: torch.dtype) -> Optional[_Packs]:
+def _pack(weight: torch.Tensor, dtype: torch.dtype) -> _Packs | None:
     """``weight``'s packs for GEMMs in ``dtype``, made on first use and after any change;
     None where there is no room for them."""
     key = (weight._version, weight.data_ptr())
@@ -117,9 +111,13 @@ def _pack(weight: torch.Tensor, dtype: torch.dtype) -> Optional[_Packs]:
 def packable(input: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether this call can run on a packed weight (room for it permitting): a frozen fp32
     weight and input on CPU, with torch built with oneDNN."""
-    return (not weight.requires_grad and weight.device.type == "cpu"
-            and weight.dtype == input.dtype == torch.float32 and weight.dim() == 2
-            and torch.backends.mkldnn.is_available())
+    return (
+        not weight.requires_grad
+        and weight.device.type == "cpu"
+        and weight.dtype == input.dtype == torch.float32
+        and weight.dim() == 2
+        and torch.backends.mkldnn.is_available()
+    )
 
 
 class _PackedFrozenLinear(torch.autograd.Function):
@@ -128,9 +126,15 @@ class _PackedFrozenLinear(torch.autograd.Function):
     views, which autograd does not allow as a custom Function's output)."""
 
     @staticmethod
-    def forward(ctx: Any, input: torch.Tensor, packs: _Packs, weight: torch.Tensor,
-                bias: Optional[torch.Tensor], allreduce_dgrad: bool,
-                tp_group: Optional[torch.distributed.ProcessGroup]) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        input: torch.Tensor,
+        packs: _Packs,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        allreduce_dgrad: bool,
+        tp_group: torch.distributed.ProcessGroup | None,
+    ) -> torch.Tensor:
         ctx.save_for_backward(weight)
         ctx.packs, ctx.allreduce_dgrad, ctx.tp_group = packs, allreduce_dgrad, tp_group
         output = _onednn_linear(input.to(packs.forward.dtype), packs.forward).to(input.dtype)
@@ -142,36 +146,57 @@ class _PackedFrozenLinear(torch.autograd.Function):
             return None, None, None, None, None, None
         (weight,) = ctx.saved_tensors
         pack = ctx.packs.input_grad
-        grad_input = (grad_output.matmul(weight) if pack is None else
-                      _onednn_linear(grad_output.to(pack.dtype), pack).to(grad_output.dtype))
+        grad_input = (
+            grad_output.matmul(weight)
+            if pack is None
+            else _onednn_linear(grad_output.to(pack.dtype), pack).to(grad_output.dtype)
+        )
         if ctx.allreduce_dgrad:
             torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
         return grad_input, None, None, None, None, None
 
 
-def _forward_impl(self: torch.nn.Module, input: torch.Tensor, weight: torch.Tensor,
-                  bias: Optional[torch.Tensor], gradient_accumulation_fusion: bool,
-                  allreduce_dgrad: bool, sequence_parallel: bool,
-                  tp_group: Optional[torch.distributed.ProcessGroup],
-                  **rest: Any) -> torch.Tensor:
-    packs = (_pack(weight, self._frozen_gemm_dtype) if packable(input, weight)
-             and all(v is None for v in rest.values()) else None)
+def _forward_impl(
+    self: torch.nn.Module,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gradient_accumulation_fusion: bool,
+    allreduce_dgrad: bool,
+    sequence_parallel: bool,
+    tp_group: torch.distributed.ProcessGroup | None,
+    **rest: Any,
+) -> torch.Tensor:
+    packs = (
+        _pack(weight, self._frozen_gemm_dtype)
+        if packable(input, weight) and all(v is None for v in rest.values())
+        else None
+    )
     if packs is None:
         return type(self)._forward_impl(
-            self, input, weight, bias, gradient_accumulation_fusion=gradient_accumulation_fusion,
-            allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
-            tp_group=tp_group, **rest)
+            self,
+            input,
+            weight,
+            bias,
+            gradient_accumulation_fusion=gradient_accumulation_fusion,
+            allreduce_dgrad=allreduce_dgrad,
+            sequence_parallel=sequence_parallel,
+            tp_group=tp_group,
+            **rest,
+        )
     tp_group = get_tensor_model_parallel_group_if_none(tp_group)
     if sequence_parallel:  # as megatron's linear_with_frozen_weight
-        input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True,
-                                                     group=tp_group)
+        input = gather_from_sequence_parallel_region(
+            input, tensor_parallel_output_grad=True, group=tp_group
+        )
     rows = input.reshape(-1, input.size(-1))
     output = _PackedFrozenLinear.apply(rows, packs, weight, bias, allreduce_dgrad, tp_group)
     return output.view(*input.shape[:-1], output.size(-1))
 
 
-def use_packed_frozen_weights(model: torch.nn.Module,
-                              gemm_dtype: torch.dtype = torch.float32) -> int:
+def use_packed_frozen_weights(
+    model: torch.nn.Module, gemm_dtype: torch.dtype = torch.float32
+) -> int:
     """Run every megatron Column/RowParallelLinear of ``model`` (TE's excepted: they are
     subclasses of neither) on packed weights where :func:`packable`, their GEMMs in
     ``gemm_dtype`` (fp32 or bf16; the output layer's in fp32); the number installed."""
@@ -181,7 +206,8 @@ def use_packed_frozen_weights(model: torch.nn.Module,
     for name, module in model.named_modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             module._forward_impl = types.MethodType(_forward_impl, module)
-            module._frozen_gemm_dtype = (torch.float32 if name.split(".")[-1] == "output_layer"
-                                         else gemm_dtype)
+            module._frozen_gemm_dtype = (
+                torch.float32 if name.split(".")[-1] == "output_layer" else gemm_dtype
+            )
             installed += 1
     return installed

@@ -30,8 +30,12 @@ class _Rotate(torch.autograd.Function):
     instead of the eight of the composed ops."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor,  # type: ignore[override]
-                sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        cos: torch.Tensor,  # type: ignore[override]
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
         return x * cos + _rotate_half(x) * sin
 
@@ -53,25 +57,35 @@ def apply_rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) 
     """``t`` ``[s, b, heads, d]`` rotated by ``freqs`` ``[s, 1 or b, 1, rot_dim]`` (megatron's
     ``fused_apply_rotary_pos_emb``)."""
     if interleaved:
-        raise ValueError("interleaved rotary embeddings are not implemented without Transformer "
-                         "Engine; set rotary_interleaved=False")
+        raise ValueError(
+            "interleaved rotary embeddings are not implemented without Transformer "
+            "Engine; set rotary_interleaved=False"
+        )
     return _apply(t, freqs.cos().to(t.dtype), freqs.sin().to(t.dtype))
 
 
-def apply_rope_packed(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor,
-                      cp_size: int = 1, cp_rank: int = 0) -> torch.Tensor:
+def apply_rope_packed(
+    t: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    freqs: torch.Tensor,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+) -> torch.Tensor:
     """``t`` ``[tokens, heads, d]`` of packed sequences (bounds ``cu_seqlens``), each rotated
     from position 0 of its own sequence by ``freqs`` ``[max_seqlen, 1, 1, rot_dim]``
     (megatron's ``fused_apply_rotary_pos_emb_thd``)."""
     if cp_size != 1:
-        raise ValueError(f"packed rotary embeddings over {cp_size} context-parallel ranks are not "
-                         "implemented without Transformer Engine; use context_parallel_size=1")
+        raise ValueError(
+            f"packed rotary embeddings over {cp_size} context-parallel ranks are not "
+            "implemented without Transformer Engine; use context_parallel_size=1"
+        )
     cos, sin = _packed_cos_sin(cu_seqlens, freqs, t.size(0), t.dtype)
     return _apply(t, cos, sin)
 
 
-def _packed_cos_sin(cu_seqlens: torch.Tensor, freqs: torch.Tensor, tokens: int,
-                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _packed_cos_sin(
+    cu_seqlens: torch.Tensor, freqs: torch.Tensor, tokens: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of each packed token's angles, ``[tokens, 1, rot_dim]``. Every layer of a
     micro-batch passes the same ``cu_seqlens`` and ``freqs`` objects, so they are computed
     by the first and kept on ``cu_seqlens`` (a micro-batch's own tensor) for the rest."""
@@ -80,8 +94,9 @@ def _packed_cos_sin(cu_seqlens: torch.Tensor, freqs: torch.Tensor, tokens: int,
         return cached[1], cached[2]
     starts, lengths = cu_seqlens[:-1].long(), cu_seqlens.diff().long()
     # Each token's position in its sequence, without reading the lengths on the host.
-    positions = (torch.arange(tokens, device=cu_seqlens.device)
-                 - starts.repeat_interleave(lengths, output_size=tokens))
+    positions = torch.arange(tokens, device=cu_seqlens.device) - starts.repeat_interleave(
+        lengths, output_size=tokens
+    )
     angles = freqs.flatten(1)  # [max_seqlen, rot_dim]: cos/sin of the table, then each token's row
     cos, sin = (f(angles)[positions].unsqueeze(1).to(dtype) for f in (torch.cos, torch.sin))
     cu_seqlens._rope_cos_sin = (freqs, cos, sin)

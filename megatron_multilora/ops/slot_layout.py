@@ -11,7 +11,7 @@ each row labelled with its slot). Packing (``data/``) builds the layout, the lay
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -32,28 +32,37 @@ class Segments:
     offsets: torch.Tensor
     label_of_row: torch.Tensor
     rows: int
-    counts: Optional[tuple[int, ...]] = None
+    counts: tuple[int, ...] | None = None
 
     @classmethod
-    def from_counts(cls, counts: Sequence[int], device: torch.device,
-                    labels: Optional[Sequence[int]] = None) -> "Segments":
+    def from_counts(
+        cls, counts: Sequence[int], device: torch.device, labels: Sequence[int] | None = None
+    ) -> Segments:
         """Groups of host-known sizes; ``labels[g]`` (default ``g``) labels group g's rows."""
         counts = tuple(int(c) for c in counts)
         host = torch.tensor(counts, dtype=torch.int64)
-        names = torch.arange(len(counts)) if labels is None else torch.tensor(labels, dtype=torch.int64)
+        names = (
+            torch.arange(len(counts)) if labels is None else torch.tensor(labels, dtype=torch.int64)
+        )
         rows = sum(counts)
-        return cls(offsets=group_offsets(counts, device),
-                   label_of_row=torch.repeat_interleave(names, host, output_size=rows).to(device),
-                   rows=rows, counts=counts)
+        return cls(
+            offsets=group_offsets(counts, device),
+            label_of_row=torch.repeat_interleave(names, host, output_size=rows).to(device),
+            rows=rows,
+            counts=counts,
+        )
 
     @classmethod
-    def from_sorted_keys(cls, sorted_keys: torch.Tensor, num_groups: int,
-                         label_of_row: torch.Tensor) -> "Segments":
+    def from_sorted_keys(
+        cls, sorted_keys: torch.Tensor, num_groups: int, label_of_row: torch.Tensor
+    ) -> Segments:
         """Groups of rows already sorted by group id ``sorted_keys``, all on the device."""
-        ends = torch.searchsorted(sorted_keys, torch.arange(num_groups, device=sorted_keys.device),
-                                  right=True)
-        return cls(offsets=ends.to(torch.int32), label_of_row=label_of_row,
-                   rows=int(sorted_keys.numel()))
+        ends = torch.searchsorted(
+            sorted_keys, torch.arange(num_groups, device=sorted_keys.device), right=True
+        )
+        return cls(
+            offsets=ends.to(torch.int32), label_of_row=label_of_row, rows=int(sorted_keys.numel())
+        )
 
     def host_counts(self) -> tuple[int, ...]:
         return self.counts if self.counts is not None else group_sizes(self.offsets)
@@ -86,46 +95,61 @@ class SlotLayout:
     layers' GEMMs run over these. Default: every slot, since other ranks' slots are unknown.
     """
 
-    def __init__(self, counts: Sequence[int], ep_slots: Optional[Sequence[int]] = None) -> None:
+    def __init__(self, counts: Sequence[int], ep_slots: Sequence[int] | None = None) -> None:
         self.counts = tuple(int(c) for c in counts)
         self.total = sum(self.counts)
         self.active = tuple(i for i, c in enumerate(self.counts) if c > 0)
-        self.ep_slots = (tuple(range(len(self.counts))) if ep_slots is None
-                         else tuple(sorted(set(ep_slots))))
+        self.ep_slots = (
+            tuple(range(len(self.counts))) if ep_slots is None else tuple(sorted(set(ep_slots)))
+        )
         self._cache: dict[tuple[int, int, torch.device], Segments] = {}
 
     def segments(self, start: int, rows: int, device: torch.device) -> Segments:
         key = (start, rows, device)
         seg = self._cache.get(key)
         if seg is None:
-            counts = self.counts if (start, rows) == (0, self.total) else narrow_counts_to_window(
-                self.counts, start, rows)
+            counts = (
+                self.counts
+                if (start, rows) == (0, self.total)
+                else narrow_counts_to_window(self.counts, start, rows)
+            )
             seg = self._cache[key] = Segments.from_counts(
-                [counts[i] for i in self.active], device, labels=self.active)
+                [counts[i] for i in self.active], device, labels=self.active
+            )
         return seg
 
 
-def check_token_counts(tokens_per_adapter: Sequence[int] | torch.Tensor, n_adapters: int) -> list[int]:
+def check_token_counts(
+    tokens_per_adapter: Sequence[int] | torch.Tensor, n_adapters: int
+) -> list[int]:
     """Validate user-given counts (length, integer, non-negative); return them as ints."""
     if isinstance(tokens_per_adapter, torch.Tensor):
         if tokens_per_adapter.dim() != 1 or tokens_per_adapter.is_floating_point():
             raise ValueError(
                 "tokens_per_adapter must be a 1-D integer tensor, got "
-                f"{tokens_per_adapter.dtype} of shape {tuple(tokens_per_adapter.shape)}")
+                f"{tokens_per_adapter.dtype} of shape {tuple(tokens_per_adapter.shape)}"
+            )
         counts = tokens_per_adapter.tolist()  # the one host sync the counts need
     else:
         counts = list(tokens_per_adapter)
     if len(counts) != n_adapters:
-        raise ValueError(f"tokens_per_adapter has {len(counts)} entries but the model has "
-                         f"{n_adapters} adapter slots: give one count per slot (0 for unused)")
-    bad = [(i, c) for i, c in enumerate(counts) if not isinstance(c, int) or isinstance(c, bool) or c < 0]
+        raise ValueError(
+            f"tokens_per_adapter has {len(counts)} entries but the model has "
+            f"{n_adapters} adapter slots: give one count per slot (0 for unused)"
+        )
+    bad = [
+        (i, c)
+        for i, c in enumerate(counts)
+        if not isinstance(c, int) or isinstance(c, bool) or c < 0
+    ]
     if bad:
-        raise ValueError(f"tokens_per_adapter must be non-negative integers; bad entries "
-                         f"(slot, value): {bad}")
+        raise ValueError(
+            f"tokens_per_adapter must be non-negative integers; bad entries (slot, value): {bad}"
+        )
     return counts
 
 
-def check_ep_slots(ep_slots: Optional[Sequence[int]], counts: Sequence[int]) -> None:
+def check_ep_slots(ep_slots: Sequence[int] | None, counts: Sequence[int]) -> None:
     """``ep_slots`` must be slot indices and include every slot with tokens here."""
     if ep_slots is None:
         return
@@ -135,6 +159,8 @@ def check_ep_slots(ep_slots: Optional[Sequence[int]], counts: Sequence[int]) -> 
         raise ValueError(f"ep_slots must be slot indices in 0..{n - 1}; bad entries: {bad}")
     missing = [i for i, c in enumerate(counts) if c > 0 and i not in set(ep_slots)]
     if missing:
-        raise ValueError(f"ep_slots={list(ep_slots)} leaves out slots {missing}, which have tokens "
-                         "in this micro-batch: give the union of every expert-parallel rank's "
-                         "slots with tokens")
+        raise ValueError(
+            f"ep_slots={list(ep_slots)} leaves out slots {missing}, which have tokens "
+            "in this micro-batch: give the union of every expert-parallel rank's "
+            "slots with tokens"
+        )

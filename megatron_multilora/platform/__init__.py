@@ -10,8 +10,11 @@ def quiet_missing_accelerator_warnings() -> None:
     the GPU is looked for without importing torch: no NVIDIA driver device, no CUDA."""
     if os.path.exists("/dev/nvidiactl"):
         return
-    for message in (r"Apex is not installed", r"Transformer Engine and Apex are not installed",
-                    r"full scope is deprecated"):
+    for message in (
+        r"Apex is not installed",
+        r"Transformer Engine and Apex are not installed",
+        r"full scope is deprecated",
+    ):
         warnings.filterwarnings("ignore", message=message, category=UserWarning)
 
 

@@ -13,7 +13,7 @@ import importlib
 import logging
 import sys
 import types
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -96,10 +96,10 @@ def activate_cpu_support() -> bool:
 def _import_megatron_with_fusions_uncompiled() -> None:
     """Import megatron with its ``jit_fuser`` (torch.compile, applied to its fused GPU kernels
     as their modules load) off, as megatron's own ``disable_jit_fuser`` leaves it: preparing
-    38 functions for inductor is ~1 s of every process's start-up, and none of them runs on
-    the CPU paths. Its dynamic inference engine's optional wandb logging is left off too
-    (it imports wandb if it can: ~0.4 s more; the run's own wandb logging imports it when
-    asked). A no-op where megatron is already imported."""
+    its functions for inductor is a large part of every process's start-up, and none of them
+    runs on the CPU paths. Its dynamic inference engine's optional wandb logging is left off
+    too (it imports wandb if it can, which is slow; the run's own wandb logging imports it
+    when asked). A no-op where megatron is already imported."""
     if "megatron.core" in sys.modules:
         return
     compile_ = torch.compile
@@ -167,7 +167,7 @@ def _patch_modules() -> None:
 
     # tensor_parallel/cross_entropy.py all-reduces three tensors per call over the TP group,
     # a group of one rank without TP: gloo still hands each to its worker thread and waits
-    # (~0.5 ms apiece on a busy machine, per micro-batch); over one rank they change nothing.
+    # (a round trip apiece, per micro-batch); over one rank they change nothing.
     cross_entropy = importlib.import_module("megatron.core.tensor_parallel.cross_entropy")
     cross_entropy.torch = _TorchSkippingOneRankReductions()
 
@@ -177,7 +177,8 @@ def _patch_modules() -> None:
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
     LanguageModule.setup_embeddings_and_output_layer = _on_cpu_tensors(
-        LanguageModule.setup_embeddings_and_output_layer)
+        LanguageModule.setup_embeddings_and_output_layer
+    )
 
 
 def _on_cpu_tensors(method):
@@ -218,8 +219,9 @@ class _DistributedSkippingOneRankReductions(types.ModuleType):
         return getattr(torch.distributed, name)
 
     @staticmethod
-    def all_reduce(tensor: torch.Tensor, op=torch.distributed.ReduceOp.SUM, group=None,
-                   async_op: bool = False):
+    def all_reduce(
+        tensor: torch.Tensor, op=torch.distributed.ReduceOp.SUM, group=None, async_op: bool = False
+    ):
         if not async_op and torch.distributed.get_world_size(group) == 1:
             return None
         return torch.distributed.all_reduce(tensor, op=op, group=group, async_op=async_op)

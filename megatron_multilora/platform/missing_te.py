@@ -35,5 +35,7 @@ def rope_fusion_available() -> bool:
     """Whether megatron has a fused RoPE to call (TE's, or ours once
     :func:`define_missing_te_names` ran)."""
     rope_utils = importlib.import_module("megatron.core.models.common.embeddings.rope_utils")
-    return (rope_utils.fused_apply_rotary_pos_emb is not None
-            and rope_utils.fused_apply_rotary_pos_emb_thd is not None)
+    return (
+        rope_utils.fused_apply_rotary_pos_emb is not None
+        and rope_utils.fused_apply_rotary_pos_emb_thd is not None
+    )

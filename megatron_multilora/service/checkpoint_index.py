@@ -7,9 +7,8 @@ from __future__ import annotations
 import json
 import shutil
 import threading
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Optional
 
 from tinker import types
 
@@ -40,19 +39,26 @@ class CheckpointIndex:
     def place(self, owner: str, model_id: str, kind: str, name: str) -> tuple[str, str]:
         """The path and folder a client's checkpoint named ``name`` gets."""
         if not name or "/" in name or name.startswith("."):
-            raise Refused(400, f"checkpoint name {name!r}: use letters, digits, '-', '_', '.' "
-                               "(no '/')")
+            raise Refused(
+                400, f"checkpoint name {name!r}: use letters, digits, '-', '_', '.' (no '/')"
+            )
         path = f"tinker://{model_id}/{kind}/{name}"
         return path, str(self.root / owner / model_id.replace(":", "_") / kind / name)
 
-    def add(self, path: str, owner: str, kind: str, folder: str, rank: int,
-            user_metadata: Optional[dict]) -> None:
+    def add(
+        self, path: str, owner: str, kind: str, folder: str, rank: int, user_metadata: dict | None
+    ) -> None:
         """Index the owner's checkpoint (of ``kind``, in ``folder``), on disk at once; its
         client's rank and metadata come back in its training run's listing."""
         with self.lock:
-            self.entries[path] = {"owner": owner, "kind": kind, "folder": folder, "rank": rank,
-                                  "user_metadata": user_metadata,
-                                  "time": datetime.now(timezone.utc).isoformat()}
+            self.entries[path] = {
+                "owner": owner,
+                "kind": kind,
+                "folder": folder,
+                "rank": rank,
+                "user_metadata": user_metadata,
+                "time": datetime.now(UTC).isoformat(),
+            }
             self._write()
 
     def remove(self, owner: str, path: str) -> None:
@@ -68,11 +74,13 @@ class CheckpointIndex:
     def owned(self, owner: str, model_id: str | None = None) -> list[types.Checkpoint]:
         """The owner's checkpoints (of one training client, if given), oldest first."""
         with self.lock:
-            found = [(path, entry) for path, entry in self.entries.items()
-                     if entry["owner"] == owner
-                     and (model_id is None or path.startswith(f"tinker://{model_id}/"))]
-        return sorted((_checkpoint(path, entry) for path, entry in found),
-                      key=lambda c: c.time)
+            found = [
+                (path, entry)
+                for path, entry in self.entries.items()
+                if entry["owner"] == owner
+                and (model_id is None or path.startswith(f"tinker://{model_id}/"))
+            ]
+        return sorted((_checkpoint(path, entry) for path, entry in found), key=lambda c: c.time)
 
     def run_info(self, model_id: str) -> dict:
         """A training client's rank and user metadata, as its last checkpoint recorded them."""
@@ -89,9 +97,14 @@ class CheckpointIndex:
 def _checkpoint(path: str, entry: dict) -> types.Checkpoint:
     parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(path)
     folder = Path(entry["folder"])
-    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() \
-        else None
-    return types.Checkpoint(checkpoint_id=parsed.checkpoint_id,
-                            checkpoint_type=parsed.checkpoint_type, tinker_path=path,
-                            time=entry.get("time") or datetime.fromtimestamp(0, timezone.utc),
-                            size_bytes=size, user_metadata=entry.get("user_metadata"))
+    size = (
+        sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else None
+    )
+    return types.Checkpoint(
+        checkpoint_id=parsed.checkpoint_id,
+        checkpoint_type=parsed.checkpoint_type,
+        tinker_path=path,
+        time=entry.get("time") or datetime.fromtimestamp(0, UTC),
+        size_bytes=size,
+        user_metadata=entry.get("user_metadata"),
+    )

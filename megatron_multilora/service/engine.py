@@ -20,8 +20,10 @@ import dataclasses
 import json
 import math
 import traceback
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,16 +71,32 @@ class OpError(ValueError):
 def client_job(name: str, rank: int) -> AdapterJob:
     """The settings a training client's slot starts with (its optimizer's come with every
     ``optim_step``): ``name`` seeds a fresh adapter as a recipe job's name does."""
-    return AdapterJob(name=name, dataset="", rank=rank, alpha=2.0 * rank, lr=1e-4,
-                      schedule="constant", grad_clip=None, max_steps=1)
+    return AdapterJob(
+        name=name,
+        dataset="",
+        rank=rank,
+        alpha=2.0 * rank,
+        lr=1e-4,
+        schedule="constant",
+        grad_clip=None,
+        max_steps=1,
+    )
 
 
 class Engine:
     """Runs operations on ``model`` (its chunks): one slot per training client."""
 
-    def __init__(self, model: list[torch.nn.Module], tokenizer, batcher: MicroBatcher,
-                 run_dir: Path, model_config, hf_dir: Optional[str],
-                 hf_model_type: Optional[str], complete: Callable[[str, Result], None]) -> None:
+    def __init__(
+        self,
+        model: list[torch.nn.Module],
+        tokenizer,
+        batcher: MicroBatcher,
+        run_dir: Path,
+        model_config,
+        hf_dir: str | None,
+        hf_model_type: str | None,
+        complete: Callable[[str, Result], None],
+    ) -> None:
         self.model, self.tokenizer, self.batcher = model_chunks(model), tokenizer, batcher
         self.run_dir, self.model_config = run_dir, model_config
         self.hf_dir, self.hf_model_type = hf_dir, hf_model_type
@@ -97,15 +115,19 @@ class Engine:
         freed and new clients created first (a client's first call may share its creation's
         batch), then every forward_backward together, the other calls in order, and every
         sample in one pass."""
-        first = ([op for op in ops if op.kind == "free"] +
-                 [op for op in ops if op.kind == "create" or op.args.get("init_key")])
+        first = [op for op in ops if op.kind == "free"] + [
+            op for op in ops if op.kind == "create" or op.args.get("init_key")
+        ]
         for op in first:
             self._run_one(op)
         for forward_only in (False, True):
-            batch = [op for op in ops if op.kind == "forward_backward"
-                     and op.args["forward_only"] == forward_only]
+            batch = [
+                op
+                for op in ops
+                if op.kind == "forward_backward" and op.args["forward_only"] == forward_only
+            ]
             if batch:
-                self._guarded(batch, lambda: self._forward_backward(batch, forward_only))
+                self._guarded(batch, partial(self._forward_backward, batch, forward_only))
         for op in ops:
             if op not in first and op.kind not in ("forward_backward", "sample"):
                 self._run_one(op)
@@ -114,8 +136,10 @@ class Engine:
             self._guarded(samples, lambda: self._sample(samples))
 
     def _run_one(self, op: Op) -> None:
-        self._guarded([op], lambda: self.complete(
-            op.request_id, Result(JSON, getattr(self, op.kind)(**op.args))))
+        self._guarded(
+            [op],
+            lambda: self.complete(op.request_id, Result(JSON, getattr(self, op.kind)(**op.args))),
+        )
 
     def _guarded(self, ops: list[Op], work: Callable[[], None]) -> None:
         try:
@@ -126,14 +150,16 @@ class Engine:
         except Exception as err:  # one batch failing must not stop the service
             traceback.print_exc()  # a fault of ours: its traceback goes to the service's log
             for op in ops:
-                self.complete(op.request_id, Result(ERROR, (f"{type(err).__name__}: {err}",
-                                                            "server")))
+                self.complete(
+                    op.request_id, Result(ERROR, (f"{type(err).__name__}: {err}", "server"))
+                )
 
     # -- training clients -----------------------------------------------------------------
 
     def create(self, slot: int, rank: int, init_key: str, model_id: str) -> dict:
-        self.optimizers[slot] = start_job(self.model, slot, client_job(init_key, rank), 1,
-                                          self.model_config, self.hf_model_type)
+        self.optimizers[slot] = start_job(
+            self.model, slot, client_job(init_key, rank), 1, self.model_config, self.hf_model_type
+        )
         self.grad_sync.zero_grad([slot])
         self.versions[slot] = self.versions.get(slot, 0) + 1
         self.steps[slot] = 0
@@ -163,18 +189,22 @@ class Engine:
         objectives = [None] * self.batcher.n_slots
         for op in ops:
             slot = op.args["slot"]
-            slot_examples[slot] = [Example(tuple(d["tokens"]), (True,) * (len(d["tokens"]) - 1),
-                                           d["values"], units=1)
-                                   for d in op.args["data"][rank::dp]]
-            objectives[slot] = PerTokenLoss(op.args["loss"], op.args["clip_low"],
-                                            op.args["clip_high"])
+            slot_examples[slot] = [
+                Example(tuple(d["tokens"]), (True,) * (len(d["tokens"]) - 1), d["values"], units=1)
+                for d in op.args["data"][rank::dp]
+            ]
+            objectives[slot] = PerTokenLoss(
+                op.args["loss"], op.args["clip_low"], op.args["clip_high"]
+            )
         micro_batches = self.batcher.ready(slot_examples)
         # Sums, not means: each slot's loss weighs 1 (a client scales its own datums).
         ones = torch.zeros(self.batcher.n_slots, dtype=torch.int64).index_fill_(
-            0, torch.tensor([op.args["slot"] for op in ops]), 1)
+            0, torch.tensor([op.args["slot"] for op in ops]), 1
+        )
         with eval_mode(self.model) if forward_only else contextlib.nullcontext():
-            table, kept = per_slot_results_and_data(self.model, micro_batches, ones,
-                                                    forward_only, objectives)
+            table, kept = per_slot_results_and_data(
+                self.model, micro_batches, ones, forward_only, objectives
+            )
         logprobs = kept["logprobs"]
         losses = start_reducing_losses(table[:, 0].contiguous())()
         shares = [None] * dp  # every rank's log-probs of its datums, by slot
@@ -187,11 +217,23 @@ class Engine:
             if not forward_only:
                 self.losses[slot] = float(losses[slot])
             per_datum = [{"logprobs": shares[i % dp][slot][i // dp]} for i in range(n)]
-            self.complete(op.request_id, Result(PROTOBUF, wire.forward_backward_output(
-                per_datum, {"loss:sum": float(losses[slot])})))
+            self.complete(
+                op.request_id,
+                Result(
+                    PROTOBUF,
+                    wire.forward_backward_output(per_datum, {"loss:sum": float(losses[slot])}),
+                ),
+            )
 
-    def optim_step(self, slot: int, lr: float, betas: tuple[float, float], eps: float,
-                   weight_decay: float, grad_clip: Optional[float]) -> dict:
+    def optim_step(
+        self,
+        slot: int,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        grad_clip: float | None,
+    ) -> dict:
         opt = self.optimizers[slot]
         self.grad_sync.sync([slot])
         norm = slot_grad_norms({slot: opt.params})[slot]
@@ -211,23 +253,40 @@ class Engine:
         """The slot's adapter and optimizer as a training state (collective)."""
         snapshot = slot_snapshot(self.model, slot, self.optimizers[slot])
         if dist.get_rank() == 0:
+
             def fill(tmp: Path) -> None:
-                save_file({k: v.contiguous() for k, v in snapshot.pop("tensors").items()},
-                          str(tmp / "state.safetensors"))
+                save_file(
+                    {k: v.contiguous() for k, v in snapshot.pop("tensors").items()},
+                    str(tmp / "state.safetensors"),
+                )
                 write_json_atomic(tmp / STATE_META, {**meta, **snapshot})
+
             write_dir_atomic(Path(folder), fill, overwrite=True)
         dist.barrier()
         return {"type": "save_weights", "path": path}
 
-    def load_state(self, slot: int, folder: str, optimizer: bool, path: str, model_id: str,
-                   init_key: Optional[str] = None) -> dict:
+    def load_state(
+        self,
+        slot: int,
+        folder: str,
+        optimizer: bool,
+        path: str,
+        model_id: str,
+        init_key: str | None = None,
+    ) -> dict:
         """A training state into the slot (``init_key``: a client created from it)."""
         meta = read_state_meta(Path(folder))
         if init_key is not None:
             self.create(slot, meta["rank"], init_key, model_id)
         opt = self.optimizers[slot]
-        restore_slot(self.model, slot, meta, load_file(str(Path(folder) / "state.safetensors")),
-                     opt, optimizer)
+        restore_slot(
+            self.model,
+            slot,
+            meta,
+            load_file(str(Path(folder) / "state.safetensors")),
+            opt,
+            optimizer,
+        )
         self.grad_sync.zero_grad([slot])
         self.versions[slot] += 1
         return {"type": "load_weights", "path": path, "model_id": model_id}
@@ -239,8 +298,15 @@ class Engine:
         export_adapter(self.model, slot, Path(folder) / "adapter", meta, overwrite=True)
         self.saved[folder] = (slot, self.versions[slot])
         if self.hf_dir:
-            export_peft(self.model, slot, Path(folder) / "peft", self.model_config,
-                        self.hf_model_type, self.hf_dir, overwrite=True)
+            export_peft(
+                self.model,
+                slot,
+                Path(folder) / "peft",
+                self.model_config,
+                self.hf_model_type,
+                self.hf_dir,
+                overwrite=True,
+            )
         return answer
 
     # -- sampling -------------------------------------------------------------------------
@@ -261,24 +327,45 @@ class Engine:
                 limits.append(a["max_tokens"])
                 stops.append(frozenset(a["stop"]))
                 owners.append(op)
-        outputs = generation.generate(self.model, prompts, self.batcher.n_slots, limits,
-                                      self.tokenizer.eos_id, self.batcher.pad_multiple,
-                                      self.tokenizer.pad_id, pick=KeyedSampler(rows), stops=stops)
+        outputs = generation.generate(
+            self.model,
+            prompts,
+            self.batcher.n_slots,
+            limits,
+            self.tokenizer.eos_id,
+            self.batcher.pad_multiple,
+            self.tokenizer.pad_id,
+            pick=KeyedSampler(rows),
+            stops=stops,
+        )
         prompt_logprobs = self._prompt_logprobs(ops, free, loaded)
         for slot in loaded.values():
             clear_adapter_slot(self.model, slot)
         for op in ops:
             # A stop token is part of the sample (its log-prob is the last one).
-            sequences = [self._cut_at_strings(out.tokens + ([out.stop] if out.ended else []),
-                                              out.logprobs, out.ended, op.args["stop_strings"])
-                         for out, owner in zip(outputs, owners) if owner is op]
-            self.complete(op.request_id, Result(PROTOBUF, wire.sample_response(
-                sequences, prompt_logprobs.get(op.request_id))))
+            sequences = [
+                self._cut_at_strings(
+                    out.tokens + ([out.stop] if out.ended else []),
+                    out.logprobs,
+                    out.ended,
+                    op.args["stop_strings"],
+                )
+                for out, owner in zip(outputs, owners)
+                if owner is op
+            ]
+            self.complete(
+                op.request_id,
+                Result(
+                    PROTOBUF, wire.sample_response(sequences, prompt_logprobs.get(op.request_id))
+                ),
+            )
 
-    def _cut_at_strings(self, tokens: list[int], logprobs: list[float], ended: bool,
-                        strings: list[str]) -> tuple[list[int], list[float], bool]:
+    def _cut_at_strings(
+        self, tokens: list[int], logprobs: list[float], ended: bool, strings: list[str]
+    ) -> tuple[list[int], list[float], bool]:
         """The sample up to the first token whose text completes a stop string (included),
         as if it had stopped there: its draws before that point do not depend on later ones."""
+
         def stops(k: int) -> bool:
             text = self.tokenizer.decode(tokens[:k])
             return any(s in text for s in strings)
@@ -298,16 +385,19 @@ class Engine:
         source = a["folder"] or "base"
         if source not in loaded:
             if not free:
-                raise OpError("no free adapter slot to load these sampler weights into; "
-                              "sample again when a client has ended (or sample from a "
-                              "client's current weights)")
+                raise OpError(
+                    "no free adapter slot to load these sampler weights into; "
+                    "sample again when a client has ended (or sample from a "
+                    "client's current weights)"
+                )
             slot = loaded[source] = free.pop(0)
             if a["folder"]:
                 import_adapter(self.model, slot, Path(a["folder"]) / "adapter")
         return loaded[source]
 
-    def _prompt_logprobs(self, ops: list[Op], free: list[int], loaded: dict[str, int]
-                         ) -> dict[str, list[float]]:
+    def _prompt_logprobs(
+        self, ops: list[Op], free: list[int], loaded: dict[str, int]
+    ) -> dict[str, list[float]]:
         asked = [op for op in ops if op.args["prompt_logprobs"]]
         if not asked:
             return {}

@@ -8,7 +8,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 JSON, PROTOBUF, ERROR = "json", "protobuf", "error"
 KEEP_S = 600.0  # how long a result stays after it is done (the SDK may fetch it again)
@@ -51,15 +51,15 @@ class Futures:
             event = self._done[request_id]
         self.loop.call_soon_threadsafe(event.set)
 
-    def owner(self, request_id: str) -> Optional[str]:
+    def owner(self, request_id: str) -> str | None:
         with self._lock:
             return self._owner.get(request_id)
 
-    async def wait(self, request_id: str, timeout: float) -> Optional[Result]:
+    async def wait(self, request_id: str, timeout: float) -> Result | None:
         """The result, or None when it is not ready within ``timeout`` seconds."""
         try:
             await asyncio.wait_for(self._done[request_id].wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None
         with self._lock:
             return self._results[request_id]

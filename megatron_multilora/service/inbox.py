@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Optional
 
 from megatron_multilora.service.engine import Op
 
@@ -26,8 +25,9 @@ class Inbox:
         self._pending = 0
         self._in_step: set[str] = set()  # the training clients of the last batch
 
-    def put(self, op: Op, client: Optional[str] = None, seq_id: Optional[int] = None,
-            force: bool = False) -> bool:
+    def put(
+        self, op: Op, client: str | None = None, seq_id: int | None = None, force: bool = False
+    ) -> bool:
         """Queue ``op`` (False: the inbox is full; ``force``: queued anyway)."""
         with self._cond:
             if self._pending >= self.max_pending and not force:
@@ -78,10 +78,17 @@ class Inbox:
 
     def _awaited(self) -> set[str]:
         """The last batch's training clients without a call ready now."""
-        return {client for client in self._in_step if client in self._expected
-                and self._expected[client] not in self._ordered.get(client, {})}
+        return {
+            client
+            for client in self._in_step
+            if client in self._expected
+            and self._expected[client] not in self._ordered.get(client, {})
+        }
 
     def _ready(self) -> list[Op]:
-        ordered = [queue[self._expected[client]] for client, queue in self._ordered.items()
-                   if client in self._expected and self._expected[client] in queue]
+        ordered = [
+            queue[self._expected[client]]
+            for client, queue in self._ordered.items()
+            if client in self._expected and self._expected[client] in queue
+        ]
         return ordered + list(self._unordered)

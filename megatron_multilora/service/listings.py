@@ -5,7 +5,7 @@ info, and deleting a checkpoint. Another key's are 404."""
 from __future__ import annotations
 
 import dataclasses
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from starlette.requests import Request
 from tinker import types
@@ -25,23 +25,37 @@ class Listings:
         with self.front.lock:
             live = [c for c in self.front.clients.values() if c.owner == owner]
         ids = [c.model_id for c in live]
-        ids += sorted({c.tinker_path[len("tinker://"):].split("/")[0] for c in checkpoints}
-                      - set(ids))
+        ids += sorted(
+            {c.tinker_path[len("tinker://") :].split("/")[0] for c in checkpoints} - set(ids)
+        )
         runs = []
         for model_id in ids:
             mine = [c for c in checkpoints if c.tinker_path.startswith(f"tinker://{model_id}/")]
             client = next((c for c in live if c.model_id == model_id), None)
-            info = (dataclasses.asdict(client) if client is not None
-                    else self.front.checkpoints.run_info(model_id))
-            last = {kind: next((c for c in reversed(mine) if c.checkpoint_type == kind), None)
-                    for kind in ("training", "sampler")}
-            runs.append(types.TrainingRun(
-                training_run_id=model_id, base_model=self.front.limits.model_name,
-                model_owner=owner, is_lora=True, lora_rank=info["rank"],
-                user_metadata=info["user_metadata"],
-                last_request_time=(datetime.now(timezone.utc) if client is not None or not mine
-                                   else mine[-1].time),
-                last_checkpoint=last["training"], last_sampler_checkpoint=last["sampler"]))
+            info = (
+                dataclasses.asdict(client)
+                if client is not None
+                else self.front.checkpoints.run_info(model_id)
+            )
+            last = {
+                kind: next((c for c in reversed(mine) if c.checkpoint_type == kind), None)
+                for kind in ("training", "sampler")
+            }
+            runs.append(
+                types.TrainingRun(
+                    training_run_id=model_id,
+                    base_model=self.front.limits.model_name,
+                    model_owner=owner,
+                    is_lora=True,
+                    lora_rank=info["rank"],
+                    user_metadata=info["user_metadata"],
+                    last_request_time=(
+                        datetime.now(UTC) if client is not None or not mine else mine[-1].time
+                    ),
+                    last_checkpoint=last["training"],
+                    last_sampler_checkpoint=last["sampler"],
+                )
+            )
         return runs
 
     def _run(self, owner: str, model_id: str) -> types.TrainingRun:
@@ -60,8 +74,11 @@ class Listings:
 
     async def list_checkpoints(self, request: Request, owner: str) -> dict:
         model_id = self._run(owner, request.path_params["model_id"]).training_run_id
-        return {"checkpoints": [c.model_dump(mode="json")
-                                for c in self.front.checkpoints.owned(owner, model_id)]}
+        return {
+            "checkpoints": [
+                c.model_dump(mode="json") for c in self.front.checkpoints.owned(owner, model_id)
+            ]
+        }
 
     async def list_user_checkpoints(self, request: Request, owner: str) -> dict:
         page, cursor = _page(request, self.front.checkpoints.owned(owner), 100)
@@ -81,8 +98,11 @@ class Listings:
             raise Refused(400, str(err)) from None
         model_id = parsed.training_run_id
         self.front.checkpoints.get(owner, path, parsed.checkpoint_id.split("/")[0])
-        return {"base_model": self.front.limits.model_name, "is_lora": True,
-                "lora_rank": self._run(owner, model_id).lora_rank}
+        return {
+            "base_model": self.front.limits.model_name,
+            "is_lora": True,
+            "lora_rank": self._run(owner, model_id).lora_rank,
+        }
 
 
 def _page(request: Request, items: list, default_limit: int) -> tuple[list, dict]:
@@ -95,5 +115,7 @@ def _page(request: Request, items: list, default_limit: int) -> tuple[list, dict
         raise Refused(400, "limit and offset must be integers") from None
     if limit < 1 or offset < 0:
         raise Refused(400, f"limit {limit}, offset {offset}: limit >= 1, offset >= 0")
-    return (items[offset:offset + limit],
-            {"offset": offset, "limit": limit, "total_count": len(items)})
+    return (
+        items[offset : offset + limit],
+        {"offset": offset, "limit": limit, "total_count": len(items)},
+    )

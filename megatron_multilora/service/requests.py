@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from typing import Optional
 
 import numpy as np
 from starlette.responses import JSONResponse
@@ -18,9 +17,15 @@ from megatron_multilora.service import wire
 # retrieve_future answer unread in its socket at the cookbook loop's first step (every run
 # tried) and waited out its 45 s read timeout.
 CLIENT_CONFIG = types.ClientConfigResponse(
-    pjwt_auth_enabled=False, proto_compress_fwdbwd=False, parallel_fwdbwd_chunks=False,
-    use_pyqwest_transport=True, sample_use_retrieve_futures=False,
-    custom_loss_server_side=False, sample_join_sampling_session=False).model_dump()
+    pjwt_auth_enabled=False,
+    proto_compress_fwdbwd=False,
+    parallel_fwdbwd_chunks=False,
+    use_pyqwest_transport=True,
+    sample_use_retrieve_futures=False,
+    custom_loss_server_side=False,
+    sample_join_sampling_session=False,
+).model_dump()
+
 
 class Refused(Exception):
     """A request answered with ``status`` and ``message`` (nothing was changed)."""
@@ -41,7 +46,7 @@ class Limits:
     max_seq_len: int
     slots: int
     max_rank: int
-    tokenizer_id: Optional[str]
+    tokenizer_id: str | None
 
 
 def datum_example(i: int, datum: wire.Datum, needed: tuple[str, ...], limits: Limits) -> dict:
@@ -50,34 +55,45 @@ def datum_example(i: int, datum: wire.Datum, needed: tuple[str, ...], limits: Li
     where = f"datum {i}"
     check_tokens(tokens, where, limits)
     if n + 1 > limits.max_seq_len:
-        raise Refused(400, f"{where}: {n} tokens; at most {limits.max_seq_len - 1} "
-                           "(trainer.max_seq_len, with its last target)")
+        raise Refused(
+            400,
+            f"{where}: {n} tokens; at most {limits.max_seq_len - 1} "
+            "(trainer.max_seq_len, with its last target)",
+        )
     targets = datum.inputs.get("target_tokens")
     if targets is None or targets.shape != (n,):
-        raise Refused(400, f"{where}: loss_fn_inputs.target_tokens must have one target per "
-                           f"input token ({n})")
+        raise Refused(
+            400, f"{where}: loss_fn_inputs.target_tokens must have one target per input token ({n})"
+        )
     if n > 1 and not np.array_equal(targets[:-1], np.asarray(tokens[1:])):
-        raise Refused(400, f"{where}: target_tokens must be model_input shifted by one (each "
-                           "position's next token); other targets are not served")
+        raise Refused(
+            400,
+            f"{where}: target_tokens must be model_input shifted by one (each "
+            "position's next token); other targets are not served",
+        )
     check_tokens(targets[-1:].tolist(), f"{where} target_tokens", limits)
     values = {}
     for name in needed:
         value = datum.inputs.get(name)
         if value is None or value.shape != (n,):
-            raise Refused(400, f"{where}: loss_fn_inputs.{name} must have one value per "
-                               f"input token ({n})")
+            raise Refused(
+                400, f"{where}: loss_fn_inputs.{name} must have one value per input token ({n})"
+            )
         if not np.isfinite(value).all():
             raise Refused(400, f"{where}: loss_fn_inputs.{name} has non-finite values")
         values[name] = tuple(float(v) for v in value)
     return {"tokens": list(tokens) + [int(targets[-1])], "values": values}
+
 
 def check_tokens(tokens: list[int], where: str, limits: Limits) -> None:
     if not tokens:
         raise Refused(400, f"{where}: no tokens")
     bad = [t for t in tokens if not 0 <= t < limits.vocab_size]
     if bad:
-        raise Refused(400, f"{where}: token id {bad[0]} is outside the vocabulary "
-                           f"(0 to {limits.vocab_size - 1})")
+        raise Refused(
+            400,
+            f"{where}: token id {bad[0]} is outside the vocabulary (0 to {limits.vocab_size - 1})",
+        )
 
 
 def sample_args(body: types.SampleRequest, sampler_id: str, limits: Limits) -> dict:
@@ -87,29 +103,44 @@ def sample_args(body: types.SampleRequest, sampler_id: str, limits: Limits) -> d
     check_tokens(prompt, "prompt", limits)
     max_tokens = params.max_tokens or 16
     if len(prompt) + max_tokens > limits.max_seq_len:
-        raise Refused(400, f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) is "
-                           f"over trainer.max_seq_len={limits.max_seq_len}")
+        raise Refused(
+            400,
+            f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) is "
+            f"over trainer.max_seq_len={limits.max_seq_len}",
+        )
     if params.top_k not in (-1, 0, None):
         raise Refused(400, "sampling_params.top_k: not served (use top_p)")
     stop = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
     if not (all(isinstance(s, int) for s in stop) or all(isinstance(s, str) and s for s in stop)):
-        raise Refused(400, "sampling_params.stop: stop token ids (ints) or stop strings "
-                           "(non-empty), not a mix")
+        raise Refused(
+            400,
+            "sampling_params.stop: stop token ids (ints) or stop strings (non-empty), not a mix",
+        )
     if not 1 <= body.num_samples <= 256:
         raise Refused(400, f"num_samples={body.num_samples}: 1 to 256")
     if not (params.temperature > 0 and 0 < params.top_p <= 1):
         raise Refused(400, "sampling_params: temperature must be > 0 and top_p in (0, 1]")
     # Draws keyed by the seed (the same seed: the same samples) or by the request.
-    key = (f"seed:{params.seed}" if params.seed is not None
-           else f"{sampler_id}:{body.seq_id}:{uuid.uuid4().hex}")
-    return {"prompt": prompt, "num_samples": body.num_samples, "max_tokens": max_tokens,
-            "temperature": params.temperature, "top_p": params.top_p,
-            "stop": [s for s in stop if isinstance(s, int)],
-            "stop_strings": [s for s in stop if isinstance(s, str)],
-            "key": key, "prompt_logprobs": bool(body.prompt_logprobs)}
+    key = (
+        f"seed:{params.seed}"
+        if params.seed is not None
+        else f"{sampler_id}:{body.seq_id}:{uuid.uuid4().hex}"
+    )
+    return {
+        "prompt": prompt,
+        "num_samples": body.num_samples,
+        "max_tokens": max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "stop": [s for s in stop if isinstance(s, int)],
+        "stop_strings": [s for s in stop if isinstance(s, str)],
+        "key": key,
+        "prompt_logprobs": bool(body.prompt_logprobs),
+    }
 
 
 def refusal(status: int, message: str) -> JSONResponse:
     # Always a body (an empty 400 is retried by the SDK as a proxy glitch).
-    return JSONResponse({"detail": message}, status_code=status,
-                        headers={"x-should-retry": "false"})
+    return JSONResponse(
+        {"detail": message}, status_code=status, headers={"x-should-retry": "false"}
+    )

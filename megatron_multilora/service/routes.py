@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from pydantic import ValidationError
 from starlette.applications import Starlette
@@ -21,29 +22,50 @@ def build_app(front: Front) -> Starlette:
     a refusal into its 4xx answer."""
     listings = Listings(front)
     post = {
-        "client/config": front.client_config, "client/dynamic_config": front.dynamic_config,
-        "create_session": front.create_session, "session_heartbeat": front.heartbeat,
-        "sessions/{session_id}/finish": front.finish_session, "telemetry": front.telemetry,
-        "create_model": front.create_model, "get_info": front.get_info,
-        "forward_backward": front.forward_backward, "optim_step": front.optim_step,
-        "save_weights": front.save_weights, "load_weights": front.load_weights,
+        "client/config": front.client_config,
+        "client/dynamic_config": front.dynamic_config,
+        "create_session": front.create_session,
+        "session_heartbeat": front.heartbeat,
+        "sessions/{session_id}/finish": front.finish_session,
+        "telemetry": front.telemetry,
+        "create_model": front.create_model,
+        "get_info": front.get_info,
+        "forward_backward": front.forward_backward,
+        "optim_step": front.optim_step,
+        "save_weights": front.save_weights,
+        "load_weights": front.load_weights,
         "save_weights_for_sampler": front.save_weights_for_sampler,
-        "create_sampling_session": front.create_sampling_session, "asample": front.asample,
-        "retrieve_future": front.retrieve_future, "weights_info": listings.weights_info}
-    get = {"healthz": front.healthz, "get_server_capabilities": front.capabilities,
-           "samplers/{sampler_id}": front.get_sampler,
-           "training_runs": listings.list_training_runs,
-           "training_runs/{model_id}": listings.get_training_run,
-           "training_runs/{model_id}/checkpoints": listings.list_checkpoints,
-           "checkpoints": listings.list_user_checkpoints}
-    delete = {"training_runs/{model_id}/checkpoints/{checkpoint_id:path}":
-              listings.delete_checkpoint}
-    routes = [Route(f"/api/v1/{path}", _endpoint(front, handler), methods=[method])
-              for method, table in (("POST", post), ("GET", get), ("DELETE", delete))
-              for path, handler in table.items()]
-    routes.append(Route("/{path:path}", _endpoint(front, front.not_served),
-                        methods=["GET", "POST", "PUT", "DELETE"]))
+        "create_sampling_session": front.create_sampling_session,
+        "asample": front.asample,
+        "retrieve_future": front.retrieve_future,
+        "weights_info": listings.weights_info,
+    }
+    get = {
+        "healthz": front.healthz,
+        "get_server_capabilities": front.capabilities,
+        "samplers/{sampler_id}": front.get_sampler,
+        "training_runs": listings.list_training_runs,
+        "training_runs/{model_id}": listings.get_training_run,
+        "training_runs/{model_id}/checkpoints": listings.list_checkpoints,
+        "checkpoints": listings.list_user_checkpoints,
+    }
+    delete = {
+        "training_runs/{model_id}/checkpoints/{checkpoint_id:path}": listings.delete_checkpoint
+    }
+    routes = [
+        Route(f"/api/v1/{path}", _endpoint(front, handler), methods=[method])
+        for method, table in (("POST", post), ("GET", get), ("DELETE", delete))
+        for path, handler in table.items()
+    ]
+    routes.append(
+        Route(
+            "/{path:path}",
+            _endpoint(front, front.not_served),
+            methods=["GET", "POST", "PUT", "DELETE"],
+        )
+    )
     return Starlette(routes=routes)
+
 
 def _endpoint(front: Front, handler: Callable[..., Awaitable[Any]]):
     open_paths = {"client_config", "dynamic_config", "healthz", "telemetry", "not_served"}
@@ -54,8 +76,11 @@ def _endpoint(front: Front, handler: Callable[..., Awaitable[Any]]):
             if handler.__name__ not in open_paths:
                 owner = front.keys.get(request.headers.get("x-api-key", ""))
                 if owner is None:
-                    raise Refused(401, "unknown API key (X-API-Key): use one of the keys "
-                                       "the service was started with")
+                    raise Refused(
+                        401,
+                        "unknown API key (X-API-Key): use one of the keys "
+                        "the service was started with",
+                    )
             answer = await handler(request, owner)
         except Refused as refused:
             return refusal(refused.status, str(refused))

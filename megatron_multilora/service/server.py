@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -38,39 +38,58 @@ def serve_api(run: RunConfig, keys: dict[str, str], say: Callable[[str], None] =
     """Serve until a stop signal or ``mmlora stop --run-dir``; ``keys``: the API keys
     (``api_keys.load_keys``, checked before the launch)."""
     par = run.parallel
-    init_parallel(tensor_model_parallel_size=par.tp, expert_model_parallel_size=par.ep,
-                  pipeline_model_parallel_size=par.pp,
-                  virtual_pipeline_model_parallel_size=par.vpp, sequence_parallel=par.sp,
-                  seed=run.seed)
+    init_parallel(
+        tensor_model_parallel_size=par.tp,
+        expert_model_parallel_size=par.ep,
+        pipeline_model_parallel_size=par.pp,
+        virtual_pipeline_model_parallel_size=par.vpp,
+        sequence_parallel=par.sp,
+        seed=run.seed,
+    )
     model_config = base_model_config(run)
     tokenizer = HFTokenizer(load_hf_tokenizer(run.hf_dir)) if run.hf_dir else ByteTokenizer()
     model = build_run_model(run, model_config)
-    batcher = MicroBatcher(model, run.lora.slots, run.trainer.micro_batch_tokens,
-                           par.tp if par.sp else 1, tokenizer.pad_id)
+    batcher = MicroBatcher(
+        model,
+        run.lora.slots,
+        run.trainer.micro_batch_tokens,
+        par.tp if par.sp else 1,
+        tokenizer.pad_id,
+    )
     run_dir = Path(run.run_dir)
     hf_dir = str(Path(run.hf_dir).resolve()) if run.hf_dir else None
     front = None
     if dist.get_rank() == 0:
         front, url = _start_front(run, keys, model_config, hf_dir, run_dir)
-    engine = Engine(model, tokenizer, batcher, run_dir, model_config, hf_dir,
-                    read_hf_config(run.hf_dir)["model_type"] if run.hf_dir else None,
-                    front.futures.complete if front else (lambda request_id, result: None))
+    engine = Engine(
+        model,
+        tokenizer,
+        batcher,
+        run_dir,
+        model_config,
+        hf_dir,
+        read_hf_config(run.hf_dir)["model_type"] if run.hf_dir else None,
+        front.futures.complete if front else (lambda request_id, result: None),
+    )
     status = None
     if front:
         dp = parallel_state.get_data_parallel_world_size()
         status = ServiceStatus(run.run_dir, url, front, engine, dp)
         status.write(force=True)
-        say(f"api: serving {front.limits.model_name!r} ({run.lora.slots} adapter slots, ranks "
+        say(
+            f"api: serving {front.limits.model_name!r} ({run.lora.slots} adapter slots, ranks "
             f"up to {run.lora.max_rank}, world {dist.get_world_size()}, data parallel {dp}) "
-            f"at {url}")
+            f"at {url}"
+        )
     window = run.api.batch_window_ms / 1000.0
     while True:
         message = [None]
         if front:
             stop = received() or run_requests.stop_requested(run.run_dir)
             front.sweep()
-            message = [("stop", None) if stop else
-                       ("run", front.inbox.take(timeout=0.5, window=window))]
+            message = [
+                ("stop", None) if stop else ("run", front.inbox.take(timeout=0.5, window=window))
+            ]
             status.write()
         dist.broadcast_object_list(message, src=0)
         what, ops = message[0]
@@ -82,32 +101,47 @@ def serve_api(run: RunConfig, keys: dict[str, str], say: Callable[[str], None] =
             if front:
                 status.calls += len(ops)
                 kinds = [op.kind for op in ops]
-                say(f"api: ran {len(ops)} calls ({', '.join(sorted(set(kinds)))}) in "
+                say(
+                    f"api: ran {len(ops)} calls ({', '.join(sorted(set(kinds)))}) in "
                     f"{(time.perf_counter() - start) * 1e3:.1f} ms; "
-                    f"{kinds.count('forward_backward')} forward_backward in one step")
+                    f"{kinds.count('forward_backward')} forward_backward in one step"
+                )
     if front:
         status.write(STOPPED, force=True)
         run_requests.clear_stop_request(run.run_dir)
-        say("api: stopped (clients' saved states stay in the run folder; a restart on it "
-            "serves them)")
+        say(
+            "api: stopped (clients' saved states stay in the run folder; a restart on it "
+            "serves them)"
+        )
     destroy_parallel()
 
 
-def _start_front(run: RunConfig, keys: dict[str, str], model_config, hf_dir,
-                 run_dir: Path) -> tuple[Front, str]:
+def _start_front(
+    run: RunConfig, keys: dict[str, str], model_config, hf_dir, run_dir: Path
+) -> tuple[Front, str]:
     import asyncio
 
     import uvicorn
 
     api = run.api
     name = api.model_name or (Path(run.hf_dir).name if run.hf_dir else "tiny")
-    limits = Limits(name, model_config.vocab_size, run.trainer.max_seq_len, run.lora.slots,
-                    run.lora.max_rank, hf_dir)
+    limits = Limits(
+        name,
+        model_config.vocab_size,
+        run.trainer.max_seq_len,
+        run.lora.slots,
+        run.lora.max_rank,
+        hf_dir,
+    )
     loop = asyncio.new_event_loop()
-    front = Front(keys, limits, run_dir, Inbox(api.max_pending), Futures(loop),
-                  api.session_timeout_s)
-    server = uvicorn.Server(uvicorn.Config(build_app(front), host=api.host, port=api.port,
-                                           log_level="warning", loop="asyncio"))
+    front = Front(
+        keys, limits, run_dir, Inbox(api.max_pending), Futures(loop), api.session_timeout_s
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(front), host=api.host, port=api.port, log_level="warning", loop="asyncio"
+        )
+    )
 
     def serve() -> None:
         asyncio.set_event_loop(loop)
@@ -122,5 +156,6 @@ def _start_front(run: RunConfig, keys: dict[str, str], model_config, hf_dir,
         if not thread.is_alive():
             break
         time.sleep(0.1)
-    raise RunError(f"api: cannot listen on {api.host}:{api.port}: another service there? "
-                   "Choose another --port")
+    raise RunError(
+        f"api: cannot listen on {api.host}:{api.port}: another service there? Choose another --port"
+    )

@@ -15,8 +15,7 @@ from megatron_multilora.training.serve import inbox as run_requests
 
 
 class ServiceStatus:
-    def __init__(self, run_dir: str, url: str, front: Front, engine: Engine,
-                 dp_size: int) -> None:
+    def __init__(self, run_dir: str, url: str, front: Front, engine: Engine, dp_size: int) -> None:
         self.run_dir, self.front, self.engine = run_dir, front, engine
         self.about = {"url": url, "model": front.limits.model_name}
         self.dp_size, self.calls, self._written = dp_size, 0, 0.0
@@ -27,11 +26,28 @@ class ServiceStatus:
         self._written = time.time()
         with self.front.lock:
             clients = sorted(self.front.clients.values(), key=lambda c: c.slot)
-        rows = [{"name": c.model_id, "status": ACTIVE if state == SERVING else state,
-                 "slot": c.slot,
-                 "steps_done": self.engine.steps.get(c.slot, 0), "total_steps": None,
-                 "loss": self.engine.losses.get(c.slot), "source": "api"} for c in clients]
-        run_requests.write_status(self.run_dir, {
-            "state": state, "step": self.calls, "updated_at": time.time(), "pid": os.getpid(),
-            "host": socket.gethostname(), "dp_size": self.dp_size, "service": self.about,
-            "jobs": rows})
+        rows = [
+            {
+                "name": c.model_id,
+                "status": ACTIVE if state == SERVING else state,
+                "slot": c.slot,
+                "steps_done": self.engine.steps.get(c.slot, 0),
+                "total_steps": None,
+                "loss": self.engine.losses.get(c.slot),
+                "source": "api",
+            }
+            for c in clients
+        ]
+        run_requests.write_status(
+            self.run_dir,
+            {
+                "state": state,
+                "step": self.calls,
+                "updated_at": time.time(),
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "dp_size": self.dp_size,
+                "service": self.about,
+                "jobs": rows,
+            },
+        )

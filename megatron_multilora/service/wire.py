@@ -7,7 +7,7 @@ other request and answer is JSON of ``tinker.types``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
@@ -46,7 +46,7 @@ def _tensor(t: Any) -> np.ndarray:
         cols = np.frombuffer(t.sparse_csr.col_indices, dtype=np.int64)
         dense = np.zeros(list(t.shape), dtype=dtype)
         for r in range(len(rows) - 1):
-            dense[r, cols[rows[r]:rows[r + 1]]] = values[rows[r]:rows[r + 1]]
+            dense[r, cols[rows[r] : rows[r + 1]]] = values[rows[r] : rows[r + 1]]
         return dense
     array = np.frombuffer(t.dense, dtype=dtype)
     return array.reshape(list(t.shape)) if len(t.shape) else array
@@ -64,18 +64,24 @@ def read_forward_backward(body: bytes) -> ForwardBackward:
         for chunk in datum.model_input:
             kind = chunk.WhichOneof(chunk.DESCRIPTOR.oneofs[0].name)
             if kind != "encoded_text":
-                raise WireError(f"datum {i}: model_input chunk {kind!r}: only token chunks "
-                                "(encoded_text) are served")
+                raise WireError(
+                    f"datum {i}: model_input chunk {kind!r}: only token chunks "
+                    "(encoded_text) are served"
+                )
             tokens += np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist()
         data.append(Datum(tokens, {name: _tensor(t) for name, t in datum.loss_fn_inputs.items()}))
-    config = ({k: (v.text if v.WhichOneof("value") == "text" else v.number)
-               for k, v in message.loss_fn_config_v2.items()} or dict(message.loss_fn_config))
-    return ForwardBackward(message.model_id, message.seq_id, message.loss_fn, config,
-                           message.forward_only, data)
+    config = {
+        k: (v.text if v.WhichOneof("value") == "text" else v.number)
+        for k, v in message.loss_fn_config_v2.items()
+    } or dict(message.loss_fn_config)
+    return ForwardBackward(
+        message.model_id, message.seq_id, message.loss_fn, config, message.forward_only, data
+    )
 
 
-def forward_backward_output(per_datum: list[dict[str, list[float]]],
-                            metrics: dict[str, float]) -> bytes:
+def forward_backward_output(
+    per_datum: list[dict[str, list[float]]], metrics: dict[str, float]
+) -> bytes:
     """Each datum's float32 outputs by name (e.g. ``logprobs``) and the call's metrics
     (keys ``name:reduction``, as the SDK splits them)."""
     record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(per_datum))
@@ -90,8 +96,9 @@ def forward_backward_output(per_datum: list[dict[str, list[float]]],
     return out.SerializeToString()
 
 
-def sample_response(sequences: list[tuple[list[int], list[float], bool]],
-                    prompt_logprobs: Optional[list[float]]) -> bytes:
+def sample_response(
+    sequences: list[tuple[list[int], list[float], bool]], prompt_logprobs: list[float] | None
+) -> bytes:
     """Each sample's tokens, their log-probs and whether it stopped (else: its length
     limit); the prompt's log-probs (NaN for its first token) when asked for."""
     out = pb.SampleResponse()

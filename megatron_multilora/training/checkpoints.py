@@ -21,8 +21,9 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,9 +57,14 @@ def checkpoint_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def save_training_checkpoint(run_dir: str | Path, step: int, model: ModelOrChunks,
-                             optimizers: dict[int, SlotOptimizer], state: dict[str, Any],
-                             keep_last: int) -> Path:
+def save_training_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    model: ModelOrChunks,
+    optimizers: dict[int, SlotOptimizer],
+    state: dict[str, Any],
+    keep_last: int,
+) -> Path:
     """Save after ``step`` trainer steps (collective). ``state`` is picklable trainer state."""
     slots = {slot: slot_snapshot(model, slot, optimizers[slot]) for slot in sorted(optimizers)}
     rng = [None] * dist.get_world_size()
@@ -67,15 +73,26 @@ def save_training_checkpoint(run_dir: str | Path, step: int, model: ModelOrChunk
     path = root / f"step_{step:08d}"
     failure = [None]
     if dist.get_rank() == 0:
+
         def fill(tmp: Path) -> None:
             meta = {k: {n: v for n, v in s.items() if n != "tensors"} for k, s in slots.items()}
-            torch.save({"step": step, "slots": meta, "trainer": state,
-                        "world_size": dist.get_world_size()}, tmp / CHECKPOINT_STATE)
+            torch.save(
+                {
+                    "step": step,
+                    "slots": meta,
+                    "trainer": state,
+                    "world_size": dist.get_world_size(),
+                },
+                tmp / CHECKPOINT_STATE,
+            )
             for k, s in slots.items():
-                save_file({n: t.contiguous() for n, t in s["tensors"].items()},
-                          str(tmp / f"slot{k}.safetensors"))
+                save_file(
+                    {n: t.contiguous() for n, t in s["tensors"].items()},
+                    str(tmp / f"slot{k}.safetensors"),
+                )
             torch.save(rng, tmp / "rng.pt")
             write_manifest(tmp)  # last: a folder whose manifest verifies is complete
+
         try:
             # Never overwritten: a step is saved once, and a resume sets newer folders aside.
             write_dir_atomic(path, fill)  # a failed write leaves nothing behind
@@ -94,17 +111,25 @@ def save_training_checkpoint(run_dir: str | Path, step: int, model: ModelOrChunk
 def _write_failure(path: Path, root: Path, err: Exception) -> str:
     """What to tell the user when checkpoint ``path`` could not be written."""
     kept = step_folders(root)
-    previous = (f"the previous checkpoint {kept[0]} is intact and is the one a resume takes"
-                if kept else "there is no earlier checkpoint: a resume starts at step 0")
-    return (f"checkpoint {path} could not be written ({type(err).__name__}: {err}); nothing of "
-            f"it is left behind and {previous}. Free disk space (or fix the folder) and resume "
-            "with the same command.")
+    previous = (
+        f"the previous checkpoint {kept[0]} is intact and is the one a resume takes"
+        if kept
+        else "there is no earlier checkpoint: a resume starts at step 0"
+    )
+    return (
+        f"checkpoint {path} could not be written ({type(err).__name__}: {err}); nothing of "
+        f"it is left behind and {previous}. Free disk space (or fix the folder) and resume "
+        "with the same command."
+    )
 
 
 def step_folders(root: Path) -> list[Path]:
     """The ``step_*`` checkpoint folders in ``root``, newest first."""
-    found = [p for p in root.iterdir() if _STEP_FOLDER.fullmatch(p.name) and p.is_dir()] \
-        if root.is_dir() else []
+    found = (
+        [p for p in root.iterdir() if _STEP_FOLDER.fullmatch(p.name) and p.is_dir()]
+        if root.is_dir()
+        else []
+    )
     return sorted(found, key=lambda p: p.name, reverse=True)
 
 
@@ -118,7 +143,7 @@ class ResumePoint:
     run's step folders newer than it, each with why it is not resumed (they are set aside);
     ``notes``, what else the user should hear (e.g. a missing ``latest.json``)."""
 
-    path: Optional[Path]
+    path: Path | None
     skipped: dict[Path, str] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
 
@@ -137,8 +162,10 @@ def find_resume_point(run_dir: str | Path, resume: str) -> ResumePoint:
         try:
             removed = remove_write_leftovers(checkpoint_root(run_dir))
             answer[0] = _find_resume_point(Path(run_dir), resume)
-            answer[0].notes[:0] = [f"{checkpoint_root(run_dir) / name}: removed (left by an "
-                                   f"interrupted write)" for name in removed]
+            answer[0].notes[:0] = [
+                f"{checkpoint_root(run_dir) / name}: removed (left by an interrupted write)"
+                for name in removed
+            ]
         except CheckpointError as e:
             answer[0] = e
         except Exception as e:  # the other ranks must not wait for an answer that never comes
@@ -159,7 +186,8 @@ def _find_resume_point(run_dir: Path, resume: str) -> ResumePoint:
         if not path.is_dir():
             raise CheckpointError(
                 f"checkpoint.resume={resume}: no such folder; use auto, never, or a checkpoint "
-                f"folder like {checkpoint_root(run_dir)}/step_00000040")
+                f"folder like {checkpoint_root(run_dir)}/step_00000040"
+            )
         check_checkpoint(path)
         step = read_training_state(path)["step"]
         newer = [f for f in folders if _step_of(f) > step and f.resolve() != path.resolve()]
@@ -175,13 +203,16 @@ def _find_resume_point(run_dir: Path, resume: str) -> ResumePoint:
     latest = checkpoint_root(run_dir) / LATEST
     if not damaged and not latest.exists():
         return ResumePoint(None)
-    lines = "".join(f"\n  {why}" for why in damaged.values()) or \
-        f"\n  {latest} exists but no step_* folder does"
+    lines = (
+        "".join(f"\n  {why}" for why in damaged.values())
+        or f"\n  {latest} exists but no step_* folder does"
+    )
     raise CheckpointError(
         f"no intact checkpoint to resume in {checkpoint_root(run_dir)}:{lines}\n"
         f"Restore the damaged files, pass checkpoint.resume=<an intact checkpoint folder>, start "
         f"over with checkpoint.resume=never (this run's outputs are moved to "
-        f"{run_dir}/previous/<n>, nothing is deleted), or use a new run_dir.")
+        f"{run_dir}/previous/<n>, nothing is deleted), or use a new run_dir."
+    )
 
 
 def _latest_notes(run_dir: Path, chosen: Path) -> list[str]:
@@ -206,7 +237,9 @@ def check_checkpoint(folder: Path) -> None:
     except DamagedFolderError as e:
         raise CheckpointError(str(e)) from e
     if not (folder / CHECKPOINT_STATE).is_file():
-        raise CheckpointError(f"{folder / CHECKPOINT_STATE} is missing: {folder} is not a training checkpoint")
+        raise CheckpointError(
+            f"{folder / CHECKPOINT_STATE} is missing: {folder} is not a training checkpoint"
+        )
 
 
 def prepare_checkpoint_folder(run_dir: str | Path, point: ResumePoint) -> list[str]:
@@ -217,14 +250,19 @@ def prepare_checkpoint_folder(run_dir: str | Path, point: ResumePoint) -> list[s
     done = []
     for folder, why in point.skipped.items():
         aside = root / SET_ASIDE / folder.name
-        dest = first_free(itertools.chain([aside], (aside.with_name(f"{folder.name}.{n}")
-                                                    for n in itertools.count(1))))
+        dest = first_free(
+            itertools.chain(
+                [aside], (aside.with_name(f"{folder.name}.{n}") for n in itertools.count(1))
+            )
+        )
         dest.parent.mkdir(exist_ok=True)
         os.replace(folder, dest)
         done.append(f"checkpoint {folder} not resumed: {why}; moved to {dest}")
     remaining = step_folders(root)
     if remaining:
-        write_json_atomic(root / LATEST, {"step": _step_of(remaining[0]), "path": remaining[0].name})
+        write_json_atomic(
+            root / LATEST, {"step": _step_of(remaining[0]), "path": remaining[0].name}
+        )
     elif (root / LATEST).exists():
         (root / LATEST).unlink()
     return done
@@ -235,40 +273,69 @@ def _read(path: Path, load: Callable[[str], Any]) -> Any:
     try:
         return load(str(path))
     except Exception as e:
-        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); "
-                              f"resume from another checkpoint (checkpoint.resume=<folder>)") from e
+        raise CheckpointError(
+            f"{path} cannot be read ({type(e).__name__}: {e}); "
+            f"resume from another checkpoint (checkpoint.resume=<folder>)"
+        ) from e
 
 
 def slot_snapshot(model: ModelOrChunks, slot: int, opt: SlotOptimizer) -> dict[str, Any]:
     """One slot's adapter and optimizer as full tensors (``tensors``: ``param/``, the fp32
     master weights, and the moments) and its metadata (collective: gathers every shard)."""
     # The fp32 master weights: a bf16 slot resumes from them, not from their rounding.
-    tensors = {f"param/{k}": v for k, v in get_slot_tensors(model, slot,
-                                                            value=opt.master_of).items()}
+    tensors = {
+        f"param/{k}": v for k, v in get_slot_tensors(model, slot, value=opt.master_of).items()
+    }
     for moment in MOMENTS:
-        tensors.update({f"{moment}/{k}": v for k, v in get_slot_tensors(
-            model, slot, value=lambda p, m=moment: opt.state_of(p, m)).items()})
+        tensors.update(
+            {
+                f"{moment}/{k}": v
+                for k, v in get_slot_tensors(
+                    model, slot, value=lambda p, m=moment: opt.state_of(p, m)
+                ).items()
+            }
+        )
     layer = multi_lora_modules(model)[0].adapters[slot]
-    return {"tensors": tensors, "rank": int(layer.rank), "alpha": float(layer.alpha),
-            "dropout": float(layer.dropout), "optimizer": opt.scalar_state()}
+    return {
+        "tensors": tensors,
+        "rank": int(layer.rank),
+        "alpha": float(layer.alpha),
+        "dropout": float(layer.dropout),
+        "optimizer": opt.scalar_state(),
+    }
 
 
-def restore_slot(model: ModelOrChunks, slot: int, meta: dict[str, Any],
-                 tensors: dict[str, torch.Tensor], opt: SlotOptimizer,
-                 optimizer: bool = True) -> None:
+def restore_slot(
+    model: ModelOrChunks,
+    slot: int,
+    meta: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    opt: SlotOptimizer,
+    optimizer: bool = True,
+) -> None:
     """Put a :func:`slot_snapshot` (its metadata and tensors) into ``slot`` and ``opt``
     (the slot's fresh optimizer; its moments and step count too unless ``optimizer`` is
     false)."""
-    part = {prefix: {k[len(prefix) + 1:]: v for k, v in tensors.items()
-                     if k.startswith(prefix + "/")} for prefix in ("param", *MOMENTS)}
-    set_slot_tensors(model, slot, part["param"], meta["rank"], meta["alpha"],
-                     dropout=meta["dropout"])
+    part = {
+        prefix: {k[len(prefix) + 1 :]: v for k, v in tensors.items() if k.startswith(prefix + "/")}
+        for prefix in ("param", *MOMENTS)
+    }
+    set_slot_tensors(
+        model, slot, part["param"], meta["rank"], meta["alpha"], dropout=meta["dropout"]
+    )
     fp32 = {}  # prefix -> {param: this rank's shard, fp32}
     for prefix in ("param", *MOMENTS):
         store: dict = {}
-        set_slot_tensors(model, slot, part[prefix], meta["rank"], meta["alpha"],
-                         into=lambda p, store=store: store.setdefault(
-                             p, torch.zeros_like(p, dtype=torch.float32)))
+        set_slot_tensors(
+            model,
+            slot,
+            part[prefix],
+            meta["rank"],
+            meta["alpha"],
+            into=lambda p, store=store: store.setdefault(
+                p, torch.zeros_like(p, dtype=torch.float32)
+            ),
+        )
         fp32[prefix] = store
     scalar = meta["optimizer"] if optimizer else {**meta["optimizer"], "adam_step": 0.0}
     opt.load(scalar, {m: fp32[m] for m in MOMENTS}, masters=fp32["param"])
@@ -279,19 +346,24 @@ def read_training_state(path: Path) -> dict[str, Any]:
     return _read(path / CHECKPOINT_STATE, lambda f: torch.load(f, weights_only=False))
 
 
-def restore_training_checkpoint(path: Path, saved: dict[str, Any], model: ModelOrChunks,
-                                make_optimizer: Callable[[int], SlotOptimizer]
-                                ) -> dict[int, SlotOptimizer]:
+def restore_training_checkpoint(
+    path: Path,
+    saved: dict[str, Any],
+    model: ModelOrChunks,
+    make_optimizer: Callable[[int], SlotOptimizer],
+) -> dict[int, SlotOptimizer]:
     """Restore adapters, per-slot optimizers (``make_optimizer(slot)`` builds each) and,
     with the same world size, RNG; returns the optimizers by slot."""
     optimizers = {}
     for slot, meta in saved["slots"].items():
         optimizers[slot] = make_optimizer(slot)
-        restore_slot(model, slot, meta, _read(path / f"slot{slot}.safetensors", load_file),
-                     optimizers[slot])
+        restore_slot(
+            model, slot, meta, _read(path / f"slot{slot}.safetensors", load_file), optimizers[slot]
+        )
     if saved["world_size"] == dist.get_world_size():
-        restore_rng_state(_read(path / "rng.pt",
-                                lambda f: torch.load(f, weights_only=False))[dist.get_rank()])
+        restore_rng_state(
+            _read(path / "rng.pt", lambda f: torch.load(f, weights_only=False))[dist.get_rank()]
+        )
     return optimizers
 
 
@@ -299,8 +371,11 @@ def rng_state() -> dict[str, Any]:
     """This rank's generators: the CPU one, megatron's tracker streams and, on a GPU, the
     current device's default CUDA generator (LoRA and attention dropout on replicated
     values draw from it)."""
-    return {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    return {
+        "cpu": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+    }
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
@@ -320,13 +395,20 @@ def checkpoint_adapter(folder: Path, job: str) -> tuple[dict[str, torch.Tensor],
     slots = {s["name"]: s["slot"] for s in state["trainer"]["queue"] if s["status"] == "active"}
     if job not in slots:
         names = ", ".join(sorted(slots)) or "none"
-        raise CheckpointError(f"job {job!r} was not training in {folder} (training then: {names}); "
-                              "finished jobs are exported under <run_dir>/adapters/")
+        raise CheckpointError(
+            f"job {job!r} was not training in {folder} (training then: {names}); "
+            "finished jobs are exported under <run_dir>/adapters/"
+        )
     if job not in state["trainer"].get("adapters", {}):
-        raise CheckpointError(f"{folder} does not record its jobs' base model (a checkpoint from "
-                              "an older version): export the job from a newer checkpoint")
+        raise CheckpointError(
+            f"{folder} does not record its jobs' base model (a checkpoint from "
+            "an older version): export the job from a newer checkpoint"
+        )
     slot = state["slots"][slots[job]]
     tensors = _read(folder / f"slot{slots[job]}.safetensors", load_file)
-    params = {k[len("param/"):]: v for k, v in tensors.items() if k.startswith("param/")}
-    return params, {**state["trainer"]["adapters"][job], "rank": slot["rank"],
-                    "alpha": slot["alpha"]}
+    params = {k[len("param/") :]: v for k, v in tensors.items() if k.startswith("param/")}
+    return params, {
+        **state["trainer"]["adapters"][job],
+        "rank": slot["rank"],
+        "alpha": slot["alpha"],
+    }

@@ -52,28 +52,37 @@ def validate(run: RunConfig, check_files: bool = True) -> None:
     if not problems:  # the layout rules assume sizes of at least 1
         problems += layout_problems(world, par.tp, par.ep, par.pp, par.sp, par.vpp, CONFIG_NAMES)
     if run.lora.fully_sharded and run.lora.max_rank % max(par.tp, 1):
-        problems.append(f"lora.fully_sharded=true splits the rank over parallel.tp={par.tp} ranks: "
-                        f"lora.max_rank={run.lora.max_rank} must be a multiple of it")
+        problems.append(
+            f"lora.fully_sharded=true splits the rank over parallel.tp={par.tp} ranks: "
+            f"lora.max_rank={run.lora.max_rank} must be a multiple of it"
+        )
     if tr.cpu_base_gemms == "bf16" and not _bf16_gemms_run_here():
-        problems.append("trainer.cpu_base_gemms=bf16: this CPU has no bf16 GEMMs (oneDNN needs "
-                        "AVX-512 BF16 or AMX); use fp32, or auto (bf16 where the CPU has AMX "
-                        "or AVX-512 BF16)")
+        problems.append(
+            "trainer.cpu_base_gemms=bf16: this CPU has no bf16 GEMMs (oneDNN needs "
+            "AVX-512 BF16 or AMX); use fp32, or auto (bf16 where the CPU has AMX "
+            "or AVX-512 BF16)"
+        )
     problems += _target_problems(run.lora.targets)
     problems += _model_problems(run, check_files)
     if not run.adapters and not tr.serve and not run.api.enabled:
-        problems.append("adapters: no adapter jobs configured (or set trainer.serve=true and "
-                        "submit jobs with mmlora submit)")
+        problems.append(
+            "adapters: no adapter jobs configured (or set trainer.serve=true and "
+            "submit jobs with mmlora submit)"
+        )
     if not tr.queue_jobs and len(run.adapters) > run.lora.slots:
-        problems.append(f"{len(run.adapters)} adapter jobs but lora.slots={run.lora.slots} and "
-                        "trainer.queue_jobs=false")
+        problems.append(
+            f"{len(run.adapters)} adapter jobs but lora.slots={run.lora.slots} and "
+            "trainer.queue_jobs=false"
+        )
     names = [job.name for job in run.adapters]
     if len(set(names)) != len(names):
         problems.append(f"adapter names must be unique: {names}")
     dp = max(world // max(par.tp * par.pp, 1), 1)
     for i, job in enumerate(run.adapters):
         problems += name_problems(job.name, f"adapters.{i}.")
-        problems += job_problems(job, f"adapters.{i}.", run.lora.max_rank, dp, tr.max_seq_len,
-                                 check_files)
+        problems += job_problems(
+            job, f"adapters.{i}.", run.lora.max_rank, dp, tr.max_seq_len, check_files
+        )
     if check_files:
         problems += _run_dir_problems(run.run_dir) + _resume_problems(run)
     if problems:
@@ -96,9 +105,11 @@ def _target_problems(targets: list[str]) -> list[str]:
         if any(c in target for c in "*?[") or target in TARGETS:
             continue
         close = difflib.get_close_matches(target, TARGETS, n=1)
-        problems.append(f"lora.targets.{i}={target!r}: no such linear; "
-                        f"{f'did you mean {close[0]!r}? ' if close else ''}use one of "
-                        f"{', '.join(TARGETS)} or a wildcard pattern over module paths")
+        problems.append(
+            f"lora.targets.{i}={target!r}: no such linear; "
+            f"{f'did you mean {close[0]!r}? ' if close else ''}use one of "
+            f"{', '.join(TARGETS)} or a wildcard pattern over module paths"
+        )
     return problems
 
 
@@ -119,15 +130,21 @@ def _model_problems(run: RunConfig, check_files: bool) -> list[str]:
     if problems:
         return problems
     par, tr = run.parallel, run.trainer
-    problems = [f"model: {p}" for p in model_layout_problems(model, par.tp, par.pp, par.vpp, par.ep)]
+    problems = [
+        f"model: {p}" for p in model_layout_problems(model, par.tp, par.pp, par.vpp, par.ep)
+    ]
     if model.num_moe_experts is None and par.ep > 1:
         problems.append("parallel.ep > 1 needs a MoE model (model.num_moe_experts)")
     if tr.max_seq_len > tr.micro_batch_tokens:
-        problems.append(f"trainer.max_seq_len={tr.max_seq_len} exceeds trainer.micro_batch_tokens="
-                        f"{tr.micro_batch_tokens}")
+        problems.append(
+            f"trainer.max_seq_len={tr.max_seq_len} exceeds trainer.micro_batch_tokens="
+            f"{tr.micro_batch_tokens}"
+        )
     if tr.max_seq_len > model.max_sequence_length:
-        problems.append(f"trainer.max_seq_len={tr.max_seq_len} exceeds model.max_sequence_length="
-                        f"{model.max_sequence_length}")
+        problems.append(
+            f"trainer.max_seq_len={tr.max_seq_len} exceeds model.max_sequence_length="
+            f"{model.max_sequence_length}"
+        )
     return problems
 
 
@@ -148,11 +165,15 @@ def _resume_problems(run: RunConfig) -> list[str]:
     path = Path(resume)
     if not path.is_dir():
         close = difflib.get_close_matches(resume, ("auto", "never"), n=1)
-        return [f"checkpoint.resume={resume!r}: not auto, never, or a checkpoint folder"
-                + (f"; did you mean {close[0]!r}?" if close else "")]
+        return [
+            f"checkpoint.resume={resume!r}: not auto, never, or a checkpoint folder"
+            + (f"; did you mean {close[0]!r}?" if close else "")
+        ]
     if not (path / CHECKPOINT_STATE).is_file():
-        return [f"checkpoint.resume={resume}: not a training checkpoint (it has no "
-                f"{CHECKPOINT_STATE}); pass one of <run_dir>/checkpoints/step_*, or auto"]
+        return [
+            f"checkpoint.resume={resume}: not a training checkpoint (it has no "
+            f"{CHECKPOINT_STATE}); pass one of <run_dir>/checkpoints/step_*, or auto"
+        ]
     return []
 
 
@@ -160,16 +181,21 @@ def name_problems(name: str, where: str) -> list[str]:
     """What is wrong with a job's name on its own (config and submitted jobs); ``where``
     prefixes each problem (``adapters.0.``, or ``<file>: ``)."""
     if not _NAME.fullmatch(name):
-        return [f"{where}name={name!r}: use letters, digits, '.', '_' and '-', starting with a "
-                "letter or digit (the name becomes a file name)"]
+        return [
+            f"{where}name={name!r}: use letters, digits, '.', '_' and '-', starting with a "
+            "letter or digit (the name becomes a file name)"
+        ]
     if name == "base":  # the final tables' row of the base model alone
-        return [f"{where}name='base': reserved for the base model's row in the final tables; "
-                "choose another name"]
+        return [
+            f"{where}name='base': reserved for the base model's row in the final tables; "
+            "choose another name"
+        ]
     return []
 
 
-def job_problems(job: AdapterJob, where: str, max_rank: int, dp: int, max_seq_len: int,
-                 check_files: bool = True) -> list[str]:
+def job_problems(
+    job: AdapterJob, where: str, max_rank: int, dp: int, max_seq_len: int, check_files: bool = True
+) -> list[str]:
     """What is wrong with one adapter job on a run of ``max_rank`` slots, ``dp``
     data-parallel ranks and sequences of at most ``max_seq_len`` tokens: each field's range, then what depends on the run or on several
     fields, then its files (config and submitted jobs). ``where`` prefixes each problem
@@ -178,16 +204,21 @@ def job_problems(job: AdapterJob, where: str, max_rank: int, dp: int, max_seq_le
     if job.rank > max_rank:
         problems.append(f"{where}rank={job.rank}: exceeds lora.max_rank={max_rank}")
     if job.global_batch_size % dp:
-        problems.append(f"{where}global_batch_size={job.global_batch_size}: must be a multiple "
-                        f"of the data-parallel size {dp}")
+        problems.append(
+            f"{where}global_batch_size={job.global_batch_size}: must be a multiple "
+            f"of the data-parallel size {dp}"
+        )
     if (job.max_steps is None) == (job.epochs is None):
-        problems.append(f"{where}max_steps={job.max_steps}, epochs={job.epochs}: give exactly one "
-                        "of them")
+        problems.append(
+            f"{where}max_steps={job.max_steps}, epochs={job.epochs}: give exactly one of them"
+        )
     if job.objective == "grpo":
         problems += _reward_problems(job, where)
         if job.grpo.max_new_tokens >= max_seq_len:
-            problems.append(f"{where}grpo.max_new_tokens={job.grpo.max_new_tokens}: must be "
-                            f"below trainer.max_seq_len={max_seq_len} (the prompt needs room)")
+            problems.append(
+                f"{where}grpo.max_new_tokens={job.grpo.max_new_tokens}: must be "
+                f"below trainer.max_seq_len={max_seq_len} (the prompt needs room)"
+            )
     known = job.objective in OBJECTIVE_FORMS  # else its record form is unknown
     return problems + (_file_problems(job, where) if check_files and known else [])
 
@@ -219,9 +250,11 @@ def _file_problems(job: AdapterJob, where: str) -> list[str]:
         if job.objective == "grpo" and job.grpo.reward in BUILT_IN and field == "dataset":
             missing = next((i for i, r in enumerate(records) if "answer" not in r), None)
             if missing is not None:
-                problems.append(f"{where}{field}: {path}: record {missing} has no \"answer\", "
-                                f"which grpo.reward={job.grpo.reward} compares the completion "
-                                "with (map a column to it with columns: {answer: <column>})")
+                problems.append(
+                    f'{where}{field}: {path}: record {missing} has no "answer", '
+                    f"which grpo.reward={job.grpo.reward} compares the completion "
+                    "with (map a column to it with columns: {answer: <column>})"
+                )
     if job.init_from is not None and not os.path.isdir(job.init_from):
         problems.append(f"{where}init_from={job.init_from}: not a folder")
     elif job.init_from is not None:
@@ -237,21 +270,27 @@ def _init_from_problems(job: AdapterJob) -> list[str]:
     except (OSError, ValueError) as err:
         return [f"init_from: {err}"]
     if found is FolderFormat.TRAINING_CHECKPOINT:
-        return [f"init_from {job.init_from} is {found.value}, not an adapter folder; start from "
-                "an exported one (<run_dir>/adapters/<name> or <run_dir>/peft/<name>)"]
+        return [
+            f"init_from {job.init_from} is {found.value}, not an adapter folder; start from "
+            "an exported one (<run_dir>/adapters/<name> or <run_dir>/peft/<name>)"
+        ]
     saved = declared_rank_alpha(job.init_from)
     if saved is None:
-        return [f"init_from {job.init_from}: its adapter_config.json does not declare a rank "
-                "and alpha"]
+        return [
+            f"init_from {job.init_from}: its adapter_config.json does not declare a rank and alpha"
+        ]
     rank, alpha = saved
     problems = []
     if rank != job.rank:
-        problems.append(f"init_from {job.init_from} holds a rank-{rank} adapter but rank="
-                        f"{job.rank}; set rank={rank} (a started adapter keeps its rank)")
+        problems.append(
+            f"init_from {job.init_from} holds a rank-{rank} adapter but rank="
+            f"{job.rank}; set rank={rank} (a started adapter keeps its rank)"
+        )
     # The saved alpha went through float32: equal up to that precision is the same alpha.
     if job.alpha is not None and not math.isclose(job.alpha, alpha, rel_tol=1e-6):
-        problems.append(f"init_from {job.init_from} holds an adapter with alpha={alpha:.7g} but "
-                        f"alpha={job.alpha:g}; set alpha={alpha:.7g} or leave alpha unset (a "
-                        "started adapter keeps its scale)")
+        problems.append(
+            f"init_from {job.init_from} holds an adapter with alpha={alpha:.7g} but "
+            f"alpha={job.alpha:g}; set alpha={alpha:.7g} or leave alpha unset (a "
+            "started adapter keeps its scale)"
+        )
     return problems
-

@@ -15,7 +15,7 @@ at once and ``mmlora submit`` checks a job without that wait.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -25,11 +25,11 @@ from megatron_multilora.models.gpt_config import GPTModelConfig
 from megatron_multilora.validation import (
     INIT_METHODS,
     SCHEDULES,
+    Rule,
     at_least,
     one_of,
     positive,
     ranged,
-    Rule,
     within,
 )
 
@@ -88,7 +88,7 @@ class AdapterJob:
     """Training data (JSONL, Parquet, JSON or a datasets save_to_disk folder): sft
     {"prompt", "completion"} or {"messages": [...]}; dpo {"prompt", "chosen", "rejected"};
     grpo {"prompt", ...what the reward reads, e.g. "answer"}."""
-    eval_dataset: Optional[str] = None
+    eval_dataset: str | None = None
     """Held-out data in the same form, for eval loss (and accuracy of greedy generations);
     without it the job is left out of evaluations and of the end-of-run adapter x task
     table."""
@@ -96,7 +96,7 @@ class AdapterJob:
     """The record form's fields by the dataset's column names, e.g. {prompt: question,
     completion: answer}."""
     rank: int = ranged(16, at_least(1))
-    alpha: Optional[float] = ranged(None, positive(optional=True))
+    alpha: float | None = ranged(None, positive(optional=True))
     """LoRA alpha (scale alpha / rank). null: the init_from adapter's own alpha (a PEFT rsLoRA
     alpha converted to the same scale), else 2 * rank. A value that differs from the
     init_from adapter's is refused."""
@@ -108,17 +108,17 @@ class AdapterJob:
     """constant, linear or cosine decay after warmup, down to min_lr_ratio * lr."""
     min_lr_ratio: float = ranged(0.0, Rule("in [0, 1]", lambda v: 0.0 <= v <= 1.0))
     weight_decay: float = ranged(0.0, at_least(0.0))
-    grad_clip: Optional[float] = ranged(1.0, at_least(0.0, optional=True))
+    grad_clip: float | None = ranged(1.0, at_least(0.0, optional=True))
     """Clip this adapter's gradient norm to this; 0 or null: no clipping."""
     global_batch_size: int = ranged(8, at_least(1))
     """Records per optimizer step, over all data-parallel ranks (dpo: pairs; grpo: prompts
     per rollout, each sampled grpo.group_size times)."""
-    max_steps: Optional[int] = ranged(None, at_least(1, optional=True))
+    max_steps: int | None = ranged(None, at_least(1, optional=True))
     """Optimizer steps to train; or give epochs (trainer.steps_per_job overrides both)."""
-    epochs: Optional[float] = ranged(None, positive(optional=True))
+    epochs: float | None = ranged(None, positive(optional=True))
     start_step: int = ranged(0, at_least(0))
     """Trainer step from which the job may take a slot (it waits in the queue until then)."""
-    init_from: Optional[str] = None
+    init_from: str | None = None
     """An adapter folder to start from instead of a fresh initialisation: one this trainer
     exported, or a Hugging Face PEFT LoRA folder (rank padded up to lora.max_rank). The job's
     rank must be the adapter's; its alpha is the adapter's (see alpha)."""
@@ -155,18 +155,18 @@ class ParallelSettings:
     pp: int = ranged(MISSING, at_least(1))
     """Pipeline parallel size: stages of consecutive layers. Data parallel size is
     world / (tp * pp)."""
-    vpp: Optional[int] = ranged(MISSING, at_least(1, optional=True))
+    vpp: int | None = ranged(MISSING, at_least(1, optional=True))
     """Virtual pipeline stages (model chunks) per pipeline rank, for the interleaved
     schedule; null: one. Needs pp > 1 and model.num_layers divisible by pp * vpp."""
 
 
 @dataclasses.dataclass
 class TrainerSettings:
-    max_steps: Optional[int] = ranged(MISSING, at_least(1, optional=True))
+    max_steps: int | None = ranged(MISSING, at_least(1, optional=True))
     """Stop after this many trainer steps even if jobs remain (null: when all jobs finish).
     Jobs cut short are exported as they are, marked unfinished; to shorten every job with
     complete schedules, use steps_per_job."""
-    steps_per_job: Optional[int] = ranged(MISSING, at_least(1, optional=True))
+    steps_per_job: int | None = ranged(MISSING, at_least(1, optional=True))
     """Every job's step budget, replacing each job's max_steps/epochs (null: each job's own):
     a quick run whose learning-rate schedules still complete."""
     micro_batch_tokens: int = ranged(MISSING, at_least(1))
@@ -180,7 +180,7 @@ class TrainerSettings:
     weights rounded to bf16, fp32 results; adapters, norms, attention, loss and optimizer stay
     fp32), or auto: bf16 where the CPU multiplies bf16 in hardware (AMX), else fp32. Ignored
     on CUDA, where precision decides."""
-    recompute: Optional[str] = ranged(MISSING, one_of(None, "full", "selective"))
+    recompute: str | None = ranged(MISSING, one_of(None, "full", "selective"))
     """Activation recompute: null, "full" (every layer) or "selective" (core attention/MoE)."""
     max_bad_steps: int = ranged(MISSING, at_least(1))
     """A job whose loss or gradients are non-finite this many steps in a row is stopped."""
@@ -211,7 +211,7 @@ class LoggingSettings:
 
 @dataclasses.dataclass
 class CheckpointSettings:
-    save_interval: Optional[int] = ranged(MISSING, at_least(0, optional=True))
+    save_interval: int | None = ranged(MISSING, at_least(0, optional=True))
     """Save every this many trainer steps (and at the end); 0 or null: only at the end."""
     keep_last: int = ranged(MISSING, at_least(0))
     """Checkpoints kept (the newest); 0: all."""
@@ -227,10 +227,10 @@ class APISettings:
     enabled: bool = False
     host: str = "127.0.0.1"
     port: int = ranged(8000, within(1, 65535))
-    keys_file: Optional[str] = None
+    keys_file: str | None = None
     """API keys, one per line ('tml-...'); null: the MMLORA_API_KEYS variable (comma-
     separated). There is no default key."""
-    model_name: Optional[str] = None
+    model_name: str | None = None
     """The base model's name clients ask for (null: hf_dir's folder name, or 'tiny')."""
     batch_window_ms: float = ranged(20.0, at_least(0.0))
     """How long a ready call waits for other clients' calls to join its batch."""
@@ -244,7 +244,7 @@ class APISettings:
 @dataclasses.dataclass
 class RunConfig:
     model: GPTModelConfig = dataclasses.field(default_factory=GPTModelConfig)
-    hf_dir: Optional[str] = MISSING
+    hf_dir: str | None = MISSING
     """A Hugging Face model folder (config.json, safetensors, tokenizer) to fine-tune: the
     model's architecture, weights and tokenizer come from it and ``model`` is ignored;
     adapters are also exported in PEFT format. null: ``model`` is built from scratch with the
@@ -267,8 +267,9 @@ def load_run_config(cfg: DictConfig | dict) -> RunConfig:
     """Merge a composed config onto the schema; unknown keys, bad types and missing values
     raise ConfigError naming the full key (e.g. ``adapters.0.rank``)."""
     try:
-        plain = OmegaConf.to_container(OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg,
-                                       resolve=True)
+        plain = OmegaConf.to_container(
+            OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg, resolve=True
+        )
     except OmegaConfBaseException as err:
         raise ConfigError(f"invalid configuration: {_key(err)}{err.msg}") from None
     jobs = plain.pop("adapters", []) or []

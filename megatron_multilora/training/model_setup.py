@@ -26,7 +26,10 @@ def precision_summary(run: RunConfig) -> str:
     the frozen base's GEMMs when it differs."""
     if run.trainer.precision == "bf16":
         return "bf16"
-    if not torch.cuda.is_available() and cpu_gemm_dtype(run.trainer.cpu_base_gemms) == torch.bfloat16:
+    if (
+        not torch.cuda.is_available()
+        and cpu_gemm_dtype(run.trainer.cpu_base_gemms) == torch.bfloat16
+    ):
         return "fp32, the frozen base's GEMMs in bf16"
     return "fp32"
 
@@ -38,18 +41,30 @@ def build_run_model(run: RunConfig, model_config: GPTModelConfig) -> list[torch.
     if run.trainer.recompute is not None:
         model_cfg.recompute_granularity = run.trainer.recompute
         if run.trainer.recompute == "selective":
-            model_cfg.recompute_modules = ["core_attn"] + (["moe"] if model_cfg.num_moe_experts else [])
+            model_cfg.recompute_modules = ["core_attn"] + (
+                ["moe"] if model_cfg.num_moe_experts else []
+            )
     dtype = torch.bfloat16 if run.trainer.precision == "bf16" else torch.float32
     # Per-adapter losses are normalised over the global batch: gradients are summed over
     # data-parallel ranks, not averaged (megatron's per-token-loss convention).
-    chunks = build_model_chunks(model_cfg, sequence_parallel=run.parallel.sp, params_dtype=dtype,
-                                cpu_gemm_dtype=cpu_gemm_dtype(run.trainer.cpu_base_gemms),
-                                calculate_per_token_loss=True,
-                                **(INIT_FOR_CHECKPOINT if run.hf_dir else {}))
+    chunks = build_model_chunks(
+        model_cfg,
+        sequence_parallel=run.parallel.sp,
+        params_dtype=dtype,
+        cpu_gemm_dtype=cpu_gemm_dtype(run.trainer.cpu_base_gemms),
+        calculate_per_token_loss=True,
+        **(INIT_FOR_CHECKPOINT if run.hf_dir else {}),
+    )
     if run.hf_dir:  # each pipeline rank reads its own stage's layers
         load_hf_checkpoint(chunks, run.hf_dir, model_cfg)
-    return apply_multi_lora(chunks, run.lora.slots, run.lora.max_rank, alpha=1.0,
-                            target_modules=run.lora.targets,
-                            column_init_method=run.lora.column_init_method,
-                            row_init_method=run.lora.row_init_method, seed=run.seed,
-                            fully_sharded=run.lora.fully_sharded)
+    return apply_multi_lora(
+        chunks,
+        run.lora.slots,
+        run.lora.max_rank,
+        alpha=1.0,
+        target_modules=run.lora.targets,
+        column_init_method=run.lora.column_init_method,
+        row_init_method=run.lora.row_init_method,
+        seed=run.seed,
+        fully_sharded=run.lora.fully_sharded,
+    )

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -28,18 +28,31 @@ from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
 
 # What a run writes into run_dir (its recorded hydra/ config aside): moved to
 # run_dir/previous/<n> when a run starts over there, so nothing is overwritten or mixed.
-RUN_OUTPUTS = (METRICS_FILE, "checkpoints", "adapters", "peft", "wandb", "loss_curves.png",
-               "adapter_task_loss.png")
+RUN_OUTPUTS = (
+    METRICS_FILE,
+    "checkpoints",
+    "adapters",
+    "peft",
+    "wandb",
+    "loss_curves.png",
+    "adapter_task_loss.png",
+)
 
 
 class RunCheckpoints:
     """``run``'s checkpoints of ``board``'s jobs on ``model`` (collective calls)."""
 
-    def __init__(self, run: RunConfig, model: ModelOrChunks, board: JobBoard, is_main: bool,
-                 say: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        run: RunConfig,
+        model: ModelOrChunks,
+        board: JobBoard,
+        is_main: bool,
+        say: Callable[[str], None],
+    ) -> None:
         self.run, self.run_dir, self.model, self.board = run, Path(run.run_dir), model, board
         self.is_main, self.say = is_main, say
-        self.saved: Optional[tuple[int, Path]] = None  # (step, folder) of the last checkpoint
+        self.saved: tuple[int, Path] | None = None  # (step, folder) of the last checkpoint
 
     def resume(self) -> int:
         """Continue from the newest intact checkpoint (``checkpoint.resume=auto``; damaged
@@ -64,8 +77,13 @@ class RunCheckpoints:
         self.board.restore(saved["trainer"]["queue"])
         by_slot = {job.slot: job for job in self.board.active()}
         optimizers = restore_training_checkpoint(
-            point.path, saved, self.model, lambda slot: SlotOptimizer(
-                slot_parameters(self.model, slot), by_slot[slot].spec, by_slot[slot].total_steps))
+            point.path,
+            saved,
+            self.model,
+            lambda slot: SlotOptimizer(
+                slot_parameters(self.model, slot), by_slot[slot].spec, by_slot[slot].total_steps
+            ),
+        )
         for slot, optimizer in optimizers.items():
             by_slot[slot].optimizer = optimizer
         self.saved = (saved["step"], point.path)
@@ -80,12 +98,22 @@ class RunCheckpoints:
         if self.saved is None or self.saved[0] != step:
             active = self.board.active()
             path = save_training_checkpoint(
-                self.run_dir, step, self.model, {job.slot: job.optimizer for job in active},
-                {"queue": self.board.progress(), "metrics_records": metrics_records,
-                 "adapters": {job.name: self.board.exporter.meta(job) for job in active},
-                 "submitted": [dataclasses.asdict(job.spec) for job in self.board.jobs
-                               if job.source == "submitted"]},
-                self.run.checkpoint.keep_last)
+                self.run_dir,
+                step,
+                self.model,
+                {job.slot: job.optimizer for job in active},
+                {
+                    "queue": self.board.progress(),
+                    "metrics_records": metrics_records,
+                    "adapters": {job.name: self.board.exporter.meta(job) for job in active},
+                    "submitted": [
+                        dataclasses.asdict(job.spec)
+                        for job in self.board.jobs
+                        if job.source == "submitted"
+                    ],
+                },
+                self.run.checkpoint.keep_last,
+            )
             self.saved = (step, path)
         return self.saved[1]
 
@@ -102,5 +130,8 @@ class RunCheckpoints:
         for name in found:
             os.replace(self.run_dir / name, dest / name)
         why = "checkpoint.resume=never" if never else "no checkpoint to resume"
-        print(f"{self.run_dir} holds an earlier run ({why}): starting at step 0, its outputs "
-              f"({', '.join(found)}) moved to {dest}", flush=True)
+        print(
+            f"{self.run_dir} holds an earlier run ({why}): starting at step 0, its outputs "
+            f"({', '.join(found)}) moved to {dest}",
+            flush=True,
+        )

@@ -20,9 +20,9 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, NoReturn
-
+from typing import NoReturn
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 STOP_REQUESTED = 256  # above every signal number: a stop asked for by `mmlora stop`
@@ -35,8 +35,7 @@ class RunStopped(Exception):
 
     def __init__(self, signum: int, step: int, checkpoint: Path) -> None:
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        why = ("on request (mmlora stop)" if self.requested
-               else f"by {signal.Signals(signum).name}")
+        why = "on request (mmlora stop)" if self.requested else f"by {signal.Signals(signum).name}"
         super().__init__(f"stopped {why} after step {step}; checkpoint {checkpoint}")
 
     @property
@@ -79,11 +78,13 @@ def received() -> int:
 
 def exit_without_teardown() -> NoReturn:
     """End a process whose work is done with status 0: its exit handlers run, its streams are
-    flushed, but Python's teardown of every imported module, ~0.9 s of each worker's exit
-    with torch, megatron and transformers loaded, is skipped. Where another non-daemon
+    flushed, but Python's teardown of every imported module, most of a worker's exit with
+    torch, megatron and transformers loaded, is skipped. Where another non-daemon
     thread still runs, the interpreter exits as usual (it waits for that thread)."""
-    if any(t is not threading.main_thread() and not t.daemon and t.is_alive()
-           for t in threading.enumerate()):
+    if any(
+        t is not threading.main_thread() and not t.daemon and t.is_alive()
+        for t in threading.enumerate()
+    ):
         sys.exit(0)
     atexit._run_exitfuncs()
     sys.stdout.flush()

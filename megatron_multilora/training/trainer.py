@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -65,38 +64,68 @@ class Trainer:
 
     def setup(self) -> None:
         run, tr = self.run, self.run.trainer
-        init_parallel(tensor_model_parallel_size=run.parallel.tp,
-                      expert_model_parallel_size=run.parallel.ep,
-                      pipeline_model_parallel_size=run.parallel.pp,
-                      virtual_pipeline_model_parallel_size=run.parallel.vpp,
-                      sequence_parallel=run.parallel.sp, seed=run.seed)
+        init_parallel(
+            tensor_model_parallel_size=run.parallel.tp,
+            expert_model_parallel_size=run.parallel.ep,
+            pipeline_model_parallel_size=run.parallel.pp,
+            virtual_pipeline_model_parallel_size=run.parallel.vpp,
+            sequence_parallel=run.parallel.sp,
+            seed=run.seed,
+        )
         self.is_main = dist.get_rank() == 0
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         pad_multiple = run.parallel.tp if run.parallel.sp else 1
         tokenizer = HFTokenizer(load_hf_tokenizer(run.hf_dir)) if run.hf_dir else ByteTokenizer()
         self.model = build_run_model(run, self.model_config)  # its chunks
-        self.train_step = SlotTrainStep(self.model, run.lora.slots, tr.micro_batch_tokens,
-                                        pad_multiple, tokenizer.pad_id)
-        exporter = JobExporter(Path(run.run_dir), self.model, self.model_config, run.lora,
-                               run.hf_dir, self.hf_model_type)
-        self.board = JobBoard(self.model, run.lora.slots, tr, run.seed, tokenizer, exporter,
-                              self.model_config, self.hf_model_type, self.say,
-                              self.train_step.batcher)
+        self.train_step = SlotTrainStep(
+            self.model, run.lora.slots, tr.micro_batch_tokens, pad_multiple, tokenizer.pad_id
+        )
+        exporter = JobExporter(
+            Path(run.run_dir),
+            self.model,
+            self.model_config,
+            run.lora,
+            run.hf_dir,
+            self.hf_model_type,
+        )
+        self.board = JobBoard(
+            self.model,
+            run.lora.slots,
+            tr,
+            run.seed,
+            tokenizer,
+            exporter,
+            self.model_config,
+            self.hf_model_type,
+            self.say,
+            self.train_step.batcher,
+        )
         for spec in run.adapters:
             self.board.add(spec)
-        self.mailbox = ServeMailbox(Path(run.run_dir), self.is_main, self.dp_size,
-                                    self._job_problems, {"max_rank": run.lora.max_rank,
-                                                         "slots": run.lora.slots})
+        self.mailbox = ServeMailbox(
+            Path(run.run_dir),
+            self.is_main,
+            self.dp_size,
+            self._job_problems,
+            {"max_rank": run.lora.max_rank, "slots": run.lora.slots},
+        )
         self.checkpoints = RunCheckpoints(run, self.model, self.board, self.is_main, self.say)
         self.step = self.checkpoints.resume()
         for job in self.mailbox.replay(self.step, {job.name for job in self.board.jobs}):
             self.board.add(adapter_job(job, f"submitted job {job['name']}"), source="submitted")
-        self._agreed: Optional[tuple[int, ...]] = None  # (stop signal, requests) of the last step
-        self.report = RunReport(run, self.is_main,
-                                {**to_plain(run), "model": dataclasses.asdict(self.model_config)})
-        self.tasks = AdapterTaskEval(self.model, tokenizer, run.lora.slots, tr.micro_batch_tokens,
-                                     pad_multiple, tr.max_new_tokens)
+        self._agreed: tuple[int, ...] | None = None  # (stop signal, requests) of the last step
+        self.report = RunReport(
+            run, self.is_main, {**to_plain(run), "model": dataclasses.asdict(self.model_config)}
+        )
+        self.tasks = AdapterTaskEval(
+            self.model,
+            tokenizer,
+            run.lora.slots,
+            tr.micro_batch_tokens,
+            pad_multiple,
+            tr.max_new_tokens,
+        )
         self.say(self._summary())
 
     def train(self) -> None:
@@ -127,13 +156,18 @@ class Trainer:
 
     def train_one_step(self, active: list[Job]) -> dict[str, dict[str, float]]:
         """One trainer step of the ``active`` jobs; returns the metrics of those that stepped."""
-        slot_examples, tokens, order = self.board.global_batch(self.step, active, self.dp_rank,
-                                                               self.dp_size)
+        slot_examples, tokens, order = self.board.global_batch(
+            self.step, active, self.dp_rank, self.dp_size
+        )
         active = [job for job in active if job.status == ACTIVE]  # a reward may have failed one
         lrs = {job.slot: job.optimizer.lr for job in active}  # what this step uses
-        result = self.train_step(slot_examples, {job.slot: job.optimizer for job in active},
-                                 slot_order=order, extras=self._local_extras(),
-                                 objectives={job.slot: job.objective for job in active})
+        result = self.train_step(
+            slot_examples,
+            {job.slot: job.optimizer for job in active},
+            slot_order=order,
+            extras=self._local_extras(),
+            objectives={job.slot: job.objective for job in active},
+        )
         self._agreed = result.extras  # for the coming step boundary
         return self.board.record(self.step, active, result, tokens, lrs)
 
@@ -150,13 +184,19 @@ class Trainer:
                 self.mailbox.stop_honoured()
             self._status(STOPPED)
             raise RunStopped(signum, self.step, checkpoint)
-        added, cancels = (self.mailbox.decide(self.step, self.board, self.say) if requests
-                          else ([], self.mailbox.cancels_at(self.step)))
+        added, cancels = (
+            self.mailbox.decide(self.step, self.board, self.say)
+            if requests
+            else ([], self.mailbox.cancels_at(self.step))
+        )
         for spec in added:
-            job = self.board.add(adapter_job(spec, f"submitted job {spec['name']}"),
-                                 source="submitted")
-            self.say(f"step {self.step}: submitted job {job.name} joins the queue "
-                     f"({job.total_steps} steps)")
+            job = self.board.add(
+                adapter_job(spec, f"submitted job {spec['name']}"), source="submitted"
+            )
+            self.say(
+                f"step {self.step}: submitted job {job.name} joins the queue "
+                f"({job.total_steps} steps)"
+            )
         for name in cancels:
             self.board.cancel(name, self.step)
         if requests or cancels:
@@ -192,19 +232,21 @@ class Trainer:
         return self.checkpoints.save(self.step, self.report.logger.records)
 
     def _status(self, state: str, force: bool = True) -> None:
-        self.mailbox.write_status(state, self.step, self.board, self.report.seconds_per_step,
-                                  force)
+        self.mailbox.write_status(state, self.step, self.board, self.report.seconds_per_step, force)
 
     def _job_problems(self, job: AdapterJob, where: str) -> list[str]:
         where = f"{where}: "
         return name_problems(job.name, where) + job_problems(
-            job, where, self.run.lora.max_rank, self.dp_size, self.run.trainer.max_seq_len)
+            job, where, self.run.lora.max_rank, self.dp_size, self.run.trainer.max_seq_len
+        )
 
     def stopped(self, stop: RunStopped) -> str:
         """Say where a stopped run can be resumed (returns the line); close the logger, tear
         down the layout."""
-        line = (f"{stop}. Resume it with the same command (checkpoint.resume=auto, the "
-                f"default) or with checkpoint.resume={stop.checkpoint}.")
+        line = (
+            f"{stop}. Resume it with the same command (checkpoint.resume=auto, the "
+            f"default) or with checkpoint.resume={stop.checkpoint}."
+        )
         self.say(line)
         self.report.logger.close()
         destroy_parallel()
@@ -224,10 +266,13 @@ class Trainer:
 
     def _summary(self) -> str:
         run, par = self.run, self.run.parallel
-        trainable = sum(p.numel() for chunk in self.model for p in chunk.parameters()
-                        if p.requires_grad)
-        return (f"run {run.run_dir}: {len(run.adapters)} adapter jobs on {run.lora.slots} slots, "
-                f"world {dist.get_world_size()} (tp {par.tp}, sp {par.sp}, ep {par.ep}, pp {par.pp}"
-                f"{f' x vpp {par.vpp}' if par.vpp else ''}, dp {self.dp_size}), "
-                f"{precision_summary(run)}, {trainable:,} trainable parameters per rank, "
-                f"starting at step {self.step}")
+        trainable = sum(
+            p.numel() for chunk in self.model for p in chunk.parameters() if p.requires_grad
+        )
+        return (
+            f"run {run.run_dir}: {len(run.adapters)} adapter jobs on {run.lora.slots} slots, "
+            f"world {dist.get_world_size()} (tp {par.tp}, sp {par.sp}, ep {par.ep}, pp {par.pp}"
+            f"{f' x vpp {par.vpp}' if par.vpp else ''}, dp {self.dp_size}), "
+            f"{precision_summary(run)}, {trainable:,} trainable parameters per rank, "
+            f"starting at step {self.step}"
+        )

@@ -22,9 +22,23 @@ pytestmark = pytest.mark.slow
 
 def benchmark(*args: str, out_dir: Path) -> None:
     # One thread: two threads stall badly when other processes load the cores.
-    subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--threads", "1",
-                    "--out-dir", str(out_dir), *args], check=True, cwd=REPO, timeout=240,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks",
+            "--quick",
+            "--threads",
+            "1",
+            "--out-dir",
+            str(out_dir),
+            *args,
+        ],
+        check=True,
+        cwd=REPO,
+        timeout=240,
+        stdout=subprocess.DEVNULL,
+    )
 
 
 def assert_measured(row: dict, markdown: str) -> None:
@@ -84,8 +98,9 @@ mm.support_megatron_here()
 settings, _ = parse_settings(["--quick", "--threads", "1"])
 sys.exit(1 if run.run_benchmark(settings, Path({str(tmp_path)!r}), ("layers", "jobs")) else 0)
 """
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=240,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, timeout=240, capture_output=True, text=True
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     report = json.loads((tmp_path / "cpu-only-layers-jobs.json").read_text())
     rows = {row["id"]: row for row in report["rows"]}
@@ -100,24 +115,37 @@ def test_our_step_costs_build_the_recipes_run(tmp_path):
     """Rows 10i-10k, our side: the recipe's default run composed from conf/ on the demo data,
     its model built and its jobs started as the trainer does; every part timed."""
     data = tmp_path / "demo"
-    subprocess.run([sys.executable, "scripts/make_demo_data.py", "--out-dir", str(data)],
-                   cwd=REPO, check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "scripts/make_demo_data.py", "--out-dir", str(data)],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     code = f"""
 import json, sys
 from pathlib import Path
 from benchmarks.peers.spec import job_spec
 from benchmarks.peers.step_costs import step_cost_worker
 spec = job_spec(Path({str(data)!r}), 5)
-step_cost_worker(spec, "ours", {str(tmp_path / 'ours.json')!r}, reps=1, warmup=0)
+step_cost_worker(spec, "ours", {str(tmp_path / "ours.json")!r}, reps=1, warmup=0)
 print(json.dumps(spec))
 """
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=240,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, timeout=240, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     spec = json.loads(done.stdout.strip().splitlines()[-1])
     assert [j["name"] for j in spec["jobs"]] == ["reverse", "uppercase", "add", "sort"]
-    assert spec["targets"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                               "down_proj"]
+    assert spec["targets"] == [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ]
     costs = json.loads((tmp_path / "ours.json").read_text())
     assert all(costs[part] > 0 for part in ("frozen", "lora", "step")), costs
 
@@ -126,11 +154,29 @@ def test_step_floor_splits_each_phase_into_fixed_and_per_position_cost(tmp_path)
     """benchmarks.step_floor on the default run (tiny Llama, demo data): both phases timed at
     every share of their global batch, a line fitted through them, the limit per position."""
     data = tmp_path / "demo"
-    subprocess.run([sys.executable, "scripts/make_demo_data.py", "--out-dir", str(data)],
-                   cwd=REPO, check=True, capture_output=True, timeout=120)
-    done = subprocess.run([sys.executable, "-m", "benchmarks.step_floor", "--config-name",
-                           "config", "--reps", "1", f"data_dir={data}"], cwd=REPO, timeout=240,
-                          capture_output=True, text=True)
+    subprocess.run(
+        [sys.executable, "scripts/make_demo_data.py", "--out-dir", str(data)],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.step_floor",
+            "--config-name",
+            "config",
+            "--reps",
+            "1",
+            f"data_dir={data}",
+        ],
+        cwd=REPO,
+        timeout=240,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     every, alone = out["phases"]
@@ -149,18 +195,24 @@ def test_the_peft_worker_trains_its_jobs_in_the_recipes_order(tmp_path):
     another and writes their step times, positions and held-out losses; a job may be named
     like a torch module attribute (the main job's ``double``)."""
     data = tmp_path / "demo"
-    subprocess.run([sys.executable, "scripts/make_demo_data.py", "--out-dir", str(data)],
-                   cwd=REPO, check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "scripts/make_demo_data.py", "--out-dir", str(data)],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     code = f"""
 from pathlib import Path
 from benchmarks.peers.spec import job_spec
 from benchmarks.peers.peft_loop import peft_worker
 spec = job_spec(Path({str(data)!r}), 3)
 spec["jobs"][3]["name"] = "double"
-peft_worker(spec, [0, 3], 1, {str(tmp_path / 'peft.json')!r})
+peft_worker(spec, [0, 3], 1, {str(tmp_path / "peft.json")!r})
 """
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=240,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, timeout=240, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     got = json.loads((tmp_path / "peft.json").read_text())
     assert sorted(got["jobs"]) == ["double", "reverse"], got
@@ -181,8 +233,12 @@ def test_the_peft_loop_under_bf16_autocast_trains_as_in_fp32():
     from tests.hf_models import make_hf_model
 
     gen = torch.Generator().manual_seed(0)
-    examples = [Example(tuple(torch.randint(3, 128, (12,), generator=gen).tolist()),
-                        (False,) * 5 + (True,) * 6) for _ in range(4)]
+    examples = [
+        Example(
+            tuple(torch.randint(3, 128, (12,), generator=gen).tolist()), (False,) * 5 + (True,) * 6
+        )
+        for _ in range(4)
+    ]
     job = AdapterJob(name="a", dataset="unused", rank=4, alpha=8.0, lr=1e-2, schedule="constant")
     losses = {}
     for autocast in (False, True):

@@ -8,7 +8,6 @@ time out after ``TIMEOUT_S`` and pytest-timeout bounds each test.
 """
 
 import os
-from typing import Optional
 
 import pytest
 import torch.distributed as dist
@@ -34,8 +33,11 @@ def pytest_collection_modifyitems(config, items):
         marker = item.get_closest_marker("world")
         need = marker.args[0] if marker else 2
         if WORLD != need:
-            item.add_marker(pytest.mark.skip(
-                reason=f"needs torchrun --nproc-per-node {need} (this launch: {WORLD or 1})"))
+            item.add_marker(
+                pytest.mark.skip(
+                    reason=f"needs torchrun --nproc-per-node {need} (this launch: {WORLD or 1})"
+                )
+            )
 
 
 @pytest.fixture
@@ -43,17 +45,30 @@ def layout():
     """Call ``layout(tp=.., ep=.., sp=.., pp=.., vpp=..)`` to initialise (again, for another
     layout in the same test); torn down after the test."""
 
-    def init(tp: int = 1, ep: int = 1, sp: bool = False, seed: int = 1234, pp: int = 1,
-             vpp: Optional[int] = None) -> None:
+    def init(
+        tp: int = 1,
+        ep: int = 1,
+        sp: bool = False,
+        seed: int = 1234,
+        pp: int = 1,
+        vpp: int | None = None,
+    ) -> None:
         # What init_parallel requires (expert TP is 1, experts lie within a pipeline stage).
         if WORLD % (tp * pp) or (WORLD // pp) % ep:
-            pytest.skip(f"needs a world divisible by tp={tp} x pp={pp} and by ep={ep} x pp "
-                        f"(world {WORLD})")
+            pytest.skip(
+                f"needs a world divisible by tp={tp} x pp={pp} and by ep={ep} x pp (world {WORLD})"
+            )
         destroy_parallel()
         support_megatron_here()
-        init_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                      pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
-                      sequence_parallel=sp, seed=seed, timeout_s=TIMEOUT_S)
+        init_parallel(
+            tensor_model_parallel_size=tp,
+            expert_model_parallel_size=ep,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
+            sequence_parallel=sp,
+            seed=seed,
+            timeout_s=TIMEOUT_S,
+        )
 
     yield init
     destroy_parallel()

@@ -16,8 +16,13 @@ RANKS, ALPHAS = [8, 3, 1, 5], [16.0, 4.0, 2.0, 10.0]
 SEQ = 16
 
 
-def build(cfg: mm.GPTModelConfig, sp: bool = False, ddp: bool = True, fully_sharded: bool = False,
-          **config_overrides: object):
+def build(
+    cfg: mm.GPTModelConfig,
+    sp: bool = False,
+    ddp: bool = True,
+    fully_sharded: bool = False,
+    **config_overrides: object,
+):
     """The wrapped model (megatron DDP around it unless ``ddp=False``); same weights each call.
     ``config_overrides``: further megatron TransformerConfig fields."""
     torch.manual_seed(0)  # base weights are drawn as full tensors: same on every build
@@ -28,8 +33,9 @@ def build(cfg: mm.GPTModelConfig, sp: bool = False, ddp: bool = True, fully_shar
         mm.init_adapter_slot(model, i, r, a)
     if not ddp:
         return model
-    return DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True), model)
+    return DistributedDataParallel(
+        model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model
+    )
 
 
 def micro_batch(seed: int, counts: list[int], vocab: int):
@@ -55,9 +61,11 @@ def trainable_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for a slot that had no tokens, hence no gradient)."""
     ddp = isinstance(model, DistributedDataParallel)
     inner = model.module if ddp else model
-    return {k: (p.main_grad if ddp else p.grad if p.grad is not None else torch.zeros_like(p)).clone()
-            for k, p in inner.state_dict(keep_vars=True).items()
-            if isinstance(p, torch.nn.Parameter) and p.requires_grad}
+    return {
+        k: (p.main_grad if ddp else p.grad if p.grad is not None else torch.zeros_like(p)).clone()
+        for k, p in inner.state_dict(keep_vars=True).items()
+        if isinstance(p, torch.nn.Parameter) and p.requires_grad
+    }
 
 
 _EXPERT_WEIGHT = re.compile(r"(.*\.experts\.linear_fc[12]\.weight)(\d+)$")
@@ -73,29 +81,38 @@ def full_key(key: str, cfg: mm.GPTModelConfig) -> str:
     return f"{m.group(1)}{first + int(m.group(2))}"
 
 
-def local_view(key: str, full: dict[str, torch.Tensor], like: torch.Tensor,
-               cfg: mm.GPTModelConfig) -> torch.Tensor:
+def local_view(
+    key: str, full: dict[str, torch.Tensor], like: torch.Tensor, cfg: mm.GPTModelConfig
+) -> torch.Tensor:
     """What this rank holds of the TP=1/EP=1 tensor behind ``key``."""
     tensor = full[full_key(key, cfg)]
     if ".experts." in key and tensor.dim() == 3:  # expert LoRA factor [experts, ...]
-        ep, rank = (parallel_state.get_expert_model_parallel_world_size(),
-                    parallel_state.get_expert_model_parallel_rank())
+        ep, rank = (
+            parallel_state.get_expert_model_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_rank(),
+        )
         return tensor.chunk(ep, 0)[rank]
     if not getattr(like, "tensor_model_parallel", False):
         return tensor
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
     dim = like.partition_dim
-    if (re.search(r"\.mlp\.(shared_experts\.)?linear_fc1\.", key) and cfg.gated_linear_unit
-            and dim == 0 and ".linear_in." not in key):  # A's rank rows are not [gate; up]
+    if (
+        re.search(r"\.mlp\.(shared_experts\.)?linear_fc1\.", key)
+        and cfg.gated_linear_unit
+        and dim == 0
+        and ".linear_in." not in key
+    ):  # A's rank rows are not [gate; up]
         # megatron keeps [gate_shard; up_shard] per rank for a gated fc1.
         return torch.cat([h.chunk(tp, 0)[rank] for h in tensor.chunk(2, 0)])
     return tensor.chunk(tp, dim)[rank]
 
 
-def load_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor],
-                    cfg: mm.GPTModelConfig) -> None:
+def load_full_state(
+    model: torch.nn.Module, full: dict[str, torch.Tensor], cfg: mm.GPTModelConfig
+) -> None:
     inner = model.module if isinstance(model, DistributedDataParallel) else model
     like = inner.state_dict(keep_vars=True)
-    inner.load_state_dict({k: local_view(k, full, v, cfg) if torch.is_tensor(v) else v
-                           for k, v in like.items()})
+    inner.load_state_dict(
+        {k: local_view(k, full, v, cfg) if torch.is_tensor(v) else v for k, v in like.items()}
+    )

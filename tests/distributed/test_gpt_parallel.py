@@ -16,12 +16,29 @@ import megatron_multilora as mm
 from megatron_multilora.layers.factors import A
 from megatron_multilora.training.step.slot_optimizer import slot_grad_norms
 from tests.distributed.conftest import assert_all_ranks, compare
-from tests.distributed.harness import (ALPHAS, DIM, N, RANKS, build, load_full_state, local_view,
-                                       micro_batch, step, trainable_grads)
+from tests.distributed.harness import (
+    ALPHAS,
+    DIM,
+    RANKS,
+    N,
+    build,
+    load_full_state,
+    local_view,
+    micro_batch,
+    step,
+    trainable_grads,
+)
 
-CFG = mm.GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                        ffn_hidden_size=48, vocab_size=64, gated_linear_unit=True)
-COUNTS = [5, 0, 7, 4]   # a zero-token slot; slot 2 spans the SP window boundary
+CFG = mm.GPTModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=48,
+    vocab_size=64,
+    gated_linear_unit=True,
+)
+COUNTS = [5, 0, 7, 4]  # a zero-token slot; slot 2 spans the SP window boundary
 REL = 2e-5
 
 
@@ -56,7 +73,9 @@ def test_tp2_gpt_matches_tp1(layout, sp, fully):
     for k, g in grads.items():
         compare(failures, g, local_view(k, ref_grads, like[k], CFG), REL, k)
     for i in range(N):  # the clipping norm: every shard counted once, on every rank
-        want = torch.stack([g.norm() for k, g in ref_grads.items() if f".adapters.{i}." in k]).norm()
+        want = torch.stack(
+            [g.norm() for k, g in ref_grads.items() if f".adapters.{i}." in k]
+        ).norm()
         got = torch.tensor(slot_grad_norms({i: mm.slot_parameters(ddp.module, i)})[i])
         compare(failures, got, want, REL, f"slot {i} grad norm")
     assert_all_ranks(failures)
@@ -65,8 +84,10 @@ def test_tp2_gpt_matches_tp1(layout, sp, fully):
 def test_dp2_grads_equal_one_process_on_both_micro_batches(layout):
     layout(tp=1)  # world 2: DP=2
     dp_rank = parallel_state.get_data_parallel_rank()
-    batches = [micro_batch(10, [9, 0, 3, 4], CFG.vocab_size),
-               micro_batch(11, [0, 6, 6, 4], CFG.vocab_size)]
+    batches = [
+        micro_batch(10, [9, 0, 3, 4], CFG.vocab_size),
+        micro_batch(11, [0, 6, 6, 4], CFG.vocab_size),
+    ]
 
     ref = build(CFG, ddp=False)
     for batch in batches:  # one process, both micro-batches, gradients averaged
@@ -100,11 +121,16 @@ def test_dist_checkpoint_saved_at_tp1_loads_at_tp2(layout, tmp_path, fully):
     model = mm.apply_multi_lora(mm.build_gpt_model(CFG), N, DIM, 1.0, fully_sharded=fully)
     model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), path[0]))
     like = model.state_dict(keep_vars=True)
-    failures = [k for k, v in full.items()
-                if not torch.equal(like[k].detach(), local_view(k, full, like[k], CFG))]
+    failures = [
+        k
+        for k, v in full.items()
+        if not torch.equal(like[k].detach(), local_view(k, full, like[k], CFG))
+    ]
     want = torch.tensor(ALPHAS) / torch.tensor(RANKS)
     if any(not torch.equal(layer.adapters.scale, want) for layer in mm.multi_lora_modules(model)):
-        failures.append(f"slot scales not restored: {mm.multi_lora_modules(model)[0].adapters.scale}")
+        failures.append(
+            f"slot scales not restored: {mm.multi_lora_modules(model)[0].adapters.scale}"
+        )
     assert_all_ranks(failures)
 
 
@@ -112,8 +138,8 @@ def test_fully_sharded_checkpoint_and_export_equal_default_mode(layout, tmp_path
     """A fully sharded TP=2 model saves a checkpoint the default TP=1 layout loads exactly,
     exports the same adapters, and masks a newly bound rank on the right global rank rows
     (A's rank dim is split over TP ranks)."""
-    from megatron_multilora.layers.slot_tensors import get_slot_tensors
     from megatron_multilora.layers.lifecycle import named_multi_lora_modules
+    from megatron_multilora.layers.slot_tensors import get_slot_tensors
 
     layout(tp=1)
     path = [str(tmp_path)]

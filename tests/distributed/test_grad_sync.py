@@ -16,13 +16,28 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 import megatron_multilora as mm
 from megatron_multilora.training.step.grad_sync import SlotGradSync
 from tests.distributed.conftest import assert_all_ranks, compare
-from tests.distributed.harness import ALPHAS, DIM, N, RANKS, micro_batch, step
+from tests.distributed.harness import ALPHAS, DIM, RANKS, N, micro_batch, step
 
-DENSE = mm.GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                          ffn_hidden_size=48, vocab_size=64, gated_linear_unit=True)
-MOE = mm.GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                        ffn_hidden_size=48, vocab_size=64, num_moe_experts=4, moe_router_topk=2,
-                        moe_shared_expert_intermediate_size=32)
+DENSE = mm.GPTModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=48,
+    vocab_size=64,
+    gated_linear_unit=True,
+)
+MOE = mm.GPTModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=48,
+    vocab_size=64,
+    num_moe_experts=4,
+    moe_router_topk=2,
+    moe_shared_expert_intermediate_size=32,
+)
 # Per micro-batch; each has a zero-token slot, every slot has tokens somewhere in the step.
 COUNTS = [[5, 0, 7, 4], [0, 9, 3, 4]]
 REL = 1e-6
@@ -31,8 +46,9 @@ REL = 1e-6
 def build(cfg: mm.GPTModelConfig, sp: bool, dtype: torch.dtype = torch.float32):
     """The recipe's model: per-token loss (gradients summed over DP ranks, not averaged)."""
     torch.manual_seed(0)  # the same base weights on every build
-    model = mm.build_gpt_model(cfg, sequence_parallel=sp, params_dtype=dtype,
-                               calculate_per_token_loss=True)
+    model = mm.build_gpt_model(
+        cfg, sequence_parallel=sp, params_dtype=dtype, calculate_per_token_loss=True
+    )
     mm.apply_multi_lora(model, N, DIM, 1.0, row_init_method="normal")  # non-zero B: A gets grads
     for i, (r, a) in enumerate(zip(RANKS, ALPHAS)):
         mm.init_adapter_slot(model, i, r, a)
@@ -57,8 +73,9 @@ def _matches_megatron(layout, name: str) -> None:
     layout(tp=tp, ep=ep, sp=sp)
     mbs = batches(cfg, COUNTS)
     ref = build(cfg, sp)
-    ddp = DistributedDataParallel(ref.config, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True), ref)
+    ddp = DistributedDataParallel(
+        ref.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), ref
+    )
     ddp.zero_grad_buffer()
     want_losses = [step(ddp, mb) for mb in mbs]
     finalize_model_grads([ddp])
@@ -74,8 +91,9 @@ def _matches_megatron(layout, name: str) -> None:
         compare(failures, got, want, 0.0, f"per-slot loss, micro-batch {k}")
     n_expert = 0
     for slot in range(N):
-        for i, (p, q) in enumerate(zip(mm.slot_parameters(model, slot),
-                                       mm.slot_parameters(ref, slot))):
+        for i, (p, q) in enumerate(
+            zip(mm.slot_parameters(model, slot), mm.slot_parameters(ref, slot))
+        ):
             n_expert += not getattr(p, "allreduce", True)
             if q.main_grad.abs().sum() == 0:
                 failures.append(f"slot {slot} param {i}: zero reference gradient (vacuous)")
@@ -120,12 +138,16 @@ def _absent_slots_cost_nothing(layout, monkeypatch, name: str, groups: int) -> N
     monkeypatch.undo()
 
     params = [p for s in (0, 2) for p in mm.slot_parameters(model, s)]
-    numel = {"dp": sum(p.numel() for p in params if getattr(p, "allreduce", True)),
-             "edp": sum(p.numel() for p in params if not getattr(p, "allreduce", True)),
-             "tp": sum(p.numel() for p in params if getattr(p, "sequence_parallel", False))}
-    sizes = {"dp": parallel_state.get_data_parallel_world_size(),
-             "edp": parallel_state.get_expert_data_parallel_world_size(),
-             "tp": parallel_state.get_tensor_model_parallel_world_size()}
+    numel = {
+        "dp": sum(p.numel() for p in params if getattr(p, "allreduce", True)),
+        "edp": sum(p.numel() for p in params if not getattr(p, "allreduce", True)),
+        "tp": sum(p.numel() for p in params if getattr(p, "sequence_parallel", False)),
+    }
+    sizes = {
+        "dp": parallel_state.get_data_parallel_world_size(),
+        "edp": parallel_state.get_expert_data_parallel_world_size(),
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+    }
     want = [numel[g] for g in ("dp", "edp", "tp") if sizes[g] > 1 and numel[g]]
     if len(want) != groups or sent != want:
         failures.append(f"collective sizes {sent}, expected {want} ({groups} groups)")
@@ -152,8 +174,11 @@ def test_bf16_grads_accumulate_in_fp32(layout):
     layout(tp=1)
     mbs = batches(DENSE, COUNTS)
     plain = build(DENSE, False, torch.bfloat16)
-    want = [torch.zeros_like(p, dtype=torch.float32) for s in range(N)
-            for p in mm.slot_parameters(plain, s)]
+    want = [
+        torch.zeros_like(p, dtype=torch.float32)
+        for s in range(N)
+        for p in mm.slot_parameters(plain, s)
+    ]
     params = [p for s in range(N) for p in mm.slot_parameters(plain, s)]
     for mb in mbs:
         step(plain, mb)
@@ -167,10 +192,14 @@ def test_bf16_grads_accumulate_in_fp32(layout):
     for mb in mbs:
         step(model, mb)
     failures: list[str] = []
-    for i, (w, p) in enumerate(zip(want, (p for s in range(N) for p in mm.slot_parameters(model, s)))):
+    for i, (w, p) in enumerate(
+        zip(want, (p for s in range(N) for p in mm.slot_parameters(model, s)))
+    ):
         if p.dtype != torch.bfloat16 or p.main_grad.dtype != torch.float32 or p.grad is not None:
-            failures.append(f"param {i}: {p.dtype} with {p.main_grad.dtype} main_grad, "
-                            f"grad {'freed' if p.grad is None else 'kept'}")
+            failures.append(
+                f"param {i}: {p.dtype} with {p.main_grad.dtype} main_grad, "
+                f"grad {'freed' if p.grad is None else 'kept'}"
+            )
         compare(failures, p.main_grad, w, 0.0, f"param {i}")
     if all(w.abs().sum() == 0 for w in want):
         failures.append("every gradient is zero (vacuous)")

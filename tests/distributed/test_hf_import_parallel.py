@@ -49,8 +49,13 @@ def check_logits(layout, model_type, tp=1, ep=1, sp=False, **save_kwargs):
         model, _ = load_hf_model(folder, sequence_parallel=sp)
     for seed in range(3):
         ids = token_batch(seed)
-        compare(failures, megatron_logits(model, ids), hf_logits(hf_model, ids), REL,
-                f"{model_type} tp={tp} ep={ep} sp={sp} logits (batch {seed})")
+        compare(
+            failures,
+            megatron_logits(model, ids),
+            hf_logits(hf_model, ids),
+            REL,
+            f"{model_type} tp={tp} ep={ep} sp={sp} logits (batch {seed})",
+        )
     assert_all_ranks(failures)
 
 
@@ -99,10 +104,12 @@ def test_each_rank_reads_only_its_slices(layout, monkeypatch, tp, ep):
     failures = []
     shapes = dict(reads)
     if tp == 2:
-        for name, want in (("model.embed_tokens.weight", (64, 64)),
-                           ("model.layers.0.self_attn.q_proj.weight", (32, 64)),
-                           ("model.layers.0.self_attn.k_proj.weight", (16, 64)),
-                           ("model.layers.0.self_attn.o_proj.weight", (64, 32))):
+        for name, want in (
+            ("model.embed_tokens.weight", (64, 64)),
+            ("model.layers.0.self_attn.q_proj.weight", (32, 64)),
+            ("model.layers.0.self_attn.k_proj.weight", (16, 64)),
+            ("model.layers.0.self_attn.o_proj.weight", (64, 32)),
+        ):
             if shapes.get(name) != want:
                 failures.append(f"{name}: read {shapes.get(name)}, want this rank's {want}")
     if ep == 2:
@@ -131,15 +138,22 @@ def test_olmoe_tp2_gradients_match_transformers(layout):
     (hf_model(ids).logits * weights).sum().backward()
     failures: list[str] = []
     for layer in range(2):
-        compare(failures, model.decoder.layers[layer].input_layernorm.weight.grad,
-                hf_model.model.layers[layer].input_layernorm.weight.grad, 1e-4,
-                f"layer {layer} input_layernorm grad")
+        compare(
+            failures,
+            model.decoder.layers[layer].input_layernorm.weight.grad,
+            hf_model.model.layers[layer].input_layernorm.weight.grad,
+            1e-4,
+            f"layer {layer} input_layernorm grad",
+        )
         rank = parallel_state.get_tensor_model_parallel_rank()
-        compare(failures, model.decoder.layers[layer].self_attention.k_layernorm.weight.grad,
-                hf_model.model.layers[layer].self_attn.k_norm.weight.grad.chunk(2)[rank], 1e-4,
-                f"layer {layer} k_norm grad (this rank's heads)")
+        compare(
+            failures,
+            model.decoder.layers[layer].self_attention.k_layernorm.weight.grad,
+            hf_model.model.layers[layer].self_attn.k_norm.weight.grad.chunk(2)[rank],
+            1e-4,
+            f"layer {layer} k_norm grad (this rank's heads)",
+        )
     assert_all_ranks(failures)
-
 
 
 @pytest.mark.parametrize("model_type,vpp", [("qwen2", None), ("qwen3_moe", 2), ("llama", 2)])
@@ -173,8 +187,13 @@ def test_pp2_stages_load_pp1_tensors_per_global_layer(layout, monkeypatch, model
         load_hf_checkpoint(chunks, folder, cfg)
     got = by_global_key(chunks, "data")
     if tied and "output_layer.weight" in got:
-        compare(failures, got.pop("output_layer.weight"),
-                want["embedding.word_embeddings.weight"], 0.0, "tied output copy")
+        compare(
+            failures,
+            got.pop("output_layer.weight"),
+            want["embedding.word_embeddings.weight"],
+            0.0,
+            "tied output copy",
+        )
     for key, value in got.items():
         compare(failures, value, want[key], 0.0, key)
     mine = {layer.layer_number - 1 for c in chunks for layer in c.decoder.layers}
@@ -183,10 +202,18 @@ def test_pp2_stages_load_pp1_tensors_per_global_layer(layout, monkeypatch, model
     read_layers = {int(n.split(".")[2]) for n in reads if n.startswith("model.layers.")}
     if read_layers != mine:
         failures.append(f"read layers {sorted(read_layers)}, holds {sorted(mine)}")
-    first, last = (parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage())
-    for name, want_read in (("model.embed_tokens.weight", first or (last and tied)),
-                            ("model.norm.weight", last), ("lm_head.weight", last and not tied)):
+    first, last = (
+        parallel_state.is_pipeline_first_stage(),
+        parallel_state.is_pipeline_last_stage(),
+    )
+    for name, want_read in (
+        ("model.embed_tokens.weight", first or (last and tied)),
+        ("model.norm.weight", last),
+        ("lm_head.weight", last and not tied),
+    ):
         if (name in reads) != want_read:
-            failures.append(f"{name} {'not ' if want_read else ''}read on stage "
-                            f"{parallel_state.get_pipeline_model_parallel_rank()}")
+            failures.append(
+                f"{name} {'not ' if want_read else ''}read on stage "
+                f"{parallel_state.get_pipeline_model_parallel_rank()}"
+            )
     assert_all_ranks(failures)

@@ -28,12 +28,19 @@ REL = 2e-5
 
 
 def moe_cfg(dispatcher: str, topk: int = 2) -> mm.GPTModelConfig:
-    return mm.GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
-                             num_query_groups=2, ffn_hidden_size=48, vocab_size=64,
-                             num_moe_experts=4, moe_router_topk=topk,
-                             moe_router_pre_softmax=topk == 1,
-                             moe_shared_expert_intermediate_size=32,
-                             moe_token_dispatcher_type=dispatcher)
+    return mm.GPTModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=48,
+        vocab_size=64,
+        num_moe_experts=4,
+        moe_router_topk=topk,
+        moe_router_pre_softmax=topk == 1,
+        moe_shared_expert_intermediate_size=32,
+        moe_token_dispatcher_type=dispatcher,
+    )
 
 
 def run_against_reference(layout, cfg, tp, ep, sp):
@@ -92,7 +99,9 @@ def test_rank_receiving_no_tokens_still_gets_zero_gradients(layout):
             w[1] = -w[0]
             w[2:] = 0
     ep_rank = parallel_state.get_expert_model_parallel_rank()
-    step(model, micro_batch(30 + parallel_state.get_data_parallel_rank(), COUNTS[0], cfg.vocab_size))
+    step(
+        model, micro_batch(30 + parallel_state.get_data_parallel_rank(), COUNTS[0], cfg.vocab_size)
+    )
     failures = []
     for name, linear in mm.layers.lifecycle.named_multi_lora_modules(model):
         if not isinstance(linear, mm.MultiLoRAGroupedExpertLinear):
@@ -117,7 +126,9 @@ def test_ep2_co_permuted_slot_ids_match_dispatched_rows(layout, dispatcher):
     if dispatched.numel() == 0 and dispatcher == "alltoall":
         failures.append("no rows were dispatched to this rank: the check would be vacuous")
     if not torch.equal(dispatched, routed):
-        failures.append(f"slot ids differ: dispatched {dispatched.tolist()} routed {routed.tolist()}")
+        failures.append(
+            f"slot ids differ: dispatched {dispatched.tolist()} routed {routed.tolist()}"
+        )
     assert_all_ranks(failures)
 
 
@@ -128,15 +139,20 @@ def test_ep2_allgather_slot_ids_without_all_gather_single(layout, monkeypatch):
     gathers = []
     real = torch.distributed.all_gather_into_tensor
     monkeypatch.delattr(torch.distributed, "all_gather_single", raising=False)
-    monkeypatch.setattr(torch.distributed, "all_gather_into_tensor",
-                        lambda out, inp, *a, **kw: gathers.append(inp.dtype) or real(out, inp, *a, **kw))
+    monkeypatch.setattr(
+        torch.distributed,
+        "all_gather_into_tensor",
+        lambda out, inp, *a, **kw: gathers.append(inp.dtype) or real(out, inp, *a, **kw),
+    )
     counts = COUNTS[parallel_state.get_data_parallel_rank()]
     dispatched, routed = dispatch_slot_ids(build(moe_cfg("allgather"), ddp=False), counts, 32)
     failures = []
     if torch.int64 not in gathers:  # the slot ids' gather (megatron's own gathers are float)
         failures.append(f"the slot ids were not gathered with all_gather_into_tensor: {gathers}")
     if not torch.equal(dispatched, routed):
-        failures.append(f"slot ids differ: dispatched {dispatched.tolist()} routed {routed.tolist()}")
+        failures.append(
+            f"slot ids differ: dispatched {dispatched.tolist()} routed {routed.tolist()}"
+        )
     assert_all_ranks(failures)
 
 

@@ -11,9 +11,9 @@ the largest rank among them. Evaluation and generation run under EP=2 too.
 
 import pytest
 import torch
+from megatron.core import parallel_state
 
 import megatron_multilora as mm
-from megatron.core import parallel_state
 from megatron_multilora.data.datasets import Example
 from megatron_multilora.data.packing import pack_micro_batches
 from megatron_multilora.layers import expert_lora
@@ -34,18 +34,30 @@ REL = 2e-5
 
 
 def cfg(dispatcher: str, aux_loss: float) -> mm.GPTModelConfig:
-    return mm.GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
-                             num_query_groups=2, ffn_hidden_size=48, vocab_size=VOCAB,
-                             num_moe_experts=E, moe_router_topk=2,
-                             moe_shared_expert_intermediate_size=32,
-                             moe_token_dispatcher_type=dispatcher, moe_aux_loss_coeff=aux_loss)
+    return mm.GPTModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=48,
+        vocab_size=VOCAB,
+        num_moe_experts=E,
+        moe_router_topk=2,
+        moe_shared_expert_intermediate_size=32,
+        moe_token_dispatcher_type=dispatcher,
+        moe_aux_loss_coeff=aux_loss,
+    )
 
 
 def build(config: mm.GPTModelConfig, sp: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = mm.apply_multi_lora(mm.build_gpt_model(config, sequence_parallel=sp,
-                                                   calculate_per_token_loss=True),
-                                N, DIM, 1.0, row_init_method="normal")
+    model = mm.apply_multi_lora(
+        mm.build_gpt_model(config, sequence_parallel=sp, calculate_per_token_loss=True),
+        N,
+        DIM,
+        1.0,
+        row_init_method="normal",
+    )
     for i, (r, a) in enumerate(zip(RANKS, ALPHAS)):
         if a:
             mm.init_adapter_slot(model, i, r, a)
@@ -113,6 +125,7 @@ def grads(model, slot: int, main_grad: bool) -> dict[str, torch.Tensor]:
     def value(p):
         g = p.main_grad if main_grad else p.grad
         return torch.zeros_like(p) if g is None else g
+
     return mm.get_slot_tensors(model, slot, value=value)
 
 
@@ -145,16 +158,25 @@ def test_ep2_step_matches_one_process(layout, dispatcher, aux_loss, monkeypatch)
 
     failures: list[str] = []
     own = micro_batches(d)
-    if d == 1 and ([mb.tokens.size(1) for mb in mbs[:len(own)]] == [mb.tokens.size(1) for mb in own]
-                   or len(mbs) == len(own)):
+    if d == 1 and (
+        [mb.tokens.size(1) for mb in mbs[: len(own)]] == [mb.tokens.size(1) for mb in own]
+        or len(mbs) == len(own)
+    ):
         failures.append("the scenario must pad this rank's micro-batches and add a filler")
     if [mb.ep_slots for mb in mbs] != [(0, 1), (0, 1)]:
         failures.append(f"ep_slots {[mb.ep_slots for mb in mbs]}: want slots 0, 1 in both")
     compare_step(failures, model, losses, ref_losses, ref_grads)
     # Two slots x 2 local experts per GEMM, at rank 8 (slot 1's): not slot 2's 16, not 4 slots.
-    expected = {(2 * E // 2, 8, 32), (2 * E // 2, 48 * 2, 8), (2 * E // 2, 8, 48), (2 * E // 2, 32, 8)}
+    expected = {
+        (2 * E // 2, 8, 32),
+        (2 * E // 2, 48 * 2, 8),
+        (2 * E // 2, 8, 48),
+        (2 * E // 2, 32, 8),
+    }
     if not shapes or set(shapes) - expected:
-        failures.append(f"expert GEMM weight shapes {sorted(set(shapes))}, want within {sorted(expected)}")
+        failures.append(
+            f"expert GEMM weight shapes {sorted(set(shapes))}, want within {sorted(expected)}"
+        )
 
     monkeypatch.undo()
     got_eval = evaluation.eval_losses(model, both_ranks_data(), 1000, 1, PAD)
@@ -170,8 +192,10 @@ def test_ep2_step_matches_one_process(layout, dispatcher, aux_loss, monkeypatch)
 def prompts(dp_rank: int) -> list[tuple[int, list[int]]]:
     """Prompts of rank-dependent lengths (so forwards differ in length across EP ranks)."""
     gen = torch.Generator().manual_seed(10 + dp_rank)
-    return [(slot, torch.randint(1, VOCAB, (n,), generator=gen).tolist())
-            for slot, n in ((0, 5 + 3 * dp_rank), (1, 4))]
+    return [
+        (slot, torch.randint(1, VOCAB, (n,), generator=gen).tolist())
+        for slot, n in ((0, 5 + 3 * dp_rank), (1, 4))
+    ]
 
 
 def test_tp2_sp_step_keeps_sequence_padding_out_of_the_aux_loss(layout):

@@ -12,8 +12,11 @@ def _threads() -> int:
 
 
 def test_destroy_parallel_releases_the_layouts_process_groups():
-    layouts = [dict(tensor_model_parallel_size=2, sequence_parallel=True),
-               dict(expert_model_parallel_size=2), {}]
+    layouts = [
+        dict(tensor_model_parallel_size=2, sequence_parallel=True),
+        dict(expert_model_parallel_size=2),
+        {},
+    ]
     init_parallel(timeout_s=TIMEOUT_S, **layouts[0])
     destroy_parallel()
     before = _threads()
@@ -25,6 +28,9 @@ def test_destroy_parallel_releases_the_layouts_process_groups():
     after = _threads()
     # Each layout starts gloo threads for its groups (so the check can fail); teardown must
     # end them: 12 more layouts leave no more threads than one did.
-    failures = [] if during > before and after <= before else [
-        f"threads: {before} after one layout, {during} during one, {after} after 12 more"]
+    failures = (
+        []
+        if during > before and after <= before
+        else [f"threads: {before} after one layout, {during} during one, {after} after 12 more"]
+    )
     assert_all_ranks(failures)  # on the default group, which outlives the layouts

@@ -7,16 +7,17 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 import megatron_multilora as mm
-from megatron_multilora.layers.slot_tensors import get_slot_tensors, set_slot_tensors
 from megatron_multilora.checkpoint.peft_format import export_peft
+from megatron_multilora.layers.slot_tensors import get_slot_tensors, set_slot_tensors
 from megatron_multilora.models.hf_import import load_hf_model
 from tests.distributed.conftest import assert_all_ranks
 from tests.hf_models import hf_logits, make_hf_model, megatron_logits, token_batch
 from tests.unit.test_peft_interop import TOL, trained_like_slot
 
 
-@pytest.mark.parametrize("model_type,tp,ep", [("llama", 2, 1), ("qwen3_moe", 1, 2),
-                                              ("qwen2", 2, 1)])
+@pytest.mark.parametrize(
+    "model_type,tp,ep", [("llama", 2, 1), ("qwen3_moe", 1, 2), ("qwen2", 2, 1)]
+)
 def test_export_from_a_sharded_layout(layout, tmp_path, model_type, tp, ep):
     import peft
 
@@ -47,8 +48,9 @@ def test_export_from_a_sharded_layout(layout, tmp_path, model_type, tp, ep):
     failures = []
     if one.keys() != sharded.keys() or any(not torch.equal(one[k], sharded[k]) for k in one):
         failures.append("the export depends on the layout")
-    got = hf_logits(peft.PeftModel.from_pretrained(make_hf_model(model_type),
-                                                   f"{root}/sharded").eval(), ids)
+    got = hf_logits(
+        peft.PeftModel.from_pretrained(make_hf_model(model_type), f"{root}/sharded").eval(), ids
+    )
     if (got - want).abs().max() > TOL:
         failures.append(f"peft logits differ by {(got - want).abs().max():.2e}")
     assert_all_ranks(failures)

@@ -11,10 +11,17 @@ import megatron_multilora as mm
 from megatron_multilora.layers.lifecycle import named_multi_lora_modules
 from megatron_multilora.models.gpt import build_model_chunks
 from tests.distributed.conftest import assert_all_ranks
-from tests.distributed.harness import ALPHAS, DIM, N, RANKS
+from tests.distributed.harness import ALPHAS, DIM, RANKS, N
 
-CFG = mm.GPTModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48,
-                        vocab_size=64, num_moe_experts=4, moe_shared_expert_intermediate_size=16)
+CFG = mm.GPTModelConfig(
+    num_layers=4,
+    hidden_size=32,
+    num_attention_heads=4,
+    ffn_hidden_size=48,
+    vocab_size=64,
+    num_moe_experts=4,
+    moe_shared_expert_intermediate_size=16,
+)
 SEED = 1234
 
 
@@ -67,7 +74,9 @@ def test_pipeline_stages_use_global_layer_paths(layout, vpp):
         if got.keys() != want_slots[i].keys():
             failures.append(f"slot {i} keys differ")
         else:
-            failures += [f"slot {i} {k}" for k, v in want_slots[i].items() if not torch.equal(got[k], v)]
+            failures += [
+                f"slot {i} {k}" for k, v in want_slots[i].items() if not torch.equal(got[k], v)
+            ]
 
     # A whole-model dict loads each stage's layers as the one-stage model loaded them.
     full = random_full(want_slots[3])
@@ -81,10 +90,14 @@ def test_pipeline_stages_use_global_layer_paths(layout, vpp):
     # holds is missing, a shape only the last stage's layers refuse.
     last = max(full, key=lambda k: int(k.split(".")[2]))
     for bad, error, match in (
-            ({k: v for k, v in full.items() if k != last}, KeyError, "missing"),
-            ({**full, last: torch.zeros(1, 1)}, ValueError, "does not fit"),
-            ({**full, "decoder.layers.9.x.adapter.linear_in.weight": full[last]}, KeyError,
-             "unexpected")):
+        ({k: v for k, v in full.items() if k != last}, KeyError, "missing"),
+        ({**full, last: torch.zeros(1, 1)}, ValueError, "does not fit"),
+        (
+            {**full, "decoder.layers.9.x.adapter.linear_in.weight": full[last]},
+            KeyError,
+            "unexpected",
+        ),
+    ):
         try:
             mm.set_slot_tensors(chunks, 2, bad, rank=RANKS[3], alpha=ALPHAS[3])
             failures.append(f"no {error.__name__} for {match}")
@@ -92,6 +105,7 @@ def test_pipeline_stages_use_global_layer_paths(layout, vpp):
             if match not in str(err):
                 failures.append(f"{error.__name__} {err} does not say {match!r}")
     if mm.get_slot_tensors(chunks, 2).keys() != want_slots[2].keys() or any(
-            not torch.equal(v, want_slots[2][k]) for k, v in mm.get_slot_tensors(chunks, 2).items()):
+        not torch.equal(v, want_slots[2][k]) for k, v in mm.get_slot_tensors(chunks, 2).items()
+    ):
         failures.append("a refused load changed slot 2")
     assert_all_ranks(failures)

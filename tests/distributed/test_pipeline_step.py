@@ -34,8 +34,9 @@ tests/distributed/test_pipeline_step.py`` (and ``--nproc-per-node 4``).
 """
 
 import dataclasses
+import functools
 import math
-from typing import Optional
+import operator
 
 import pytest
 import torch
@@ -59,18 +60,31 @@ RANKS, ALPHAS = [8, 2, 4, 5], [16.0, 4.0, 8.0, 10.0]
 IDLE = 2  # claimed, but no examples anywhere
 # Example lengths per slot, for each of two data shares (data-parallel ranks under EP=2;
 # one rank runs both otherwise).
-SHARES = [[[9, 14, 6], [11, 13], [], [7, 10]],
-          [[12], [], [], [8, 15, 5]]]
+SHARES = [[[9, 14, 6], [11, 13], [], [7, 10]], [[12], [], [], [8, 15, 5]]]
 REL_LOSS, REL_GRAD = 1e-6, 1e-5
-DENSE = mm.GPTModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                          ffn_hidden_size=48, vocab_size=VOCAB)
-MOE = dataclasses.replace(DENSE, num_moe_experts=4, moe_router_topk=2,
-                          moe_shared_expert_intermediate_size=32, moe_aux_loss_coeff=0.1)
+DENSE = mm.GPTModelConfig(
+    num_layers=4,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=48,
+    vocab_size=VOCAB,
+)
+MOE = dataclasses.replace(
+    DENSE,
+    num_moe_experts=4,
+    moe_router_topk=2,
+    moe_shared_expert_intermediate_size=32,
+    moe_aux_loss_coeff=0.1,
+)
 
 
-def model_config(model: str, recompute: Optional[str]) -> mm.GPTModelConfig:
-    cfg = DENSE if model == "dense" else dataclasses.replace(
-        MOE, moe_token_dispatcher_type=model.removeprefix("moe_"))
+def model_config(model: str, recompute: str | None) -> mm.GPTModelConfig:
+    cfg = (
+        DENSE
+        if model == "dense"
+        else dataclasses.replace(MOE, moe_token_dispatcher_type=model.removeprefix("moe_"))
+    )
     modules = None if recompute != "selective" else ["mlp"] if model == "dense" else ["moe"]
     return dataclasses.replace(cfg, recompute_granularity=recompute, recompute_modules=modules)
 
@@ -87,20 +101,25 @@ def share_examples(share: int) -> list[list[Example]]:
 
 def all_examples() -> list[list[Example]]:
     shares = [share_examples(i) for i in range(len(SHARES))]
-    return [sum((share[s] for share in shares), []) for s in range(N)]
+    return [functools.reduce(operator.iadd, (share[s] for share in shares), []) for s in range(N)]
 
 
 def micro_batches(shares: range, pad_multiple: int) -> list[MicroBatch]:
     """The shares' micro-batches, each share packed on its own: the MoE load-balancing loss
     is per micro-batch, so PP=1 must see the same ones as the data-parallel ranks."""
-    return [mb for i in shares
-            for mb in pack_micro_batches(share_examples(i), BUDGET, pad_multiple, PAD)]
+    return [
+        mb
+        for i in shares
+        for mb in pack_micro_batches(share_examples(i), BUDGET, pad_multiple, PAD)
+    ]
 
 
 def prompts() -> list[tuple[int, list[int]]]:
     gen = torch.Generator().manual_seed(3)
-    return [(s, torch.randint(1, VOCAB, (n,), generator=gen).tolist())
-            for s, n in ((0, 5), (1, 3), (3, 7), (0, 4))]
+    return [
+        (s, torch.randint(1, VOCAB, (n,), generator=gen).tolist())
+        for s, n in ((0, 5), (1, 3), (3, 7), (0, 4))
+    ]
 
 
 def build(cfg: mm.GPTModelConfig, sp: bool = False) -> list[torch.nn.Module]:
@@ -111,25 +130,36 @@ def build(cfg: mm.GPTModelConfig, sp: bool = False) -> list[torch.nn.Module]:
     return chunks
 
 
-def last_proj_weight(chunks: list[torch.nn.Module], cfg: mm.GPTModelConfig) -> Optional[torch.Tensor]:
+def last_proj_weight(chunks: list[torch.nn.Module], cfg: mm.GPTModelConfig) -> torch.Tensor | None:
     """The last layer's base attention-output weight, on the stage that holds it (else None)."""
     layer = chunks[-1].decoder.layers[-1]
     if layer.layer_number != cfg.num_layers:
         return None
-    return next(p for name, p in layer.self_attention.linear_proj.named_parameters()
-                if name.endswith("weight") and "adapters" not in name)
+    return next(
+        p
+        for name, p in layer.self_attention.linear_proj.named_parameters()
+        if name.endswith("weight") and "adapters" not in name
+    )
 
 
 def grads(model, slot: int, attr: str) -> dict[str, torch.Tensor]:
     """Slot ``slot``'s whole-model gradients by global key (zeros where none flowed)."""
+
     def value(p):
         g = getattr(p, attr, None)
         return torch.zeros_like(p) if g is None else g
+
     return mm.get_slot_tensors(model, slot, value=value)
 
 
-def check_step(layout, cfg: mm.GPTModelConfig, vpp: Optional[int] = None, tp: int = 1,
-               ep: int = 1, extras: bool = False) -> None:
+def check_step(
+    layout,
+    cfg: mm.GPTModelConfig,
+    vpp: int | None = None,
+    tp: int = 1,
+    ep: int = 1,
+    extras: bool = False,
+) -> None:
     """The step at PP=2 with ``vpp``, ``tp`` (with SP) and ``ep`` against PP=1; with
     ``extras`` also evaluation and generation."""
     # megatron's process-wide aux-loss logging tracker is sized by the first MoE model's
@@ -155,7 +185,8 @@ def check_step(layout, cfg: mm.GPTModelConfig, vpp: Optional[int] = None, tp: in
     if got_proj is not None:  # the premise: the same base weights per global layer
         if tp > 1:
             want_proj = want_proj.chunk(tp, got_proj.partition_dim)[
-                parallel_state.get_tensor_model_parallel_rank()]
+                parallel_state.get_tensor_model_parallel_rank()
+            ]
         compare(failures, got_proj, want_proj, 0.0, "base weight of the last layer")
     for s in range(N):
         mm.set_slot_tensors(model, s, adapters[s], RANKS[s], ALPHAS[s])
@@ -179,15 +210,22 @@ def check_step(layout, cfg: mm.GPTModelConfig, vpp: Optional[int] = None, tp: in
     for s in range(N):
         got = grads(model, s, "main_grad")
         if got.keys() != want_grads[s].keys():
-            failures.append(f"slot {s}: gradient keys {sorted(got.keys() ^ want_grads[s].keys())[:3]} "
-                            "not in both")
+            failures.append(
+                f"slot {s}: gradient keys {sorted(got.keys() ^ want_grads[s].keys())[:3]} "
+                "not in both"
+            )
         for key, want in want_grads[s].items():
             # The premise: every factor of a slot with tokens trains, the idle slot's none.
             if (want.abs().sum() > 0) != (s != IDLE):
                 failures.append(f"slot {s}: PP=1 gradient {key} is {'non' * (s == IDLE)}zero")
             compare(failures, got.get(key), want, REL_GRAD, f"slot {s} gradient {key}")
-        compare(failures, torch.tensor(slot_grad_norms({s: mm.slot_parameters(model, s)})[s]),
-                want_norms[s], REL_GRAD, f"slot {s} gradient norm")
+        compare(
+            failures,
+            torch.tensor(slot_grad_norms({s: mm.slot_parameters(model, s)})[s]),
+            want_norms[s],
+            REL_GRAD,
+            f"slot {s} gradient norm",
+        )
     if extras:
         got_eval = evaluation.eval_losses(model, all_examples(), BUDGET, tp, PAD)
         if not torch.equal(got_eval.isnan(), want_eval.isnan()):  # nan: the idle slot
@@ -199,7 +237,9 @@ def check_step(layout, cfg: mm.GPTModelConfig, vpp: Optional[int] = None, tp: in
     assert_all_ranks(failures)
 
 
-@pytest.mark.parametrize("recompute", [None, "full", "selective"], ids=["no_recompute", "full", "selective"])
+@pytest.mark.parametrize(
+    "recompute", [None, "full", "selective"], ids=["no_recompute", "full", "selective"]
+)
 @pytest.mark.parametrize("model", ["dense", "moe_alltoall", "moe_allgather"])
 @pytest.mark.parametrize("vpp", [None, 2], ids=["1f1b", "interleaved"])
 def test_pp2_step_matches_pp1(layout, vpp, model, recompute):
@@ -207,11 +247,21 @@ def test_pp2_step_matches_pp1(layout, vpp, model, recompute):
 
 
 @pytest.mark.world(4)
-@pytest.mark.parametrize("vpp, model, recompute, tp, ep", [
-    (None, "dense", None, 2, 1), (2, "moe_alltoall", "selective", 2, 1),
-    (None, "moe_alltoall", "full", 1, 2), (2, "moe_allgather", None, 1, 2)],
-    ids=["tp2_sp_dense_1f1b", "tp2_sp_moe_interleaved_selective", "ep2_alltoall_1f1b_full",
-         "ep2_allgather_interleaved"])
+@pytest.mark.parametrize(
+    "vpp, model, recompute, tp, ep",
+    [
+        (None, "dense", None, 2, 1),
+        (2, "moe_alltoall", "selective", 2, 1),
+        (None, "moe_alltoall", "full", 1, 2),
+        (2, "moe_allgather", None, 1, 2),
+    ],
+    ids=[
+        "tp2_sp_dense_1f1b",
+        "tp2_sp_moe_interleaved_selective",
+        "ep2_alltoall_1f1b_full",
+        "ep2_allgather_interleaved",
+    ],
+)
 def test_pp2_with_tp_or_ep_step_matches_pp1(layout, vpp, model, recompute, tp, ep):
     check_step(layout, model_config(model, recompute), vpp, tp, ep, extras=True)
 
@@ -228,19 +278,41 @@ def test_pp2_non_finite_slot_is_skipped_on_every_stage(layout, poisoned_stage):
         with torch.no_grad():
             mm.slot_parameters(model, bad)[0].fill_(float("inf"))
     before = {s: [p.detach().clone() for p in mm.slot_parameters(model, s)] for s in range(N)}
-    optimizers = {s: SlotOptimizer(mm.slot_parameters(model, s), AdapterJob(
-        name=f"job{s}", dataset="-", rank=RANKS[s], alpha=ALPHAS[s], lr=1e-2,
-        schedule="constant", max_steps=4), 4) for s in range(N) if s != IDLE}
+    optimizers = {
+        s: SlotOptimizer(
+            mm.slot_parameters(model, s),
+            AdapterJob(
+                name=f"job{s}",
+                dataset="-",
+                rank=RANKS[s],
+                alpha=ALPHAS[s],
+                lr=1e-2,
+                schedule="constant",
+                max_steps=4,
+            ),
+            4,
+        )
+        for s in range(N)
+        if s != IDLE
+    }
     result = SlotTrainStep(model, N, BUDGET, 1, PAD)(all_examples(), optimizers)
 
     failures: list[str] = []
     if result.skipped != {bad}:  # only a non-finite loss or norm gets a slot skipped
         failures.append(f"skipped {result.skipped}, want {{{bad}}}")
     for s in optimizers:
-        changed = any(not torch.equal(p, q) for p, q in zip(mm.slot_parameters(model, s), before[s]))
+        changed = any(
+            not torch.equal(p, q) for p, q in zip(mm.slot_parameters(model, s), before[s])
+        )
         if changed == (s == bad):
-            failures.append(f"slot {s} {'changed' if changed else 'did not change'} on stage "
-                            f"{parallel_state.get_pipeline_model_parallel_rank()}")
-        if s != bad and not (math.isfinite(float(result.losses[s])) and math.isfinite(result.grad_norms[s])):
-            failures.append(f"slot {s}: loss {float(result.losses[s])}, norm {result.grad_norms[s]}")
+            failures.append(
+                f"slot {s} {'changed' if changed else 'did not change'} on stage "
+                f"{parallel_state.get_pipeline_model_parallel_rank()}"
+            )
+        if s != bad and not (
+            math.isfinite(float(result.losses[s])) and math.isfinite(result.grad_norms[s])
+        ):
+            failures.append(
+                f"slot {s}: loss {float(result.losses[s])}, norm {result.grad_norms[s]}"
+            )
     assert_all_ranks(failures)

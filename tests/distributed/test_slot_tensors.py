@@ -10,7 +10,7 @@ import torch
 
 import megatron_multilora as mm
 from tests.distributed.conftest import assert_all_ranks
-from tests.distributed.harness import N, SEQ, build, micro_batch
+from tests.distributed.harness import SEQ, N, build, micro_batch
 from tests.distributed.test_moe_parallel import moe_cfg
 
 
@@ -25,7 +25,8 @@ def test_full_slot_tensors_equal_one_process_and_load_into_any_slot(layout, tp, 
     model = build(cfg, sp=tp > 1, ddp=False)
     failures: list[str] = []
     if not any(".experts.linear_fc1." in k for k in full[0]) or not any(
-            ".shared_experts.linear_fc1." in k for k in full[0]):
+        ".shared_experts.linear_fc1." in k for k in full[0]
+    ):
         failures.append("the model must adapt grouped and gated dense linears")
     for i in range(N):
         got = mm.get_slot_tensors(model, i)
@@ -55,5 +56,7 @@ def test_full_slot_tensors_equal_one_process_and_load_into_any_slot(layout, tp, 
             if match not in str(err):
                 failures.append(f"error {err} does not say {match!r}")
     after = mm.get_slot_tensors(model, 3)
-    failures += [f"changed by a refused load: {k}" for k in before if not torch.equal(before[k], after[k])]
+    failures += [
+        f"changed by a refused load: {k}" for k in before if not torch.equal(before[k], after[k])
+    ]
     assert_all_ranks(failures)

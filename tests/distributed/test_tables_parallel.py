@@ -19,12 +19,20 @@ from tests.distributed.harness import N, build
 from tests.unit.test_known_generations import CFG as KNOWN_CFG
 from tests.unit.test_known_generations import adapted, known_against_generated
 
-CFG = mm.GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                        ffn_hidden_size=48, vocab_size=64, gated_linear_unit=True)
+CFG = mm.GPTModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=48,
+    vocab_size=64,
+    gated_linear_unit=True,
+)
 
 
 class Digits:
     """Token i + 3 is digit character i % 10: answers are strings of digits."""
+
     bos_id, eos_id, pad_id = 1, 2, 0
 
     def encode(self, text: str) -> list[int]:
@@ -42,15 +50,16 @@ def task(name: str, seed: int, n: int) -> types.SimpleNamespace:
         tokens = torch.randint(3, 13, (4 + i % 5,), generator=gen).tolist()
         examples.append(Example(tuple(tokens), tuple([False] + [True] * (len(tokens) - 2))))
         records.append({"prompt": "".join(str(t - 3) for t in tokens[:3]), "completion": "?"})
-    return types.SimpleNamespace(name=name, eval=examples, eval_records=records,
-                                 objective=SFT())
+    return types.SimpleNamespace(name=name, eval=examples, eval_records=records, objective=SFT())
 
 
 def tables_of(model, tasks):
     ev = AdapterTaskEval(model, Digits(), N, token_budget=40, pad_multiple=1, max_new_tokens=3)
     cells = [(slot, t) for t in tasks for slot in range(N)]
-    return ({(s, t.name): ev.evaluate({s: t})[0][s]["loss"] for s, t in cells},
-            ev._cell_accuracy(cells, {}))
+    return (
+        {(s, t.name): ev.evaluate({s: t})[0][s]["loss"] for s, t in cells},
+        ev._cell_accuracy(cells, {}),
+    )
 
 
 def test_dp2_tables_match_one_process(layout, monkeypatch):
@@ -62,8 +71,12 @@ def test_dp2_tables_match_one_process(layout, monkeypatch):
     # Per-token loss: the evaluation normalises each adapter's loss itself.
     model = build(CFG, ddp=False, calculate_per_token_loss=True)
     # Answers: one process's generations for every other prompt, so the counts must add up.
-    prompts = [(slot, [1] + Digits().encode(r["prompt"])) for t in tasks for slot in range(N)
-               for r in t.eval_records]
+    prompts = [
+        (slot, [1] + Digits().encode(r["prompt"]))
+        for t in tasks
+        for slot in range(N)
+        for r in t.eval_records
+    ]
     outs = generation.greedy_generate(model, prompts, N, 3, 2, 1, 0)
     k = 0
     for t in tasks:
@@ -88,7 +101,7 @@ def test_dp2_tables_match_one_process(layout, monkeypatch):
     monkeypatch.setattr(generation, "greedy_generate", counting)
     losses, accuracy = tables_of(model, tasks)
     monkeypatch.undo()
-    share = len(prompts[parallel_state.get_data_parallel_rank()::2])
+    share = len(prompts[parallel_state.get_data_parallel_rank() :: 2])
     if seen != [share]:
         failures.append(f"this rank generated {seen} prompts of {len(prompts)}: want {share}")
     for cell, want in want_losses.items():

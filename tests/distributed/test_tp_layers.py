@@ -20,7 +20,7 @@ from tests.distributed.conftest import assert_all_ranks, compare
 from tests.reference import linear_config, lora_reference, random_slots
 
 IN, OUT, DIM = 16, 24, 8
-COUNTS = [5, 0, 7, 4]     # 16 tokens; with SP the rank windows are rows 0-7 and 8-15
+COUNTS = [5, 0, 7, 4]  # 16 tokens; with SP the rank windows are rows 0-7 and 8-15
 ONE_SLOT = [0, 0, 16, 0]  # one slot holds every row: one_slot_term
 RANKS = [8, 3, 1, 5]
 ALPHAS = [16.0, 4.0, 2.0, 10.0]
@@ -57,18 +57,33 @@ def test_tp2_layer_matches_unsharded_reference(layout, kind, sp, fully, counts):
 
     cfg = linear_config(tp=tp, sequence_parallel=sp)
     if kind == "column":
-        base = ColumnParallelLinear(IN, OUT, config=cfg, init_method=torch.nn.init.zeros_,
-                                    bias=False, gather_output=False, skip_bias_add=True)
+        base = ColumnParallelLinear(
+            IN,
+            OUT,
+            config=cfg,
+            init_method=torch.nn.init.zeros_,
+            bias=False,
+            gather_output=False,
+            skip_bias_add=True,
+        )
         base.weight.data.copy_(shard(w, 0))
     elif kind == "row":
-        base = RowParallelLinear(IN, OUT, config=cfg, init_method=torch.nn.init.zeros_,
-                                 bias=False, input_is_parallel=True, skip_bias_add=True)
+        base = RowParallelLinear(
+            IN,
+            OUT,
+            config=cfg,
+            init_method=torch.nn.init.zeros_,
+            bias=False,
+            input_is_parallel=True,
+            skip_bias_add=True,
+        )
         base.weight.data.copy_(shard(w, 1))
     else:
         base = torch.nn.Linear(IN, OUT, bias=False)
         base.weight.data.copy_(w)
-    layer = MultiLoRALinear(base, len(counts), DIM, 1.0, f"tp.{kind}", sequence_parallel=sp,
-                            fully_sharded=fully)
+    layer = MultiLoRALinear(
+        base, len(counts), DIM, 1.0, f"tp.{kind}", sequence_parallel=sp, fully_sharded=fully
+    )
     # Fully sharded: A split on its rank dim (column) and B on its output dim (row) too.
     a_dim = {"row": 1, "column": 0 if fully else None}.get(kind)
     b_dim = {"column": 0, "row": 0 if fully else None}.get(kind)
@@ -94,7 +109,9 @@ def test_tp2_layer_matches_unsharded_reference(layout, kind, sp, fully, counts):
 
     failures: list[str] = []
     compare(failures, y.detach(), y_want.detach(), REL, "output")
-    gx_want = shard(x_ref.grad, 0) if in_rows else (shard(x_ref.grad, 1) if kind == "row" else x_ref.grad)
+    gx_want = (
+        shard(x_ref.grad, 0) if in_rows else (shard(x_ref.grad, 1) if kind == "row" else x_ref.grad)
+    )
     compare(failures, x_local.grad, gx_want, REL, "input grad")
     for i, f in enumerate(slots):
         ga = f.a.grad if f.a.grad is None or a_dim is None else shard(f.a.grad, a_dim)

@@ -22,4 +22,3 @@ def default_group_destroyed_at_the_end():
     yield
     if torch.distributed.is_initialized():
         destroy_parallel(destroy_process_group=True)
-

@@ -30,12 +30,20 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 N, DIM = 4, 8
 RANKS, ALPHAS = [8, 2, 4, 5], [16.0, 4.0, 8.0, 10.0]
-DENSE_KW = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                ffn_hidden_size=128, vocab_size=128)
+DENSE_KW = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=128,
+    vocab_size=128,
+)
 
 
 def relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-12))
+    return float(
+        (got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-12)
+    )
 
 
 def needs_grouped_kernel() -> None:
@@ -54,10 +62,18 @@ def test_bf16_grouped_gemm_matches_the_per_group_loop(monkeypatch):
     monkeypatch.setattr(gmm, "_GROUPED_MM", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     gen = torch.Generator(device="cuda").manual_seed(0)
     counts = [37, 0, 5, 16, 1, 64]  # odd sizes and a group without rows
-    x = torch.randn(sum(counts), 256, device="cuda", dtype=torch.bfloat16, generator=gen,
-                    requires_grad=True)
-    w = torch.randn(len(counts), 128, 256, device="cuda", dtype=torch.bfloat16, generator=gen,
-                    requires_grad=True)
+    x = torch.randn(
+        sum(counts), 256, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True
+    )
+    w = torch.randn(
+        len(counts),
+        128,
+        256,
+        device="cuda",
+        dtype=torch.bfloat16,
+        generator=gen,
+        requires_grad=True,
+    )
     y = gmm.grouped_mm(x, w, gmm.group_offsets(counts, x.device), counts)
     assert calls == [1]
     grad = torch.randn_like(y)
@@ -104,8 +120,10 @@ def _examples():
     lengths = [[9, 14], [11], [], [7, 10, 5]]
 
     def example(n):
-        return Example(tuple(torch.randint(1, 128, (n,), generator=gen).tolist()),
-                       tuple([False] * (n // 3) + [True] * (n - 1 - n // 3)))
+        return Example(
+            tuple(torch.randint(1, 128, (n,), generator=gen).tolist()),
+            tuple([False] * (n // 3) + [True] * (n - 1 - n // 3)),
+        )
 
     return [[example(n) for n in slot] for slot in lengths]
 
@@ -129,13 +147,17 @@ def test_transformer_engine_spec_matches_the_local_spec(moe, monkeypatch):
     import megatron_multilora as mm
     from megatron_multilora.models import specs
 
-    cfg = mm.GPTModelConfig(**DENSE_KW, **(dict(num_moe_experts=4, moe_router_topk=2) if moe else {}))
+    cfg = mm.GPTModelConfig(
+        **DENSE_KW, **(dict(num_moe_experts=4, moe_router_topk=2) if moe else {})
+    )
     te_model = _adapted(mm.build_gpt_model(cfg, calculate_per_token_loss=True))
     monkeypatch.setattr(specs, "transformer_engine_usable", lambda: False)
     local = _adapted(mm.build_gpt_model(cfg, calculate_per_token_loss=True))
     # TE fuses the pre-attention / pre-MLP norms into its linears; the rest shares names.
-    renames = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-               "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+    renames = {
+        "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+        "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    }
     state = {}
     for key, value in _tensors(te_model).items():
         if "_extra_state" in key:
@@ -186,12 +208,15 @@ def test_slot_optimizer_resumes_on_cuda():
     from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    job = AdapterJob(name="a", dataset="unused.jsonl", rank=4, lr=1e-2, warmup_steps=1,
-                     max_steps=10)
+    job = AdapterJob(
+        name="a", dataset="unused.jsonl", rank=4, lr=1e-2, warmup_steps=1, max_steps=10
+    )
 
     def params():
-        return [torch.nn.Parameter(torch.ones(8, 4, device="cuda")),
-                torch.nn.Parameter(torch.ones(4, 8, device="cuda", dtype=torch.bfloat16))]
+        return [
+            torch.nn.Parameter(torch.ones(8, 4, device="cuda")),
+            torch.nn.Parameter(torch.ones(4, 8, device="cuda", dtype=torch.bfloat16)),
+        ]
 
     def step(opt):
         for p in opt.params:
@@ -204,10 +229,15 @@ def test_slot_optimizer_resumes_on_cuda():
     with torch.no_grad():
         for a, b in zip(second.params, first.params):
             a.copy_(b)
-    moments = {m: {p: first.state_of(q, m) for p, q in zip(second.params, first.params)}
-               for m in ("exp_avg", "exp_avg_sq")}
-    second.load(first.scalar_state(), moments,
-                masters={p: first.master_of(q) for p, q in zip(second.params, first.params)})
+    moments = {
+        m: {p: first.state_of(q, m) for p, q in zip(second.params, first.params)}
+        for m in ("exp_avg", "exp_avg_sq")
+    }
+    second.load(
+        first.scalar_state(),
+        moments,
+        masters={p: first.master_of(q) for p, q in zip(second.params, first.params)},
+    )
     for master in second.masters:
         state = second.optimizer.state[master]
         assert state["step"].device == master.device and state["exp_avg"].device == master.device
@@ -237,17 +267,31 @@ def test_experts_built_for_the_gpu_are_drawn_there():
 
     from megatron_multilora.models.torch_modules import TorchGroupedLinear
 
-    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
-                            use_cpu_initialization=False, params_dtype=torch.bfloat16)
-    linear = TorchGroupedLinear(2, 16, 32, config=cfg, init_method=torch.nn.init.normal_,
-                                bias=False, skip_bias_add=True, is_expert=True)
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        use_cpu_initialization=False,
+        params_dtype=torch.bfloat16,
+    )
+    linear = TorchGroupedLinear(
+        2,
+        16,
+        32,
+        config=cfg,
+        init_method=torch.nn.init.normal_,
+        bias=False,
+        skip_bias_add=True,
+        is_expert=True,
+    )
     assert linear.weight0.is_cuda and linear.weight0.dtype == torch.bfloat16
     assert linear.weight0.abs().sum() > 0
 
 
 def test_bf16_known_generations_are_the_generated_ones():
-    model = adapted(mm.build_gpt_model(KNOWN_CFG, params_dtype=torch.bfloat16,
-                                       calculate_per_token_loss=True))
+    model = adapted(
+        mm.build_gpt_model(KNOWN_CFG, params_dtype=torch.bfloat16, calculate_per_token_loss=True)
+    )
     assert next(model.parameters()).is_cuda
     failures, *_ = known_against_generated(model)
     assert not failures, failures

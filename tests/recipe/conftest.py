@@ -33,15 +33,30 @@ def compose_run(overrides: list[str]):
         return load_run_config(compose("config", overrides=overrides))
 
 
-QUIET = ["hf_dir=null", "logging.wandb_mode=disabled", "logging.plots=false", "trainer.log_interval=1",
-         "trainer.eval_interval=0", "checkpoint.save_interval=null", "trainer.micro_batch_tokens=512"]
+QUIET = [
+    "hf_dir=null",
+    "logging.wandb_mode=disabled",
+    "logging.plots=false",
+    "trainer.log_interval=1",
+    "trainer.eval_interval=0",
+    "checkpoint.save_interval=null",
+    "trainer.micro_batch_tokens=512",
+]
 
 
 def job_fields(name: str, data: Path, task: str, steps: int, **extra) -> dict:
     """One adapter job's fields (an ``adapters`` entry) on a demo task."""
-    return {"name": name, "dataset": f"{data}/{task}.train.jsonl",
-            "eval_dataset": f"{data}/{task}.eval.jsonl", "rank": 8, "alpha": 16, "lr": 3e-3,
-            "global_batch_size": 4, "max_steps": steps, **extra}
+    return {
+        "name": name,
+        "dataset": f"{data}/{task}.train.jsonl",
+        "eval_dataset": f"{data}/{task}.eval.jsonl",
+        "rank": 8,
+        "alpha": 16,
+        "lr": 3e-3,
+        "global_batch_size": 4,
+        "max_steps": steps,
+        **extra,
+    }
 
 
 def job(name: str, data: Path, task: str, steps: int, **extra) -> str:
@@ -50,12 +65,15 @@ def job(name: str, data: Path, task: str, steps: int, **extra) -> str:
     return "{" + ",".join(f"{k}:{v}" for k, v in fields.items()) + "}"
 
 
-def run_in_process(run_dir: Path, jobs: list[str], overrides: list[str] = ()) -> tuple[dict, object]:
+def run_in_process(
+    run_dir: Path, jobs: list[str], overrides: list[str] = ()
+) -> tuple[dict, object]:
     """Train in this process; returns ({adapter: [train losses by step]}, the trainer)."""
     from megatron_multilora.training.trainer import Trainer
 
-    run = compose_run([*QUIET, f"run_dir={run_dir}", f"adapters=[{','.join(jobs)}]",
-                       "lora.slots=2", *overrides])
+    run = compose_run(
+        [*QUIET, f"run_dir={run_dir}", f"adapters=[{','.join(jobs)}]", "lora.slots=2", *overrides]
+    )
     validate(run)  # as the recipe does before it builds the trainer
     trainer = Trainer(run)
     trainer.setup()

@@ -24,25 +24,50 @@ def write_conversations(path: Path, n: int = 32) -> None:
     with open(path, "w") as f:
         for _ in range(n):
             text = " ".join(rng.sample(words, 2))
-            f.write(json.dumps({"messages": [{"role": "user", "content": text},
-                                             {"role": "assistant", "content": text.upper()}]})
-                    + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": text},
+                            {"role": "assistant", "content": text.upper()},
+                        ]
+                    }
+                )
+                + "\n"
+            )
 
 
 def test_the_cookbook_supervised_loop_trains_through_the_service(tmp_path):
     hf_dir = write_tiny_llama(tmp_path / "tiny-llama", hidden_size=64)
     write_conversations(tmp_path / "chats.jsonl")
     port = free_port()
-    service = Service(tmp_path / "run", port, tmp_path / "service.log", keys=[KEY],
-                      overrides=[f"hf_dir={hf_dir}"])
+    service = Service(
+        tmp_path / "run", port, tmp_path / "service.log", keys=[KEY], overrides=[f"hf_dir={hf_dir}"]
+    )
     try:
         env = {**os.environ, "TINKER_API_KEY": KEY, "HF_HUB_OFFLINE": "1"}
         start = time.monotonic()
         done = subprocess.run(
-            [str(REPO / ".venv/bin/python"), "examples/cookbook_supervised.py", "--port",
-             str(port), "--hf-dir", str(hf_dir), "--conversations", str(tmp_path / "chats.jsonl"),
-             "--log-path", str(tmp_path / "cookbook"), "--epochs", "3"],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+            [
+                str(REPO / ".venv/bin/python"),
+                "examples/cookbook_supervised.py",
+                "--port",
+                str(port),
+                "--hf-dir",
+                str(hf_dir),
+                "--conversations",
+                str(tmp_path / "chats.jsonl"),
+                "--log-path",
+                str(tmp_path / "cookbook"),
+                "--epochs",
+                "3",
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         # 12 tiny steps take seconds (15 s with the start-up here); a call whose answer the
         # SDK never read costs its 45 s read timeout (the client transport the service's

@@ -52,16 +52,39 @@ def free_port() -> int:
 class Service:
     """One service process (its own process group, so a kill reaches every worker)."""
 
-    def __init__(self, run_dir: Path, port: int, log: Path, nproc: int = 1,
-                 keys: list[str] = KEYS, overrides: list[str] = ("hf_dir=null",)) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        port: int,
+        log: Path,
+        nproc: int = 1,
+        keys: list[str] = KEYS,
+        overrides: list[str] = ("hf_dir=null",),
+    ) -> None:
         self.url, self.log = f"http://127.0.0.1:{port}", log
         env = {**os.environ, "MMLORA_API_KEYS": ",".join(keys), "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(
-            [str(REPO / ".venv/bin/mmlora"), "api", "--run-dir", str(run_dir), "--port", str(port),
-             "--nproc", str(nproc), *overrides, f"lora.slots={SLOTS}", "api.batch_window_ms=300",
-             f"api.session_timeout_s={SESSION_TIMEOUT}", "trainer.micro_batch_tokens=512"],
-            cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-            start_new_session=True)
+            [
+                str(REPO / ".venv/bin/mmlora"),
+                "api",
+                "--run-dir",
+                str(run_dir),
+                "--port",
+                str(port),
+                "--nproc",
+                str(nproc),
+                *overrides,
+                f"lora.slots={SLOTS}",
+                "api.batch_window_ms=300",
+                f"api.session_timeout_s={SESSION_TIMEOUT}",
+                "trainer.micro_batch_tokens=512",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + 120
         while "api: serving" not in log.read_text():
             assert self.proc.poll() is None, log.read_text()
@@ -74,8 +97,10 @@ class Service:
     def kill(self) -> int:
         """SIGKILL the launcher alone, as a crash would: its workers (torchrun starts each in
         a session of its own) must die with it."""
-        processes = [psutil.Process(self.proc.pid),
-                     *psutil.Process(self.proc.pid).children(recursive=True)]
+        processes = [
+            psutil.Process(self.proc.pid),
+            *psutil.Process(self.proc.pid).children(recursive=True),
+        ]
         assert len(processes) > 1, "no worker processes found"
         self.proc.send_signal(signal.SIGKILL)
         code = self.proc.wait(30)
@@ -113,25 +138,36 @@ def datums(data: Path, task: str) -> list[types.Datum]:
     1 / (all loss tokens): the recipe's mean loss as a sum."""
     examples = load_dataset(data / f"{task}.train.jsonl", ByteTokenizer(), 128)
     total = sum(sum(e.loss_mask) for e in examples)
-    return [types.Datum(model_input=types.ModelInput.from_ints(list(e.tokens[:-1])),
-                        loss_fn_inputs={"target_tokens": list(e.tokens[1:]),
-                                        "weights": [m / total for m in e.loss_mask]})
-            for e in examples]
+    return [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(list(e.tokens[:-1])),
+            loss_fn_inputs={
+                "target_tokens": list(e.tokens[1:]),
+                "weights": [m / total for m in e.loss_mask],
+            },
+        )
+        for e in examples
+    ]
 
 
 def datums_of(tokens: list[int]) -> list[types.Datum]:
-    return [types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                        loss_fn_inputs={"target_tokens": tokens[1:],
-                                        "weights": [1.0] * (len(tokens) - 1)})]
+    return [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+        )
+    ]
 
 
-def train(client: tinker.TrainingClient, batch: list[types.Datum], steps: int, lr: float
-          ) -> list[float]:
+def train(
+    client: tinker.TrainingClient, batch: list[types.Datum], steps: int, lr: float
+) -> list[float]:
     losses = []
     for _ in range(steps):
         out = client.forward_backward(batch, "cross_entropy").result(timeout=120)
-        client.optim_step(types.AdamParams(learning_rate=lr, grad_clip_norm=1.0, **ADAM)
-                          ).result(timeout=120)
+        client.optim_step(types.AdamParams(learning_rate=lr, grad_clip_norm=1.0, **ADAM)).result(
+            timeout=120
+        )
         losses.append(out.metrics["loss:sum"])
     return losses
 
@@ -143,10 +179,22 @@ def sampler_tensors(path: str, run_dir: Path) -> dict:
 
 def test_an_sdk_training_loop_equals_the_recipe_job(service, data, tmp_path):
     steps, lr = 3, 3e-3
-    want, _ = run_in_process(tmp_path / "recipe", [job("seed-7", data, "add", steps, lr=lr,
-                                                       global_batch_size=4, warmup_steps=0,
-                                                       schedule="constant")],
-                             [f"lora.slots={SLOTS}"])
+    want, _ = run_in_process(
+        tmp_path / "recipe",
+        [
+            job(
+                "seed-7",
+                data,
+                "add",
+                steps,
+                lr=lr,
+                global_batch_size=4,
+                warmup_steps=0,
+                schedule="constant",
+            )
+        ],
+        [f"lora.slots={SLOTS}"],
+    )
     with service.client() as sc:
         client = sc.create_lora_training_client(base_model="tiny", rank=8, seed=7).result()
         got = train(client, datums(data, "add"), steps, lr)
@@ -159,9 +207,11 @@ def test_an_sdk_training_loop_equals_the_recipe_job(service, data, tmp_path):
         assert (mine[name] - recipe[name]).norm() <= 1e-5 * recipe[name].norm(), name
 
 
-@pytest.mark.parametrize("layout", [["parallel=tp2"], ["parallel=pp2"],
-                                    ["parallel=ep2", "model=tiny_moe"]],
-                         ids=["tp2", "pp2", "ep2-moe"])
+@pytest.mark.parametrize(
+    "layout",
+    [["parallel=tp2"], ["parallel=pp2"], ["parallel=ep2", "model=tiny_moe"]],
+    ids=["tp2", "pp2", "ep2-moe"],
+)
 def test_a_two_process_layout_serves_the_recipe_jobs_training(tmp_path, layout):
     """Under TP, PP, or EP with data parallelism (an uneven split of 3 datums: a rank pads
     with a filler micro-batch), an SDK loop equals the recipe job trained in one process."""
@@ -169,12 +219,29 @@ def test_a_two_process_layout_serves_the_recipe_jobs_training(tmp_path, layout):
     data = tmp_path / "data"
     write_post_training_datasets(data, n_train=3, n_eval=2, seed=0)
     batch = datums(data, "add")
-    want, _ = run_in_process(tmp_path / "recipe", [job("seed-7", data, "add", steps, lr=lr,
-                                                       global_batch_size=3, warmup_steps=0,
-                                                       schedule="constant")],
-                             [f"lora.slots={SLOTS}", *layout[1:]])
-    service = Service(tmp_path / "run", free_port(), tmp_path / "service.log", nproc=2,
-                      overrides=["hf_dir=null", *layout])
+    want, _ = run_in_process(
+        tmp_path / "recipe",
+        [
+            job(
+                "seed-7",
+                data,
+                "add",
+                steps,
+                lr=lr,
+                global_batch_size=3,
+                warmup_steps=0,
+                schedule="constant",
+            )
+        ],
+        [f"lora.slots={SLOTS}", *layout[1:]],
+    )
+    service = Service(
+        tmp_path / "run",
+        free_port(),
+        tmp_path / "service.log",
+        nproc=2,
+        overrides=["hf_dir=null", *layout],
+    )
     try:
         with service.client() as sc:
             client = sc.create_lora_training_client(base_model="tiny", rank=8, seed=7).result()
@@ -208,8 +275,12 @@ def test_four_clients_at_once_each_train_as_alone(service, data):
     for key in KEYS:
         assert together[key] == pytest.approx(alone[key], rel=1e-5), key
     assert len({tuple(v) for v in alone.values()}) == 4  # the tasks differ: so do the losses
-    batched = [int(n) for n in re.findall(r"(\d+) forward_backward in one step",
-                                          service.log.read_text()[len(before):])]
+    batched = [
+        int(n)
+        for n in re.findall(
+            r"(\d+) forward_backward in one step", service.log.read_text()[len(before) :]
+        )
+    ]
     assert max(batched) >= 2, batched  # some calls of different clients shared a step
 
 
@@ -233,10 +304,21 @@ def test_sampling_and_logprobs_from_a_saved_adapter(service, data):
     # same draws would have stopped there.
     free = first.sequences[0]
     ascii_at = next(i for i, t in enumerate(free.tokens) if 32 < t - 3 < 127)  # one byte: one token
-    for stop, cut in ((free.tokens[2], free.tokens.index(free.tokens[2]) + 1),
-                      (chr(free.tokens[ascii_at] - 3), ascii_at + 1)):
-        stopped = sampler.sample(prompt=prompt, num_samples=1, sampling_params=types.SamplingParams(
-            max_tokens=5, temperature=1.0, seed=11, stop=[stop])).result().sequences[0]
+    for stop, cut in (
+        (free.tokens[2], free.tokens.index(free.tokens[2]) + 1),
+        (chr(free.tokens[ascii_at] - 3), ascii_at + 1),
+    ):
+        stopped = (
+            sampler.sample(
+                prompt=prompt,
+                num_samples=1,
+                sampling_params=types.SamplingParams(
+                    max_tokens=5, temperature=1.0, seed=11, stop=[stop]
+                ),
+            )
+            .result()
+            .sequences[0]
+        )
         assert stopped.tokens == free.tokens[:cut], (stop, stopped.tokens, free.tokens)
         assert stopped.stop_reason == "stop"
         assert stopped.logprobs == pytest.approx(free.logprobs[:cut], rel=1e-5)  # 1 row, not 3
@@ -250,9 +332,11 @@ def test_a_crashed_clients_slot_is_freed_after_the_session_timeout(service, tmp_
         f"sc = tinker.ServiceClient(base_url={service.url!r}, api_key={KEYS[2]!r})\n"
         "client = sc.create_lora_training_client(base_model='tiny', rank=4).result()\n"
         "print(client.model_id, flush=True)\n"
-        "os.kill(os.getpid(), signal.SIGKILL)  # no goodbye, no more heartbeats\n")
-    done = subprocess.run([str(REPO / ".venv/bin/python"), str(script)], capture_output=True,
-                          text=True, timeout=120)
+        "os.kill(os.getpid(), signal.SIGKILL)  # no goodbye, no more heartbeats\n"
+    )
+    done = subprocess.run(
+        [str(REPO / ".venv/bin/python"), str(script)], capture_output=True, text=True, timeout=120
+    )
     crashed = time.monotonic()
     assert done.returncode == -signal.SIGKILL, done.stderr
     model_id = done.stdout.split()[-1]
@@ -281,12 +365,21 @@ def test_rl_losses_are_the_token_losses_of_the_objectives(service, data, loss):
 
     gen = torch.Generator().manual_seed(3)
     plain = datums(data, "reverse")
-    old = [(-torch.rand(len(d.loss_fn_inputs["target_tokens"].data), generator=gen) * 3)
-           for d in plain]  # a sampler's log-probs
+    old = [
+        (-torch.rand(len(d.loss_fn_inputs["target_tokens"].data), generator=gen) * 3) for d in plain
+    ]  # a sampler's log-probs
     adv = [torch.randn(len(o), generator=gen) for o in old]
-    batch = [types.Datum(model_input=d.model_input, loss_fn_inputs={
-        "target_tokens": d.loss_fn_inputs["target_tokens"], "logprobs": o.tolist(),
-        "advantages": a.tolist()}) for d, o, a in zip(plain, old, adv)]
+    batch = [
+        types.Datum(
+            model_input=d.model_input,
+            loss_fn_inputs={
+                "target_tokens": d.loss_fn_inputs["target_tokens"],
+                "logprobs": o.tolist(),
+                "advantages": a.tolist(),
+            },
+        )
+        for d, o, a in zip(plain, old, adv)
+    ]
     clip = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}  # ratios in [0.9, 1.1]
 
     def theirs(lp: torch.Tensor, o: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
@@ -295,22 +388,29 @@ def test_rl_losses_are_the_token_losses_of_the_objectives(service, data, loss):
         return token_losses.importance_sampling(lp, o, a).sum()
 
     with service.client(KEYS[3]) as sc:
-        served, custom = (sc.create_lora_training_client(base_model="tiny", rank=4, seed=9)
-                          .result() for _ in range(2))
+        served, custom = (
+            sc.create_lora_training_client(base_model="tiny", rank=4, seed=9).result()
+            for _ in range(2)
+        )
         adam = types.AdamParams(learning_rate=1e-2, **ADAM)
         for _ in range(2):
-            lps = [o["logprobs"].to_torch() for o in
-                   served.forward(plain, "cross_entropy").result().loss_fn_outputs]
-            out = served.forward_backward(batch, loss, loss_fn_config=clip if loss == "ppo"
-                                          else None).result()
+            lps = [
+                o["logprobs"].to_torch()
+                for o in served.forward(plain, "cross_entropy").result().loss_fn_outputs
+            ]
+            out = served.forward_backward(
+                batch, loss, loss_fn_config=clip if loss == "ppo" else None
+            ).result()
             want = sum(float(theirs(lp, o, a)) for lp, o, a in zip(lps, old, adv))
             assert out.metrics["loss:sum"] == pytest.approx(want, rel=1e-5)
             served.optim_step(adam).result()
-            custom.forward_backward_custom(plain, lambda _, lps: (
-                sum(theirs(lp, o, a) for lp, o, a in zip(lps, old, adv)), {})).result()
+            custom.forward_backward_custom(
+                plain, lambda _, lps: (sum(theirs(lp, o, a) for lp, o, a in zip(lps, old, adv)), {})
+            ).result()
             custom.optim_step(adam).result()
-        after = [c.forward(plain, "cross_entropy").result().loss_fn_outputs
-                 for c in (served, custom)]
+        after = [
+            c.forward(plain, "cross_entropy").result().loss_fn_outputs for c in (served, custom)
+        ]
         for a, b in zip(*after):
             assert torch.allclose(a["logprobs"].to_torch(), b["logprobs"].to_torch(), atol=1e-5)
 
@@ -322,22 +422,26 @@ def test_forward_backward_custom_trains_as_its_loss_written_as_cross_entropy(ser
     import torch
 
     def nll(batch, logprobs):
-        loss = sum(-(lp * d.loss_fn_inputs["weights"].to_torch()).sum()
-                   for d, lp in zip(batch, logprobs))
+        loss = sum(
+            -(lp * d.loss_fn_inputs["weights"].to_torch()).sum() for d, lp in zip(batch, logprobs)
+        )
         return loss, {"nll": float(loss)}
 
     batch = datums(data, "sort")
     with service.client(KEYS[3]) as sc:
-        custom, twin = (sc.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
-                        for _ in range(2))
+        custom, twin = (
+            sc.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
+            for _ in range(2)
+        )
         adam = types.AdamParams(learning_rate=1e-2, **ADAM)
         for _ in range(2):
             mine = custom.forward_backward_custom(batch, nll)
             custom.optim_step(adam).result()
             theirs = twin.forward_backward(batch, "cross_entropy").result()
             twin.optim_step(adam).result()
-            assert mine.result().metrics["nll"] == pytest.approx(theirs.metrics["loss:sum"],
-                                                                 rel=1e-5)
+            assert mine.result().metrics["nll"] == pytest.approx(
+                theirs.metrics["loss:sum"], rel=1e-5
+            )
         after = [c.forward(batch, "cross_entropy").result() for c in (custom, twin)]
         for a, b in zip(*(out.loss_fn_outputs for out in after)):
             assert torch.allclose(a["logprobs"].to_torch(), b["logprobs"].to_torch(), atol=1e-5)
@@ -353,13 +457,21 @@ def test_a_key_reaches_only_its_own_clients_checkpoints_and_samplers(service, da
         bob.create_training_client_from_state(path).result()
     with pytest.raises(tinker.NotFoundError):
         bob.create_sampling_client(model_path=sampler_path).sample(
-            prompt=types.ModelInput.from_ints([1, 2]), num_samples=1,
-            sampling_params=types.SamplingParams(max_tokens=2)).result()
-    answer = httpx.post(f"{service.url}/api/v1/get_info", headers={"X-API-Key": KEYS[1]},
-                        json={"model_id": alice.model_id, "type": "get_info"})
+            prompt=types.ModelInput.from_ints([1, 2]),
+            num_samples=1,
+            sampling_params=types.SamplingParams(max_tokens=2),
+        ).result()
+    answer = httpx.post(
+        f"{service.url}/api/v1/get_info",
+        headers={"X-API-Key": KEYS[1]},
+        json={"model_id": alice.model_id, "type": "get_info"},
+    )
     assert answer.status_code == 404
-    unknown = httpx.post(f"{service.url}/api/v1/get_info", headers={"X-API-Key": "tml-eve"},
-                         json={"model_id": alice.model_id, "type": "get_info"})
+    unknown = httpx.post(
+        f"{service.url}/api/v1/get_info",
+        headers={"X-API-Key": "tml-eve"},
+        json={"model_id": alice.model_id, "type": "get_info"},
+    )
     assert unknown.status_code == 401
     assert alice.forward_backward(datums(data, "add"), "cross_entropy").result()  # unharmed
     alice_sc.close("success").result()
@@ -368,31 +480,41 @@ def test_a_key_reaches_only_its_own_clients_checkpoints_and_samplers(service, da
 
 def test_listings_show_a_key_its_own_runs_and_checkpoints_and_only_the_owner_deletes(service):
     alice_sc, bob_sc = service.client(KEYS[0]), service.client(KEYS[1])
-    alice = alice_sc.create_lora_training_client(base_model="tiny", rank=4,
-                                                 user_metadata={"task": "listing"}).result()
+    alice = alice_sc.create_lora_training_client(
+        base_model="tiny", rank=4, user_metadata={"task": "listing"}
+    ).result()
     state = alice.save_state("listed").result().path
     sampler = alice.save_weights_for_sampler("listed-s").result().path
     rest, bob_rest = alice_sc.create_rest_client(), bob_sc.create_rest_client()
     run = rest.get_training_run(alice.model_id).result()
     assert (run.lora_rank, run.user_metadata, run.base_model) == (4, {"task": "listing"}, "tiny")
     assert (run.last_checkpoint.tinker_path, run.last_sampler_checkpoint.tinker_path) == (
-        state, sampler)
+        state,
+        sampler,
+    )
     listed = {c.tinker_path: c for c in rest.list_checkpoints(alice.model_id).result().checkpoints}
     assert set(listed) == {state, sampler} and listed[state].size_bytes > 0
     assert {c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints} >= {
-        state, sampler}
-    assert alice.model_id in [r.training_run_id for r in rest.list_training_runs().result()
-                              .training_runs]
+        state,
+        sampler,
+    }
+    assert alice.model_id in [
+        r.training_run_id for r in rest.list_training_runs().result().training_runs
+    ]
     assert rest.get_weights_info_by_tinker_path(state).result().lora_rank == 4
     # Bob sees none of it and cannot delete it.
-    assert alice.model_id not in [r.training_run_id for r in bob_rest.list_training_runs()
-                                  .result().training_runs]
-    assert state not in {c.tinker_path for c in bob_rest.list_user_checkpoints().result()
-                         .checkpoints}
-    for call in (lambda: bob_rest.get_training_run(alice.model_id).result(),
-                 lambda: bob_rest.list_checkpoints(alice.model_id).result(),
-                 lambda: bob_rest.delete_checkpoint_from_tinker_path(state).result(),
-                 lambda: bob_rest.get_weights_info_by_tinker_path(state).result()):
+    assert alice.model_id not in [
+        r.training_run_id for r in bob_rest.list_training_runs().result().training_runs
+    ]
+    assert state not in {
+        c.tinker_path for c in bob_rest.list_user_checkpoints().result().checkpoints
+    }
+    for call in (
+        lambda: bob_rest.get_training_run(alice.model_id).result(),
+        lambda: bob_rest.list_checkpoints(alice.model_id).result(),
+        lambda: bob_rest.delete_checkpoint_from_tinker_path(state).result(),
+        lambda: bob_rest.get_weights_info_by_tinker_path(state).result(),
+    ):
         with pytest.raises(tinker.NotFoundError):
             call()
     assert alice.load_state(state).result()  # still there
@@ -400,33 +522,54 @@ def test_listings_show_a_key_its_own_runs_and_checkpoints_and_only_the_owner_del
     (folder,) = (service.log.parent / "run/api").glob("*/*/weights/listed")
     rest.delete_checkpoint_from_tinker_path(state).result()
     assert not folder.exists()
-    assert {c.tinker_path for c in rest.list_checkpoints(alice.model_id).result()
-            .checkpoints} == {sampler}
+    assert {c.tinker_path for c in rest.list_checkpoints(alice.model_id).result().checkpoints} == {
+        sampler
+    }
     with pytest.raises(tinker.NotFoundError):
         alice.load_state(state).result()
     alice_sc.close("success").result()
     bob_sc.close("success").result()
 
 
-@pytest.mark.parametrize("what", ["token outside the vocabulary", "too long", "unknown loss",
-                                  "shifted targets"])
+@pytest.mark.parametrize(
+    "what", ["token outside the vocabulary", "too long", "unknown loss", "shifted targets"]
+)
 def test_bad_training_requests_are_refused_and_change_nothing(service, data, what):
     sc = service.client(KEYS[2])
     client = sc.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
     batch = datums(data, "add")
-    before = client.forward_backward(batch, "cross_entropy", ).result().metrics["loss:sum"]
+    before = (
+        client.forward_backward(
+            batch,
+            "cross_entropy",
+        )
+        .result()
+        .metrics["loss:sum"]
+    )
     bad, loss = batch[:1], "cross_entropy"
     if what == "token outside the vocabulary":
-        bad = [types.Datum(model_input=types.ModelInput.from_ints([1, 10**6]),
-                           loss_fn_inputs={"target_tokens": [10**6, 2], "weights": [1.0, 1.0]})]
+        bad = [
+            types.Datum(
+                model_input=types.ModelInput.from_ints([1, 10**6]),
+                loss_fn_inputs={"target_tokens": [10**6, 2], "weights": [1.0, 1.0]},
+            )
+        ]
     elif what == "too long":
-        bad = [types.Datum(model_input=types.ModelInput.from_ints([5] * 300),
-                           loss_fn_inputs={"target_tokens": [5] * 300, "weights": [1.0] * 300})]
+        bad = [
+            types.Datum(
+                model_input=types.ModelInput.from_ints([5] * 300),
+                loss_fn_inputs={"target_tokens": [5] * 300, "weights": [1.0] * 300},
+            )
+        ]
     elif what == "unknown loss":
         loss = "dro"
     else:
-        bad = [types.Datum(model_input=types.ModelInput.from_ints([1, 5, 6]),
-                           loss_fn_inputs={"target_tokens": [7, 7, 7], "weights": [1.0] * 3})]
+        bad = [
+            types.Datum(
+                model_input=types.ModelInput.from_ints([1, 5, 6]),
+                loss_fn_inputs={"target_tokens": [7, 7, 7], "weights": [1.0] * 3},
+            )
+        ]
     with pytest.raises(tinker.BadRequestError):
         client.forward_backward(bad, loss).result()
     # Nothing accumulated: the same forward-only loss, and training goes on.
@@ -441,23 +584,22 @@ def test_ranks_and_slots_beyond_the_run_are_refused(service):
             sc.create_lora_training_client(base_model="tiny", rank=64).result()
         with pytest.raises(tinker.BadRequestError, match="trains 'tiny'"):
             sc.create_lora_training_client(base_model="llama-70b", rank=4).result()
-        clients = [sc.create_lora_training_client(base_model="tiny", rank=4).result()
-                   for _ in range(SLOTS)]
+        clients = [
+            sc.create_lora_training_client(base_model="tiny", rank=4).result() for _ in range(SLOTS)
+        ]
         with pytest.raises(tinker.BadRequestError, match="adapter slots"):
             sc.create_lora_training_client(base_model="tiny", rank=4).result()
         assert clients[-1].forward(datums_of([1, 2, 3]), "cross_entropy").result()
 
 
-def test_sigkill_then_a_data_parallel_restart_resumes_a_client_from_its_saved_state(data,
-                                                                                  tmp_path):
+def test_sigkill_then_a_data_parallel_restart_resumes_a_client_from_its_saved_state(data, tmp_path):
     """Killed (every process), restarted on the same run folder with 2 data-parallel ranks:
     a client made from its saved state repeats the uninterrupted run's losses and every
     datum's log-probs (datums split over the ranks, gathered back in order)."""
     run_dir, port = tmp_path / "run", free_port()
     batch = datums(data, "sort") + datums(data, "add")  # 8 datums: 4 per rank
     first = Service(run_dir, port, tmp_path / "first.log")
-    client = first.client().create_lora_training_client(base_model="tiny", rank=8,
-                                                        seed=5).result()
+    client = first.client().create_lora_training_client(base_model="tiny", rank=8, seed=5).result()
     train(client, batch, 2, 1e-2)
     path = client.save_state("after-2").result().path
     want = train(client, batch, 2, 1e-2)
@@ -492,17 +634,27 @@ def test_sigkill_then_a_data_parallel_restart_resumes_a_client_from_its_saved_st
 
 
 def mmlora(*args: str) -> subprocess.CompletedProcess:
-    done = subprocess.run([str(REPO / ".venv/bin/mmlora"), *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        [str(REPO / ".venv/bin/mmlora"), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return done
 
 
 def test_the_service_refuses_to_start_without_keys(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "MMLORA_API_KEYS"}
-    done = subprocess.run([str(REPO / ".venv/bin/mmlora"), "api", "--run-dir",
-                           str(tmp_path / "run"), "hf_dir=null"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [str(REPO / ".venv/bin/mmlora"), "api", "--run-dir", str(tmp_path / "run"), "hf_dir=null"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert "no API keys" in done.stderr and not (tmp_path / "run" / "api").exists()
 
@@ -512,10 +664,22 @@ def test_a_taken_port_fails_the_launch_instead_of_serving(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run([str(REPO / ".venv/bin/mmlora"), "api", "--run-dir",
-                               str(tmp_path / "run"), "--port", str(port), "hf_dir=null"],
-                              cwd=REPO, env={**os.environ, "MMLORA_API_KEYS": KEYS[0]},
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [
+                str(REPO / ".venv/bin/mmlora"),
+                "api",
+                "--run-dir",
+                str(tmp_path / "run"),
+                "--port",
+                str(port),
+                "hf_dir=null",
+            ],
+            cwd=REPO,
+            env={**os.environ, "MMLORA_API_KEYS": KEYS[0]},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert done.returncode == 1, done.stdout + done.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in done.stdout + done.stderr
     assert "api: serving" not in done.stdout

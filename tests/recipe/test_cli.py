@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import psutil
 import pytest
@@ -28,29 +27,66 @@ MMLORA = str(Path(sys.executable).parent / "mmlora")
 STEPS, SAVE_EVERY = 120, 20
 
 
-def command(run_dir: Path, demo: Optional[Path], extra: list[str] = (), nproc: int = 2,
-            steps: int = STEPS, jobs: Optional[list[str]] = None,
-            save_every: int = SAVE_EVERY) -> list[str]:
+def command(
+    run_dir: Path,
+    demo: Path | None,
+    extra: list[str] = (),
+    nproc: int = 2,
+    steps: int = STEPS,
+    jobs: list[str] | None = None,
+    save_every: int = SAVE_EVERY,
+) -> list[str]:
     """The launch command; ``jobs`` (Hydra job values) default to two on ``demo``'s tasks."""
     # warmup then decay: a resume that restored the wrong learning rate changes the trajectory
-    jobs = jobs if jobs is not None else [
-        job("rev", demo, "reverse", steps, warmup_steps=10),
-        job("add", demo, "add", steps, schedule="linear", warmup_steps=5)]
-    return [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "--local-ranks-filter=0",
-            "recipes/multi_lora_finetune.py", f"run_dir={run_dir}", "hf_dir=null",
-            f"adapters=[{','.join(jobs)}]",
-            "lora.slots=2", "model.hidden_size=64", "model.ffn_hidden_size=128",
-            "trainer.log_interval=1", "trainer.eval_interval=0", "trainer.micro_batch_tokens=512",
-            f"checkpoint.save_interval={save_every}", "logging.wandb_mode=disabled",
-            "logging.plots=false", *extra]
+    jobs = (
+        jobs
+        if jobs is not None
+        else [
+            job("rev", demo, "reverse", steps, warmup_steps=10),
+            job("add", demo, "add", steps, schedule="linear", warmup_steps=5),
+        ]
+    )
+    return [
+        TORCHRUN,
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--local-ranks-filter=0",
+        "recipes/multi_lora_finetune.py",
+        f"run_dir={run_dir}",
+        "hf_dir=null",
+        f"adapters=[{','.join(jobs)}]",
+        "lora.slots=2",
+        "model.hidden_size=64",
+        "model.ffn_hidden_size=128",
+        "trainer.log_interval=1",
+        "trainer.eval_interval=0",
+        "trainer.micro_batch_tokens=512",
+        f"checkpoint.save_interval={save_every}",
+        "logging.wandb_mode=disabled",
+        "logging.plots=false",
+        *extra,
+    ]
 
 
 def launch(cmd: list[str], log: Path, cwd: Path = ROOT) -> subprocess.Popen:
-    launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    launcher = (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    )
     env = {k: v for k, v in os.environ.items() if k not in launcher}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def finish(proc: subprocess.Popen, log: Path, timeout: float = 300) -> str:
@@ -66,7 +102,9 @@ def last_train_step(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
-def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, log: Path) -> list[psutil.Process]:
+def wait_for_step(
+    proc: subprocess.Popen, run_dir: Path, step: int, log: Path
+) -> list[psutil.Process]:
     """Wait until the run has logged ``step``; returns its worker processes."""
     deadline = time.time() + 240
     while last_train_step(run_dir) < step:
@@ -87,11 +125,20 @@ def whole(demo_data, tmp_path_factory) -> tuple[Path, str]:
     """The uninterrupted run, every output on, launched as users do, with ``mmlora train``
     from a folder outside the checkout: (run_dir, console output)."""
     tmp = tmp_path_factory.mktemp("whole")
-    overrides = command(tmp / "run", demo_data, ["logging.plots=true", "logging.wandb_mode=offline",
-                                                 "trainer.eval_interval=60"])[5:]
+    overrides = command(
+        tmp / "run",
+        demo_data,
+        ["logging.plots=true", "logging.wandb_mode=offline", "trainer.eval_interval=60"],
+    )[5:]
     # Hydra's own flags pass through; --nproc may come anywhere.
-    out = finish(launch([MMLORA, "train", "--config-name", "config", *overrides, "--nproc", "2"],
-                        tmp / "run.log", cwd=tmp), tmp / "run.log")
+    out = finish(
+        launch(
+            [MMLORA, "train", "--config-name", "config", *overrides, "--nproc", "2"],
+            tmp / "run.log",
+            cwd=tmp,
+        ),
+        tmp / "run.log",
+    )
     assert "mmlora train: torchrun --standalone --nproc-per-node 2" in out
     return tmp / "run", out
 
@@ -103,8 +150,10 @@ def killed(demo_data, tmp_path_factory) -> tuple[Path, int, int]:
     Tests resume copies of it."""
     tmp = tmp_path_factory.mktemp("killed")
     proc = launch(command(tmp / "run", demo_data), tmp / "run.log")
-    processes = [psutil.Process(proc.pid),
-                 *wait_for_step(proc, tmp / "run", 2 * SAVE_EVERY + 5, tmp / "run.log")]
+    processes = [
+        psutil.Process(proc.pid),
+        *wait_for_step(proc, tmp / "run", 2 * SAVE_EVERY + 5, tmp / "run.log"),
+    ]
     for p in processes:
         p.send_signal(signal.SIGKILL)
     proc.wait()
@@ -130,8 +179,9 @@ def test_uninterrupted_run_leaves_every_output(whole):
     assert latest_step(run_dir) == STEPS
 
 
-def test_killed_run_resumes_stops_on_sigterm_and_resumes_again_identically(whole, killed, demo_data,
-                                                                          tmp_path):
+def test_killed_run_resumes_stops_on_sigterm_and_resumes_again_identically(
+    whole, killed, demo_data, tmp_path
+):
     run_dir, saved, stopped_at = tmp_path / "run", *killed[1:]
     shutil.copytree(killed[0], run_dir)
     # Resume with `mmlora train`, then stop it with SIGTERM to the launcher (what a scheduler
@@ -148,11 +198,14 @@ def test_killed_run_resumes_stops_on_sigterm_and_resumes_again_identically(whole
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{saved:08d}'} at step {saved}" in out
     stop = latest_step(run_dir)
     assert stopped_at + 10 <= stop < STEPS and last_train_step(run_dir) == stop
-    assert f"stopped by SIGTERM after step {stop}; checkpoint {run_dir / 'checkpoints'}" in out, \
+    assert f"stopped by SIGTERM after step {stop}; checkpoint {run_dir / 'checkpoints'}" in out, (
         out[-3000:]
+    )
     # The launch ends in one line that reads as a stop, not in torchrun's traceback.
-    assert out.rstrip().endswith("mmlora train: stopped by SIGTERM (the workers' last line says "
-                                 "where they stopped and how to resume)"), out[-3000:]
+    assert out.rstrip().endswith(
+        "mmlora train: stopped by SIGTERM (the workers' last line says "
+        "where they stopped and how to resume)"
+    ), out[-3000:]
     assert "Traceback" not in out, out[-3000:]
 
     log = tmp_path / "resume2.log"
@@ -171,8 +224,11 @@ def test_sigterm_to_one_worker_stops_every_rank_and_torchrun_names_the_stop(demo
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     proc = launch(command(run_dir, demo_data, save_every=1000), log)
     workers = wait_for_step(proc, run_dir, 2, log)
-    rank1 = next(w for w in workers if "multi_lora_finetune.py" in " ".join(w.cmdline())
-                 and w.environ().get("RANK") == "1")
+    rank1 = next(
+        w
+        for w in workers
+        if "multi_lora_finetune.py" in " ".join(w.cmdline()) and w.environ().get("RANK") == "1"
+    )
     rank1.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) != 0
     out = log.read_text()
@@ -188,8 +244,13 @@ def test_killed_run_resumes_under_another_tp_layout(whole, killed, demo_data, tm
     moments reshard, A and B split over the TP ranks as well."""
     run_dir, saved = tmp_path / "run", killed[1]
     shutil.copytree(killed[0], run_dir)
-    finish(launch(command(run_dir, demo_data, ["parallel=tp2", "lora.fully_sharded=true"]),
-                  tmp_path / "tp2.log"), tmp_path / "tp2.log")
+    finish(
+        launch(
+            command(run_dir, demo_data, ["parallel=tp2", "lora.fully_sharded=true"]),
+            tmp_path / "tp2.log",
+        ),
+        tmp_path / "tp2.log",
+    )
     want, got = losses_by_adapter(whole[0]), losses_by_adapter(run_dir)
     for name in ("rev", "add"):
         assert got[name][:saved] == want[name][:saved]
@@ -202,8 +263,13 @@ def test_killed_run_resumes_under_another_tp_layout(whole, killed, demo_data, tm
 
 
 def test_multirun_sweeps_into_separate_run_dirs(demo_data, tmp_path):
-    cmd = [sys.executable, "recipes/multi_lora_finetune.py", "-m", "seed=1,2",
-           *command(tmp_path / "sweep", demo_data, steps=3)[5:]]
+    cmd = [
+        sys.executable,
+        "recipes/multi_lora_finetune.py",
+        "-m",
+        "seed=1,2",
+        *command(tmp_path / "sweep", demo_data, steps=3)[5:],
+    ]
     out = finish(launch(cmd, tmp_path / "multirun.log"), tmp_path / "multirun.log")
     for n in ("0", "1"):
         run = tmp_path / "sweep-multirun" / n

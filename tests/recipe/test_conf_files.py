@@ -16,8 +16,11 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 # Group options that only work beside another choice: expert parallelism needs a MoE model.
 # The post-training jobs start from the demo's first-phase adapters, which a run writes.
 NO_WARMUP = ["adapters.1.init_from=null", "adapters.2.init_from=null"]
-PARTNERS = {"parallel=ep2": ["model=tiny_moe", "hf_dir=null"], "jobs=post3": NO_WARMUP,
-            "post_train": NO_WARMUP}
+PARTNERS = {
+    "parallel=ep2": ["model=tiny_moe", "hf_dir=null"],
+    "jobs=post3": NO_WARMUP,
+    "post_train": NO_WARMUP,
+}
 
 
 def test_every_yaml_file_in_conf_composes_loads_and_validates(tmp_path, monkeypatch):
@@ -30,8 +33,10 @@ def test_every_yaml_file_in_conf_composes_loads_and_validates(tmp_path, monkeypa
     top = [f.stem for f in files if len(f.parts) == 1]
     options = [f"{f.parts[0]}={f.stem}" for f in files if len(f.parts) == 2]
     assert len(files) == 17 and top == ["config", "post_train", "smollm2"], files
-    runs = [(name, [f"data_dir={data}", f"hf_dir={data / 'tiny-llama'}", *PARTNERS.get(name, [])])
-            for name in top]
+    runs = [
+        (name, [f"data_dir={data}", f"hf_dir={data / 'tiny-llama'}", *PARTNERS.get(name, [])])
+        for name in top
+    ]
     for option in options:
         # A model option is used when no HF base overrides it.
         extra = ["hf_dir=null"] if option.startswith("model=") else []
@@ -51,8 +56,13 @@ def test_every_yaml_file_in_conf_composes_loads_and_validates(tmp_path, monkeypa
 
 
 def test_run_wide_settings_have_their_defaults_only_in_conf():
-    for settings in (schema.LoRASettings, schema.ParallelSettings, schema.TrainerSettings,
-                     schema.LoggingSettings, schema.CheckpointSettings):
+    for settings in (
+        schema.LoRASettings,
+        schema.ParallelSettings,
+        schema.TrainerSettings,
+        schema.LoggingSettings,
+        schema.CheckpointSettings,
+    ):
         assert all(f.default == "???" for f in dataclasses.fields(settings)), settings
     top = {f.name: f.default for f in dataclasses.fields(schema.RunConfig)}
     assert {top[k] for k in ("hf_dir", "run_dir", "data_dir", "seed")} == {"???"}

@@ -18,12 +18,21 @@ def test_all_problems_reported_at_once(demo_data, tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a=", "completion": "b"}\n\n{"prompt": "a="\n')
-    run = compose_run([
-        "hf_dir=null", "lora.max_rank=7", "lora.fully_sharded=true", "parallel.tp=2", "model.num_attention_heads=3", "model.num_query_groups=1",
-        f"adapters=[{job('big', demo_data, 'reverse', 3, rank=16)},"
-        f"{job('nofile', demo_data, 'add', 3, dataset='/no/such/file.jsonl')},"
-        f"{job('broken', demo_data, 'sort', 3, dataset=bad)}]",
-        "lora.slots=2", "trainer.queue_jobs=false"])
+    run = compose_run(
+        [
+            "hf_dir=null",
+            "lora.max_rank=7",
+            "lora.fully_sharded=true",
+            "parallel.tp=2",
+            "model.num_attention_heads=3",
+            "model.num_query_groups=1",
+            f"adapters=[{job('big', demo_data, 'reverse', 3, rank=16)},"
+            f"{job('nofile', demo_data, 'add', 3, dataset='/no/such/file.jsonl')},"
+            f"{job('broken', demo_data, 'sort', 3, dataset=bad)}]",
+            "lora.slots=2",
+            "trainer.queue_jobs=false",
+        ]
+    )
     with pytest.raises(ConfigError) as err:
         validate(run)
     msg = str(err.value)
@@ -35,11 +44,11 @@ def test_all_problems_reported_at_once(demo_data, tmp_path, monkeypatch):
     assert "3 adapter jobs but lora.slots=2 and trainer.queue_jobs=false" in msg
 
     run = compose_run([f"adapters=[{job('base', demo_data, 'add', 3)}]"])
-    with pytest.raises(ConfigError, match="adapters.0.name='base': reserved"):
+    with pytest.raises(ConfigError, match=r"adapters.0.name='base': reserved"):
         validate(run)
 
     run = compose_run([f"hf_dir={tmp_path}/nowhere", f"adapters=[{job('a', demo_data, 'add', 3)}]"])
-    with pytest.raises(ConfigError, match="hf_dir: .*nowhere/config.json not found"):
+    with pytest.raises(ConfigError, match=r"hf_dir: .*nowhere/config.json not found"):
         validate(run)
 
 
@@ -52,20 +61,36 @@ def test_impossible_pipeline_layouts_are_named(demo_data, monkeypatch):
             validate(compose_run(["hf_dir=null", jobs, *overrides]), check_files=False)
         return str(err.value)
 
-    assert "parallel.vpp=2 needs parallel.pp > 1; without pipelining leave it null" in \
-        problems("parallel.vpp=2")
+    assert "parallel.vpp=2 needs parallel.pp > 1; without pipelining leave it null" in problems(
+        "parallel.vpp=2"
+    )
     msg = problems("parallel.pp=2", "parallel.vpp=2", "model.num_layers=6")
-    assert ("model: num_layers=6 does not split into pipeline 2 x virtual stages 2 = 4 equal "
-            "model chunks") in msg
-    assert "model: num_layers=3 does not split into pipeline 2 x virtual stages 1" in \
-        problems("parallel.pp=2", "model.num_layers=3")
-    assert "parallel.tp=2 x parallel.pp=4 must divide the world size 4" in \
-        problems("parallel.tp=2", "parallel.pp=4", "model.num_layers=4")
+    assert (
+        "model: num_layers=6 does not split into pipeline 2 x virtual stages 2 = 4 equal "
+        "model chunks"
+    ) in msg
+    assert "model: num_layers=3 does not split into pipeline 2 x virtual stages 1" in problems(
+        "parallel.pp=2", "model.num_layers=3"
+    )
+    assert "parallel.tp=2 x parallel.pp=4 must divide the world size 4" in problems(
+        "parallel.tp=2", "parallel.pp=4", "model.num_layers=4"
+    )
     assert "parallel.ep=4 must divide the 2 processes of each pipeline stage" in problems(
-        "parallel.pp=2", "parallel.ep=4", "model=tiny_moe", "model.num_moe_experts=4")
+        "parallel.pp=2", "parallel.ep=4", "model=tiny_moe", "model.num_moe_experts=4"
+    )
     # A layout that works passes; its data-parallel size is 4 / pp = 2.
-    validate(compose_run(["hf_dir=null", f"adapters=[{job('a', demo_data, 'add', 3, global_batch_size=2)}]",
-                          "parallel=pp2", "parallel.vpp=2", "model.num_layers=4"]), check_files=False)
+    validate(
+        compose_run(
+            [
+                "hf_dir=null",
+                f"adapters=[{job('a', demo_data, 'add', 3, global_batch_size=2)}]",
+                "parallel=pp2",
+                "parallel.vpp=2",
+                "model.num_layers=4",
+            ]
+        ),
+        check_files=False,
+    )
 
 
 def test_bf16_base_gemms_on_a_cpu_without_them_are_refused(demo_data, monkeypatch):
@@ -73,24 +98,41 @@ def test_bf16_base_gemms_on_a_cpu_without_them_are_refused(demo_data, monkeypatc
 
     monkeypatch.setattr(packed_linear, "bf16_gemms_supported", lambda: False)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    def run(gemms: str):  # no model files checked: the only problem left is the GEMMs'
-        return compose_run(["hf_dir=null", f"adapters=[{job('rev', demo_data, 'reverse', 3)}]",
-                            f"trainer.cpu_base_gemms={gemms}"])
 
-    with pytest.raises(ConfigError, match="trainer.cpu_base_gemms=bf16: this CPU has no bf16 "
-                                          "GEMMs.*use fp32, or auto"):
+    def run(gemms: str):  # no model files checked: the only problem left is the GEMMs'
+        return compose_run(
+            [
+                "hf_dir=null",
+                f"adapters=[{job('rev', demo_data, 'reverse', 3)}]",
+                f"trainer.cpu_base_gemms={gemms}",
+            ]
+        )
+
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer.cpu_base_gemms=bf16: this CPU has no bf16 "
+        "GEMMs.*use fp32, or auto",
+    ):
         validate(run("bf16"), check_files=False)
     validate(run("auto"), check_files=False)
 
 
 def test_unknown_key_and_bad_type_name_the_full_key(demo_data):
-    with pytest.raises(ConfigError, match="trainer.bogus: Key 'bogus' not in 'TrainerSettings'"):
+    with pytest.raises(ConfigError, match=r"trainer.bogus: Key 'bogus' not in 'TrainerSettings'"):
         compose_run(["+trainer.bogus=1"])
-    with pytest.raises(ConfigError, match="trainer.max_seq_len: Value 'long' .* could not be converted"):
+    with pytest.raises(
+        ConfigError, match=r"trainer.max_seq_len: Value 'long' .* could not be converted"
+    ):
         compose_run(["trainer.max_seq_len=long"])
     # In a job: the job's index, not only the field's name.
-    with pytest.raises(ConfigError, match=r"adapters\.1\.rank: Value 'big' .* could not be converted"):
-        compose_run([f"adapters=[{job('a', demo_data, 'add', 3)},{job('b', demo_data, 'add', 3, rank='big')}]"])
+    with pytest.raises(
+        ConfigError, match=r"adapters\.1\.rank: Value 'big' .* could not be converted"
+    ):
+        compose_run(
+            [
+                f"adapters=[{job('a', demo_data, 'add', 3)},{job('b', demo_data, 'add', 3, rank='big')}]"
+            ]
+        )
     with pytest.raises(ConfigError, match=r"adapters\.0\.rnak: Key 'rnak' not in 'AdapterJob'"):
         compose_run([f"adapters=[{job('a', demo_data, 'add', 3, rnak=4)}]"])
 
@@ -112,8 +154,10 @@ def test_recipe_validates_before_touching_the_process_group(demo_data, tmp_path)
     from recipes.multi_lora_finetune import checked_run
 
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose("config", overrides=["hf_dir=null",
-                                           f"adapters=[{job('a', demo_data, 'add', 3, lr=-1)}]"])
+        cfg = compose(
+            "config",
+            overrides=["hf_dir=null", f"adapters=[{job('a', demo_data, 'add', 3, lr=-1)}]"],
+        )
     with pytest.raises(ConfigError, match=r"adapters.0.lr=-1(.0)?: must be > 0"):
         checked_run(cfg, str(tmp_path))  # before main imports and builds the trainer
 
@@ -122,39 +166,77 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _env() -> dict[str, str]:
-    launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    return {**{k: v for k, v in os.environ.items() if k not in launcher},
-            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    launcher = (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    )
+    return {
+        **{k: v for k, v in os.environ.items() if k not in launcher},
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+    }
 
 
 def test_the_recipe_module_and_config_checks_load_no_megatron_wandb_or_transformers():
-    code = ("import sys, recipes.multi_lora_finetune; "
-            "print([m for m in ('megatron', 'wandb', 'transformers') if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True,
-                         text=True, timeout=120)
+    code = (
+        "import sys, recipes.multi_lora_finetune; "
+        "print([m for m in ('megatron', 'wandb', 'transformers') if m in sys.modules])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("override,message", [
-    ("adapters.0.lr=-1", "adapters.0.lr=-1.0: must be > 0"),
-    ("trainer.max_steps=-1", "trainer.max_steps=-1: must be >= 1 (or null)")])
-def test_bad_config_under_torchrun_fails_clearly_and_leaves_the_run_dir_alone(demo_data, tmp_path,
-                                                                             override, message):
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("adapters.0.lr=-1", "adapters.0.lr=-1.0: must be > 0"),
+        ("trainer.max_steps=-1", "trainer.max_steps=-1: must be >= 1 (or null)"),
+    ],
+)
+def test_bad_config_under_torchrun_fails_clearly_and_leaves_the_run_dir_alone(
+    demo_data, tmp_path, override, message
+):
     run_dir = tmp_path / "run"
-    earlier = {run_dir / "hydra" / "config.yaml": "the earlier run's config\n",
-               run_dir / "multi_lora_finetune.log": "the earlier run's log\n",
-               run_dir / "metrics.jsonl": '{"step": 1}\n'}
+    earlier = {
+        run_dir / "hydra" / "config.yaml": "the earlier run's config\n",
+        run_dir / "multi_lora_finetune.log": "the earlier run's log\n",
+        run_dir / "metrics.jsonl": '{"step": 1}\n',
+    }
     for path, text in earlier.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     torchrun = str(Path(sys.executable).parent / "torchrun")
     start = time.perf_counter()
-    proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node=2",
-                           "recipes/multi_lora_finetune.py", f"run_dir={run_dir}", "hf_dir=null",
-                           f"data_dir={demo_data}", override],
-                          cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            torchrun,
+            "--standalone",
+            "--nproc-per-node=2",
+            "recipes/multi_lora_finetune.py",
+            f"run_dir={run_dir}",
+            "hf_dir=null",
+            f"data_dir={demo_data}",
+            override,
+        ],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
     seconds = time.perf_counter() - start
     assert proc.returncode != 0
     # The message is the last thing shown (the root cause of torchrun's summary), and the
@@ -167,24 +249,34 @@ def test_bad_config_under_torchrun_fails_clearly_and_leaves_the_run_dir_alone(de
     assert seconds < 60, f"a bad config took {seconds:.0f} s to report under torchrun"
 
 
-@pytest.mark.parametrize("override,message", [
-    ("adapters.0.max_steps=0", "adapters.0.max_steps=0: must be >= 1 (or null)"),
-    ("adapters.0.warmup_steps=-2", "adapters.0.warmup_steps=-2: must be >= 0"),
-    ("adapters.0.grad_clip=-1.0", "adapters.0.grad_clip=-1.0: must be >= 0.0 (or null)"),
-    ("adapters.0.dropout=1.0", "adapters.0.dropout=1.0: must be in [0.0, 1.0)"),
-    ("trainer.max_steps=-1", "trainer.max_steps=-1: must be >= 1 (or null)"),
-    ("trainer.max_seq_len=0", "trainer.max_seq_len=0: must be >= 2"),
-    ("trainer.precision=fp16", "trainer.precision='fp16': must be one of 'fp32', 'bf16'"),
-    ("lora.slots=0", "lora.slots=0: must be >= 1"),
-    ("lora.column_init_method=gaussian",
-     "lora.column_init_method='gaussian': must be one of 'xavier', 'kaiming', 'normal', 'zero'"),
-    ("lora.targets=[linear_qkv,linear_fc_2]",
-     "lora.targets.1='linear_fc_2': no such linear; did you mean 'linear_fc2'?"),
-    ("model.num_layers=0", "model.num_layers=0: must be >= 1"),
-    ("checkpoint.resume=atuo", "checkpoint.resume='atuo': not auto, never, or a checkpoint folder; "
-                               "did you mean 'auto'?"),
-    ("checkpoint.keep_last=-1", "checkpoint.keep_last=-1: must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("adapters.0.max_steps=0", "adapters.0.max_steps=0: must be >= 1 (or null)"),
+        ("adapters.0.warmup_steps=-2", "adapters.0.warmup_steps=-2: must be >= 0"),
+        ("adapters.0.grad_clip=-1.0", "adapters.0.grad_clip=-1.0: must be >= 0.0 (or null)"),
+        ("adapters.0.dropout=1.0", "adapters.0.dropout=1.0: must be in [0.0, 1.0)"),
+        ("trainer.max_steps=-1", "trainer.max_steps=-1: must be >= 1 (or null)"),
+        ("trainer.max_seq_len=0", "trainer.max_seq_len=0: must be >= 2"),
+        ("trainer.precision=fp16", "trainer.precision='fp16': must be one of 'fp32', 'bf16'"),
+        ("lora.slots=0", "lora.slots=0: must be >= 1"),
+        (
+            "lora.column_init_method=gaussian",
+            "lora.column_init_method='gaussian': must be one of 'xavier', 'kaiming', 'normal', 'zero'",
+        ),
+        (
+            "lora.targets=[linear_qkv,linear_fc_2]",
+            "lora.targets.1='linear_fc_2': no such linear; did you mean 'linear_fc2'?",
+        ),
+        ("model.num_layers=0", "model.num_layers=0: must be >= 1"),
+        (
+            "checkpoint.resume=atuo",
+            "checkpoint.resume='atuo': not auto, never, or a checkpoint folder; "
+            "did you mean 'auto'?",
+        ),
+        ("checkpoint.keep_last=-1", "checkpoint.keep_last=-1: must be >= 0"),
+    ],
+)
 def test_every_setting_is_checked_for_its_range(demo_data, override, message):
     """Each was accepted silently (a negative clip flipped the gradient) or caught only after
     the model was built; now the check names the key, the value and what is allowed."""
@@ -210,12 +302,15 @@ def test_the_run_dir_and_checkpoint_to_resume_are_checked(demo_data, tmp_path):
     jobs = f"adapters=[{job('a', demo_data, 'add', 3)}]"
     afile = tmp_path / "afile"
     afile.write_text("")
-    with pytest.raises(ConfigError, match=f"run_dir={afile}: is a file, not a folder"):
+    with pytest.raises(ConfigError, match=rf"run_dir={afile}: is a file, not a folder"):
         validate(compose_run(["hf_dir=null", jobs, f"run_dir={afile}"]))
     not_a_checkpoint = tmp_path / "some-folder"
     not_a_checkpoint.mkdir()
-    with pytest.raises(ConfigError, match=f"checkpoint.resume={not_a_checkpoint}: not a training "
-                                          "checkpoint .it has no state.pt."):
+    with pytest.raises(
+        ConfigError,
+        match=rf"checkpoint.resume={not_a_checkpoint}: not a training "
+        "checkpoint .it has no state.pt.",
+    ):
         validate(compose_run(["hf_dir=null", jobs, f"checkpoint.resume={not_a_checkpoint}"]))
 
 
@@ -240,18 +335,62 @@ def test_every_schema_field_has_a_range_rule_or_another_check():
     from megatron_multilora.models.gpt_config import GPTModelConfig
     from megatron_multilora.training import config as schema
 
-    elsewhere = {"name", "dataset", "eval_dataset", "init_from", "targets", "fully_sharded", "sp",
-                 "queue_jobs", "serve", "wandb_project", "plots", "resume", "hf_dir", "run_dir",
-                 "data_dir", "model", "lora", "adapters", "parallel", "trainer", "logging",
-                 "checkpoint", "columns", "dpo", "grpo", "scale_rewards", "reward",
-                 "api", "enabled", "host", "keys_file", "model_name"}
-    checked_by_model = {f.name for f in dataclasses.fields(GPTModelConfig)
-                        if f.type in ("str", "bool", "Optional[str]", "Optional[list[str]]")}
-    for cls in (schema.AdapterJob, schema.DPOSettings, schema.GRPOSettings, schema.LoRASettings, schema.ParallelSettings,
-                schema.TrainerSettings, schema.LoggingSettings, schema.CheckpointSettings,
-                schema.RunConfig, schema.APISettings, GPTModelConfig):
+    elsewhere = {
+        "name",
+        "dataset",
+        "eval_dataset",
+        "init_from",
+        "targets",
+        "fully_sharded",
+        "sp",
+        "queue_jobs",
+        "serve",
+        "wandb_project",
+        "plots",
+        "resume",
+        "hf_dir",
+        "run_dir",
+        "data_dir",
+        "model",
+        "lora",
+        "adapters",
+        "parallel",
+        "trainer",
+        "logging",
+        "checkpoint",
+        "columns",
+        "dpo",
+        "grpo",
+        "scale_rewards",
+        "reward",
+        "api",
+        "enabled",
+        "host",
+        "keys_file",
+        "model_name",
+    }
+    checked_by_model = {
+        f.name
+        for f in dataclasses.fields(GPTModelConfig)
+        if f.type in ("str", "bool", "Optional[str]", "Optional[list[str]]")
+    }
+    for cls in (
+        schema.AdapterJob,
+        schema.DPOSettings,
+        schema.GRPOSettings,
+        schema.LoRASettings,
+        schema.ParallelSettings,
+        schema.TrainerSettings,
+        schema.LoggingSettings,
+        schema.CheckpointSettings,
+        schema.RunConfig,
+        schema.APISettings,
+        GPTModelConfig,
+    ):
         for field in dataclasses.fields(cls):
-            if field.name in elsewhere or (cls is GPTModelConfig and field.name in checked_by_model):
+            if field.name in elsewhere or (
+                cls is GPTModelConfig and field.name in checked_by_model
+            ):
                 continue
             assert "rule" in field.metadata, f"{cls.__name__}.{field.name} has no range rule"
 
@@ -259,9 +398,20 @@ def test_every_schema_field_has_a_range_rule_or_another_check():
 def test_a_run_dir_that_is_a_file_is_refused_before_hydra_creates_it(demo_data, tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("not a folder\n")
-    proc = subprocess.run([sys.executable, "recipes/multi_lora_finetune.py", f"run_dir={afile}",
-                           "hf_dir=null", f"data_dir={demo_data}"], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "recipes/multi_lora_finetune.py",
+            f"run_dir={afile}",
+            "hf_dir=null",
+            f"data_dir={demo_data}",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert f"run_dir={afile}: is a file, not a folder" in proc.stderr
     assert "Traceback" not in proc.stderr and afile.read_text() == "not a folder\n"

@@ -11,20 +11,45 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_run_with_a_failed_job_exports_the_others_and_exits_non_zero(demo_data, tmp_path):
-    jobs = [job("rev", demo_data, "reverse", 3),
-            job("boom", demo_data, "sort", 3, lr=1e30, grad_clip="null")]
-    launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {**{k: v for k, v in os.environ.items() if k not in launcher},
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "recipes/multi_lora_finetune.py", *QUIET,
-                           f"run_dir={tmp_path / 'run'}", f"adapters=[{','.join(jobs)}]",
-                           "lora.slots=2", "trainer.max_bad_steps=1"],
-                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=300)
+    jobs = [
+        job("rev", demo_data, "reverse", 3),
+        job("boom", demo_data, "sort", 3, lr=1e30, grad_clip="null"),
+    ]
+    launcher = (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    )
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in launcher},
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "recipes/multi_lora_finetune.py",
+            *QUIET,
+            f"run_dir={tmp_path / 'run'}",
+            f"adapters=[{','.join(jobs)}]",
+            "lora.slots=2",
+            "trainer.max_bad_steps=1",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stdout[-3000:]
     lines = proc.stdout.strip().splitlines()
-    assert lines[-1] == ("1 of 2 adapter jobs FAILED: boom (see the job lines above); the others "
-                         "were exported"), proc.stdout[-3000:]
+    assert lines[-1] == (
+        "1 of 2 adapter jobs FAILED: boom (see the job lines above); the others were exported"
+    ), proc.stdout[-3000:]
     assert lines[-2].startswith("job boom: FAILED after ") and lines[-2].endswith("-> -")
     assert (tmp_path / "run" / "adapters" / "rev" / "adapter_config.json").is_file()
     assert not (tmp_path / "run" / "adapters" / "boom").exists()

@@ -11,11 +11,18 @@ from safetensors.torch import load_file
 
 from megatron_multilora.data.demo_tasks import write_post_training_datasets
 from megatron_multilora.training.checkpoints import read_training_state
-from megatron_multilora.training.report.metrics import read_metrics
 from megatron_multilora.training.checks import validate
 from megatron_multilora.training.config import ConfigError
+from megatron_multilora.training.report.metrics import read_metrics
 from tests.recipe.conftest import compose_run, run_in_process
-from tests.recipe.test_cli import TORCHRUN, finish, last_train_step, latest_step, launch, wait_for_step
+from tests.recipe.test_cli import (
+    TORCHRUN,
+    finish,
+    last_train_step,
+    latest_step,
+    launch,
+    wait_for_step,
+)
 from tests.recipe.test_serve import launch as launch_killed_at_end  # noqa: F401 (a fixture)
 
 STEPS = 6
@@ -37,32 +44,67 @@ def data(tmp_path_factory) -> Path:
 
 
 def fields(name: str, data: Path, **extra) -> str:
-    values = {"name": name, "rank": 8, "alpha": 16, "lr": 3e-3, "max_steps": STEPS,
-              "warmup_steps": 1, **extra}
+    values = {
+        "name": name,
+        "rank": 8,
+        "alpha": 16,
+        "lr": 3e-3,
+        "max_steps": STEPS,
+        "warmup_steps": 1,
+        **extra,
+    }
     return "{" + ",".join(f"{k}:{v}" for k, v in values.items()) + "}"
 
 
 def sft(data: Path) -> str:
-    return fields("sft", data, dataset=f"{data}/add.train.jsonl",
-                  eval_dataset=f"{data}/add.eval.jsonl", global_batch_size=4)
+    return fields(
+        "sft",
+        data,
+        dataset=f"{data}/add.train.jsonl",
+        eval_dataset=f"{data}/add.eval.jsonl",
+        global_batch_size=4,
+    )
 
 
 def dpo(data: Path) -> str:
-    return fields("dpo", data, objective="dpo", dataset=f"{data}/reverse.pairs.train.jsonl",
-                  eval_dataset=f"{data}/reverse.pairs.eval.jsonl", global_batch_size=4,
-                  rank=4, alpha=8, lr=1e-2, dpo="{beta:0.5}")
+    return fields(
+        "dpo",
+        data,
+        objective="dpo",
+        dataset=f"{data}/reverse.pairs.train.jsonl",
+        eval_dataset=f"{data}/reverse.pairs.eval.jsonl",
+        global_batch_size=4,
+        rank=4,
+        alpha=8,
+        lr=1e-2,
+        dpo="{beta:0.5}",
+    )
 
 
 def grpo(data: Path, reward: str = "tests.recipe.rewards:letters", name: str = "grpo") -> str:
-    return fields(name, data, objective="grpo", dataset=f"{data}/sort.prompts.train.jsonl",
-                  eval_dataset=f"{data}/sort.prompts.eval.jsonl", global_batch_size=2, lr=1e-2,
-                  grpo=f"{{group_size:4,max_new_tokens:6,kl_coef:0.05,inner_steps:2,"
-                       f"temperature:1.0,top_p:0.9,reward:'{reward}'}}")
+    return fields(
+        name,
+        data,
+        objective="grpo",
+        dataset=f"{data}/sort.prompts.train.jsonl",
+        eval_dataset=f"{data}/sort.prompts.eval.jsonl",
+        global_batch_size=2,
+        lr=1e-2,
+        grpo=f"{{group_size:4,max_new_tokens:6,kl_coef:0.05,inner_steps:2,"
+        f"temperature:1.0,top_p:0.9,reward:'{reward}'}}",
+    )
 
 
-OVERRIDES = ["lora.slots=3", "model.hidden_size=64", "model.ffn_hidden_size=128",
-             "trainer.eval_interval=3", "trainer.eval_samples=4", "trainer.max_new_tokens=6",
-             "checkpoint.save_interval=4", "checkpoint.resume=never"]
+OVERRIDES = [
+    "lora.slots=3",
+    "model.hidden_size=64",
+    "model.ffn_hidden_size=128",
+    "trainer.eval_interval=3",
+    "trainer.eval_samples=4",
+    "trainer.max_new_tokens=6",
+    "checkpoint.save_interval=4",
+    "checkpoint.resume=never",
+]
 
 
 def train_records(run_dir: Path) -> dict[str, list[dict]]:
@@ -70,8 +112,9 @@ def train_records(run_dir: Path) -> dict[str, list[dict]]:
     for record in read_metrics(run_dir / "metrics.jsonl"):
         if record["kind"] == "train":
             for name, metrics in record["adapters"].items():
-                out.setdefault(name, []).append({k: v for k, v in metrics.items()
-                                                 if k not in TIMING})
+                out.setdefault(name, []).append(
+                    {k: v for k, v in metrics.items() if k not in TIMING}
+                )
     return out
 
 
@@ -85,7 +128,9 @@ def assert_same_records(want: list[dict], got: list[dict], what: str) -> None:
             # rewards and margins are differences of log-prob sums (~10): float32 rounding of
             # those, not the value's own size, bounds how equal they can be
             scale = max(abs(w[key]), 0.1)
-            assert abs(w[key] - g[key]) <= REL * scale, f"{what} step {step} {key}: {w[key]} vs {g[key]}"
+            assert abs(w[key] - g[key]) <= REL * scale, (
+                f"{what} step {step} {key}: {w[key]} vs {g[key]}"
+            )
 
 
 def rollout(run_dir: Path, step: int, name: str) -> dict:
@@ -104,9 +149,13 @@ def runs(data, tmp_path_factory) -> dict[str, Path]:
     and together on the tiny MoE model."""
     tmp = tmp_path_factory.mktemp("runs")
     out = {}
-    for what, jobs, extra in (("mixed", mixed(data), ["logging.plots=true"]), ("sft", [sft(data)], []),
-                              ("dpo", [dpo(data)], []), ("grpo", [grpo(data)], []),
-                              ("moe", mixed(data), ["model=tiny_moe"])):
+    for what, jobs, extra in (
+        ("mixed", mixed(data), ["logging.plots=true"]),
+        ("sft", [sft(data)], []),
+        ("dpo", [dpo(data)], []),
+        ("grpo", [grpo(data)], []),
+        ("moe", mixed(data), ["model=tiny_moe"]),
+    ):
         run_in_process(tmp / what, jobs, [*OVERRIDES, *extra])
         out[what] = tmp / what
     return out
@@ -132,30 +181,51 @@ def test_grpo_samples_do_not_depend_on_the_other_jobs(runs):
     assert len(set(alone["rewards"])) > 1  # the rewards vary: the advantages are not all zero
 
 
-def torchrun(run_dir: Path, data: Path, layout: str, extra: list[str] = (),
-             reward: str = "tests.recipe.rewards:letters") -> list[str]:
-    return [TORCHRUN, "--standalone", "--nproc-per-node=2", "--local-ranks-filter=0",
-            "recipes/multi_lora_finetune.py", f"run_dir={run_dir}", "hf_dir=null",
-            f"adapters=[{','.join(mixed(data, reward))}]", f"parallel={layout}",
-            "trainer.log_interval=1", "trainer.micro_batch_tokens=512", "logging.wandb_mode=disabled",
-            "logging.plots=false", *OVERRIDES, *extra]
+def torchrun(
+    run_dir: Path,
+    data: Path,
+    layout: str,
+    extra: list[str] = (),
+    reward: str = "tests.recipe.rewards:letters",
+) -> list[str]:
+    return [
+        TORCHRUN,
+        "--standalone",
+        "--nproc-per-node=2",
+        "--local-ranks-filter=0",
+        "recipes/multi_lora_finetune.py",
+        f"run_dir={run_dir}",
+        "hf_dir=null",
+        f"adapters=[{','.join(mixed(data, reward))}]",
+        f"parallel={layout}",
+        "trainer.log_interval=1",
+        "trainer.micro_batch_tokens=512",
+        "logging.wandb_mode=disabled",
+        "logging.plots=false",
+        *OVERRIDES,
+        *extra,
+    ]
 
 
-@pytest.mark.parametrize("layout,reference", [("dp", "mixed"), ("tp2", "mixed"), ("pp2", "mixed"),
-                                              ("ep2", "moe")])
+@pytest.mark.parametrize(
+    "layout,reference", [("dp", "mixed"), ("tp2", "mixed"), ("pp2", "mixed"), ("ep2", "moe")]
+)
 def test_every_layout_trains_each_objective_as_one_process(runs, data, tmp_path, layout, reference):
     """Two processes (data, tensor, pipeline or expert parallel): the same samples, losses,
     metrics and exports as one process; under data parallelism each job as if alone."""
     extra = ["model=tiny_moe"] if layout == "ep2" else []
-    finish(launch(torchrun(tmp_path / "run", data, layout, extra), tmp_path / "log"), tmp_path / "log")
+    finish(
+        launch(torchrun(tmp_path / "run", data, layout, extra), tmp_path / "log"), tmp_path / "log"
+    )
     got, want = train_records(tmp_path / "run"), train_records(runs[reference])
     for name in ("sft", "dpo", "grpo"):
         assert_same_records(want[name], got[name], f"{layout} {name}")
         if layout == "dp":
             assert_same_records(train_records(runs[name])[name], got[name], f"dp alone {name}")
     saved = rollout(tmp_path / "run", 4, "grpo")
-    assert [e["tokens"] for e in saved["examples"]] == \
-        [e["tokens"] for e in rollout(runs[reference], 4, "grpo")["examples"]]
+    assert [e["tokens"] for e in saved["examples"]] == [
+        e["tokens"] for e in rollout(runs[reference], 4, "grpo")["examples"]
+    ]
 
 
 def test_sigkill_of_every_worker_then_resume_repeats_the_trajectories(data, tmp_path):
@@ -167,8 +237,10 @@ def test_sigkill_of_every_worker_then_resume_repeats_the_trajectories(data, tmp_
     import psutil
 
     slow, every3 = "tests.recipe.rewards:slow_letters", ["checkpoint.save_interval=3"]
-    finish(launch(torchrun(tmp_path / "whole", data, "dp", every3, slow), tmp_path / "whole.log"),
-           tmp_path / "whole.log")
+    finish(
+        launch(torchrun(tmp_path / "whole", data, "dp", every3, slow), tmp_path / "whole.log"),
+        tmp_path / "whole.log",
+    )
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     proc = launch(torchrun(run_dir, data, "dp", every3, slow), log)
     processes = [psutil.Process(proc.pid), *wait_for_step(proc, run_dir, 4, log)]
@@ -179,18 +251,21 @@ def test_sigkill_of_every_worker_then_resume_repeats_the_trajectories(data, tmp_
     assert not alive, f"still running after SIGKILL: {alive}"
     assert latest_step(run_dir) == 3 and 3 < last_train_step(run_dir) < STEPS
     assert rollout(run_dir, 3, "grpo")["index"] == 1  # saved mid-rollout
-    out = finish(launch(torchrun(run_dir, data, "dp", [*every3, "checkpoint.resume=auto"], slow),
-                        log), log)
+    out = finish(
+        launch(torchrun(run_dir, data, "dp", [*every3, "checkpoint.resume=auto"], slow), log), log
+    )
     assert "starting at step 3" in out
     want, got = train_records(tmp_path / "whole"), train_records(run_dir)
     for name in ("sft", "dpo", "grpo"):
         # steps the killed run logged after 3 may be there twice: the resumed run's are last
-        assert_same_records(want[name], got[name][:3] + got[name][-(STEPS - 3):], name)
+        assert_same_records(want[name], got[name][:3] + got[name][-(STEPS - 3) :], name)
 
 
 def test_objective_metrics_are_reported(runs):
     records = train_records(runs["mixed"])
-    assert {"chosen_reward", "rejected_reward", "margin", "preference_accuracy"} <= records["dpo"][0].keys()
+    assert {"chosen_reward", "rejected_reward", "margin", "preference_accuracy"} <= records["dpo"][
+        0
+    ].keys()
     assert {"reward_mean", "reward_std", "kl", "clip_fraction"} <= records["grpo"][0].keys()
     assert records["grpo"][-1]["kl"] > 0  # the adapter has moved away from the base
     assert records["dpo"][-1]["margin"] > records["dpo"][0]["margin"]
@@ -208,11 +283,16 @@ def test_objective_metrics_are_reported(runs):
     assert (runs["mixed"] / "reward_curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize("reward,why", [("raises", "raised RuntimeError: the grader is down"),
-                                        ("not_a_number", "returned 'high'")])
+@pytest.mark.parametrize(
+    "reward,why",
+    [("raises", "raised RuntimeError: the grader is down"), ("not_a_number", "returned 'high'")],
+)
 def test_a_failing_reward_ends_its_job_alone(data, tmp_path, capsys, reward, why):
-    _, trainer = run_in_process(tmp_path / "run", [sft(data), grpo(data, f"tests.recipe.rewards:{reward}", "bad")],
-                                OVERRIDES)
+    _, trainer = run_in_process(
+        tmp_path / "run",
+        [sft(data), grpo(data, f"tests.recipe.rewards:{reward}", "bad")],
+        OVERRIDES,
+    )
     out = capsys.readouterr().out
     jobs = {job.name: job for job in trainer.board.jobs}
     assert jobs["bad"].status == "failed" and why in jobs["bad"].reason
@@ -231,57 +311,102 @@ def problems(jobs: list[str], *overrides: str) -> str:
 
 def test_bad_preference_and_prompt_records_are_named_by_file_and_line(data, tmp_path):
     pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text('{"prompt": "a=", "chosen": "b", "rejected": "c"}\n'
-                     '{"prompt": "a=", "chosen": "b"}\n')
+    pairs.write_text(
+        '{"prompt": "a=", "chosen": "b", "rejected": "c"}\n{"prompt": "a=", "chosen": "b"}\n'
+    )
     msg = problems([fields("p", data, objective="dpo", dataset=pairs, global_batch_size=2)])
     assert f"adapters.0.dataset: {pairs}:2: missing 'rejected'" in msg
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "a=", "answer": "b"}\n{"prompt": "c="}\n')
     msg = problems([fields("g", data, objective="grpo", dataset=prompts, global_batch_size=2)])
-    assert (f"adapters.0.dataset: {prompts}: record 1 has no \"answer\", which "
-            "grpo.reward=exact_match compares the completion with") in msg
+    assert (
+        f'adapters.0.dataset: {prompts}: record 1 has no "answer", which '
+        "grpo.reward=exact_match compares the completion with"
+    ) in msg
     # a column mapping makes the same file readable
     columns = tmp_path / "columns.jsonl"
     columns.write_text('{"question": "a=", "solution": "b"}\n')
-    validate(compose_run(["hf_dir=null", "adapters=[" + fields(
-        "g", data, objective="grpo", dataset=columns, global_batch_size=2,
-        columns="{prompt:question,answer:solution}") + "]"]))
+    validate(
+        compose_run(
+            [
+                "hf_dir=null",
+                "adapters=["
+                + fields(
+                    "g",
+                    data,
+                    objective="grpo",
+                    dataset=columns,
+                    global_batch_size=2,
+                    columns="{prompt:question,answer:solution}",
+                )
+                + "]",
+            ]
+        )
+    )
 
 
-@pytest.mark.parametrize("setting,message", [
-    ("group_size:1", "adapters.0.grpo.group_size=1: must be >= 2"),
-    ("top_p:0", "adapters.0.grpo.top_p=0.0: must be in (0, 1]"),
-    ("clip_low:1.5", "adapters.0.grpo.clip_low=1.5: must be in [0.0, 1.0)"),
-    ("aggregation:sum", "adapters.0.grpo.aggregation='sum': must be one of 'token_mean', "
-                        "'sequence_mean'"),
-    ("reward:'nosuch.module:score'", "adapters.0.grpo.reward='nosuch.module:score': cannot import "
-                                     "nosuch.module (ModuleNotFoundError"),
-    ("reward:'tests.recipe.rewards:nothing'", "tests.recipe.rewards has no function 'nothing'"),
-    ("max_new_tokens:64", "adapters.0.grpo.max_new_tokens=64: must be below "
-                          "trainer.max_seq_len=64"),
-])
+@pytest.mark.parametrize(
+    "setting,message",
+    [
+        ("group_size:1", "adapters.0.grpo.group_size=1: must be >= 2"),
+        ("top_p:0", "adapters.0.grpo.top_p=0.0: must be in (0, 1]"),
+        ("clip_low:1.5", "adapters.0.grpo.clip_low=1.5: must be in [0.0, 1.0)"),
+        (
+            "aggregation:sum",
+            "adapters.0.grpo.aggregation='sum': must be one of 'token_mean', 'sequence_mean'",
+        ),
+        (
+            "reward:'nosuch.module:score'",
+            "adapters.0.grpo.reward='nosuch.module:score': cannot import "
+            "nosuch.module (ModuleNotFoundError",
+        ),
+        ("reward:'tests.recipe.rewards:nothing'", "tests.recipe.rewards has no function 'nothing'"),
+        (
+            "max_new_tokens:64",
+            "adapters.0.grpo.max_new_tokens=64: must be below trainer.max_seq_len=64",
+        ),
+    ],
+)
 def test_grpo_settings_out_of_range_are_refused(data, setting, message):
-    job = fields("g", data, objective="grpo", dataset=f"{data}/sort.prompts.train.jsonl",
-                 global_batch_size=2, grpo="{" + setting + "}")
+    job = fields(
+        "g",
+        data,
+        objective="grpo",
+        dataset=f"{data}/sort.prompts.train.jsonl",
+        global_batch_size=2,
+        grpo="{" + setting + "}",
+    )
     assert message in problems([job], "trainer.max_seq_len=64")
 
 
 def test_an_unknown_objective_is_refused(data):
-    msg = problems([fields("x", data, objective="ppo", dataset=f"{data}/add.train.jsonl",
-                           global_batch_size=2)])
-    assert msg.endswith("\n  - adapters.0.objective='ppo': must be one of 'sft', 'dpo', 'grpo'"), msg
+    msg = problems(
+        [fields("x", data, objective="ppo", dataset=f"{data}/add.train.jsonl", global_batch_size=2)]
+    )
+    assert msg.endswith("\n  - adapters.0.objective='ppo': must be one of 'sft', 'dpo', 'grpo'"), (
+        msg
+    )
 
 
 def test_dpo_settings_out_of_range_are_refused(data):
-    job = fields("p", data, objective="dpo", dataset=f"{data}/reverse.pairs.train.jsonl",
-                 global_batch_size=2, dpo="{beta:0,loss_type:hinge}")
+    job = fields(
+        "p",
+        data,
+        objective="dpo",
+        dataset=f"{data}/reverse.pairs.train.jsonl",
+        global_batch_size=2,
+        dpo="{beta:0,loss_type:hinge}",
+    )
     msg = problems([job])
     assert "adapters.0.dpo.beta=0.0: must be > 0" in msg
     assert "adapters.0.dpo.loss_type='hinge': must be one of 'sigmoid', 'ipo'" in msg
 
 
-def test_dpo_and_grpo_jobs_submitted_to_a_serving_trainer_train_and_export(data, tmp_path,
-                                                                          launch_killed_at_end):  # noqa: F811
+def test_dpo_and_grpo_jobs_submitted_to_a_serving_trainer_train_and_export(
+    data,
+    tmp_path,
+    launch_killed_at_end,  # noqa: F811 (the fixture imported above)
+):
     """`mmlora submit` of a DPO and a GRPO job (YAML specs) into a serving 2-process run:
     both train next to its SFT job and export; a DPO spec whose data lacks "rejected" is
     refused by `mmlora submit` itself, naming the file and line."""
@@ -291,29 +416,65 @@ def test_dpo_and_grpo_jobs_submitted_to_a_serving_trainer_train_and_export(data,
     from tests.recipe.test_serve import mmlora, status, submit, wait_for
 
     run, log = tmp_path / "run", tmp_path / "run.log"
-    proc = launch_killed_at_end(serve_command(run, [sft(data).replace(f"max_steps:{STEPS}", "max_steps:40")],
-                                ["trainer.serve=true", "lora.slots=3"]), log)
+    proc = launch_killed_at_end(
+        serve_command(
+            run,
+            [sft(data).replace(f"max_steps:{STEPS}", "max_steps:40")],
+            ["trainer.serve=true", "lora.slots=3"],
+        ),
+        log,
+    )
     wait_for(lambda: last_train_step(run) >= 1, proc, log)
-    specs = {"pdpo": {"objective": "dpo", "dataset": f"{data}/reverse.pairs.train.jsonl",
-                      "global_batch_size": 4, "dpo": {"beta": 0.5}},
-             "pgrpo": {"objective": "grpo", "dataset": f"{data}/sort.prompts.train.jsonl",
-                       "global_batch_size": 2, "grpo": {"group_size": 4, "max_new_tokens": 6,
-                                                        "reward": "tests.recipe.rewards:letters"}}}
+    specs = {
+        "pdpo": {
+            "objective": "dpo",
+            "dataset": f"{data}/reverse.pairs.train.jsonl",
+            "global_batch_size": 4,
+            "dpo": {"beta": 0.5},
+        },
+        "pgrpo": {
+            "objective": "grpo",
+            "dataset": f"{data}/sort.prompts.train.jsonl",
+            "global_batch_size": 2,
+            "grpo": {
+                "group_size": 4,
+                "max_new_tokens": 6,
+                "reward": "tests.recipe.rewards:letters",
+            },
+        },
+    }
     for name, extra in specs.items():
         path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump({"name": name, "rank": 4, "alpha": 8, "lr": 1e-2,
-                                        "max_steps": 4, **extra}))
+        path.write_text(
+            yaml.safe_dump(
+                {"name": name, "rank": 4, "alpha": 8, "lr": 1e-2, "max_steps": 4, **extra}
+            )
+        )
         submit(run, path)
     bad_data = tmp_path / "bad.jsonl"
     bad_data.write_text('{"prompt": "a=", "chosen": "b"}\n')
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump({"name": "bad", "objective": "dpo", "dataset": str(bad_data),
-                                   "max_steps": 2, "global_batch_size": 2}))
+    bad.write_text(
+        yaml.safe_dump(
+            {
+                "name": "bad",
+                "objective": "dpo",
+                "dataset": str(bad_data),
+                "max_steps": 2,
+                "global_batch_size": 2,
+            }
+        )
+    )
     refused = mmlora("submit", "--run-dir", run, bad)
     assert refused.returncode != 0 and f"{bad_data}:1: missing 'rejected'" in refused.stderr
-    wait_for(lambda: {j["name"]: j["status"] for j in status(run)["jobs"]}.get("pgrpo") == "done"
-             and {j["name"]: j["status"] for j in status(run)["jobs"]}.get("pdpo") == "done",
-             proc, log)
+    wait_for(
+        lambda: (
+            {j["name"]: j["status"] for j in status(run)["jobs"]}.get("pgrpo") == "done"
+            and {j["name"]: j["status"] for j in status(run)["jobs"]}.get("pdpo") == "done"
+        ),
+        proc,
+        log,
+    )
     assert mmlora("stop", "--run-dir", run).returncode == 0
     finish(proc, log)
     records = train_records(run)

@@ -28,31 +28,50 @@ from megatron_multilora.models.tiny_hf import write_tiny_llama
 from tests.recipe.conftest import job, losses_by_adapter
 from tests.recipe.test_cli import TORCHRUN, finish, launch
 
-LOSS_RTOL = 1e-6      # per-step train loss, relative (measured <= 1.1e-8)
-TENSOR_RTOL = 1e-5    # ||a - b|| / ||a|| per tensor (measured <= 2.8e-7)
-NUM_LAYERS = 4        # two per stage: stage 1's local layers 0, 1 are global layers 2, 3
+LOSS_RTOL = 1e-6  # per-step train loss, relative (measured <= 1.1e-8)
+TENSOR_RTOL = 1e-5  # ||a - b|| / ||a|| per tensor (measured <= 2.8e-7)
+NUM_LAYERS = 4  # two per stage: stage 1's local layers 0, 1 are global layers 2, 3
 STEPS = {"rev": 4, "add": 6, "srt": 4}  # srt takes rev's slot 0 after step 4
 DONE_AT = {"rev": 4, "add": 6, "srt": 8}  # the trainer step after which each job is exported
-TOTAL, SAVE_EVERY = 8, 3                 # checkpoints after steps 3, 6 and 8
-LAYOUTS = {"pp2": 2, "pp1": 1}           # name -> processes
+TOTAL, SAVE_EVERY = 8, 3  # checkpoints after steps 3, 6 and 8
+LAYOUTS = {"pp2": 2, "pp1": 1}  # name -> processes
 PARALLEL = {"pp2": "parallel=pp2", "pp1": "parallel=dp"}
 
 
 def dense_jobs(demo: Path) -> list[str]:
     # different ranks, warmup and schedules: a resume that restored the wrong lr or rank shows
-    return [job("rev", demo, "reverse", STEPS["rev"], warmup_steps=2, dropout=0.0),
-            job("add", demo, "add", STEPS["add"], rank=4, alpha=8, schedule="linear", dropout=0.0),
-            job("srt", demo, "sort", STEPS["srt"], dropout=0.0)]
+    return [
+        job("rev", demo, "reverse", STEPS["rev"], warmup_steps=2, dropout=0.0),
+        job("add", demo, "add", STEPS["add"], rank=4, alpha=8, schedule="linear", dropout=0.0),
+        job("srt", demo, "sort", STEPS["srt"], dropout=0.0),
+    ]
 
 
-def command(run_dir: Path, layout: str, jobs: list[str], base: list[str],
-            extra: list[str] = ()) -> list[str]:
-    return [TORCHRUN, "--standalone", f"--nproc-per-node={LAYOUTS[layout]}", "--local-ranks-filter=0",
-            "recipes/multi_lora_finetune.py", f"run_dir={run_dir}", *base, PARALLEL[layout],
-            f"adapters=[{','.join(jobs)}]", "lora.slots=2", "trainer.log_interval=1",
-            "trainer.eval_interval=0", "trainer.micro_batch_tokens=512", "trainer.eval_samples=4",
-            "trainer.max_new_tokens=4", f"checkpoint.save_interval={SAVE_EVERY}",
-            "checkpoint.keep_last=5", "logging.wandb_mode=disabled", "logging.plots=false", *extra]
+def command(
+    run_dir: Path, layout: str, jobs: list[str], base: list[str], extra: list[str] = ()
+) -> list[str]:
+    return [
+        TORCHRUN,
+        "--standalone",
+        f"--nproc-per-node={LAYOUTS[layout]}",
+        "--local-ranks-filter=0",
+        "recipes/multi_lora_finetune.py",
+        f"run_dir={run_dir}",
+        *base,
+        PARALLEL[layout],
+        f"adapters=[{','.join(jobs)}]",
+        "lora.slots=2",
+        "trainer.log_interval=1",
+        "trainer.eval_interval=0",
+        "trainer.micro_batch_tokens=512",
+        "trainer.eval_samples=4",
+        "trainer.max_new_tokens=4",
+        f"checkpoint.save_interval={SAVE_EVERY}",
+        "checkpoint.keep_last=5",
+        "logging.wandb_mode=disabled",
+        "logging.plots=false",
+        *extra,
+    ]
 
 
 def run(cmd: list[str], log: Path) -> str:
@@ -62,8 +81,11 @@ def run(cmd: list[str], log: Path) -> str:
 def start_line(out: str) -> re.Match:
     """The run's start line: world, pp, dp, precision, trainable parameters per rank, first
     step."""
-    found = re.search(r"world (\d+) \(tp 1, sp False, ep 1, pp (\d+), dp 1\), fp32, ([\d,]+) trainable "
-                      r"parameters per rank, starting at step (\d+)", out)
+    found = re.search(
+        r"world (\d+) \(tp 1, sp False, ep 1, pp (\d+), dp 1\), fp32, ([\d,]+) trainable "
+        r"parameters per rank, starting at step (\d+)",
+        out,
+    )
     assert found, f"no start line:\n{out[-3000:]}"
     return found
 
@@ -84,7 +106,9 @@ def assert_same_tensors(want: Path, got: Path) -> dict[str, torch.Tensor]:
     for k in a:
         assert a[k].shape == b[k].shape, (got, k)
         assert a[k].norm() > 0 or k.startswith("exp_avg"), f"{want}: {k} is all zeros"
-        assert rel_diff(a[k], b[k]) < TENSOR_RTOL, f"{got}: {k} differs by {rel_diff(a[k], b[k]):.2e}"
+        assert rel_diff(a[k], b[k]) < TENSOR_RTOL, (
+            f"{got}: {k} differs by {rel_diff(a[k], b[k]):.2e}"
+        )
     return a
 
 
@@ -99,8 +123,10 @@ def assert_same_losses(want: dict, got: dict, what: str) -> None:
 def assert_same_exports(want: Path, got: Path) -> None:
     """adapters/<job> and peft/<job> of two runs: the same files, configs and tensors; the
     tensors cover every global layer."""
-    for folder, tensors, layer in (("adapters", "adapter.safetensors", "decoder.layers.{}."),
-                                   ("peft", "adapter_model.safetensors", "model.layers.{}.")):
+    for folder, tensors, layer in (
+        ("adapters", "adapter.safetensors", "decoder.layers.{}."),
+        ("peft", "adapter_model.safetensors", "model.layers.{}."),
+    ):
         for name in STEPS:
             a, b = want / folder / name, got / folder / name
             assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir()), b
@@ -113,8 +139,9 @@ def assert_same_exports(want: Path, got: Path) -> None:
 
 @pytest.fixture(scope="module")
 def hf_base(tmp_path_factory) -> Path:
-    return write_tiny_llama(tmp_path_factory.mktemp("base") / "tiny-llama", hidden_size=64,
-                            num_layers=NUM_LAYERS)
+    return write_tiny_llama(
+        tmp_path_factory.mktemp("base") / "tiny-llama", hidden_size=64, num_layers=NUM_LAYERS
+    )
 
 
 @pytest.fixture(scope="module")
@@ -123,14 +150,23 @@ def runs(demo_data, hf_base, tmp_path_factory) -> dict[str, tuple[Path, str]]:
     tmp = tmp_path_factory.mktemp("pipeline")
     out = {}
     for layout in LAYOUTS:
-        out[layout] = (tmp / layout, run(command(tmp / layout, layout, dense_jobs(demo_data),
-                                                 [f"hf_dir={hf_base}"]), tmp / f"{layout}.log"))
+        out[layout] = (
+            tmp / layout,
+            run(
+                command(tmp / layout, layout, dense_jobs(demo_data), [f"hf_dir={hf_base}"]),
+                tmp / f"{layout}.log",
+            ),
+        )
     return out
 
 
 def test_pp2_run_splits_the_model_and_hands_a_slot_on(runs):
     pp2, pp1 = start_line(runs["pp2"][1]), start_line(runs["pp1"][1])
-    assert (pp2[1], pp2[2], pp2[4]) == ("2", "2", "0") and (pp1[1], pp1[2], pp1[4]) == ("1", "1", "0")
+    assert (pp2[1], pp2[2], pp2[4]) == ("2", "2", "0") and (pp1[1], pp1[2], pp1[4]) == (
+        "1",
+        "1",
+        "0",
+    )
     # each stage holds half of the layers, so half of the adapter parameters
     assert 2 * int(pp2[3].replace(",", "")) == int(pp1[3].replace(",", ""))
     for _, out in runs.values():
@@ -142,8 +178,9 @@ def test_pp2_run_splits_the_model_and_hands_a_slot_on(runs):
 
 
 def test_pp2_losses_equal_pp1(runs):
-    assert_same_losses(losses_by_adapter(runs["pp1"][0]), losses_by_adapter(runs["pp2"][0]),
-                       "PP=2 vs PP=1")
+    assert_same_losses(
+        losses_by_adapter(runs["pp1"][0]), losses_by_adapter(runs["pp2"][0]), "PP=2 vs PP=1"
+    )
 
 
 def test_pp2_adapter_and_peft_exports_equal_pp1(runs):
@@ -162,15 +199,18 @@ def test_checkpoints_hold_the_same_tensors_under_both_layouts(runs):
         assert a["trainer"]["queue"] == b["trainer"]["queue"]
         for slot in a["slots"]:
             assert a["slots"][slot]["rank"] == b["slots"][slot]["rank"]
-            keys = assert_same_tensors(pp1 / folder / f"slot{slot}.safetensors",
-                                       pp2 / folder / f"slot{slot}.safetensors")
+            keys = assert_same_tensors(
+                pp1 / folder / f"slot{slot}.safetensors", pp2 / folder / f"slot{slot}.safetensors"
+            )
             assert any(k.startswith(f"param/decoder.layers.{NUM_LAYERS - 1}.") for k in keys)
 
 
-@pytest.mark.parametrize("source,target,step", [("pp2", "pp1", SAVE_EVERY),
-                                                ("pp1", "pp2", 2 * SAVE_EVERY)])
-def test_checkpoint_resumes_under_the_other_layout(source, target, step, runs, demo_data, hf_base,
-                                                   tmp_path):
+@pytest.mark.parametrize(
+    "source,target,step", [("pp2", "pp1", SAVE_EVERY), ("pp1", "pp2", 2 * SAVE_EVERY)]
+)
+def test_checkpoint_resumes_under_the_other_layout(
+    source, target, step, runs, demo_data, hf_base, tmp_path
+):
     """From step 3 (rev and add training, srt queued: the hand-off happens after the resume)
     or step 6 (srt two steps into rev's old slot, add just done)."""
     assert 0 < step < TOTAL
@@ -181,8 +221,16 @@ def test_checkpoint_resumes_under_the_other_layout(source, target, step, runs, d
             for folder in ("adapters", "peft"):
                 shutil.rmtree(run_dir / folder / name)
     checkpoint = run_dir / "checkpoints" / f"step_{step:08d}"
-    out = run(command(run_dir, target, dense_jobs(demo_data), [f"hf_dir={hf_base}"],
-                      [f"checkpoint.resume={checkpoint}"]), tmp_path / "resume.log")
+    out = run(
+        command(
+            run_dir,
+            target,
+            dense_jobs(demo_data),
+            [f"hf_dir={hf_base}"],
+            [f"checkpoint.resume={checkpoint}"],
+        ),
+        tmp_path / "resume.log",
+    )
 
     assert f"resumed from {checkpoint} at step {step}" in out
     line = start_line(out)
@@ -195,19 +243,31 @@ def test_checkpoint_resumes_under_the_other_layout(source, target, step, runs, d
 
     got = losses_by_adapter(run_dir)  # records up to the checkpoint kept, later ones logged once
     for layout, (whole, _) in runs.items():
-        assert_same_losses(losses_by_adapter(whole), got, f"{source} step {step} -> {target} vs {layout}")
+        assert_same_losses(
+            losses_by_adapter(whole), got, f"{source} step {step} -> {target} vs {layout}"
+        )
         assert_same_exports(whole, run_dir)
 
 
 def test_moe_base_trains_the_same_at_pp2(demo_data, tmp_path):
     """A tiny MoE built from its config (its init does not depend on the layout), two layers
     split over two stages."""
-    jobs = [job("rev", demo_data, "reverse", 3, dropout=0.0),
-            job("add", demo_data, "add", 3, rank=4, alpha=8, dropout=0.0)]
+    jobs = [
+        job("rev", demo_data, "reverse", 3, dropout=0.0),
+        job("add", demo_data, "add", 3, rank=4, alpha=8, dropout=0.0),
+    ]
     losses = {}
     for layout in LAYOUTS:
-        out = run(command(tmp_path / layout, layout, jobs, ["hf_dir=null", "model=tiny_moe"],
-                          ["checkpoint.save_interval=null"]), tmp_path / f"{layout}.log")
+        out = run(
+            command(
+                tmp_path / layout,
+                layout,
+                jobs,
+                ["hf_dir=null", "model=tiny_moe"],
+                ["checkpoint.save_interval=null"],
+            ),
+            tmp_path / f"{layout}.log",
+        )
         assert start_line(out)[2] == str(LAYOUTS[layout])
         assert "rev: done after 3 steps" in out and "add: done after 3 steps" in out
         losses[layout] = losses_by_adapter(tmp_path / layout)
@@ -215,5 +275,7 @@ def test_moe_base_trains_the_same_at_pp2(demo_data, tmp_path):
         assert len(losses["pp1"][name]) == len(losses["pp2"][name]) == 3
         worst = max(abs(g - w) / abs(w) for g, w in zip(losses["pp2"][name], losses["pp1"][name]))
         assert worst < LOSS_RTOL, f"MoE {name}: PP=2 losses differ by {worst:.2e} relative"
-        assert_same_tensors(tmp_path / "pp1" / "adapters" / name / "adapter.safetensors",
-                            tmp_path / "pp2" / "adapters" / name / "adapter.safetensors")
+        assert_same_tensors(
+            tmp_path / "pp1" / "adapters" / name / "adapter.safetensors",
+            tmp_path / "pp2" / "adapters" / name / "adapter.safetensors",
+        )

@@ -12,11 +12,11 @@ import pytest
 
 import megatron_multilora as mm
 from megatron_multilora.checkpoint.files import verify_manifest
-from megatron_multilora.training.serve import inbox
 from megatron_multilora.training.checkpoints import CheckpointError
 from megatron_multilora.training.report.metrics import read_metrics
+from megatron_multilora.training.serve import inbox
 from megatron_multilora.training.stop import RunStopped, stop_on_signals
-from tests.recipe.conftest import compose_run, job, losses_by_adapter, run_in_process, QUIET
+from tests.recipe.conftest import QUIET, compose_run, job, losses_by_adapter, run_in_process
 
 # Jobs of 8 steps stopped at trainer step 6: the last checkpoint still holds both slots.
 SAVES = ["checkpoint.save_interval=2", "checkpoint.keep_last=3", "trainer.max_steps=6"]
@@ -24,8 +24,10 @@ SAVES = ["checkpoint.save_interval=2", "checkpoint.keep_last=3", "trainer.max_st
 
 def jobs(demo: Path) -> list[str]:
     # warmup + cosine: a resume that restored the wrong lr would change the trajectory
-    return [job(name, demo, task, 8, warmup_steps=3, schedule="cosine")
-            for name, task in (("rev", "reverse"), ("add", "add"))]
+    return [
+        job(name, demo, task, 8, warmup_steps=3, schedule="cosine")
+        for name, task in (("rev", "reverse"), ("add", "add"))
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +46,17 @@ def copy_of(finished: Path, tmp_path: Path) -> Path:
 
 def records(run_dir: Path) -> list[tuple]:
     """Every metrics record but its timings."""
-    return [(r["step"], r["kind"], {name: {k: v for k, v in metrics.items() if not k.endswith("tokens_per_s")}
-                                    for name, metrics in r["adapters"].items()})
-            for r in read_metrics(run_dir / "metrics.jsonl")]
+    return [
+        (
+            r["step"],
+            r["kind"],
+            {
+                name: {k: v for k, v in metrics.items() if not k.endswith("tokens_per_s")}
+                for name, metrics in r["adapters"].items()
+            },
+        )
+        for r in read_metrics(run_dir / "metrics.jsonl")
+    ]
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -80,8 +90,9 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("kind", DAMAGE)
-def test_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(kind, finished, demo_data,
-                                                                        tmp_path, capsys):
+def test_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(
+    kind, finished, demo_data, tmp_path, capsys
+):
     run_dir = copy_of(finished, tmp_path)
     name, damage = DAMAGE[kind]
     damage(step_dir(run_dir, 6) / name)
@@ -117,14 +128,20 @@ def test_missing_latest_json_and_leftovers_of_killed_writes(finished, demo_data,
     for name in (".step_00000008.tmp-k1ll", ".latest.json.tmp-k1ll", ".step_00000004.old-123"):
         assert f"{root / name}: removed" in out
     assert sorted(p.name for p in root.iterdir()) == [
-        "latest.json", "step_00000002", "step_00000004", "step_00000006", "step_00000008"]
+        "latest.json",
+        "step_00000002",
+        "step_00000004",
+        "step_00000006",
+        "step_00000008",
+    ]
     verify_manifest(step_dir(run_dir, 2))  # put back
     got, want = losses_by_adapter(run_dir), losses_by_adapter(finished)
     assert all(got[n][:6] == want[n] and len(got[n]) == 8 for n in want)  # 6 once, then 7, 8
 
 
-def test_every_checkpoint_damaged_is_a_clear_error_that_changes_nothing(finished, demo_data,
-                                                                         tmp_path):
+def test_every_checkpoint_damaged_is_a_clear_error_that_changes_nothing(
+    finished, demo_data, tmp_path
+):
     run_dir = copy_of(finished, tmp_path)
     for step in (2, 4, 6):
         truncate(step_dir(run_dir, step) / "rng.pt")
@@ -142,7 +159,9 @@ def test_every_checkpoint_damaged_is_a_clear_error_that_changes_nothing(finished
     # an explicitly named damaged checkpoint is an error too, not a fallback
     try:
         with pytest.raises(CheckpointError, match=f"{step_dir(run_dir, 4) / 'rng.pt'} has"):
-            run_in_process(run_dir, jobs(demo_data), [*SAVES, f"checkpoint.resume={step_dir(run_dir, 4)}"])
+            run_in_process(
+                run_dir, jobs(demo_data), [*SAVES, f"checkpoint.resume={step_dir(run_dir, 4)}"]
+            )
     finally:
         mm.destroy_parallel()
 
@@ -161,8 +180,11 @@ def test_starting_over_moves_the_earlier_run_aside(why, finished, demo_data, tmp
     # The run was cut short by trainer.max_steps: its unfinished adapters were exported too.
     # Starting over on purpose also sets its serve/ folder (status, submissions) aside; one
     # that found no checkpoint keeps it to replay what was submitted.
-    assert moved == (["adapters", "checkpoints", "metrics.jsonl", "serve"]
-                     if why.startswith("checkpoint.") else ["adapters", "metrics.jsonl"])
+    assert moved == (
+        ["adapters", "checkpoints", "metrics.jsonl", "serve"]
+        if why.startswith("checkpoint.")
+        else ["adapters", "metrics.jsonl"]
+    )
     earlier = inbox.read_status(finished)["updated_at"]
     assert inbox.read_status(run_dir)["updated_at"] > earlier  # written by the new run
 
@@ -175,19 +197,30 @@ def test_explicit_older_checkpoint_sets_the_newer_ones_aside(finished, demo_data
     assert records(run_dir) == records(finished)
     for step in (4, 6):  # the old ones kept, byte for byte; new ones written in their place
         aside = run_dir / "checkpoints" / "set_aside" / f"step_{step:08d}"
-        assert (aside / "manifest.json").read_bytes() == \
-            (step_dir(finished, step) / "manifest.json").read_bytes()
+        assert (aside / "manifest.json").read_bytes() == (
+            step_dir(finished, step) / "manifest.json"
+        ).read_bytes()
         verify_manifest(step_dir(run_dir, step))
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_stop_signal_saves_at_the_step_boundary_and_resumes_identically(signum, finished, demo_data,
-                                                                         tmp_path, capsys):
+def test_stop_signal_saves_at_the_step_boundary_and_resumes_identically(
+    signum, finished, demo_data, tmp_path, capsys
+):
     from megatron_multilora.training.trainer import Trainer
 
     run_dir = tmp_path / "run"
-    recipe = Trainer(compose_run([*QUIET, f"run_dir={run_dir}", "lora.slots=2",
-                                  f"adapters=[{','.join(jobs(demo_data))}]", *SAVES]))
+    recipe = Trainer(
+        compose_run(
+            [
+                *QUIET,
+                f"run_dir={run_dir}",
+                "lora.slots=2",
+                f"adapters=[{','.join(jobs(demo_data))}]",
+                *SAVES,
+            ]
+        )
+    )
     step = recipe.train_one_step
 
     def signalled_during_step_3(active):
@@ -203,7 +236,11 @@ def test_stop_signal_saves_at_the_step_boundary_and_resumes_identically(signum, 
             recipe.train()
     finally:
         mm.destroy_parallel()
-    assert (stop.value.signum, stop.value.step, stop.value.checkpoint) == (signum, 3, step_dir(run_dir, 3))
+    assert (stop.value.signum, stop.value.step, stop.value.checkpoint) == (
+        signum,
+        3,
+        step_dir(run_dir, 3),
+    )
     assert signal.getsignal(signum) is handler  # put back
     verify_manifest(step_dir(run_dir, 3))  # between the save interval's steps 2 and 4
     assert losses_by_adapter(run_dir)["rev"] == losses_by_adapter(finished)["rev"][:3]
@@ -221,13 +258,14 @@ def test_bf16_run_resumes_from_its_fp32_master_weights(demo_data, tmp_path, caps
     run_in_process(finished, jobs(demo_data), bf16)
     run_dir = copy_of(finished, tmp_path)
     older = step_dir(run_dir, 2)
-    out = resume(run_dir, demo_data, capsys, [*bf16[len(SAVES):], f"checkpoint.resume={older}"])
+    out = resume(run_dir, demo_data, capsys, [*bf16[len(SAVES) :], f"checkpoint.resume={older}"])
     assert f"resumed from {older} at step 2" in out
     assert records(run_dir) == records(finished)
 
 
 def test_a_full_disk_during_a_checkpoint_is_one_clear_error_and_resumes_exactly(
-        finished, demo_data, tmp_path, capsys, monkeypatch):
+    finished, demo_data, tmp_path, capsys, monkeypatch
+):
     """The write of step 4's checkpoint fails as on a full disk: the run ends with one message
     naming that checkpoint and the intact previous one; nothing half-written is left; a rerun
     resumes from step 2 and logs exactly the uninterrupted run's records."""
@@ -251,8 +289,10 @@ def test_a_full_disk_during_a_checkpoint_is_one_clear_error_and_resumes_exactly(
     assert f"checkpoint {step_dir(run_dir, 4)} could not be written" in message
     assert "No space left on device" in message
     assert f"the previous checkpoint {step_dir(run_dir, 2)} is intact" in message
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest.json",
-                                                                          "step_00000002"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "latest.json",
+        "step_00000002",
+    ]
     monkeypatch.setattr(checkpoints, "save_file", real)
     out = resume(run_dir, demo_data, capsys)
     assert f"resumed from {step_dir(run_dir, 2)} at step 2" in out

@@ -16,8 +16,8 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from megatron_multilora.training.serve import inbox
 from megatron_multilora.training.report.metrics import read_metrics
+from megatron_multilora.training.serve import inbox
 from tests.recipe.conftest import job, job_fields, losses_by_adapter
 from tests.recipe.test_cli import ROOT, finish, last_train_step, latest_step
 from tests.recipe.test_cli import command as launch_command
@@ -43,15 +43,22 @@ def launch():
             psutil.wait_procs(victims, timeout=30)
 
 
-def command(run_dir: Path, jobs: list[str], extra: list[str] = (), save_every: int = 5
-            ) -> list[str]:
-    return launch_command(run_dir, None, ["trainer.serve_poll_seconds=0.5", *extra], jobs=jobs,
-                          save_every=save_every)
+def command(
+    run_dir: Path, jobs: list[str], extra: list[str] = (), save_every: int = 5
+) -> list[str]:
+    return launch_command(
+        run_dir, None, ["trainer.serve_poll_seconds=0.5", *extra], jobs=jobs, save_every=save_every
+    )
 
 
 def mmlora(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_multilora.cli", *map(str, args)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_multilora.cli", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def spec(folder: Path, name: str, demo: Path, task: str, steps: int, **extra) -> Path:
@@ -78,8 +85,10 @@ def wait_for(what, proc: subprocess.Popen, log: Path, timeout: float = 240):
 
 
 def event_step(run_dir: Path, kind: str, name: str) -> int | None:
-    return next((e["step"] for e in inbox.read_events(run_dir)
-                 if e["event"] == kind and e["name"] == name), None)
+    return next(
+        (e["step"] for e in inbox.read_events(run_dir) if e["event"] == kind and e["name"] == name),
+        None,
+    )
 
 
 def refusals(run_dir: Path) -> dict[str, str]:
@@ -96,19 +105,26 @@ def job_row(run_dir: Path, name: str) -> dict:
 
 
 def first_step(run_dir: Path, name: str) -> int:
-    return min(r["step"] for r in read_metrics(run_dir / "metrics.jsonl")
-               if r["kind"] == "train" and name in r["adapters"])
+    return min(
+        r["step"]
+        for r in read_metrics(run_dir / "metrics.jsonl")
+        if r["kind"] == "train" and name in r["adapters"]
+    )
 
 
 def workers(proc: subprocess.Popen) -> list[psutil.Process]:
-    found = [p for p in psutil.Process(proc.pid).children(recursive=True)
-             if "multi_lora_finetune.py" in " ".join(p.cmdline())]
+    found = [
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if "multi_lora_finetune.py" in " ".join(p.cmdline())
+    ]
     assert len(found) == 2, found
     return found
 
 
 def test_submitted_job_trains_as_a_config_job_queued_for_that_step_even_across_a_kill(
-        demo_data, tmp_path, launch):
+    demo_data, tmp_path, launch
+):
     rev = job("rev", demo_data, "reverse", 300, warmup_steps=10)
     served, log = tmp_path / "served", tmp_path / "served.log"
     # No periodic checkpoint: the only one is `mmlora stop`'s, written before the job exists,
@@ -142,8 +158,10 @@ def test_submitted_job_trains_as_a_config_job_queued_for_that_step_even_across_a
     # The same two jobs from the config, the second queued to start at step k: uninterrupted.
     queued = tmp_path / "queued"
     add = job("add", demo_data, "add", 40, schedule="linear", warmup_steps=5, start_step=k)
-    finish(launch(command(queued, [rev, add], save_every=save_every), tmp_path / "queued.log"),
-           tmp_path / "queued.log")
+    finish(
+        launch(command(queued, [rev, add], save_every=save_every), tmp_path / "queued.log"),
+        tmp_path / "queued.log",
+    )
     got, want = losses_by_adapter(served), losses_by_adapter(queued)
     assert set(got) == {"rev", "add"} and len(got["add"]) == 40 and len(got["rev"]) == 300
     assert first_step(served, "add") == first_step(queued, "add") == k + 1
@@ -157,7 +175,8 @@ def test_submitted_job_trains_as_a_config_job_queued_for_that_step_even_across_a
 
 
 def test_cancel_hands_the_slot_on_stop_checkpoints_and_a_job_submitted_while_down_starts_on_resume(
-        demo_data, tmp_path, launch):
+    demo_data, tmp_path, launch
+):
     run, log = tmp_path / "served", tmp_path / "served.log"
     rev = job("rev", demo_data, "reverse", 100_000)  # trains until cancelled
     cmd = command(run, [rev], ["trainer.serve=true"])
@@ -167,8 +186,14 @@ def test_cancel_hands_the_slot_on_stop_checkpoints_and_a_job_submitted_while_dow
     submit(run, spec(tmp_path, "up", demo_data, "uppercase", 30))
     # Both slots taken (a status written between add's admission and its start may show it
     # queued for a moment, so wait for the settled rows).
-    wait_for(lambda: {j["name"]: j["status"] for j in status(run)["jobs"]}
-             == {"rev": "active", "add": "active", "up": "queued"}, proc, log)
+    wait_for(
+        lambda: (
+            {j["name"]: j["status"] for j in status(run)["jobs"]}
+            == {"rev": "active", "add": "active", "up": "queued"}
+        ),
+        proc,
+        log,
+    )
 
     # Submissions the trainer finds broken (written past `mmlora submit`, whose checks would
     # refuse them: a missing dataset, a reserved name) are refused and journaled; training
@@ -207,7 +232,11 @@ def test_cancel_hands_the_slot_on_stop_checkpoints_and_a_job_submitted_while_dow
     wait_for(lambda: status(run)["state"] == "idle", proc, log)
     rows = {j["name"]: j for j in status(run)["jobs"]}
     assert [rows[n]["status"] for n in ("rev", "add", "up", "sort")] == [
-        "cancelled", "cancelled", "done", "done"]
+        "cancelled",
+        "cancelled",
+        "done",
+        "done",
+    ]
     assert rows["sort"]["steps_done"] == 12 and rows["up"]["steps_done"] == 30
     idle = workers(proc)
     before = [sum(p.cpu_times()[:2]) for p in idle]

@@ -25,13 +25,19 @@ def assert_same_curve(got: list[float], want: list[float], rel: float, what: str
 @pytest.mark.parametrize("gemms", ["fp32", pytest.param("bf16", marks=needs_bf16_gemms)])
 def test_adapter_in_a_mixed_batch_trains_as_if_alone(demo_data, tmp_path, gemms):
     setting = [f"trainer.cpu_base_gemms={gemms}"]
-    mixed, _ = run_in_process(tmp_path / "mixed", [job("rev", demo_data, "reverse", 5),
-                                                    job("add", demo_data, "add", 5)], setting)
+    mixed, _ = run_in_process(
+        tmp_path / "mixed",
+        [job("rev", demo_data, "reverse", 5), job("add", demo_data, "add", 5)],
+        setting,
+    )
     alone, _ = run_in_process(tmp_path / "alone", [job("rev", demo_data, "reverse", 5)], setting)
     assert_same_curve(mixed["rev"], alone["rev"], REL, "rev loss")
-    assert_same_curve(losses_by_adapter(tmp_path / "mixed", "grad_norm")["rev"],
-                      losses_by_adapter(tmp_path / "alone", "grad_norm")["rev"], REL,
-                      "rev gradient norm")
+    assert_same_curve(
+        losses_by_adapter(tmp_path / "mixed", "grad_norm")["rev"],
+        losses_by_adapter(tmp_path / "alone", "grad_norm")["rev"],
+        REL,
+        "rev gradient norm",
+    )
     assert mixed["rev"][-1] < mixed["rev"][0]  # it learns
     assert abs(mixed["add"][0] - mixed["rev"][0]) > 1e-3  # a different task, a different loss
 
@@ -39,8 +45,9 @@ def test_adapter_in_a_mixed_batch_trains_as_if_alone(demo_data, tmp_path, gemms)
 def test_diverging_job_is_skipped_then_stopped_without_touching_the_others(demo_data, tmp_path):
     healthy = [job("rev", demo_data, "reverse", 6), job("add", demo_data, "add", 6)]
     boom = job("boom", demo_data, "sort", 6, lr=1e30, grad_clip="null")
-    with_bad, recipe = run_in_process(tmp_path / "bad", healthy + [boom], ["lora.slots=3",
-                                                                           "trainer.max_bad_steps=2"])
+    with_bad, recipe = run_in_process(
+        tmp_path / "bad", healthy + [boom], ["lora.slots=3", "trainer.max_bad_steps=2"]
+    )
     without, _ = run_in_process(tmp_path / "good", healthy)
     for name in ("rev", "add"):
         assert_same_curve(with_bad[name], without[name], REL, f"{name} loss")
@@ -51,8 +58,11 @@ def test_diverging_job_is_skipped_then_stopped_without_touching_the_others(demo_
 
 
 def test_queue_hands_a_finished_slot_to_the_next_job(demo_data, tmp_path):
-    jobs = [job("first", demo_data, "reverse", 3), job("second", demo_data, "add", 6),
-            job("third", demo_data, "sort", 4)]
+    jobs = [
+        job("first", demo_data, "reverse", 3),
+        job("second", demo_data, "add", 6),
+        job("third", demo_data, "sort", 4),
+    ]
     queued, recipe = run_in_process(tmp_path / "queue", jobs)  # 2 slots for 3 jobs
     alone, _ = run_in_process(tmp_path / "third", [jobs[2]])
     # third reuses first's slot (weights, optimizer, schedule reset) and trains as if fresh
@@ -60,15 +70,24 @@ def test_queue_hands_a_finished_slot_to_the_next_job(demo_data, tmp_path):
     assert [s.steps_done for s in recipe.board.jobs] == [3, 6, 4]
     assert recipe.step == 7  # third ran steps 3..6 beside second
     for name in ("first", "second", "third"):
-        config = json.loads((tmp_path / "queue" / "adapters" / name / "adapter_config.json").read_text())
-        assert config["name"] == name and config["steps"] == {"first": 3, "second": 6, "third": 4}[name]
+        config = json.loads(
+            (tmp_path / "queue" / "adapters" / name / "adapter_config.json").read_text()
+        )
+        assert (
+            config["name"] == name
+            and config["steps"] == {"first": 3, "second": 6, "third": 4}[name]
+        )
 
 
-@pytest.mark.parametrize("setting,rel", [("trainer.recompute=full", 1e-6),
-                                         ("trainer.recompute=selective", 1e-6),
-                                         ("trainer.precision=bf16", 3e-2),
-                                         pytest.param("trainer.cpu_base_gemms=bf16", 3e-2,
-                                                      marks=needs_bf16_gemms)])
+@pytest.mark.parametrize(
+    "setting,rel",
+    [
+        ("trainer.recompute=full", 1e-6),
+        ("trainer.recompute=selective", 1e-6),
+        ("trainer.precision=bf16", 3e-2),
+        pytest.param("trainer.cpu_base_gemms=bf16", 3e-2, marks=needs_bf16_gemms),
+    ],
+)
 def test_precision_and_recompute_keep_per_adapter_results(demo_data, tmp_path, setting, rel):
     jobs = [job("rev", demo_data, "reverse", 4), job("add", demo_data, "add", 4)]
     ref, _ = run_in_process(tmp_path / "ref", jobs)
@@ -87,21 +106,25 @@ def test_precision_and_recompute_keep_per_adapter_results(demo_data, tmp_path, s
 def test_job_can_start_from_an_exported_adapter(demo_data, tmp_path):
     first, _ = run_in_process(tmp_path / "first", [job("rev", demo_data, "reverse", 8)])
     exported = tmp_path / "first" / "adapters" / "rev"
-    again, _ = run_in_process(tmp_path / "again", [job("rev", demo_data, "reverse", 1,
-                                                        init_from=exported)])
+    again, _ = run_in_process(
+        tmp_path / "again", [job("rev", demo_data, "reverse", 1, init_from=exported)]
+    )
     # The same first batch (data order follows the job's name), seen by the trained adapter
     # instead of a fresh (no-op) one.
     assert again["rev"][0] < first["rev"][0] - 0.05
     # Continuing it at another rank would silently cut (or pad) it: refused up front.
     with pytest.raises(ConfigError, match=r"holds a rank-8 adapter but rank=4; set rank=8"):
-        run_in_process(tmp_path / "cut", [job("rev", demo_data, "reverse", 1, rank=4,
-                                              init_from=exported)])
+        run_in_process(
+            tmp_path / "cut", [job("rev", demo_data, "reverse", 1, rank=4, init_from=exported)]
+        )
 
 
 def test_moe_model_trains_expert_adapters(demo_data, tmp_path):
-    losses, recipe = run_in_process(tmp_path / "moe", [job("rev", demo_data, "reverse", 3),
-                                                       job("add", demo_data, "add", 3)],
-                                    ["model=tiny_moe", "model.hidden_size=64"])
+    losses, _recipe = run_in_process(
+        tmp_path / "moe",
+        [job("rev", demo_data, "reverse", 3), job("add", demo_data, "add", 3)],
+        ["model=tiny_moe", "model.hidden_size=64"],
+    )
     assert len(losses["rev"]) == 3 and losses["rev"][-1] < losses["rev"][0]
     config = json.loads((tmp_path / "moe" / "adapters" / "add" / "adapter_config.json").read_text())
     assert config["base_model"]["num_moe_experts"] == 4
@@ -114,9 +137,11 @@ def export(*argv) -> int:
 def test_mmlora_export_from_adapter_folder_and_checkpoint(demo_data, tmp_path, capsys):
     from safetensors.torch import load_file
 
-    _, recipe = run_in_process(tmp_path / "run", [job("rev", demo_data, "reverse", 4),
-                                                  job("add", demo_data, "add", 8)],
-                               ["checkpoint.save_interval=4"])
+    _, _recipe = run_in_process(
+        tmp_path / "run",
+        [job("rev", demo_data, "reverse", 4), job("add", demo_data, "add", 8)],
+        ["checkpoint.save_interval=4"],
+    )
     assert export(tmp_path / "run" / "adapters" / "rev", tmp_path / "a") == 0
     # at step 4 "add" was still training: export it from that checkpoint
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000004"
@@ -148,8 +173,9 @@ def test_hf_base_model_run_exports_peft_adapters_peft_can_load(demo_data, tmp_pa
     from megatron_multilora.models.tiny_hf import write_tiny_llama
 
     base = write_tiny_llama(tmp_path / "tiny-llama", hidden_size=64)
-    losses, recipe = run_in_process(tmp_path / "run", [job("rev", demo_data, "reverse", 3)],
-                                    [f"hf_dir={base}"])
+    losses, recipe = run_in_process(
+        tmp_path / "run", [job("rev", demo_data, "reverse", 3)], [f"hf_dir={base}"]
+    )
     assert recipe.model[0].config.hidden_size == 64  # the architecture came from config.json
     folder = tmp_path / "run" / "peft" / "rev"
     config = json.loads((folder / "adapter_config.json").read_text())
@@ -163,20 +189,31 @@ def test_hf_base_model_run_exports_peft_adapters_peft_can_load(demo_data, tmp_pa
     mm.set_tokens_per_adapter_slot(model, [0, 12])
     with torch.no_grad():
         want = model(ids, torch.arange(12)[None], None)
-        got = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base),
-                                             str(folder)).eval()(ids).logits
+        got = (
+            peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(folder))
+            .eval()(ids)
+            .logits
+        )
     mm.destroy_parallel()
     assert (got - want).abs().max() <= 1e-4
 
     # A job can start from that PEFT folder: its first batch sees the trained adapter.
-    again, _ = run_in_process(tmp_path / "again", [job("rev", demo_data, "reverse", 1,
-                                                        init_from=folder)], [f"hf_dir={base}"])
+    again, _ = run_in_process(
+        tmp_path / "again",
+        [job("rev", demo_data, "reverse", 1, init_from=folder)],
+        [f"hf_dir={base}"],
+    )
     assert again["rev"][0] < losses["rev"][0] - 0.05
 
 
-def test_a_run_without_eval_datasets_finishes_and_plots_its_loss_curves(demo_data, tmp_path, capsys):
-    run_in_process(tmp_path / "run", [job("rev", demo_data, "reverse", 2, eval_dataset="null")],
-                   ["logging.plots=true"])
+def test_a_run_without_eval_datasets_finishes_and_plots_its_loss_curves(
+    demo_data, tmp_path, capsys
+):
+    run_in_process(
+        tmp_path / "run",
+        [job("rev", demo_data, "reverse", 2, eval_dataset="null")],
+        ["logging.plots=true"],
+    )
     out = capsys.readouterr().out
     assert "no job has an eval_dataset: no adapter x task table" in out
     assert "job rev: done after 2 steps" in out
@@ -185,27 +222,42 @@ def test_a_run_without_eval_datasets_finishes_and_plots_its_loss_curves(demo_dat
 
 
 def test_a_run_cut_short_by_max_steps_exports_what_it_trained(demo_data, tmp_path, capsys):
-    jobs = [job("rev", demo_data, "reverse", 6), job("add", demo_data, "add", 2),
-            job("sort", demo_data, "sort", 3), job("late", demo_data, "sort", 3, start_step=9)]
+    jobs = [
+        job("rev", demo_data, "reverse", 6),
+        job("add", demo_data, "add", 2),
+        job("sort", demo_data, "sort", 3),
+        job("late", demo_data, "sort", 3, start_step=9),
+    ]
     _, recipe = run_in_process(tmp_path / "run", jobs, ["trainer.max_steps=4"])
     assert recipe.step == 4  # the run really stopped early, with rev and sort mid-budget
     out = capsys.readouterr().out
     adapters = tmp_path / "run" / "adapters"
-    for name, steps, total, finished in (("rev", 4, 6, False), ("add", 2, 2, True),
-                                         ("sort", 2, 3, False)):
+    for name, steps, total, finished in (
+        ("rev", 4, 6, False),
+        ("add", 2, 2, True),
+        ("sort", 2, 3, False),
+    ):
         config = json.loads((adapters / name / "adapter_config.json").read_text())
-        assert (config["steps"], config["total_steps"], config["finished"]) == (steps, total, finished)
+        assert (config["steps"], config["total_steps"], config["finished"]) == (
+            steps,
+            total,
+            finished,
+        )
     assert not (adapters / "late").exists()
-    assert (f"job rev: UNFINISHED: 4 of 6 steps (trainer.max_steps=4 reached), exported as is "
-            f"-> {adapters / 'rev'}") in out
+    assert (
+        f"job rev: UNFINISHED: 4 of 6 steps (trainer.max_steps=4 reached), exported as is "
+        f"-> {adapters / 'rev'}"
+    ) in out
     assert "job late: not started (trainer.max_steps=4 reached) -> -" in out
     assert "set trainer.steps_per_job instead" in out
     assert "held-out loss of each adapter" in out  # unfinished adapters are evaluated too
 
 
 def test_steps_per_job_shortens_every_job_with_a_complete_schedule(demo_data, tmp_path):
-    jobs = [job("rev", demo_data, "reverse", 50, schedule="linear", warmup_steps=0),
-            job("add", demo_data, "add", "null", epochs=3)]
+    jobs = [
+        job("rev", demo_data, "reverse", 50, schedule="linear", warmup_steps=0),
+        job("add", demo_data, "add", "null", epochs=3),
+    ]
     _, recipe = run_in_process(tmp_path / "run", jobs, ["trainer.steps_per_job=3"])
     assert [(s.steps_done, s.status) for s in recipe.board.jobs] == [(3, "done"), (3, "done")]
     lrs = losses_by_adapter(tmp_path / "run", "lr")["rev"]
@@ -228,9 +280,12 @@ def test_init_from_keeps_the_adapters_alpha_project_and_rslora_peft(demo_data, t
 
     again = {}
     for name, folder in (("project", exported), ("peft", peft_dir)):
-        again[name], _ = run_in_process(tmp_path / name, [job("rev", demo_data, "reverse", 1,
-                                                               alpha="null", init_from=folder)])
-        saved = json.loads((tmp_path / name / "adapters" / "rev" / "adapter_config.json").read_text())
+        again[name], _ = run_in_process(
+            tmp_path / name, [job("rev", demo_data, "reverse", 1, alpha="null", init_from=folder)]
+        )
+        saved = json.loads(
+            (tmp_path / name / "adapters" / "rev" / "adapter_config.json").read_text()
+        )
         assert saved["alpha"] == pytest.approx(4.0, rel=1e-6), name
     # Both continue the trained adapter at its own scale: the same first loss.
     assert again["peft"]["rev"][0] == pytest.approx(again["project"]["rev"][0], rel=1e-5)
@@ -238,8 +293,9 @@ def test_init_from_keeps_the_adapters_alpha_project_and_rslora_peft(demo_data, t
     # A job alpha that differs from the adapter's is refused, naming the alpha to use.
     for folder in (exported, peft_dir):
         with pytest.raises(ConfigError, match=r"alpha=4 but alpha=16; set alpha=4 or leave"):
-            run_in_process(tmp_path / "clash", [job("rev", demo_data, "reverse", 1,
-                                                    init_from=folder)])
+            run_in_process(
+                tmp_path / "clash", [job("rev", demo_data, "reverse", 1, init_from=folder)]
+            )
 
 
 def test_export_peft_from_a_checkpoint_of_an_hf_run_uses_the_hf_architecture(demo_data, tmp_path):
@@ -256,14 +312,18 @@ def test_export_peft_from_a_checkpoint_of_an_hf_run_uses_the_hf_architecture(dem
     run_in_process(tmp_path / "run", jobs, overrides)
     # What a CLI run also leaves: the composed config (model group tiny_dense, hf_dir set).
     (tmp_path / "run" / "hydra").mkdir()
-    OmegaConf.save(OmegaConf.structured(compose_run(overrides)), tmp_path / "run" / "hydra" / "config.yaml")
+    OmegaConf.save(
+        OmegaConf.structured(compose_run(overrides)), tmp_path / "run" / "hydra" / "config.yaml"
+    )
     out = tmp_path / "add-peft"
     assert export(tmp_path / "run" / "checkpoints" / "step_00000002", out, "--job", "add") == 0
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(base.resolve())
     assert config["lora_dropout"] == 0.05  # the job's value, not its float32 copy
     model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(out))
-    assert model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight.shape == (8, 64)
+    assert model.base_model.model.model.layers[0].self_attn.q_proj.lora_A[
+        "default"
+    ].weight.shape == (8, 64)
     # The run's own PEFT export records the job's exact dropout too.
     run_config = json.loads((tmp_path / "run" / "peft" / "add" / "adapter_config.json").read_text())
     assert run_config["lora_dropout"] == 0.05

@@ -6,8 +6,14 @@ import torch
 import megatron_multilora as mm
 from megatron_multilora.layers.inject import set_adapter_trainability
 
-CFG = mm.GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                        ffn_hidden_size=48, vocab_size=64)
+CFG = mm.GPTModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=48,
+    vocab_size=64,
+)
 N, DIM = 3, 4
 
 
@@ -32,13 +38,21 @@ def test_wraps_all_four_targets_and_trains_only_adapters():
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     adapter = {n for n, _ in model.named_parameters() if ".adapters." in n}
     assert trainable == adapter
-    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == lora_params_expected(model)
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == lora_params_expected(
+        model
+    )
     # qkv: 32 -> (4 + 2*2) heads * 8 = 64 outputs, 3 slots of rank 4: 3 * 4 * (32 + 64)
     qkv = model.decoder.layers[0].self_attention.linear_qkv
-    gated = {n.rsplit(".", 1)[-1]: m.layout.gated for n, m in
-             mm.layers.lifecycle.named_multi_lora_modules(model)}
-    assert gated == {"linear_qkv": False, "linear_proj": False, "linear_fc1": True,
-                     "linear_fc2": False}
+    gated = {
+        n.rsplit(".", 1)[-1]: m.layout.gated
+        for n, m in mm.layers.lifecycle.named_multi_lora_modules(model)
+    }
+    assert gated == {
+        "linear_qkv": False,
+        "linear_proj": False,
+        "linear_fc1": True,
+        "linear_fc2": False,
+    }
     assert sum(p.numel() for p in qkv.adapters.parameters()) == 3 * 4 * (32 + 64)
 
 
@@ -60,7 +74,8 @@ def test_wildcard_targets_and_model_chunks():
         assert wrapped == ["decoder.layers.0.self_attention.linear_qkv"]
     # Separate models (no virtual pipeline stages) keep their paths apart by chunk.
     assert [n for n, _ in mm.layers.lifecycle.named_multi_lora_modules(chunks)] == [
-        f"chunk{k}.decoder.layers.0.self_attention.linear_qkv" for k in range(2)]
+        f"chunk{k}.decoder.layers.0.self_attention.linear_qkv" for k in range(2)
+    ]
     with pytest.raises(ValueError, match="matched no linear"):
         mm.apply_multi_lora(gpt(), N, DIM, 8.0, target_modules=["linear_nope"])
     # One misspelt target among good ones used to wrap nothing there, silently.
@@ -91,22 +106,28 @@ def test_set_adapter_trainability_counts():
 
 
 def test_model_config_errors_are_collected():
-    bad = mm.GPTModelConfig(hidden_size=30, num_attention_heads=4, num_query_groups=3,
-                            activation="tanh")
+    bad = mm.GPTModelConfig(
+        hidden_size=30, num_attention_heads=4, num_query_groups=3, activation="tanh"
+    )
     with pytest.raises(ValueError) as err:
         mm.build_gpt_model(bad)
     msg = str(err.value)
     assert "num_attention_heads=4 is not divisible by num_query_groups=3" in msg
     assert "hidden_size=30 is not divisible" in msg and "activation='tanh'" in msg
     assert mm.GPTModelConfig(vocab_size=257).check(2) == [
-        "vocab_size=257 is not divisible by tensor parallel size 2"]
+        "vocab_size=257 is not divisible by tensor parallel size 2"
+    ]
 
 
-@pytest.mark.parametrize("variant", [
-    dict(normalization="LayerNorm", activation="gelu", gated_linear_unit=False),
-    dict(position_embedding_type="learned_absolute", tie_word_embeddings=True),
-    dict(add_bias_linear=True, add_qkv_bias=True, qk_layernorm=True),
-], ids=["layernorm_gelu", "absolute_tied", "biases_qknorm"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(normalization="LayerNorm", activation="gelu", gated_linear_unit=False),
+        dict(position_embedding_type="learned_absolute", tie_word_embeddings=True),
+        dict(add_bias_linear=True, add_qkv_bias=True, qk_layernorm=True),
+    ],
+    ids=["layernorm_gelu", "absolute_tied", "biases_qknorm"],
+)
 def test_builder_variants_train_through_adapters(variant):
     cfg = mm.GPTModelConfig(**{**CFG.__dict__, **variant})
     model = mm.apply_multi_lora(gpt(cfg), N, DIM, 8.0, row_init_method="normal")
@@ -120,15 +141,22 @@ def test_builder_variants_train_through_adapters(variant):
 
 
 def test_init_parallel_rejects_unsupported_layouts():
-    with pytest.raises(ValueError, match=r"tensor_model_parallel_size=1 x "
-                                         r"pipeline_model_parallel_size=2 must divide the world "
-                                         r"size 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_model_parallel_size=1 x "
+        r"pipeline_model_parallel_size=2 must divide the world "
+        r"size 1",
+    ):
         mm.init_parallel(pipeline_model_parallel_size=2)
-    with pytest.raises(ValueError, match="virtual_pipeline_model_parallel_size=2 needs "
-                                         "pipeline_model_parallel_size > 1"):
+    with pytest.raises(
+        ValueError,
+        match="virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size > 1",
+    ):
         mm.init_parallel(virtual_pipeline_model_parallel_size=2)
-    with pytest.raises(ValueError, match="expert_model_parallel_size=2 must divide the 1 "
-                                         "processes of each pipeline stage"):
+    with pytest.raises(
+        ValueError,
+        match="expert_model_parallel_size=2 must divide the 1 processes of each pipeline stage",
+    ):
         mm.init_parallel(expert_model_parallel_size=2)
     with pytest.raises(ValueError, match="sequence_parallel=true needs"):
         mm.init_parallel(sequence_parallel=True)

@@ -37,8 +37,10 @@ def run_dir(tmp_path: Path) -> Path:
     demo, run = tmp_path / "demo", tmp_path / "run"
     demo.mkdir()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[f"data_dir={demo}", f"run_dir={run}", "hf_dir=null",
-                                           "trainer.serve=true"])
+        cfg = compose(
+            "config",
+            overrides=[f"data_dir={demo}", f"run_dir={run}", "hf_dir=null", "trainer.serve=true"],
+        )
     (run / "hydra").mkdir(parents=True)
     OmegaConf.save(cfg, run / "hydra" / "config.yaml")
     return run
@@ -73,19 +75,49 @@ def run_cli(*argv: str) -> tuple[int, str, str]:
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else b"<dir>")
-            for p in sorted(folder.rglob("*"))}
+    return {
+        str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else b"<dir>")
+        for p in sorted(folder.rglob("*"))
+    }
 
 
 def live_status(**fields) -> dict:
-    status = {"state": "training", "step": 12, "updated_at": time.time() - 64.6, "pid": os.getpid(),
-              "host": socket.gethostname(), "dp_size": 1, "max_rank": 16, "slots": 4, "jobs": [
-                  {"name": "reverse", "status": "active", "slot": 0, "steps_done": 10,
-                   "total_steps": 500, "loss": 3.21, "eval_loss": 3.4, "tokens_per_s": 1234.0,
-                   "eta_s": 65.0, "source": "config"},
-                  {"name": "add", "status": "done", "slot": None, "steps_done": 500,
-                   "total_steps": 500, "loss": 0.5, "eval_loss": None, "tokens_per_s": None,
-                   "eta_s": None, "source": "config"}]}
+    status = {
+        "state": "training",
+        "step": 12,
+        "updated_at": time.time() - 64.6,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "dp_size": 1,
+        "max_rank": 16,
+        "slots": 4,
+        "jobs": [
+            {
+                "name": "reverse",
+                "status": "active",
+                "slot": 0,
+                "steps_done": 10,
+                "total_steps": 500,
+                "loss": 3.21,
+                "eval_loss": 3.4,
+                "tokens_per_s": 1234.0,
+                "eta_s": 65.0,
+                "source": "config",
+            },
+            {
+                "name": "add",
+                "status": "done",
+                "slot": None,
+                "steps_done": 500,
+                "total_steps": 500,
+                "loss": 0.5,
+                "eval_loss": None,
+                "tokens_per_s": None,
+                "eta_s": None,
+                "source": "config",
+            },
+        ],
+    }
     status.update(fields)
     return status
 
@@ -109,14 +141,17 @@ BAD_SPECS = {
     "both budgets": (dict(epochs=1.0), ["give exactly one of them"]),
     "no budget": (dict(max_steps=...), ["give exactly one of them"]),
     "bad init_from": (dict(init_from="no-such-adapter"), ["init_from", "not a folder"]),
-    "grpo tokens": (dict(objective="grpo", grpo={"max_new_tokens": 10**6}),
-                    ["grpo.max_new_tokens=1000000: must be below trainer.max_seq_len="]),
+    "grpo tokens": (
+        dict(objective="grpo", grpo={"max_new_tokens": 10**6}),
+        ["grpo.max_new_tokens=1000000: must be below trainer.max_seq_len="],
+    ),
 }
 
 
 @pytest.mark.parametrize("fields,expected", BAD_SPECS.values(), ids=list(BAD_SPECS))
-def test_submit_refuses_a_bad_spec_and_writes_nothing(run_dir, data, tmp_path, monkeypatch,
-                                                      fields, expected):
+def test_submit_refuses_a_bad_spec_and_writes_nothing(
+    run_dir, data, tmp_path, monkeypatch, fields, expected
+):
     monkeypatch.chdir(tmp_path)
     spec = spec_file(tmp_path, good_spec(data, **fields))
     before = snapshot(run_dir)
@@ -139,12 +174,18 @@ def test_submit_refuses_a_malformed_dataset_line_naming_file_and_line(run_dir, d
 
 
 def test_submit_lists_every_problem_at_once(run_dir, data, tmp_path):
-    spec = spec_file(tmp_path, good_spec(data, name="base", rank=32, epochs=2.0, start_step=3,
-                                         rnak=4))
+    spec = spec_file(
+        tmp_path, good_spec(data, name="base", rank=32, epochs=2.0, start_step=3, rnak=4)
+    )
     code, _, err = run_cli("submit", "--run-dir", run_dir, spec)
     assert code == 2
-    for text in ("name='base': reserved", "start_step", "unknown key 'rnak'; did you mean 'rank'?",
-                 "rank=32", "give exactly one of them"):
+    for text in (
+        "name='base': reserved",
+        "start_step",
+        "unknown key 'rnak'; did you mean 'rank'?",
+        "rank=32",
+        "give exactly one of them",
+    ):
         assert text in err
     # A mistyped field leaves the per-job checks out: they would check its default instead.
     spec = spec_file(tmp_path, good_spec(data, rank="x", max_steps=..., lr=[1]))
@@ -166,11 +207,15 @@ def test_submit_checks_the_batch_against_the_reported_data_parallel_size(run_dir
     inbox.write_status(run_dir, live_status(dp_size=2))
     spec = spec_file(tmp_path, good_spec(data, global_batch_size=3))
     code, _, err = run_cli("submit", "--run-dir", run_dir, spec)
-    assert code == 2 and "global_batch_size=3: must be a multiple of the data-parallel size 2" in err
+    assert (
+        code == 2 and "global_batch_size=3: must be a multiple of the data-parallel size 2" in err
+    )
 
 
-@pytest.mark.parametrize("text,expected", [("name: [unclosed", "not valid YAML or JSON"),
-                                           ("- a\n- b\n", "expected one mapping")])
+@pytest.mark.parametrize(
+    "text,expected",
+    [("name: [unclosed", "not valid YAML or JSON"), ("- a\n- b\n", "expected one mapping")],
+)
 def test_submit_refuses_a_spec_that_is_not_one_mapping(run_dir, tmp_path, text, expected):
     before = snapshot(run_dir)
     code, _, err = run_cli("submit", "--run-dir", run_dir, spec_file(tmp_path, text))
@@ -192,8 +237,11 @@ def test_submit_refuses_a_folder_that_is_not_a_run_directory(data, tmp_path):
 
 def test_submit_lands_one_file_with_absolute_paths(run_dir, data, tmp_path, monkeypatch):
     monkeypatch.chdir(data)
-    spec = spec_file(tmp_path, "name: newjob\ndataset: train.jsonl\neval_dataset: ./eval.jsonl\n"
-                               "rank: '8'\nepochs: 1\n", name="job.yaml")
+    spec = spec_file(
+        tmp_path,
+        "name: newjob\ndataset: train.jsonl\neval_dataset: ./eval.jsonl\nrank: '8'\nepochs: 1\n",
+        name="job.yaml",
+    )
     before = snapshot(run_dir)
     code, out, err = run_cli("submit", "--run-dir", run_dir, spec)
     assert (code, err) == (0, "")
@@ -201,8 +249,13 @@ def test_submit_lands_one_file_with_absolute_paths(run_dir, data, tmp_path, monk
     added = set(snapshot(run_dir)) - set(before)
     assert added == {"serve", "serve/submitted", "serve/submitted/newjob.json"}
     [sub] = inbox.submissions(run_dir)
-    assert sub.job == {"name": "newjob", "dataset": str(data / "train.jsonl"),
-                       "eval_dataset": str(data / "eval.jsonl"), "rank": 8, "epochs": 1.0}
+    assert sub.job == {
+        "name": "newjob",
+        "dataset": str(data / "train.jsonl"),
+        "eval_dataset": str(data / "eval.jsonl"),
+        "rank": 8,
+        "epochs": 1.0,
+    }
 
 
 def test_submit_to_a_live_trainer_says_next_step_boundary(run_dir, data, tmp_path):
@@ -226,8 +279,10 @@ def _submit_in_child(run_dir: str, spec: str, barrier, results) -> None:
 def _race(run_dir: Path, specs: list[Path]) -> list[tuple[int, str]]:
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(len(specs)), ctx.Queue()
-    procs = [ctx.Process(target=_submit_in_child, args=(str(run_dir), str(s), barrier, results))
-             for s in specs]
+    procs = [
+        ctx.Process(target=_submit_in_child, args=(str(run_dir), str(s), barrier, results))
+        for s in specs
+    ]
     for p in procs:
         p.start()
     outcomes = [results.get(timeout=240) for _ in procs]
@@ -261,18 +316,27 @@ def _submit(run_dir: Path, data: Path, tmp_path: Path, name: str) -> None:
     assert run_cli("submit", "--run-dir", run_dir, spec)[0] == 0
 
 
-def test_status_merges_reports_submissions_cancels_and_refusals(run_dir, data, tmp_path,
-                                                                monkeypatch):
+def test_status_merges_reports_submissions_cancels_and_refusals(
+    run_dir, data, tmp_path, monkeypatch
+):
     _submit(run_dir, data, tmp_path, "pending")
     _submit(run_dir, data, tmp_path, "turned-down")
-    inbox.append_event(run_dir, {"event": "refuse", "name": "turned-down", "step": 11,
-                                     "reason": "rank 16 exceeds the free memory"})
+    inbox.append_event(
+        run_dir,
+        {
+            "event": "refuse",
+            "name": "turned-down",
+            "step": 11,
+            "reason": "rank 16 exceeds the free memory",
+        },
+    )
     inbox.request_cancel(run_dir, "reverse")
     status = live_status()
     inbox.write_status(run_dir, status)
     # Read 64.6 s after the report, however slow this machine's disk: "updated 1m05s ago".
-    monkeypatch.setattr(serve_cli, "time", types.SimpleNamespace(
-        time=lambda: status["updated_at"] + 64.6))
+    monkeypatch.setattr(
+        serve_cli, "time", types.SimpleNamespace(time=lambda: status["updated_at"] + 64.6)
+    )
     code, out, err = run_cli("status", "--run-dir", run_dir)
     assert (code, err) == (0, "")
     header, _, columns, *rows = out.splitlines()
@@ -280,8 +344,16 @@ def test_status_merges_reports_submissions_cancels_and_refusals(run_dir, data, t
     assert f"process {os.getpid()} alive" in header
     assert columns.split()[:4] == ["NAME", "STATE", "SLOT", "STEP"]
     table = {row.split()[0]: row for row in rows}
-    assert table["reverse"].split()[1:] == ["active", "(cancelling)", "0", "10/500", "3.2100",
-                                            "3.4000", "1234", "1m05s"]
+    assert table["reverse"].split()[1:] == [
+        "active",
+        "(cancelling)",
+        "0",
+        "10/500",
+        "3.2100",
+        "3.4000",
+        "1234",
+        "1m05s",
+    ]
     assert table["add"].split()[1:4] == ["done", "-", "500/500"]
     assert table["pending"].split()[1:4] == ["submitted", "-", "0/20"]
     assert table["turned-down"].split()[1] == "refused"
@@ -308,7 +380,10 @@ def test_status_json_and_a_dead_trainer(run_dir, data, tmp_path):
     assert code == 0 and report["trainer_alive"] is False and report["stop_requested"] is True
     assert report["trainer"]["step"] == 12
     assert [(j["name"], j["status"]) for j in report["jobs"]] == [
-        ("reverse", "active"), ("add", "done"), ("pending", "submitted")]
+        ("reverse", "active"),
+        ("add", "done"),
+        ("pending", "submitted"),
+    ]
     assert "not running" in run_cli("status", "--run-dir", run_dir)[1]
 
 
@@ -361,22 +436,38 @@ def test_runs_as_a_module(run_dir, data, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "megatron_multilora.cli"]
     spec = spec_file(tmp_path, good_spec(data, rank=99))
-    bad = subprocess.run(command + ["submit", "--run-dir", str(run_dir), str(spec)], env=env,
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        command + ["submit", "--run-dir", str(run_dir), str(spec)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "rank=99" in bad.stderr and bad.stdout == ""
-    good = subprocess.run(command + ["status", "--run-dir", str(run_dir), "--json"], env=env,
-                          capture_output=True, text=True, timeout=120)
+    good = subprocess.run(
+        command + ["status", "--run-dir", str(run_dir), "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert good.returncode == 0 and json.loads(good.stdout)["jobs"] == []
-    usage = subprocess.run(command + ["status"], env=env, capture_output=True, text=True,
-                           timeout=120)
+    usage = subprocess.run(
+        command + ["status"], env=env, capture_output=True, text=True, timeout=120
+    )
     assert usage.returncode == 2 and "--run-dir" in usage.stderr
 
 
 def test_installed_as_the_mmlora_command(run_dir):
     script = Path(sys.executable).with_name("mmlora")
     assert script.is_file(), "pyproject's [project.scripts] installs mmlora (pip install -e .)"
-    done = subprocess.run([str(script), "stop", "--run-dir", str(run_dir)], capture_output=True,
-                          text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    done = subprocess.run(
+        [str(script), "stop", "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert done.returncode == 0 and inbox.stop_requested(run_dir), done.stderr
 
 
@@ -384,14 +475,24 @@ def test_no_command_loads_torch_or_megatron(run_dir, data, tmp_path):
     # Seconds of imports would stand between a user and every answer, a submission's checks
     # included.
     spec = spec_file(tmp_path, good_spec(data))
-    commands = [["submit", "--run-dir", str(run_dir), str(spec)],
-                ["status", "--run-dir", str(run_dir)], ["cancel", "--run-dir", str(run_dir), "newjob"],
-                ["stop", "--run-dir", str(run_dir)]]
-    code = ("import json, sys; from megatron_multilora import cli; "
-            "codes = [cli.main(argv) for argv in json.loads(sys.argv[1])]; "
-            "print(json.dumps([codes, [m for m in ('torch', 'megatron') if m in sys.modules]]))")
-    done = subprocess.run([sys.executable, "-c", code, json.dumps(commands)], capture_output=True,
-                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    commands = [
+        ["submit", "--run-dir", str(run_dir), str(spec)],
+        ["status", "--run-dir", str(run_dir)],
+        ["cancel", "--run-dir", str(run_dir), "newjob"],
+        ["stop", "--run-dir", str(run_dir)],
+    ]
+    code = (
+        "import json, sys; from megatron_multilora import cli; "
+        "codes = [cli.main(argv) for argv in json.loads(sys.argv[1])]; "
+        "print(json.dumps([codes, [m for m in ('torch', 'megatron') if m in sys.modules]]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(commands)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [[0, 0, 0, 0], []], done.stdout
     assert inbox.submitted_names(run_dir) == {"newjob"} and inbox.stop_requested(run_dir)
@@ -401,10 +502,14 @@ def test_version_and_the_verbs_a_user_looks_for():
     from importlib import metadata
 
     code, out, _ = run_cli("--version")
-    assert code == 0 and out.strip() == f"mmlora (megatron-multilora) {metadata.version('megatron-multilora')}"
+    assert (
+        code == 0
+        and out.strip() == f"mmlora (megatron-multilora) {metadata.version('megatron-multilora')}"
+    )
     code, out, _ = run_cli("--help")
-    assert code == 0 and all(verb in out for verb in ("train", "export", "submit", "status",
-                                                       "cancel", "stop"))
+    assert code == 0 and all(
+        verb in out for verb in ("train", "export", "submit", "status", "cancel", "stop")
+    )
     code, _, err = run_cli("train", "--nproc", "0")
     assert code == 2 and "--nproc 0: give at least 1 process" in err
     code, _, err = run_cli("export", "only-one-argument")

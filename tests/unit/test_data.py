@@ -20,8 +20,8 @@ from megatron_multilora.data.demo_tasks import (
     WORD_TASKS,
     WORDS,
     exact_match,
-    may_still_match,
     make_examples,
+    may_still_match,
     write_demo_datasets,
 )
 from megatron_multilora.data.packing import pack_micro_batches, shard_for_data_parallel
@@ -43,6 +43,7 @@ def example(n_tokens: int, first: int = 10, loss: bool = True) -> Example:
 
 # --- tokenizer ---------------------------------------------------------------------------
 
+
 def test_tokenizer_round_trip_and_ids():
     text = "héllo, wörld ✓ 日本"
     ids = TOK.encode(text)
@@ -56,21 +57,29 @@ def test_tokenizer_round_trip_and_ids():
 
 
 def test_encode_chat_trains_only_assistant_content_and_eos():
-    messages = [{"role": "system", "content": "be brief"},
-                {"role": "user", "content": "hi"},
-                {"role": "assistant", "content": "yo"}]
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+    ]
     ids, trained = TOK.encode_chat(messages)
-    assert ids == ([TOK.bos_id] + TOK.encode("<system>\nbe brief\n<user>\nhi\n<assistant>\nyo\n")
-                   + [TOK.eos_id])
+    assert ids == (
+        [TOK.bos_id]
+        + TOK.encode("<system>\nbe brief\n<user>\nhi\n<assistant>\nyo\n")
+        + [TOK.eos_id]
+    )
     assert len(trained) == len(ids)
     assert TOK.decode(i for i, t in zip(ids, trained) if t) == "yo\n"
     assert trained[-1] and sum(trained) == len("yo\n") + 1
 
 
-@pytest.mark.parametrize("message, needle", [
-    ({"role": "bot", "content": "x"}, "unknown role 'bot'"),
-    ({"role": "user", "content": 3}, "content must be a string"),
-])
+@pytest.mark.parametrize(
+    "message, needle",
+    [
+        ({"role": "bot", "content": "x"}, "unknown role 'bot'"),
+        ({"role": "user", "content": 3}, "content must be a string"),
+    ],
+)
 def test_encode_chat_rejects_bad_messages(message, needle):
     with pytest.raises(ValueError, match=needle):
         TOK.encode_chat([message])
@@ -78,22 +87,27 @@ def test_encode_chat_rejects_bad_messages(message, needle):
 
 # --- reading and tokenizing --------------------------------------------------------------
 
+
 def test_read_records_accepts_both_forms_and_skips_blank_lines(tmp_path):
     chat = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
-    path = write_lines(tmp_path, [json.dumps({"prompt": "p", "completion": "c"}), "  ",
-                                  json.dumps(chat)])
+    path = write_lines(
+        tmp_path, [json.dumps({"prompt": "p", "completion": "c"}), "  ", json.dumps(chat)]
+    )
     assert read_records(path) == [{"prompt": "p", "completion": "c"}, chat]
 
 
-@pytest.mark.parametrize("bad_line, needle", [
-    ('{"prompt": "p", "completion": ', "malformed JSON"),
-    ('["prompt", "completion"]', "expected a JSON object"),
-    ('{"prompt": "p", "answer": "c"}', "unexpected keys"),
-    ('{"prompt": "p", "completion": 3}', '"completion" must be a string'),
-    ('{"prompt": "p", "completion": ""}', '"completion" is empty'),
-    ('{"messages": [{"role": "user", "content": "hi"}]}', 'no "assistant" message'),
-    ('{"messages": [{"role": "robot", "content": "hi"}]}', "unknown role"),
-])
+@pytest.mark.parametrize(
+    "bad_line, needle",
+    [
+        ('{"prompt": "p", "completion": ', "malformed JSON"),
+        ('["prompt", "completion"]', "expected a JSON object"),
+        ('{"prompt": "p", "answer": "c"}', "unexpected keys"),
+        ('{"prompt": "p", "completion": 3}', '"completion" must be a string'),
+        ('{"prompt": "p", "completion": ""}', '"completion" is empty'),
+        ('{"messages": [{"role": "user", "content": "hi"}]}', 'no "assistant" message'),
+        ('{"messages": [{"role": "robot", "content": "hi"}]}', "unknown role"),
+    ],
+)
 def test_read_records_errors_name_file_and_line(tmp_path, bad_line, needle):
     good = json.dumps({"prompt": "p", "completion": "c"})
     path = write_lines(tmp_path, [good, "", bad_line])  # the bad record is on line 3
@@ -105,11 +119,11 @@ def test_read_records_errors_name_file_and_line(tmp_path, bad_line, needle):
 
 def test_read_records_file_level_errors(tmp_path):
     missing = tmp_path / "missing.jsonl"
-    with pytest.raises(DatasetError, match="file not found") as info:
+    with pytest.raises(DatasetError, match=r"file not found") as info:
         read_records(missing)
     assert str(info.value).startswith(f"{missing}: ")
     empty = write_lines(tmp_path, ["", "   "])
-    with pytest.raises(DatasetError, match="no records") as info:
+    with pytest.raises(DatasetError, match=r"no records") as info:
         read_records(empty)
     assert str(info.value).startswith(f"{empty}: ")
 
@@ -150,6 +164,7 @@ def test_load_dataset_tokenizes_every_record(tmp_path):
 
 # --- packing -----------------------------------------------------------------------------
 
+
 def test_pack_is_adapter_major_and_respects_budget():
     slots = [[example(4, 10), example(5, 20)], [], [example(3, 30), example(6, 40)]]
     batches = pack_micro_batches(slots, token_budget=8)
@@ -178,7 +193,7 @@ def test_pack_slot_order_groups_slots_but_keeps_positions_slot_major():
     batches = pack_micro_batches(slots, token_budget=8, slot_order=[0, 2, 1, 3])
     assert [b.counts for b in batches] == [[4, 0, 4, 0], [0, 4, 0, 4]]
     assert batches[0].tokens[0].tolist() == [10, 11, 12, 13, 30, 31, 32, 33]
-    with pytest.raises(ValueError, match="permutation"):
+    with pytest.raises(ValueError, match=r"permutation"):
         pack_micro_batches(slots, token_budget=8, slot_order=[0, 0, 1, 2])
 
 
@@ -211,7 +226,7 @@ def test_loss_units_per_slot_counts_masked_labels():
 
 
 def test_pack_rejects_examples_over_budget_and_handles_empty_input():
-    with pytest.raises(ValueError, match="token_budget"):
+    with pytest.raises(ValueError, match=r"token_budget"):
         pack_micro_batches([[example(10)]], token_budget=8)
     assert pack_micro_batches([[], []], token_budget=8) == []
 
@@ -226,6 +241,7 @@ def test_shard_for_data_parallel_round_robin():
 
 # --- demo tasks --------------------------------------------------------------------------
 
+
 def test_demo_tasks_produce_correct_answers():
     assert set(TASKS) == {"reverse", "uppercase", "add", "sort"}
     rng = random.Random(0)
@@ -239,7 +255,7 @@ def test_demo_tasks_produce_correct_answers():
         assert record["completion"] == "".join(sorted(record["prompt"][:-1]))
     for record in make_examples("uppercase", 10, seed=3):
         assert record["completion"] == record["prompt"][:-1].upper()
-    with pytest.raises(ValueError, match="unknown task"):
+    with pytest.raises(ValueError, match=r"unknown task"):
         make_examples("divide", 1, seed=0)
 
 
@@ -263,15 +279,18 @@ def test_write_demo_datasets_files_are_valid_and_disjoint(tmp_path):
 def test_word_tasks_share_one_input_distribution_and_answer_correctly(tmp_path):
     paths = write_demo_datasets(tmp_path, n_train=50, n_eval=10, seed=0, task_set="words")
     assert set(paths) == set(WORD_TASKS) == {"reverse_words", "sort_words", "capitalize", "double"}
-    answer = {"reverse_words": lambda w: w[::-1], "sort_words": sorted,
-              "capitalize": lambda w: [x.capitalize() for x in w],
-              "double": lambda w: [x for x in w for _ in (0, 1)]}
+    answer = {
+        "reverse_words": lambda w: w[::-1],
+        "sort_words": sorted,
+        "capitalize": lambda w: [x.capitalize() for x in w],
+        "double": lambda w: [x for x in w for _ in (0, 1)],
+    }
     for task, split in paths.items():
         for record in read_records(split["train"]) + read_records(split["eval"]):
             words = record["prompt"].removesuffix(" =").split(" ")
             assert len(set(words)) == 3 and set(words) <= set(WORDS)
             assert record["completion"] == " " + " ".join(answer[task](words))
-    with pytest.raises(ValueError, match="unknown task set 'numbers'"):
+    with pytest.raises(ValueError, match=r"unknown task set 'numbers'"):
         write_demo_datasets(tmp_path, task_set="numbers")
 
 
@@ -286,7 +305,7 @@ def test_may_still_match_is_false_only_where_no_continuation_can_match():
     for partial in ("", " ", " gar", " garden ", " garden paper yellow", " garden paper yellow \n"):
         assert may_still_match(partial, answer), partial
         done = partial.lstrip()  # and a continuation that makes it a match:
-        rest = answer.strip()[len(done):] if answer.strip().startswith(done) else ""
+        rest = answer.strip()[len(done) :] if answer.strip().startswith(done) else ""
         assert exact_match(partial + rest, answer)
     for partial in (" paper", " garden  paper", " garden paper yellows", " garden paper yellow x"):
         assert not may_still_match(partial, answer), partial
@@ -301,12 +320,21 @@ def tiny_hf_tokenizer():
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(["hello world", "reverse this=siht esrever", "12+7=19"] * 20,
-                            trainers.BpeTrainer(vocab_size=300, special_tokens=[
-                                "<pad>", "<s>", "</s>", "<unk>"],
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>",
-                                  pad_token="<pad>", unk_token="<unk>")
+    bpe.train_from_iterator(
+        ["hello world", "reverse this=siht esrever", "12+7=19"] * 20,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
     tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     return tok
 
@@ -320,8 +348,9 @@ def test_hf_tokenizer_wrapper_encodes_records_and_masks_assistant_turns():
     example = tokenize_record({"prompt": "12+7=", "completion": "19"}, tok, 64)
     trained = [t for t, m in zip(example.tokens[1:], example.loss_mask) if m]
     assert tok.decode(trained) == "19" and trained[-1] == tok.eos_id
-    ids, mask = tok.encode_chat([{"role": "user", "content": "hello"},
-                                 {"role": "assistant", "content": "world"}])
+    ids, mask = tok.encode_chat(
+        [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"}]
+    )
     assert tok.decode([i for i, m in zip(ids, mask) if m]) == "<assistant>world\n"
     assert tok.decode([i for i, m in zip(ids, mask) if not m]) == "<user>hello\n"
 
@@ -339,12 +368,19 @@ def test_parquet_json_and_save_to_disk_datasets_read_like_jsonl(tmp_path):
     want = [{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2=", "completion": "4"}]
     for path in ("d.parquet", "d.json", "folder"):
         assert read_records(tmp_path / path, columns=columns) == want, path
-    with pytest.raises(DatasetError, match=r"d.parquet: record 0: unexpected keys \['prompt', "
-                                           r"'solution'\].* \(columns"):
+    with pytest.raises(
+        DatasetError,
+        match=r"d.parquet: record 0: unexpected keys \['prompt', "
+        r"'solution'\].* \(columns",
+    ):
         read_records(tmp_path / "d.parquet", columns={"prompt": "question"})
     datasets.DatasetDict({"train": table}).save_to_disk(str(tmp_path / "splits"))
-    with pytest.raises(DatasetError, match="a DatasetDict with splits \\['train'\\]; give one split"):
+    with pytest.raises(
+        DatasetError, match=r"a DatasetDict with splits \['train'\]; give one split"
+    ):
         read_records(tmp_path / "splits")
     (tmp_path / "broken.parquet").write_bytes(b"not parquet")
-    with pytest.raises(DatasetError, match="broken.parquet: cannot read it with the datasets library"):
+    with pytest.raises(
+        DatasetError, match=r"broken.parquet: cannot read it with the datasets library"
+    ):
         read_records(tmp_path / "broken.parquet")

@@ -7,8 +7,14 @@ import torch
 import megatron_multilora as mm
 from megatron_multilora.training.step import generation
 
-CFG = mm.GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                        ffn_hidden_size=48, vocab_size=64)
+CFG = mm.GPTModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=48,
+    vocab_size=64,
+)
 N_SLOTS = 4
 
 
@@ -35,8 +41,16 @@ def prompts() -> list[tuple[int, list[int]]]:
 
 
 def generate(model, items, eos_id: int, kv_cache: bool) -> list[list[int]]:
-    return generation.greedy_generate(model, items, N_SLOTS, max_new_tokens=6, eos_id=eos_id,
-                                      pad_multiple=1, pad_id=0, kv_cache=kv_cache)
+    return generation.greedy_generate(
+        model,
+        items,
+        N_SLOTS,
+        max_new_tokens=6,
+        eos_id=eos_id,
+        pad_multiple=1,
+        pad_id=0,
+        kv_cache=kv_cache,
+    )
 
 
 def test_kv_cache_generates_the_same_tokens_as_the_uncached_path(monkeypatch):
@@ -44,10 +58,15 @@ def test_kv_cache_generates_the_same_tokens_as_the_uncached_path(monkeypatch):
     items = prompts()
     contexts, rows = [], []  # the cached path must really run with an inference context
     forward = model.forward
-    monkeypatch.setattr(model, "forward", lambda *a, **kw: (
-        contexts.append(kw.get("inference_context")),
-        rows.append((a[0] if a else kw["input_ids"]).size(0)),
-        forward(*a, **kw))[2])
+    monkeypatch.setattr(
+        model,
+        "forward",
+        lambda *a, **kw: (
+            contexts.append(kw.get("inference_context")),
+            rows.append((a[0] if a else kw["input_ids"]).size(0)),
+            forward(*a, **kw),
+        )[2],
+    )
     never_eos = generate(model, items, eos_id=-1, kv_cache=False)
     assert all(len(g) == 6 for g in never_eos)
     assert len({tuple(g) for g in never_eos}) > 1
@@ -60,7 +79,7 @@ def test_kv_cache_generates_the_same_tokens_as_the_uncached_path(monkeypatch):
     assert all(c is not None for c in contexts[-3:])
     assert cached == uncached
     # Decode steps fed every sequence at first, fewer once some had finished.
-    decode = rows[-(len(rows) - len({s for s, _ in items})):]
+    decode = rows[-(len(rows) - len({s for s, _ in items})) :]
     assert decode[0] == len(items) and decode[-1] < len(items)
     assert {len(g) for g in uncached} >= {2, 6}
     # Same slot, same prompt -> the same tokens; another slot's adapter -> other tokens.
@@ -80,8 +99,9 @@ def test_given_up_prompts_stop_there_and_leave_the_others_alone():
         return i % 2 == 1 and len(tokens) >= 2
 
     for kv_cache in (True, False):
-        got = generation.greedy_generate(model, items, N_SLOTS, 6, -1, 1, 0, kv_cache=kv_cache,
-                                         give_up=give_up)
+        got = generation.greedy_generate(
+            model, items, N_SLOTS, 6, -1, 1, 0, kv_cache=kv_cache, give_up=give_up
+        )
         assert got == [g[:2] if i % 2 else g for i, g in enumerate(full)]
     assert set(asked) == set(range(len(items)))
 
@@ -98,20 +118,24 @@ def test_the_tables_base_row_is_the_base_model_whatever_its_slot_held(tmp_path):
     from megatron_multilora.training.report.tables import AdapterTaskEval
 
     torch.manual_seed(1)
-    model = mm.apply_multi_lora(mm.build_gpt_model(CFG, calculate_per_token_loss=True), N_SLOTS,
-                                8, alpha=1.0)
+    model = mm.apply_multi_lora(
+        mm.build_gpt_model(CFG, calculate_per_token_loss=True), N_SLOTS, 8, alpha=1.0
+    )
     for slot in (0, 1):
         mm.init_adapter_slot(model, slot, rank=8, alpha=16.0)  # max rank: no padding rows
         for p in mm.slot_parameters(model, slot):
             p.data.normal_(0, 0.3)
     folder = export_adapter(model, 1, tmp_path / "one", {})
     gen = torch.Generator().manual_seed(2)
-    examples = [Example(tuple(torch.randint(3, 64, (6,), generator=gen).tolist()),
-                        (False,) + (True,) * 4) for _ in range(3)]
+    examples = [
+        Example(tuple(torch.randint(3, 64, (6,), generator=gen).tolist()), (False,) + (True,) * 4)
+        for _ in range(3)
+    ]
     task = types.SimpleNamespace(name="t", eval=examples, eval_records=[], objective=SFT())
     tokenizer = types.SimpleNamespace(bos_id=1, eos_id=2, pad_id=0)
-    ev = AdapterTaskEval(model, tokenizer, N_SLOTS, token_budget=64, pad_multiple=1,
-                         max_new_tokens=2)
+    ev = AdapterTaskEval(
+        model, tokenizer, N_SLOTS, token_budget=64, pad_multiple=1, max_new_tokens=2
+    )
     base = ev.evaluate({3: task})[0][3]["loss"]  # slot 3 is free
     held, one = (ev.evaluate({s: task})[0][s]["loss"] for s in (0, 1))
     assert abs(held - base) > 1e-3  # slot 0 really holds an adapter that changes the loss

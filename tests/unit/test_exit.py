@@ -19,8 +19,9 @@ print("never")
 
 def run(mode: str) -> tuple[subprocess.CompletedProcess, float]:
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", CODE, mode], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", CODE, mode], capture_output=True, text=True, timeout=120
+    )
     return done, time.perf_counter() - start
 
 
@@ -28,6 +29,5 @@ def test_exit_runs_the_handlers_flushes_and_waits_for_working_threads():
     done, _ = run("plain")
     assert (done.returncode, done.stdout) == (0, "unflushed,handler ran"), done.stderr
     done, seconds = run("thread")
-    assert (done.returncode, done.stdout) == (0, "unflushed,thread done,handler ran"), \
-        done.stderr
+    assert (done.returncode, done.stdout) == (0, "unflushed,thread done,handler ran"), done.stderr
     assert seconds >= 0.5

@@ -33,14 +33,14 @@ def test_qkv_fuse_is_megatrons_per_group_order_and_split_inverts_it(heads, group
     want = []
     for g in range(groups):
         for h in range(g * heads // groups, (g + 1) * heads // groups):
-            want.append(q[h * d:(h + 1) * d])
-        want += [k[g * d:(g + 1) * d], v[g * d:(g + 1) * d]]
+            want.append(q[h * d : (h + 1) * d])
+        want += [k[g * d : (g + 1) * d], v[g * d : (g + 1) * d]]
     assert torch.equal(fused, torch.cat(want))
     assert all(torch.equal(a, b) for a, b in zip(layout.split(fused), (q, k, v)))
     # A TP rank holds whole groups: fusing its groups' rows gives its slice of the fused rows.
     if groups % 2 == 0:
         per = heads // 2 * d, groups // 2 * d
-        rank1 = layout.fuse(q[per[0]:], k[per[1]:], v[per[1]:])
+        rank1 = layout.fuse(q[per[0] :], k[per[1] :], v[per[1] :])
         assert torch.equal(rank1, fused.chunk(2)[1])
 
 
@@ -59,5 +59,5 @@ def test_gate_up_shards_hold_a_chunk_of_each_half():
     assert all(torch.equal(a, b) for a, b in zip(split_gate_up(full), (gate, up)))
     shards = [shard_gate_up(full, r, 4) for r in range(4)]
     for r, shard in enumerate(shards):  # [gate_r; up_r], not chunk r of [gate; up]
-        assert torch.equal(shard, torch.cat([gate[2 * r:2 * r + 2], up[2 * r:2 * r + 2]]))
+        assert torch.equal(shard, torch.cat([gate[2 * r : 2 * r + 2], up[2 * r : 2 * r + 2]]))
     assert torch.equal(unshard_gate_up(shards), full)

@@ -20,26 +20,45 @@ spec.loader.exec_module(gpu_machine)
 
 # The carried wheels as published (requirements from their METADATA), with their modules.
 REAL = {
-    "megatron-core": ("0.16.1", "cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64",
-                      ["torch>=2.6.0", "numpy", "packaging>=24.2", 'wandb; extra == "mlm"'],
-                      ["megatron"]),
-    "hydra-core": ("1.3.8", "py3-none-any", ["omegaconf<2.4,>=2.2", "antlr4-python3-runtime==4.9.*",
-                                             'importlib-resources; python_version < "3.9"',
-                                             "packaging"], ["hydra"]),
-    "omegaconf": ("2.3.1", "py3-none-any", ["antlr4-python3-runtime==4.9.*", "PyYAML>=5.1.0"],
-                  ["omegaconf"]),
+    "megatron-core": (
+        "0.16.1",
+        "cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64",
+        ["torch>=2.6.0", "numpy", "packaging>=24.2", 'wandb; extra == "mlm"'],
+        ["megatron"],
+    ),
+    "hydra-core": (
+        "1.3.8",
+        "py3-none-any",
+        [
+            "omegaconf<2.4,>=2.2",
+            "antlr4-python3-runtime==4.9.*",
+            'importlib-resources; python_version < "3.9"',
+            "packaging",
+        ],
+        ["hydra"],
+    ),
+    "omegaconf": (
+        "2.3.1",
+        "py3-none-any",
+        ["antlr4-python3-runtime==4.9.*", "PyYAML>=5.1.0"],
+        ["omegaconf"],
+    ),
     "antlr4-python3-runtime": ("4.9.3", "py3-none-any", [], ["antlr4"]),
 }
 
 
-def fake_wheel(folder: Path, name: str, version: str, tag: str, requires: list[str],
-               modules: list[str]) -> Path:
+def fake_wheel(
+    folder: Path, name: str, version: str, tag: str, requires: list[str], modules: list[str]
+) -> Path:
     stem = f"{name.replace('-', '_')}-{version}"
     path = folder / f"{stem}-{tag}.whl"
     with zipfile.ZipFile(path, "w") as z:
-        z.writestr(f"{stem}.dist-info/METADATA", "Metadata-Version: 2.1\n"
-                   f"Name: {name}\nVersion: {version}\n"
-                   + "".join(f"Requires-Dist: {r}\n" for r in requires))
+        z.writestr(
+            f"{stem}.dist-info/METADATA",
+            "Metadata-Version: 2.1\n"
+            f"Name: {name}\nVersion: {version}\n"
+            + "".join(f"Requires-Dist: {r}\n" for r in requires),
+        )
         for module in modules:
             z.writestr(f"{module}/__init__.py", "")
     return path
@@ -69,22 +88,42 @@ def test_a_complete_folder_passes(wheels):
     assert gpu_machine.check_wheels(wheels) == []
 
 
-@pytest.mark.parametrize("break_it,expected", [
-    (lambda f: (f / "omegaconf-2.3.1-py3-none-any.whl").unlink(),
-     ["omegaconf==2.3.1: missing", "needs omegaconf<2.4,>=2.2: neither in",
-      "imports omegaconf: neither in"]),
-    (lambda f: fake_wheel(f, "omegaconf", "2.4.0", "py3-none-any", [], ["omegaconf"]),
-     ["omegaconf: two versions"]),
-    (lambda f: replace_wheel(f, "megatron-core", "0.16.1", "cp311-cp311-manylinux_2_28_x86_64",
-                             ["megatron"]),
-     ["no tag for CPython 3.12"]),
-    (lambda f: fake_wheel(f, "tiny", "1.0", "py3-none-manylinux_2_34_x86_64", [], ["tiny"]),
-     ["tiny-1.0-py3-none-manylinux_2_34_x86_64.whl: no tag"]),
-    (lambda f: fake_wheel(f, "needy", "1.0", "py3-none-any", ["torch>=2.12"], ["needy"]),
-     ["needs torch>=2.12, but 2.11.0 is what the machine gets"]),
-    (lambda f: fake_wheel(f, "needy", "1.0", "py3-none-any", ["wandb>=0.17"], ["needy"]),
-     ["needs wandb>=0.17: neither in"]),
-], ids=["missing", "two-versions", "cp311", "new-glibc", "torch-too-old", "not-in-image"])
+@pytest.mark.parametrize(
+    "break_it,expected",
+    [
+        (
+            lambda f: (f / "omegaconf-2.3.1-py3-none-any.whl").unlink(),
+            [
+                "omegaconf==2.3.1: missing",
+                "needs omegaconf<2.4,>=2.2: neither in",
+                "imports omegaconf: neither in",
+            ],
+        ),
+        (
+            lambda f: fake_wheel(f, "omegaconf", "2.4.0", "py3-none-any", [], ["omegaconf"]),
+            ["omegaconf: two versions"],
+        ),
+        (
+            lambda f: replace_wheel(
+                f, "megatron-core", "0.16.1", "cp311-cp311-manylinux_2_28_x86_64", ["megatron"]
+            ),
+            ["no tag for CPython 3.12"],
+        ),
+        (
+            lambda f: fake_wheel(f, "tiny", "1.0", "py3-none-manylinux_2_34_x86_64", [], ["tiny"]),
+            ["tiny-1.0-py3-none-manylinux_2_34_x86_64.whl: no tag"],
+        ),
+        (
+            lambda f: fake_wheel(f, "needy", "1.0", "py3-none-any", ["torch>=2.12"], ["needy"]),
+            ["needs torch>=2.12, but 2.11.0 is what the machine gets"],
+        ),
+        (
+            lambda f: fake_wheel(f, "needy", "1.0", "py3-none-any", ["wandb>=0.17"], ["needy"]),
+            ["needs wandb>=0.17: neither in"],
+        ),
+    ],
+    ids=["missing", "two-versions", "cp311", "new-glibc", "torch-too-old", "not-in-image"],
+)
 def test_an_incomplete_folder_is_explained(wheels, break_it, expected):
     break_it(wheels)
     problems = "\n".join(gpu_machine.check_wheels(wheels))
@@ -100,8 +139,14 @@ def test_every_third_party_import_of_the_repository_is_accounted_for():
 
 
 def run(args, tmp_path, **env):
-    return subprocess.run(["bash", str(SCRIPT), *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=240, env={**os.environ, "TMPDIR": str(tmp_path), **env})
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "TMPDIR": str(tmp_path), **env},
+    )
 
 
 def test_dry_run_prints_every_stage_and_checks_the_wheels(wheels, tmp_path):
@@ -119,16 +164,32 @@ def test_dry_run_prints_every_stage_and_checks_the_wheels(wheels, tmp_path):
     assert run([], tmp_path, GPU_CHECK_STAGES="tests nonsense").returncode == 2
 
 
-@pytest.mark.parametrize("log,rc,status", [
-    ("SKIPPED [2] tests/gpu/a.py:9: needs transformer_engine\n5 passed, 2 skipped in 3.1s\n", 0,
-     "pass: 5 passed, 2 skipped in 3.1s; 2 skipped as expected: needs transformer_engine"),
-    ("SKIPPED [1] tests/gpu/a.py:9: needs Hopper or newer\n4 passed, 1 skipped in 3.1s\n", 0,
-     "INCOMPLETE: 4 passed, 1 skipped in 3.1s; 1 skipped: needs Hopper or newer"),
-    ("FAILED tests/gpu/a.py::t - AssertionError\n1 failed, 4 passed in 3.1s\n", 1,
-     "FAIL: 1 failed, 4 passed in 3.1s"),
-    ("SKIPPED [3] tests/gpu/a.py:9: needs a CUDA GPU\n3 skipped in 0.1s\n", 0,
-     "FAIL: 3 skipped in 0.1s; 3 skipped: needs a CUDA GPU"),
-], ids=["pass", "unexpected-skip", "failure", "nothing-ran"])
+@pytest.mark.parametrize(
+    "log,rc,status",
+    [
+        (
+            "SKIPPED [2] tests/gpu/a.py:9: needs transformer_engine\n5 passed, 2 skipped in 3.1s\n",
+            0,
+            "pass: 5 passed, 2 skipped in 3.1s; 2 skipped as expected: needs transformer_engine",
+        ),
+        (
+            "SKIPPED [1] tests/gpu/a.py:9: needs Hopper or newer\n4 passed, 1 skipped in 3.1s\n",
+            0,
+            "INCOMPLETE: 4 passed, 1 skipped in 3.1s; 1 skipped: needs Hopper or newer",
+        ),
+        (
+            "FAILED tests/gpu/a.py::t - AssertionError\n1 failed, 4 passed in 3.1s\n",
+            1,
+            "FAIL: 1 failed, 4 passed in 3.1s",
+        ),
+        (
+            "SKIPPED [3] tests/gpu/a.py:9: needs a CUDA GPU\n3 skipped in 0.1s\n",
+            0,
+            "FAIL: 3 skipped in 0.1s; 3 skipped: needs a CUDA GPU",
+        ),
+    ],
+    ids=["pass", "unexpected-skip", "failure", "nothing-ran"],
+)
 def test_the_report_line_of_the_tests_says_what_ran(tmp_path, log, rc, status):
     path = tmp_path / "tests.log"
     path.write_text(log)
@@ -150,10 +211,19 @@ def test_the_pinned_wheels_build_complete(tmp_path):
     """scripts/gpu_wheels.sh against PyPI: the real pins download (or build) and pass the
     check; a failed build would leave no folder behind."""
     dest = tmp_path / "whl"
-    done = subprocess.run(["bash", str(REPO / "scripts" / "gpu_wheels.sh")], cwd=REPO,
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "GPU_WHEELS": str(dest), "TMPDIR": str(tmp_path)})
+    done = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_wheels.sh")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "GPU_WHEELS": str(dest), "TMPDIR": str(tmp_path)},
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert sorted(p.name.split("-")[0] for p in dest.glob("*.whl")) == [
-        "antlr4_python3_runtime", "hydra_core", "megatron_core", "omegaconf"]
+        "antlr4_python3_runtime",
+        "hydra_core",
+        "megatron_core",
+        "omegaconf",
+    ]
     assert gpu_machine.check_wheels(dest) == []

@@ -14,9 +14,14 @@ from megatron_multilora.ops import grouped_mm as gmm
 
 COUNTS = [5, 0, 1, 23, 9]
 # (in, out, whether the narrow-input backward runs)
-SHAPES = {"lora_b_rank_8": (8, 40, True), "lora_b_rank_12": (12, 32, True),
-          "lora_a_rank_8": (48, 8, False), "rank_16": (16, 40, False), "wide": (24, 40, False),
-          "loop_rank_3": (3, 40, False)}
+SHAPES = {
+    "lora_b_rank_8": (8, 40, True),
+    "lora_b_rank_12": (12, 32, True),
+    "lora_a_rank_8": (48, 8, False),
+    "rank_16": (16, 40, False),
+    "wide": (24, 40, False),
+    "loop_rank_3": (3, 40, False),
+}
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -24,14 +29,16 @@ def reference(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tens
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)],
-                         ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "dtype,rel", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"]
+)
 def test_grouped_mm_matches_float64_loop(monkeypatch, shape, dtype, rel):
     in_f, out_f, narrow = SHAPES[shape]
     used = []
     function = gmm._NarrowInputGroupedMM.apply
-    monkeypatch.setattr(gmm._NarrowInputGroupedMM, "apply",
-                        lambda *a: used.append(1) or function(*a))
+    monkeypatch.setattr(
+        gmm._NarrowInputGroupedMM, "apply", lambda *a: used.append(1) or function(*a)
+    )
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(sum(COUNTS), in_f, generator=gen).to(dtype)
     w = torch.randn(len(COUNTS), out_f, in_f, generator=gen).to(dtype)
@@ -45,8 +52,11 @@ def test_grouped_mm_matches_float64_loop(monkeypatch, shape, dtype, rel):
     y_r = reference(x_r, w_r, COUNTS)
     (y_r * g.double()).sum().backward()
     assert y.dtype == dtype and x_l.grad.is_contiguous()
-    for got, want, what in ((y, y_r, "output"), (x_l.grad, x_r.grad, "input grad"),
-                            (w_l.grad, w_r.grad, "weight grad")):
+    for got, want, what in (
+        (y, y_r, "output"),
+        (x_l.grad, x_r.grad, "input grad"),
+        (w_l.grad, w_r.grad, "weight grad"),
+    ):
         assert got.shape == want.shape, what
         err = (got.double() - want).abs().max().item()
         assert err <= rel * want.abs().max().item(), f"{what}: max abs error {err:.3e}"
@@ -70,10 +80,10 @@ def run_groups_alone(x, w, g):
     gradients, group by group."""
     results, start = [], 0
     for group, rows in enumerate(COUNTS):
-        x_one = x[start:start + rows].clone().requires_grad_()
+        x_one = x[start : start + rows].clone().requires_grad_()
         w_one = w[group].clone().requires_grad_()
         y_one = gmm.single_group_mm(x_one, w_one)
-        (y_one * g[start:start + rows]).sum().backward()
+        (y_one * g[start : start + rows]).sum().backward()
         results.append((y_one, x_one.grad, w_one.grad))
         start += rows
     return results
@@ -89,9 +99,11 @@ def run_grouped(x, w, g):
 def operands(shape: str, seed: int = 2):
     in_f, out_f, _ = SHAPES[shape]
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(sum(COUNTS), in_f, generator=gen),
-            torch.randn(len(COUNTS), out_f, in_f, generator=gen),
-            torch.randn(sum(COUNTS), out_f, generator=gen))
+    return (
+        torch.randn(sum(COUNTS), in_f, generator=gen),
+        torch.randn(len(COUNTS), out_f, in_f, generator=gen),
+        torch.randn(sum(COUNTS), out_f, generator=gen),
+    )
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -122,8 +134,9 @@ def blas_calls(capfd, run) -> collections.Counter:
     ctypes.CDLL(None).fflush(None)  # MKL writes its lines through C's buffered stdout
     calls = re.findall(r"MKL_VERBOSE SGEMM\(([^)]*)\)", capfd.readouterr().out)
     fields = [call.split(",") for call in calls]
-    return collections.Counter(tuple(f[i] for i in (0, 1, 2, 3, 4, 7, 9)) for f in fields
-                               if "0" not in (f[2], f[3], f[4]))
+    return collections.Counter(
+        tuple(f[i] for i in (0, 1, 2, 3, 4, 7, 9)) for f in fields if "0" not in (f[2], f[3], f[4])
+    )
 
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch without MKL")

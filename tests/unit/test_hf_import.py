@@ -26,8 +26,13 @@ TOL = 1e-4
 
 
 def max_logit_diff(hf_model, model, seeds=(0, 1, 2)) -> float:
-    return max((megatron_logits(model, token_batch(s)) - hf_logits(hf_model, token_batch(s)))
-               .abs().max().item() for s in seeds)
+    return max(
+        (megatron_logits(model, token_batch(s)) - hf_logits(hf_model, token_batch(s)))
+        .abs()
+        .max()
+        .item()
+        for s in seeds
+    )
 
 
 def save(hf_model, folder, **kwargs) -> str:
@@ -88,8 +93,9 @@ def test_wrapped_model_loads_base_weights(tmp_path, model_type):
     qkv = model.decoder.layers[0].self_attention.linear_qkv
     assert isinstance(qkv, mm.MultiLoRALinear)
     # Group 0 of the fused layout starts with q heads 0..1 of q_proj.
-    torch.testing.assert_close(qkv.to_wrap.weight[:32],
-                               hf_model.model.layers[0].self_attn.q_proj.weight[:32])
+    torch.testing.assert_close(
+        qkv.to_wrap.weight[:32], hf_model.model.layers[0].self_attn.q_proj.weight[:32]
+    )
     for k, v in model.state_dict().items():
         if k in adapters_before:
             assert torch.equal(v, adapters_before[k]), k
@@ -109,31 +115,49 @@ def test_bf16_load_casts_each_tensor(tmp_path, model_type):
     ids = token_batch(0)
     per_token = (megatron_logits(model, ids).float() - hf_logits(hf_model, ids)).abs().amax(-1)
     p90 = per_token.flatten().quantile(0.9).item()
-    print(f"{model_type} bf16 vs fp32 transformers: per-token max |logit diff| "
-          f"p90 {p90:.2e}, max {per_token.max().item():.2e}")
+    print(
+        f"{model_type} bf16 vs fp32 transformers: per-token max |logit diff| "
+        f"p90 {p90:.2e}, max {per_token.max().item():.2e}"
+    )
     # bf16 rounding (transformers in bf16 is as far off); a rare MoE top-k flip may move one
     # token by ~1, a mapping error moves nearly all tokens by O(1).
     assert p90 < 0.3
 
 
 def test_config_mapping():
-    cfg = hf_to_model_config({
-        "model_type": "qwen2_moe", "num_hidden_layers": 3, "hidden_size": 64,
-        "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 96,
-        "moe_intermediate_size": 24, "shared_expert_intermediate_size": 40, "num_experts": 6,
-        "num_experts_per_tok": 2, "norm_topk_prob": False, "vocab_size": 100,
-        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "hidden_act": "silu",
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-        "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None,
-        "decoder_sparse_step": 1, "mlp_only_layers": [], "qkv_bias": True})
+    cfg = hf_to_model_config(
+        {
+            "model_type": "qwen2_moe",
+            "num_hidden_layers": 3,
+            "hidden_size": 64,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "intermediate_size": 96,
+            "moe_intermediate_size": 24,
+            "shared_expert_intermediate_size": 40,
+            "num_experts": 6,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": False,
+            "vocab_size": 100,
+            "max_position_embeddings": 256,
+            "rms_norm_eps": 1e-6,
+            "hidden_act": "silu",
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+            "tie_word_embeddings": False,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "qkv_bias": True,
+        }
+    )
     assert (cfg.num_layers, cfg.num_query_groups, cfg.kv_channels) == (3, 2, 8)
     assert (cfg.rotary_base, cfg.norm_epsilon, cfg.max_sequence_length) == (1000000, 1e-6, 256)
     assert cfg.add_qkv_bias and not cfg.add_bias_linear and not cfg.qk_layernorm
     assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size) == (6, 2, 24)
     assert cfg.moe_router_pre_softmax  # no renormalisation of the top-k probabilities
     assert cfg.moe_shared_expert_intermediate_size == 40 and cfg.moe_shared_expert_gate
-    mixtral = hf_to_model_config({**_minimal("mixtral"),
-                                  "norm_topk_prob": False})
+    mixtral = hf_to_model_config({**_minimal("mixtral"), "norm_topk_prob": False})
     assert not mixtral.moe_router_pre_softmax  # Mixtral always renormalises
     assert mixtral.moe_ffn_hidden_size == mixtral.ffn_hidden_size
     olmoe = hf_to_model_config(_minimal("olmoe"))
@@ -144,32 +168,46 @@ def test_config_mapping():
 
 
 def _minimal(model_type: str) -> dict:
-    d = {"model_type": model_type, "num_hidden_layers": 2, "hidden_size": 64,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
-         "vocab_size": 128, "hidden_act": "silu"}
+    d = {
+        "model_type": model_type,
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 96,
+        "vocab_size": 128,
+        "hidden_act": "silu",
+    }
     if model_type in MOE:
-        d.update(num_experts=4, num_local_experts=4, num_experts_per_tok=2,
-                 moe_intermediate_size=32)
+        d.update(
+            num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+        )
     return d
 
 
-@pytest.mark.parametrize("model_type,fields,named", [
-    ("gpt2", {}, "model_type 'gpt2'"),
-    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
-    ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
-     "rope_parameters"),
-    ("qwen3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
-    ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ("llama", {"attention_bias": True}, "attention_bias=True"),
-    ("llama", {"mlp_bias": True}, "mlp_bias=True"),
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window"),
-    ("qwen3", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
-    ("mixtral", {"sliding_window": 64, "max_position_embeddings": 4096}, "sliding_window=64"),
-    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
-    ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
-    ("qwen2_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
-    ("olmoe", {"clip_qkv": 8.0}, "clip_qkv=8.0"),
-])
+@pytest.mark.parametrize(
+    "model_type,fields,named",
+    [
+        ("gpt2", {}, "model_type 'gpt2'"),
+        ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
+        (
+            "llama",
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+            "rope_parameters",
+        ),
+        ("qwen3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+        ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ("llama", {"attention_bias": True}, "attention_bias=True"),
+        ("llama", {"mlp_bias": True}, "mlp_bias=True"),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window"),
+        ("qwen3", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+        ("mixtral", {"sliding_window": 64, "max_position_embeddings": 4096}, "sliding_window=64"),
+        ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
+        ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
+        ("qwen2_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+        ("olmoe", {"clip_qkv": 8.0}, "clip_qkv=8.0"),
+    ],
+)
 def test_unsupported_config_raises(model_type, fields, named):
     with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("(", r"\(")) as e:
         hf_to_model_config({**_minimal(model_type), **fields})
@@ -177,8 +215,9 @@ def test_unsupported_config_raises(model_type, fields, named):
 
 
 def test_mixtral_window_covering_every_position_is_accepted():
-    cfg = hf_to_model_config({**_minimal("mixtral"), "sliding_window": 4096,
-                              "max_position_embeddings": 4096})
+    cfg = hf_to_model_config(
+        {**_minimal("mixtral"), "sliding_window": 4096, "max_position_embeddings": 4096}
+    )
     assert cfg.num_moe_experts == 4
 
 
@@ -188,8 +227,11 @@ def test_missing_tensor_raises_naming_it(tmp_path):
     state = load_file(path)
     del state["model.layers.1.self_attn.k_proj.weight"]
     save_file(state, path)
-    with pytest.raises(MissingTensorError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight"
-                       r".*decoder\.layers\.1\.self_attention\.linear_qkv\.weight"):
+    with pytest.raises(
+        MissingTensorError,
+        match=r"model\.layers\.1\.self_attn\.k_proj\.weight"
+        r".*decoder\.layers\.1\.self_attention\.linear_qkv\.weight",
+    ):
         load_hf_model(folder)
 
 
@@ -219,14 +261,17 @@ def test_tokenizer_loads_from_folder(tmp_path):
     vocab = {t: i for i, t in enumerate(["<pad>", "</s>", "<s>", "hello", "world"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>",
-                            pad_token="<pad>").save_pretrained(tmp_path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="</s>", pad_token="<pad>"
+    ).save_pretrained(tmp_path)
     loaded = load_hf_tokenizer(str(tmp_path))
     assert loaded("hello world")["input_ids"] == [3, 4]
 
 
 def test_reading_config_json_names_the_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"config\.json not found \(expected a Hugging Face"):
+    with pytest.raises(
+        FileNotFoundError, match=r"config\.json not found \(expected a Hugging Face"
+    ):
         read_hf_config(tmp_path)
     (tmp_path / "config.json").write_text('{"model_type": ')
     with pytest.raises(ValueError, match=r"config\.json: not valid JSON"):

@@ -10,18 +10,21 @@ from megatron_multilora.data.datasets import Example
 from megatron_multilora.training.config import AdapterJob, TrainerSettings
 from megatron_multilora.training.jobs.board import JobBoard
 from megatron_multilora.training.jobs.export import JobExporter
-from megatron_multilora.training.objectives.sft import SFT
 from megatron_multilora.training.jobs.job import Job, planned_steps, total_steps
 from megatron_multilora.training.jobs.states import ACTIVE, CANCELLED, DONE, QUEUED
+from megatron_multilora.training.objectives.sft import SFT
 
-CFG = mm.GPTModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32,
-                        vocab_size=32)
+CFG = mm.GPTModelConfig(
+    num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, vocab_size=32
+)
 
 
 def specs():
-    return [AdapterJob(name="a", dataset="-", max_steps=3, rank=4),
-            AdapterJob(name="b", dataset="-", epochs=2, global_batch_size=4, rank=2),  # 10 -> 5
-            AdapterJob(name="c", dataset="-", max_steps=2, start_step=4, rank=4)]
+    return [
+        AdapterJob(name="a", dataset="-", max_steps=3, rank=4),
+        AdapterJob(name="b", dataset="-", epochs=2, global_batch_size=4, rank=2),  # 10 -> 5
+        AdapterJob(name="c", dataset="-", max_steps=2, start_step=4, rank=4),
+    ]
 
 
 def job(spec: AdapterJob, steps_per_job=None) -> Job:
@@ -34,8 +37,18 @@ def board(tmp_path: Path, steps_per_job=None) -> JobBoard:
     settings = TrainerSettings(max_steps=None, steps_per_job=steps_per_job, max_bad_steps=2)
     lora = type("Lora", (), {"targets": ["linear_qkv"], "max_rank": 4})()
     said = []
-    b = JobBoard(model, 2, settings, 1, None, JobExporter(tmp_path, model, CFG, lora, None, None),
-                 CFG, None, said.append, None)
+    b = JobBoard(
+        model,
+        2,
+        settings,
+        1,
+        None,
+        JobExporter(tmp_path, model, CFG, lora, None, None),
+        CFG,
+        None,
+        said.append,
+        None,
+    )
     b.jobs = [job(s, steps_per_job) for s in specs()]
     b.said = said
     return b
@@ -77,7 +90,10 @@ def test_progress_round_trips_and_must_name_the_same_jobs(tmp_path):
     fresh = board(tmp_path)
     fresh.restore(saved)
     assert [(j.status, j.slot, j.steps_done) for j in fresh.jobs] == [
-        (ACTIVE, 0, 0), (ACTIVE, 1, 2), (QUEUED, None, 0)]
+        (ACTIVE, 0, 0),
+        (ACTIVE, 1, 2),
+        (QUEUED, None, 0),
+    ]
     short = board(tmp_path)
     short.jobs = short.jobs[:2]
     with pytest.raises(ValueError, match="differ"):
@@ -100,5 +116,6 @@ def test_too_many_bad_steps_fail_a_job_and_cancel_ends_or_dequeues(tmp_path):
     b.cancel("c", 1)
     assert [(j.status, j.reason) for j in b.jobs[1:]] == [
         (CANCELLED, "cancelled after 0 steps; exported as it stood"),
-        (CANCELLED, "cancelled before it started")]
+        (CANCELLED, "cancelled before it started"),
+    ]
     assert [j.name for j in b.exported()] == ["b"] and b.finished()

@@ -8,9 +8,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron_multilora import MultiLoRALinear
 from megatron_multilora.layers import multi_lora_linear
 from megatron_multilora.layers.expert_lora import MultiLoRAGroupedExpertLinear
-from megatron_multilora.ops.slot_layout import SlotLayout
-from megatron_multilora.models.torch_modules import TorchGroupedLinear
 from megatron_multilora.layers.slot_routing import build_expert_slot_routing
+from megatron_multilora.models.torch_modules import TorchGroupedLinear
+from megatron_multilora.ops.slot_layout import SlotLayout
 from tests.reference import linear_config, lora_reference, random_slots
 
 IN, OUT, DIM = 16, 24, 32
@@ -19,9 +19,15 @@ ALPHAS = [8.0, 4.0, 6.0, 2.0]
 
 aten = torch.ops.aten
 # Ops that read device values back to the host (or need a data-dependent output size).
-SYNCING = {aten._local_scalar_dense.default, aten.nonzero.default, aten.bincount.default,
-           aten.masked_select.default, aten._unique2.default, aten.unique_consecutive.default,
-           aten.unique_dim.default}
+SYNCING = {
+    aten._local_scalar_dense.default,
+    aten.nonzero.default,
+    aten.bincount.default,
+    aten.masked_select.default,
+    aten._unique2.default,
+    aten.unique_consecutive.default,
+    aten.unique_dim.default,
+}
 
 
 class SyncDetector(TorchDispatchMode):
@@ -33,8 +39,9 @@ class SyncDetector(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in SYNCING or (func is aten.repeat_interleave.Tensor
-                               and kwargs.get("output_size") is None):
+        if func in SYNCING or (
+            func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None
+        ):
             self.syncs.append(str(func))
         return func(*args, **kwargs)
 
@@ -70,10 +77,19 @@ def test_dense_forward_backward_has_no_host_sync():
 
 def test_expert_routing_forward_backward_has_no_host_sync():
     e, n = 4, len(RANKS)
-    base = TorchGroupedLinear(e, IN, OUT, config=linear_config(), init_method=torch.nn.init.normal_,
-                              bias=False, skip_bias_add=True, is_expert=True)
-    layer = MultiLoRAGroupedExpertLinear(base, n, DIM, 1.0, "test.experts", e,
-                                         row_init_method="normal")
+    base = TorchGroupedLinear(
+        e,
+        IN,
+        OUT,
+        config=linear_config(),
+        init_method=torch.nn.init.normal_,
+        bias=False,
+        skip_bias_add=True,
+        is_expert=True,
+    )
+    layer = MultiLoRAGroupedExpertLinear(
+        base, n, DIM, 1.0, "test.experts", e, row_init_method="normal"
+    )
     tokens_per_expert = torch.tensor([3, 0, 4, 2])  # as the dispatcher hands them (host)
     slot = torch.tensor([0, 2, 2, 0, 3, 2, 0, 3, 3])
     x = torch.randn(9, IN, requires_grad=True)
@@ -121,8 +137,11 @@ def test_a_freed_slot_does_not_raise_the_computed_rank(monkeypatch, alpha_of_idl
     """A slot at alpha 0 (a free slot) contributes nothing, so its rank is not computed."""
     shapes = []
     real = multi_lora_linear.grouped_linear
-    monkeypatch.setattr(multi_lora_linear, "grouped_linear",
-                        lambda x, w, seg, **kw: shapes.append(tuple(w.shape)) or real(x, w, seg, **kw))
+    monkeypatch.setattr(
+        multi_lora_linear,
+        "grouped_linear",
+        lambda x, w, seg, **kw: shapes.append(tuple(w.shape)) or real(x, w, seg, **kw),
+    )
     layer, _ = wrapped([3, 4, 0, 0])
     layer.init_adapter_slot(1, 32, alpha_of_idle)
     layer(torch.randn(7, 1, IN))

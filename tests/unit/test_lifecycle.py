@@ -28,11 +28,11 @@ def test_narrow_counts_to_window():
 
 def test_token_count_errors_name_the_problem():
     model = Wrapped()
-    with pytest.raises(ValueError, match="3 entries but the model has 4"):
+    with pytest.raises(ValueError, match=r"3 entries but the model has 4"):
         mm.set_tokens_per_adapter_slot(model, [1, 2, 3])
     with pytest.raises(ValueError, match=r"\(1, -2\)"):
         mm.set_tokens_per_adapter_slot(model, [1, -2, 3, 4])
-    with pytest.raises(ValueError, match="integer tensor"):
+    with pytest.raises(ValueError, match=r"integer tensor"):
         mm.set_tokens_per_adapter_slot(model, torch.tensor([1.0, 2.0, 3.0, 4.0]))
     mm.set_tokens_per_adapter_slot(model, torch.tensor([4, 4, 4, 4]))  # sums to 16
     with pytest.raises(ValueError, match=r"MultiLoRALinear\(test.column\): input has 10 tokens"):
@@ -44,7 +44,7 @@ def test_token_count_errors_name_the_problem():
     mm.set_tokens_per_adapter_slot(model, [4, 0, 4, 8], ep_slots=[3, 1, 0, 2])
     assert model.q.slot_layout.ep_slots == (0, 1, 2, 3)
     fresh = mm.MultiLoRALinear(torch.nn.Linear(4, 4), 2, 2, 1.0, "lonely")
-    with pytest.raises(RuntimeError, match="set_tokens_per_adapter_slot"):
+    with pytest.raises(RuntimeError, match=r"set_tokens_per_adapter_slot"):
         fresh(torch.randn(3, 1, 4))
 
 
@@ -53,7 +53,7 @@ def test_init_adapter_slot_checks_rank_and_index():
     for bad in (0, DIM + 1, 2.5):
         with pytest.raises(ValueError, match=rf"rank={bad} is outside 1..{DIM}"):
             mm.init_adapter_slot(model, 0, bad, 1.0)
-    with pytest.raises(IndexError, match="slot 4 is out of range 0..3"):
+    with pytest.raises(IndexError, match=r"slot 4 is out of range 0..3"):
         mm.init_adapter_slot(model, 4, 2, 1.0)
     mm.init_adapter_slot(model, 2, 3, 6.0)
     for layer in mm.multi_lora_modules(model):
@@ -88,7 +88,7 @@ def test_expose_names_one_slot_and_restores_on_error():
         assert "q.adapter.linear_in.weight" in names
         assert not any(".adapters." in n for n in names)
         assert model.q.adapter is slot2
-    with pytest.raises(RuntimeError, match="boom"):
+    with pytest.raises(RuntimeError, match=r"boom"):
         with mm.expose_adapter_slot(model, 0):
             raise RuntimeError("boom")
     names = [n for n, _ in model.named_parameters()]
@@ -117,15 +117,15 @@ def test_load_adapter_moves_a_slot_and_rejects_mismatches():
     assert all(".adapter." in k for k in saved) and len(saved) == 10  # 2 layers x 5
 
     before = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
-    with pytest.raises(KeyError, match="missing"):
+    with pytest.raises(KeyError, match=r"missing"):
         mm.load_adapter(model, 3, {k: v for k, v in saved.items() if not k.startswith("o.")})
-    with pytest.raises(KeyError, match="unexpected"):
+    with pytest.raises(KeyError, match=r"unexpected"):
         mm.load_adapter(model, 3, {**saved, "q.adapter.extra": torch.zeros(1)})
     bad = dict(saved, **{"q.adapter.linear_in.weight": torch.zeros(DIM, IN + 1)})
-    with pytest.raises(ValueError, match="shapes differ"):
+    with pytest.raises(ValueError, match=r"shapes differ"):
         mm.load_adapter(model, 3, bad)
     bad = dict(saved, **{"q.adapter.rank": torch.tensor(DIM + 3)})
-    with pytest.raises(ValueError, match="ranks outside"):
+    with pytest.raises(ValueError, match=r"ranks outside"):
         mm.load_adapter(model, 3, bad)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 

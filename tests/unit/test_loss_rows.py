@@ -9,7 +9,7 @@ from megatron_multilora.layers.lifecycle import slot_parameters
 from megatron_multilora.models.loss_rows import token_loss
 from megatron_multilora.training.step.micro_batches import chunk_inputs
 from megatron_multilora.training.step.schedule import loss_rows
-from tests.unit.test_step_schedule import DENSE, N, PAD, build, slot_examples
+from tests.unit.test_step_schedule import DENSE, PAD, N, build, slot_examples
 
 
 def test_the_loss_at_its_rows_equals_the_whole_models_there():
@@ -23,7 +23,8 @@ def test_the_loss_at_its_rows_equals_the_whole_models_there():
         model.zero_grad()
         seen = []
         hook = model.output_layer.register_forward_hook(  # the rows it projected
-            lambda module, args, out: seen.append(out[0].shape[0]))
+            lambda module, args, out, seen=seen: seen.append(out[0].shape[0])
+        )
         loss = token_loss(model, chunk_inputs(model, mb), mb.labels, at)
         hook.remove()
         (loss[0] * mask).sum().backward()

@@ -30,24 +30,32 @@ def png_size(path):
 
 def strict_json(line):
     """Parse as strict JSON: NaN/Infinity literals are an error."""
+
     def reject(name):
         raise AssertionError(f"non-JSON constant {name}")
+
     return json.loads(line, parse_constant=reject)
 
 
 def test_jsonl_round_trip_with_nan_as_null_and_resume_appends(tmp_path):
     run = tmp_path / "run"
     logger = MetricsLogger(run, enabled=True, wandb_mode="disabled")
-    logger.log(10, "train", {"rev": {"loss": 1.5, "lr": 3e-4, "grad_norm": math.nan},
-                             "sort": {"loss": math.inf}}, extra={"tokens": 4096})
+    logger.log(
+        10,
+        "train",
+        {"rev": {"loss": 1.5, "lr": 3e-4, "grad_norm": math.nan}, "sort": {"loss": math.inf}},
+        extra={"tokens": 4096},
+    )
     assert len(read_metrics(run / "metrics.jsonl")) == 1  # flushed: a kill now would keep it
     logger.close()
     logger.close()  # idempotent
     lines = (run / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 1
     record = strict_json(lines[0])
-    assert record["adapters"] == {"rev": {"loss": 1.5, "lr": 3e-4, "grad_norm": None},
-                                  "sort": {"loss": None}}
+    assert record["adapters"] == {
+        "rev": {"loss": 1.5, "lr": 3e-4, "grad_norm": None},
+        "sort": {"loss": None},
+    }
     assert list(record) == ["step", "kind", "adapters", "tokens", "time"]
 
     resumed = MetricsLogger(run, enabled=True, wandb_mode="disabled")
@@ -98,8 +106,13 @@ def test_wandb_offline_run_is_written_under_run_dir(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_SILENT")
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "run"
-    logger = MetricsLogger(run, enabled=True, wandb_mode="offline", wandb_run_name="unit",
-                           config={"lr": 3e-4, "adapters": ["a", "b"]})
+    logger = MetricsLogger(
+        run,
+        enabled=True,
+        wandb_mode="offline",
+        wandb_run_name="unit",
+        config={"lr": 3e-4, "adapters": ["a", "b"]},
+    )
     assert os.environ["WANDB_SILENT"] == "true"
     logger.log(1, "train", {"a": {"loss": 2.0}, "b": {"loss": math.nan}}, extra={"tokens": 64})
     logger.log(2, "eval", {"a": {"loss": 1.5}})
@@ -112,8 +125,10 @@ def test_wandb_offline_run_is_written_under_run_dir(tmp_path, monkeypatch):
 
 def test_format_adapter_line_fields_and_alignment():
     metrics = {"loss": 1.234, "lr": 3e-4, "grad_norm": 0.812, "tokens_per_s": 1234.4}
-    assert (format_adapter_line(40, "reverse", metrics)
-            == "step   40 | reverse      loss  1.234 | lr 3.0e-04 | gnorm   0.812 |   1234 tok/s")
+    assert (
+        format_adapter_line(40, "reverse", metrics)
+        == "step   40 | reverse      loss  1.234 | lr 3.0e-04 | gnorm   0.812 |   1234 tok/s"
+    )
 
     def bars(line):
         return [i for i, c in enumerate(line) if c == "|"]
@@ -121,8 +136,9 @@ def test_format_adapter_line_fields_and_alignment():
     # Names within the default width align as they are; a longer one needs name_width.
     for long_name, width in (("reverse", {}), ("reverse_words_long", {"name_width": 18})):
         short = format_adapter_line(5, "a", {**metrics, "loss": math.nan}, **width)
-        long = format_adapter_line(1200, long_name, {**metrics, "loss": 10.5, "grad_norm": None},
-                                   **width)
+        long = format_adapter_line(
+            1200, long_name, {**metrics, "loss": 10.5, "grad_norm": None}, **width
+        )
         assert len(short) == len(long)
         assert bars(short) == bars(long) and len(bars(short)) == 4
         assert short.index("loss") == long.index("loss")
@@ -162,10 +178,15 @@ def test_progress_without_tty_prints_a_line_every_tenth(capsys):
 
 
 def records_for_plot():
-    records = [{"step": s, "kind": "train", "time": 0.0,
-                "adapters": {"rev": {"loss": 3.0 / s},
-                             "sort": {"loss": None if s == 4 else 2.0 / s}}}
-               for s in range(1, 50)]
+    records = [
+        {
+            "step": s,
+            "kind": "train",
+            "time": 0.0,
+            "adapters": {"rev": {"loss": 3.0 / s}, "sort": {"loss": None if s == 4 else 2.0 / s}},
+        }
+        for s in range(1, 50)
+    ]
     records.append({"step": 10, "kind": "eval", "adapters": {"rev": {"loss": 1.0}}})
     return records
 
@@ -190,8 +211,9 @@ def test_plot_loss_curves_writes_png_and_needs_records_of_the_kind(tmp_path):
 
 def test_plot_heatmap_writes_png_and_checks_labels(tmp_path):
     matrix = [[0.9, 0.1, 0.4], [0.2, 0.8, math.nan]]
-    out = plot_heatmap(matrix, ["rev", "sort"], ["reverse", "sort", "copy"], tmp_path / "h.png",
-                       title="accuracy")
+    out = plot_heatmap(
+        matrix, ["rev", "sort"], ["reverse", "sort", "copy"], tmp_path / "h.png", title="accuracy"
+    )
     assert out == tmp_path / "h.png"
     assert_png(out)
     with pytest.raises(ValueError, match="2 rows but 3 row labels"):
@@ -207,15 +229,21 @@ def test_format_table_marks_best_per_column():
     lines = format_table(matrix, rows, cols).splitlines()
     assert lines[0].split() == cols
     cells = {line.split()[0]: line.split()[1:] for line in lines[2:]}
-    assert cells == {"rev": ["0.90*", "0.10", "nan"], "sort_long": ["0.20", "0.80*", "0.50"],
-                     "copy": ["0.90*", "0.30", "0.70*"]}
+    assert cells == {
+        "rev": ["0.90*", "0.10", "nan"],
+        "sort_long": ["0.20", "0.80*", "0.50"],
+        "copy": ["0.90*", "0.30", "0.70*"],
+    }
     # Marked and unmarked values line up: decimal points share a position in each column.
     dots = [[i for i, c in enumerate(line) if c == "."][:2] for line in lines[2:]]
     assert dots[0] == dots[1] == dots[2]
 
     lower = format_table(matrix, rows, cols, value_format="{:.1f}", higher_is_better=False)
     assert [line.split()[1:] for line in lower.splitlines()[2:]] == [
-        ["0.9", "0.1*", "nan"], ["0.2*", "0.8", "0.5*"], ["0.9", "0.3", "0.7"]]
+        ["0.9", "0.1*", "nan"],
+        ["0.2*", "0.8", "0.5*"],
+        ["0.9", "0.3", "0.7"],
+    ]
     assert "*" not in format_table(matrix, rows, cols, highlight_best_in_column=False)
 
 
@@ -225,11 +253,15 @@ def test_format_table_stars_nothing_when_a_column_shows_one_value():
     matrix = [[0.0, 0.501, 0.9], [0.0, 0.499, 0.9], [math.nan, 0.5, 0.2]]
     lines = format_table(matrix, ["a", "b", "c"], ["x", "y", "z"]).splitlines()
     cells = {line.split()[0]: line.split()[1:] for line in lines[2:]}
-    assert cells == {"a": ["0.00", "0.50", "0.90*"], "b": ["0.00", "0.50", "0.90*"],
-                     "c": ["nan", "0.50", "0.20"]}
+    assert cells == {
+        "a": ["0.00", "0.50", "0.90*"],
+        "b": ["0.00", "0.50", "0.90*"],
+        "c": ["nan", "0.50", "0.20"],
+    }
 
 
 def test_format_adapter_line_shows_all_tokens_and_loss_tokens_rates():
-    line = format_adapter_line(3, "rev", {"loss": 1.0, "tokens_per_s": 812.0,
-                                          "loss_tokens_per_s": 96.0})
+    line = format_adapter_line(
+        3, "rev", {"loss": 1.0, "tokens_per_s": 812.0, "loss_tokens_per_s": 96.0}
+    )
     assert line.endswith("|    812 tok/s |     96 loss tok/s")

@@ -6,26 +6,31 @@ import dataclasses
 
 import pytest
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
 import megatron_multilora as mm
 from megatron_multilora.data.datasets import Example
-from megatron.core.packed_seq_params import PackedSeqParams
-
 from megatron_multilora.data.packing import pack_micro_batches
-from megatron_multilora.validation import TARGETS
 from megatron_multilora.layers.lifecycle import named_multi_lora_modules
 from megatron_multilora.layers.micro_batch_layout import SlotPackedSeqParams, with_slot_layout
+from megatron_multilora.validation import TARGETS
 
 N, DIM, VOCAB = 3, 4, 64
 DENSE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48)
-MOE = dict(num_layers=2, hidden_size=16, num_attention_heads=4, ffn_hidden_size=12,
-           num_moe_experts=4, moe_router_topk=2)
+MOE = dict(
+    num_layers=2,
+    hidden_size=16,
+    num_attention_heads=4,
+    ffn_hidden_size=12,
+    num_moe_experts=4,
+    moe_router_topk=2,
+)
 
 
-def build(arch: dict, recompute: str | None, modules: list[str] | None = None,
-          targets=TARGETS):
-    cfg = mm.GPTModelConfig(vocab_size=VOCAB, recompute_granularity=recompute,
-                            recompute_modules=modules, **arch)
+def build(arch: dict, recompute: str | None, modules: list[str] | None = None, targets=TARGETS):
+    cfg = mm.GPTModelConfig(
+        vocab_size=VOCAB, recompute_granularity=recompute, recompute_modules=modules, **arch
+    )
     torch.manual_seed(0)
     model = mm.build_gpt_model(cfg)
     # Non-zero B: every factor of a slot with tokens gets a gradient.
@@ -38,8 +43,13 @@ def build(arch: dict, recompute: str | None, modules: list[str] | None = None,
 def micro_batch(seed: int, lengths_per_slot: list[list[int]]):
     """One packed micro-batch of random examples (``lengths_per_slot[s]``: slot s's lengths)."""
     gen = torch.Generator().manual_seed(seed)
-    examples = [[Example(tuple(torch.randint(1, VOCAB, (n,), generator=gen).tolist()),
-                         (True,) * (n - 1)) for n in lengths] for lengths in lengths_per_slot]
+    examples = [
+        [
+            Example(tuple(torch.randint(1, VOCAB, (n,), generator=gen).tolist()), (True,) * (n - 1))
+            for n in lengths
+        ]
+        for lengths in lengths_per_slot
+    ]
     (mb,) = pack_micro_batches(examples, token_budget=1000)
     return mb
 
@@ -57,8 +67,11 @@ def forward(model, mb, params):
 
 
 def grads(model) -> dict[str, torch.Tensor | None]:
-    out = {n: None if p.grad is None else p.grad.clone()
-           for n, p in model.named_parameters() if p.requires_grad}
+    out = {
+        n: None if p.grad is None else p.grad.clone()
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
     model.zero_grad(set_to_none=True)
     return out
 
@@ -98,7 +111,9 @@ def assert_same(got, want):
 
 def count_forwards(model, path: str) -> list[int]:
     calls = [0]
-    model.get_submodule(path).register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    model.get_submodule(path).register_forward_pre_hook(
+        lambda *_: calls.__setitem__(0, calls[0] + 1)
+    )
     return calls
 
 
@@ -115,7 +130,9 @@ CASES = [
 @pytest.mark.parametrize("arch,recompute,modules", CASES)
 def test_interleaved_micro_batches_match_each_alone(arch, recompute, modules):
     model = build(arch, recompute, modules)
-    fc1 = "decoder.layers.1.mlp." + ("experts.linear_fc1" if "num_moe_experts" in arch else "linear_fc1")
+    fc1 = "decoder.layers.1.mlp." + (
+        "experts.linear_fc1" if "num_moe_experts" in arch else "linear_fc1"
+    )
     want = [alone(model, mb) for mb in (A, B)]
     calls = count_forwards(model, fc1)
     got = interleaved(model, A, B, carrying)
@@ -148,8 +165,10 @@ def test_layout_set_on_the_model_goes_wrong_under_recompute(arch, recompute, mod
         interleaved(model, A, B, set_on_model)
     got, _ = interleaved(model, A, C, set_on_model)
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)  # the forward was right
-    assert any((g is None) != (want[1][k] is None) or (g is not None and not torch.equal(g, want[1][k]))
-               for k, g in got[1].items())
+    assert any(
+        (g is None) != (want[1][k] is None) or (g is not None and not torch.equal(g, want[1][k]))
+        for k, g in got[1].items()
+    )
 
 
 def test_packed_params_carry_the_layout_and_are_checked_against_the_model():

@@ -9,14 +9,22 @@ from tests.reference import ExpertFactors, dispatch_slot_ids, moe_reference
 
 E, TOPK, HID, FFN = 8, 2, 16, 12
 N, DIM = 3, 4
-COUNTS = [5, 0, 7]           # slot 1 has no tokens
+COUNTS = [5, 0, 7]  # slot 1 has no tokens
 RANKS, ALPHAS = [4, 2, 1], [8.0, 3.0, 2.0]
 
 
 def moe_model(dispatcher="alltoall", **extra):
-    cfg = mm.GPTModelConfig(num_layers=1, hidden_size=HID, num_attention_heads=4,
-                            ffn_hidden_size=FFN, vocab_size=32, num_moe_experts=E,
-                            moe_router_topk=TOPK, moe_token_dispatcher_type=dispatcher, **extra)
+    cfg = mm.GPTModelConfig(
+        num_layers=1,
+        hidden_size=HID,
+        num_attention_heads=4,
+        ffn_hidden_size=FFN,
+        vocab_size=32,
+        num_moe_experts=E,
+        moe_router_topk=TOPK,
+        moe_token_dispatcher_type=dispatcher,
+        **extra,
+    )
     torch.manual_seed(0)
     model = mm.build_gpt_model(cfg)
     mm.apply_multi_lora(model, N, DIM, 1.0, row_init_method="normal")
@@ -27,9 +35,15 @@ def moe_model(dispatcher="alltoall", **extra):
 
 def expert_factors(linear):
     """Reference leaves holding the wrapped expert linear's slot factors."""
-    return [ExpertFactors(s.linear_in.weight.detach().clone().requires_grad_(),
-                          s.linear_out.weight.detach().clone().requires_grad_(),
-                          int(s.rank), float(s.alpha)) for s in linear.adapters]
+    return [
+        ExpertFactors(
+            s.linear_in.weight.detach().clone().requires_grad_(),
+            s.linear_out.weight.detach().clone().requires_grad_(),
+            int(s.rank),
+            float(s.alpha),
+        )
+        for s in linear.adapters
+    ]
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
@@ -47,8 +61,9 @@ def test_moe_layer_matches_token_reference(dispatcher):
     mm.set_tokens_per_adapter_slot(model, COUNTS)
     y, _ = moe(x_in)
     (y.view(-1, HID) * g).sum().backward()
-    y_ref, per_expert = moe_reference(x_ref, moe.router.weight.detach(), TOPK, w1, w2, ref1, ref2,
-                                      COUNTS)
+    y_ref, per_expert = moe_reference(
+        x_ref, moe.router.weight.detach(), TOPK, w1, w2, ref1, ref2, COUNTS
+    )
     (y_ref * g).sum().backward()
 
     assert 0 in per_expert, "the case must include an expert that receives no tokens"
@@ -56,8 +71,10 @@ def test_moe_layer_matches_token_reference(dispatcher):
     torch.testing.assert_close(x_in.grad.view(-1, HID), x_ref.grad, rtol=1e-5, atol=1e-6)
     for linear, refs in ((fc1, ref1), (fc2, ref2)):
         for s, ref in enumerate(refs):
-            for factor, leaf in ((linear.adapters[s].linear_in, ref.a),
-                                 (linear.adapters[s].linear_out, ref.b)):
+            for factor, leaf in (
+                (linear.adapters[s].linear_in, ref.a),
+                (linear.adapters[s].linear_out, ref.b),
+            ):
                 if factor.weight.grad is None:  # the empty slot takes no part: no gradient
                     assert s == 1 and leaf.grad is None
                     continue
@@ -93,10 +110,14 @@ def test_moe_recompute_gives_the_same_gradients(recompute):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("router", [
-    dict(moe_router_score_function="sigmoid", moe_aux_loss_coeff=0.01),
-    dict(moe_router_pre_softmax=True, moe_shared_expert_intermediate_size=8),
-], ids=["sigmoid_aux_loss", "pre_softmax_shared_experts"])
+@pytest.mark.parametrize(
+    "router",
+    [
+        dict(moe_router_score_function="sigmoid", moe_aux_loss_coeff=0.01),
+        dict(moe_router_pre_softmax=True, moe_shared_expert_intermediate_size=8),
+    ],
+    ids=["sigmoid_aux_loss", "pre_softmax_shared_experts"],
+)
 def test_router_variants_train_expert_adapters(router):
     model = moe_model(**router)
     ids = torch.randint(0, 32, (1, 12), generator=torch.Generator().manual_seed(1))
@@ -111,9 +132,15 @@ def test_router_variants_train_expert_adapters(router):
 
 
 def plain_moe(dispatcher="alltoall"):
-    cfg = mm.GPTModelConfig(num_layers=1, hidden_size=HID, num_attention_heads=4,
-                            ffn_hidden_size=FFN, vocab_size=32, num_moe_experts=E,
-                            moe_token_dispatcher_type=dispatcher)
+    cfg = mm.GPTModelConfig(
+        num_layers=1,
+        hidden_size=HID,
+        num_attention_heads=4,
+        ffn_hidden_size=FFN,
+        vocab_size=32,
+        num_moe_experts=E,
+        moe_token_dispatcher_type=dispatcher,
+    )
     torch.manual_seed(0)
     return mm.build_gpt_model(cfg)
 
@@ -127,8 +154,9 @@ def test_install_hooks_once_and_counts_only_new_hooks():
     experts._slot_routing_handle.remove()
     experts._slot_routing_handle = None
     assert mm.install_moe_slot_routing(model) == 1
-    dense = mm.build_gpt_model(mm.GPTModelConfig(num_layers=1, hidden_size=HID,
-                                                 num_attention_heads=4, vocab_size=32))
+    dense = mm.build_gpt_model(
+        mm.GPTModelConfig(num_layers=1, hidden_size=HID, num_attention_heads=4, vocab_size=32)
+    )
     assert mm.install_moe_slot_routing(mm.apply_multi_lora(dense, N, DIM, 1.0)) == 0
 
 
@@ -139,7 +167,7 @@ def test_refused_moe_setting_leaves_the_model_untouched():
     plain.config.moe_permute_fusion = True
     before = {n: p.requires_grad for n, p in plain.named_parameters()}
     types = [type(m) for m in plain.modules()]
-    with pytest.raises(ValueError, match="token dropping.*moe_permute_fusion=True"):
+    with pytest.raises(ValueError, match=r"token dropping.*moe_permute_fusion=True"):
         mm.apply_multi_lora(plain, N, DIM, 1.0)
     assert [type(m) for m in plain.modules()] == types  # nothing wrapped
     assert {n: p.requires_grad for n, p in plain.named_parameters()} == before
@@ -154,12 +182,17 @@ def test_sequential_experts_are_refused_naming_the_cause():
 
     model = plain_moe()
     moe = model.decoder.layers[0].mlp
-    moe.experts = SequentialMLP(moe.num_local_experts, model.config,
-                                MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                              linear_fc2=RowParallelLinear),
-                                pg_collection=get_default_pg_collection())
-    with pytest.raises(ValueError, match=r"local_experts\.0\.linear_fc1 is an expert of a "
-                                         r"SequentialMLP.*moe_grouped_gemm=True"):
+    moe.experts = SequentialMLP(
+        moe.num_local_experts,
+        model.config,
+        MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+        pg_collection=get_default_pg_collection(),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"local_experts\.0\.linear_fc1 is an expert of a "
+        r"SequentialMLP.*moe_grouped_gemm=True",
+    ):
         mm.apply_multi_lora(model, N, DIM, 1.0)
     assert not any(isinstance(m, mm.MultiLoRALinear) for m in model.modules())
     # Leaving the experts out works.
@@ -169,7 +202,11 @@ def test_sequential_experts_are_refused_naming_the_cause():
 def test_expert_adapters_follow_the_slot_api():
     model = moe_model()
     fc1 = model.decoder.layers[0].mlp.experts.linear_fc1
-    assert isinstance(fc1, mm.MultiLoRALinear) and fc1.adapters[0].linear_in.weight.shape == (E, DIM, HID)
+    assert isinstance(fc1, mm.MultiLoRALinear) and fc1.adapters[0].linear_in.weight.shape == (
+        E,
+        DIM,
+        HID,
+    )
     assert all(p.allreduce is False for p in fc1.adapters.parameters())
     assert fc1.adapters[1].linear_in.weight[:, 2:].abs().sum() == 0  # rank 2 of 4, every expert
     saved = mm.adapter_state_dict(model, 0)
@@ -184,17 +221,23 @@ def test_expert_adapters_follow_the_slot_api():
 @pytest.mark.parametrize("kind", ["dense", "expert"])
 def test_both_layer_classes_expose_the_seeds_settings_read_only(kind):
     """The seed API's constructor settings, as Megatron-Bridge's layer tests read them."""
-    settings = dict(column_init_method="kaiming", row_init_method="normal", dropout=0.1,
-                    dropout_position="post")
-    cfg = mm.GPTModelConfig(num_layers=1, hidden_size=HID, num_attention_heads=4,
-                            ffn_hidden_size=FFN, vocab_size=32,
-                            **(dict(num_moe_experts=E, moe_router_topk=TOPK) if kind == "expert"
-                               else {}))
+    settings = dict(
+        column_init_method="kaiming", row_init_method="normal", dropout=0.1, dropout_position="post"
+    )
+    cfg = mm.GPTModelConfig(
+        num_layers=1,
+        hidden_size=HID,
+        num_attention_heads=4,
+        ffn_hidden_size=FFN,
+        vocab_size=32,
+        **(dict(num_moe_experts=E, moe_router_topk=TOPK) if kind == "expert" else {}),
+    )
     model = mm.apply_multi_lora(mm.build_gpt_model(cfg), N, DIM, 1.0, **settings)
     mlp = model.decoder.layers[0].mlp
     layer = mlp.experts.linear_fc1 if kind == "expert" else mlp.linear_fc1
-    assert type(layer).__name__ == ("MultiLoRAGroupedExpertLinear" if kind == "expert"
-                                    else "MultiLoRALinear")
+    assert type(layer).__name__ == (
+        "MultiLoRAGroupedExpertLinear" if kind == "expert" else "MultiLoRALinear"
+    )
     assert {name: getattr(layer, name) for name in settings} == settings
     assert (layer.n_adapters, layer.dim) == (N, DIM)
     for name in settings:

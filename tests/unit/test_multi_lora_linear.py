@@ -11,8 +11,8 @@ from megatron_multilora.ops.slot_layout import SlotLayout
 from tests.reference import linear_config, lora_reference, random_slots
 
 IN, OUT, DIM = 16, 24, 8
-COUNTS = [5, 0, 7, 4]          # slot 1 has no tokens
-RANKS = [8, 3, 1, 5]           # unequal ranks, slot 0 at the max rank
+COUNTS = [5, 0, 7, 4]  # slot 1 has no tokens
+RANKS = [8, 3, 1, 5]  # unequal ranks, slot 0 at the max rank
 ALPHAS = [16.0, 4.0, 2.0, 10.0]
 KINDS = ["column", "row", "replicated"]
 
@@ -21,11 +21,25 @@ def make_base(kind: str, in_f: int, out_f: int, dtype=torch.float32) -> torch.nn
     cfg = linear_config(dtype=dtype)
     init = lambda w: torch.nn.init.normal_(w, std=0.3)  # noqa: E731
     if kind == "column":
-        return ColumnParallelLinear(in_f, out_f, config=cfg, init_method=init, bias=False,
-                                    gather_output=False, skip_bias_add=True)
+        return ColumnParallelLinear(
+            in_f,
+            out_f,
+            config=cfg,
+            init_method=init,
+            bias=False,
+            gather_output=False,
+            skip_bias_add=True,
+        )
     if kind == "row":
-        return RowParallelLinear(in_f, out_f, config=cfg, init_method=init, bias=False,
-                                 input_is_parallel=True, skip_bias_add=True)
+        return RowParallelLinear(
+            in_f,
+            out_f,
+            config=cfg,
+            init_method=init,
+            bias=False,
+            input_is_parallel=True,
+            skip_bias_add=True,
+        )
     base = torch.nn.Linear(in_f, out_f, bias=False, dtype=dtype)
     torch.nn.init.normal_(base.weight, std=0.3)
     return base
@@ -34,8 +48,9 @@ def make_base(kind: str, in_f: int, out_f: int, dtype=torch.float32) -> torch.nn
 def make_layer(kind, in_f=IN, dtype=torch.float32, seed=0, **kwargs):
     """A wrapped base whose slots hold random factors; returns (layer, reference slots)."""
     gen = torch.Generator().manual_seed(seed)
-    layer = MultiLoRALinear(make_base(kind, in_f, OUT, dtype), len(COUNTS), DIM, 1.0,
-                            f"test.{kind}", **kwargs)
+    layer = MultiLoRALinear(
+        make_base(kind, in_f, OUT, dtype), len(COUNTS), DIM, 1.0, f"test.{kind}", **kwargs
+    )
     slots = random_slots(len(COUNTS), DIM, in_f, OUT, RANKS, ALPHAS, gen)
     with torch.no_grad():
         for i, f in enumerate(slots):
@@ -55,7 +70,7 @@ def output(result):
 
 def run_both(layer, slots, x, dtype=torch.float32, mask=None, seed=3):
     """Forward+backward through the layer and the reference with the same upstream grad."""
-    base_w = (layer.to_wrap.weight.detach().float())
+    base_w = layer.to_wrap.weight.detach().float()
     x_l = x.to(dtype).detach().requires_grad_()
     x_r = x.to(dtype).float().detach().requires_grad_()
     y = output(layer(x_l.view(-1, 1, x.size(-1)))).view(x.size(0), -1)
@@ -78,10 +93,14 @@ def assert_close(got, want, rel, what):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("in_f", [IN, 10], ids=["grouped_mm", "loop_fallback"])
-@pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)],
-                         ids=["fp32", "bf16"])
-@pytest.mark.parametrize("counts", [COUNTS, [0, 0, 0, 16], [0, 0, 16, 0]],
-                         ids=["three_slots", "one_slot", "one_slot_rank1"])
+@pytest.mark.parametrize(
+    "dtype,rel", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"]
+)
+@pytest.mark.parametrize(
+    "counts",
+    [COUNTS, [0, 0, 0, 16], [0, 0, 16, 0]],
+    ids=["three_slots", "one_slot", "one_slot_rank1"],
+)
 def test_outputs_and_grads_match_reference(monkeypatch, kind, in_f, dtype, rel, counts):
     """Several slots run grouped; one slot holding every row runs on its own
     Parameters, unstacked (``one_slot_term``): both as the reference, the idle slots untouched."""
@@ -99,8 +118,8 @@ def test_outputs_and_grads_match_reference(monkeypatch, kind, in_f, dtype, rel, 
         assert_close(slot.linear_in.weight.grad, f.a.grad, rel, f"slot {i} A grad")
         assert_close(slot.linear_out.weight.grad, f.b.grad, rel, f"slot {i} B grad")
         # Beyond the slot's rank: zero gradient, so the padded rank stays zero.
-        assert not slot.linear_in.weight.grad[f.rank:].any()
-        assert not slot.linear_out.weight.grad[:, f.rank:].any()
+        assert not slot.linear_in.weight.grad[f.rank :].any()
+        assert not slot.linear_out.weight.grad[:, f.rank :].any()
 
 
 DROPOUT = [0.25, 0.0, 0.5, 0.1]  # per slot
@@ -125,8 +144,13 @@ def test_dropout_matches_reference_mask(kind, position):
     sharded = kind == "row" if position == "pre" else kind == "column"
     width = IN if position == "pre" else OUT
     with tracker.fork() if sharded else torch.no_grad():
-        mask = torch.cat([torch.nn.functional.dropout(torch.ones(c, width), DROPOUT[s])
-                          for s, c in enumerate(COUNTS) if c])
+        mask = torch.cat(
+            [
+                torch.nn.functional.dropout(torch.ones(c, width), DROPOUT[s])
+                for s, c in enumerate(COUNTS)
+                if c
+            ]
+        )
     if position == "pre":
         y_ref = lora_reference(x, layer.to_wrap.weight.detach(), slots, COUNTS, mask)
     else:
@@ -139,8 +163,12 @@ def test_dropout_matches_reference_mask(kind, position):
     assert_close(y.detach(), y_ref.detach(), 1e-6, f"{position}-dropout output")
     layer.eval()  # no dropout in eval
     y_eval = output(layer(x.view(-1, 1, IN))).view(x.size(0), -1).detach()
-    assert_close(y_eval, lora_reference(x, layer.to_wrap.weight.detach(), slots, COUNTS).detach(),
-                 1e-6, "eval output")
+    assert_close(
+        y_eval,
+        lora_reference(x, layer.to_wrap.weight.detach(), slots, COUNTS).detach(),
+        1e-6,
+        "eval output",
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -178,8 +206,10 @@ def test_slot_buffer_reads_match_reference(monkeypatch, counts, aliased):
     layer, slots = make_layer("column")
     for factor, name in ((A, "linear_in"), (B, "linear_out")):
         buffer = layer.adapters.factor_buffers[factor].buffer
-        assert all(getattr(layer.adapters[i], name).weight.data_ptr() == buffer[i].data_ptr()
-                   for i in range(len(counts)))
+        assert all(
+            getattr(layer.adapters[i], name).weight.data_ptr() == buffer[i].data_ptr()
+            for i in range(len(counts))
+        )
     if not aliased:
         w = layer.adapters[2].linear_in.weight
         w.data = w.data.clone()
@@ -228,12 +258,21 @@ def test_lora_term_is_added_into_the_base_output_it_owns(kind, in_place):
 # it), with an idle slot at the max rank (it must not raise the computed rank) and a gap in
 # the active slots (read as an indexed copy); and one that is, with contiguous active slots
 # from slot 1 (read as a view at an offset). Ranks below the max, odd and zero group sizes.
-KERNEL_CASES = {"max_rank_12": (12, [3, 12, 5, 7, 2], [37, 0, 5, 19, 1]),
-                "max_rank_16": (16, [16, 1, 9, 4, 16], [0, 21, 3, 17, 1])}
+KERNEL_CASES = {
+    "max_rank_12": (12, [3, 12, 5, 7, 2], [37, 0, 5, 19, 1]),
+    "max_rank_16": (16, [16, 1, 9, 4, 16], [0, 21, 3, 17, 1]),
+}
 
 
-def check_grouped_kernel_parity(monkeypatch, device: str, dtype: torch.dtype, rel: float,
-                                dim: int, ranks: list[int], counts: list[int]) -> None:
+def check_grouped_kernel_parity(
+    monkeypatch,
+    device: str,
+    dtype: torch.dtype,
+    rel: float,
+    dim: int,
+    ranks: list[int],
+    counts: list[int],
+) -> None:
     """A column-parallel MultiLoRALinear on ``device`` in ``dtype`` against the fp32
     token-by-token reference: output, input gradient and every slot's factor gradients, with
     both LoRA GEMMs run by ``torch._grouped_mm`` (asserted). Shared with tests/gpu."""
@@ -243,7 +282,9 @@ def check_grouped_kernel_parity(monkeypatch, device: str, dtype: torch.dtype, re
         pytest.skip("this torch has no torch._grouped_mm")
     calls = []
     kernel = gmm._GROUPED_MM
-    monkeypatch.setattr(gmm, "_GROUPED_MM", lambda *a, **kw: calls.append(a[1].shape) or kernel(*a, **kw))
+    monkeypatch.setattr(
+        gmm, "_GROUPED_MM", lambda *a, **kw: calls.append(a[1].shape) or kernel(*a, **kw)
+    )
     n, alphas = len(ranks), [2.0 * r for r in ranks]
     gen = torch.Generator().manual_seed(5)
     base = make_base("column", IN, OUT, dtype)
@@ -279,8 +320,9 @@ def check_grouped_kernel_parity(monkeypatch, device: str, dtype: torch.dtype, re
 
 
 @pytest.mark.parametrize("case", KERNEL_CASES)
-@pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)],
-                         ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "dtype,rel", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"]
+)
 def test_grouped_kernel_matches_reference_at_any_max_rank(monkeypatch, case, dtype, rel):
     check_grouped_kernel_parity(monkeypatch, "cpu", dtype, rel, *KERNEL_CASES[case])
 
@@ -305,7 +347,7 @@ def test_a_slots_rows_have_the_same_bits_alone_as_beside_others(monkeypatch, kin
     gen = torch.Generator().manual_seed(4)
     x_mixed = torch.randn(sum(counts), IN, generator=gen)
     g_mixed = torch.randn(sum(counts), OUT, generator=gen)
-    span = slice(sum(counts[:slot]), sum(counts[:slot + 1]))
+    span = slice(sum(counts[:slot]), sum(counts[: slot + 1]))
 
     def run(counts, x, g):
         monkeypatch.setitem(globals(), "COUNTS", counts)
@@ -315,13 +357,20 @@ def test_a_slots_rows_have_the_same_bits_alone_as_beside_others(monkeypatch, kin
         x = x.clone().requires_grad_()
         (output(layer(x.view(-1, 1, IN))).view(x.size(0), -1) * g).sum().backward()
         adapter = layer.adapters[slot]
-        return (output(layer(x.detach().view(-1, 1, IN))).view(x.size(0), -1), x.grad,
-                adapter.linear_in.weight.grad, adapter.linear_out.weight.grad)
+        return (
+            output(layer(x.detach().view(-1, 1, IN))).view(x.size(0), -1),
+            x.grad,
+            adapter.linear_in.weight.grad,
+            adapter.linear_out.weight.grad,
+        )
 
     mixed = run(counts, x_mixed, g_mixed)
     alone_counts = [0] * len(counts)
     alone_counts[slot] = rows
     alone = run(alone_counts, x_mixed[span], g_mixed[span])
-    for what, got, want in zip(("output", "input grad", "A grad", "B grad"), alone,
-                               (mixed[0][span], mixed[1][span], mixed[2], mixed[3])):
+    for what, got, want in zip(
+        ("output", "input grad", "A grad", "B grad"),
+        alone,
+        (mixed[0][span], mixed[1][span], mixed[2], mixed[3]),
+    ):
         assert torch.equal(got, want), what

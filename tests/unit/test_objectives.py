@@ -13,8 +13,8 @@ from megatron_multilora.data.packing import pack_micro_batches
 from megatron_multilora.training.objectives.dpo import DPO
 from megatron_multilora.training.objectives.grpo import GRPO
 from megatron_multilora.training.objectives.per_token import PerTokenLoss
-from megatron_multilora.training.objectives.sft import SFT
 from megatron_multilora.training.objectives.rollouts import advantages
+from megatron_multilora.training.objectives.sft import SFT
 from megatron_multilora.training.objectives.token_losses import (
     cross_entropy,
     importance_sampling,
@@ -26,13 +26,14 @@ from megatron_multilora.training.step.sampling import KeyedSampler, RowSampling
 
 def dpo_span(beta=0.5, loss_type="sigmoid", smoothing=0.0):
     """Two pairs, then two pad positions (a sequence of their own): sequences 0-1, 2-3, 4."""
-    logprobs = torch.tensor([0., -1., -2., 0., -3., 0., -0.5, -0.5, 0., -4., 0., 0.])
-    ref = torch.tensor([0., -1.5, -1., 0., -2., 0., -1., -1., 0., -3., 0., 0.])
-    mask = torch.tensor([0., 1., 1., 0., 1., 0., 1., 1., 0., 1., 0., 0.])
+    logprobs = torch.tensor([0.0, -1.0, -2.0, 0.0, -3.0, 0.0, -0.5, -0.5, 0.0, -4.0, 0.0, 0.0])
+    ref = torch.tensor([0.0, -1.5, -1.0, 0.0, -2.0, 0.0, -1.0, -1.0, 0.0, -3.0, 0.0, 0.0])
+    mask = torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
     sequence = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 3, 3, 4, 4])
     chosen = (sequence % 2 == 0).float() * (sequence < 4).float()
     loss, metrics = DPO(beta, loss_type, smoothing).span_loss(
-        logprobs, mask, {"ref_logprobs": ref, "chosen": chosen}, sequence)
+        logprobs, mask, {"ref_logprobs": ref, "chosen": chosen}, sequence
+    )
     # by hand: pair 1 chosen -3 vs ref -2.5, rejected -3 vs -2; pair 2 chosen -1 vs -2, rejected -4 vs -3
     return loss, metrics, [(-3 + 2.5) - (-3 + 2), (-1 + 2) - (-4 + 3)], [(-0.5, -1), (1, -1)]
 
@@ -40,8 +41,11 @@ def dpo_span(beta=0.5, loss_type="sigmoid", smoothing=0.0):
 @pytest.mark.parametrize("smoothing", [0.0, 0.2])
 def test_dpo_sigmoid_by_hand_and_pads_are_no_pair(smoothing):
     loss, metrics, h, rewards = dpo_span(smoothing=smoothing)
-    want = sum(-(1 - smoothing) * F.logsigmoid(torch.tensor(0.5 * x)) -
-               smoothing * F.logsigmoid(torch.tensor(-0.5 * x)) for x in h)
+    want = sum(
+        -(1 - smoothing) * F.logsigmoid(torch.tensor(0.5 * x))
+        - smoothing * F.logsigmoid(torch.tensor(-0.5 * x))
+        for x in h
+    )
     assert float(loss) == pytest.approx(float(want), rel=1e-6)
     chosen, rejected = (sum(0.5 * r[i] for r in rewards) for i in (0, 1))
     assert metrics.tolist() == pytest.approx([chosen, rejected, chosen - rejected, 2.0])  # sums
@@ -67,10 +71,15 @@ def test_tinker_named_token_losses():
 
 def test_grpo_weights_and_metrics():
     lp = torch.tensor([0.0, -1.0, -2.0])
-    values = {"logprobs": torch.tensor([0.0, -1.0, -1.0]), "advantages": torch.tensor([0.0, 1.0, 1.0]),
-              "weights": torch.tensor([0.0, 0.5, 0.5]), "ref_logprobs": torch.tensor([0.0, -1.0, -2.0])}
-    loss, metrics = GRPO(0.2, 0.2, 0.0).span_loss(lp, torch.tensor([0., 1., 1.]), values,
-                                                  torch.zeros(3, dtype=torch.long))
+    values = {
+        "logprobs": torch.tensor([0.0, -1.0, -1.0]),
+        "advantages": torch.tensor([0.0, 1.0, 1.0]),
+        "weights": torch.tensor([0.0, 0.5, 0.5]),
+        "ref_logprobs": torch.tensor([0.0, -1.0, -2.0]),
+    }
+    loss, metrics = GRPO(0.2, 0.2, 0.0).span_loss(
+        lp, torch.tensor([0.0, 1.0, 1.0]), values, torch.zeros(3, dtype=torch.long)
+    )
     # token 1: ratio 1 -> -1; token 2: ratio e^-1 (below 0.8, the clipped term is larger) -> -e^-1
     assert float(loss) == pytest.approx(0.5 * (-1 - math.exp(-1)), rel=1e-6)
     assert metrics.tolist() == pytest.approx([0.0, 0.5])  # half the weight clipped
@@ -89,22 +98,28 @@ def test_keyed_sampler_draws_per_row_not_per_batch():
     for t in range(10):
         together = KeyedSampler(rows)(logits, [0, 1, 2], [t] * 3)
         for i in range(3):
-            assert together[i] == KeyedSampler(rows)(logits[i:i + 1], [i], [t])[0]
+            assert together[i] == KeyedSampler(rows)(logits[i : i + 1], [i], [t])[0]
     # Without a nucleus the draws follow the softmax.
     many = [int(KeyedSampler([RowSampling("y")])(logits[:1], [0], [t])) for t in range(3000)]
     freq = torch.bincount(torch.tensor(many), minlength=50).double() / len(many)
     assert (freq - logits[0].double().softmax(-1)).abs().max() < 0.03
-    draws = [int(KeyedSampler([RowSampling("x", 1.0, 0.2)])(logits[:1], [0], [t])) for t in range(40)]
+    draws = [
+        int(KeyedSampler([RowSampling("x", 1.0, 0.2)])(logits[:1], [0], [t])) for t in range(40)
+    ]
     top = logits[0].softmax(-1).sort(descending=True)
-    nucleus = set(top.indices[:int((top.values.cumsum(0) < 0.2).sum()) + 1].tolist())
+    nucleus = set(top.indices[: int((top.values.cumsum(0) < 0.2).sum()) + 1].tolist())
     assert set(draws) <= nucleus
-    cold = [int(KeyedSampler([RowSampling("x", 1e-4, 1.0)])(logits[:1], [0], [t])) for t in range(5)]
+    cold = [
+        int(KeyedSampler([RowSampling("x", 1e-4, 1.0)])(logits[:1], [0], [t])) for t in range(5)
+    ]
     assert cold == [int(logits[0].argmax())] * 5
 
 
 def test_a_pair_stays_in_one_micro_batch():
-    pair = (Example((1, 5, 6, 2), (False, True, True), units=1),
-            Example((1, 5, 7, 2), (False, True, True), units=0))
+    pair = (
+        Example((1, 5, 6, 2), (False, True, True), units=1),
+        Example((1, 5, 7, 2), (False, True, True), units=0),
+    )
     single = Example((1, 9, 2), (False, True))
     mbs = pack_micro_batches([[single, pair, pair]], token_budget=8)
     assert [mb.seq_lengths for mb in mbs] == [[2, 3, 3], [3, 3]]  # 8 then 6 positions
@@ -113,8 +128,11 @@ def test_a_pair_stays_in_one_micro_batch():
         pack_micro_batches([[pair]], token_budget=5)
 
 
-@pytest.mark.parametrize("objective", [DPO(0.5, "sigmoid", 0.0), GRPO(0.2, 0.2, 0.0),
-                                       PerTokenLoss("ppo"), SFT()], ids=lambda o: o.name)
+@pytest.mark.parametrize(
+    "objective",
+    [DPO(0.5, "sigmoid", 0.0), GRPO(0.2, 0.2, 0.0), PerTokenLoss("ppo"), SFT()],
+    ids=lambda o: o.name,
+)
 def test_a_filler_costs_nothing_but_keeps_its_backward(objective):
     """A loss-free filler (its pads counted to slot 0, no objective inputs) adds no loss and no
     metric to the slot it pads, whatever that slot's objective, yet its loss stays on the

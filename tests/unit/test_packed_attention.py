@@ -4,7 +4,6 @@ example's attention has the same bits whatever is packed beside it."""
 
 import pytest
 import torch
-
 from megatron.core.packed_seq_params import PackedSeqParams
 
 import megatron_multilora as mm
@@ -12,8 +11,15 @@ from megatron_multilora.data.datasets import Example
 from megatron_multilora.data.packing import pack_micro_batches
 from megatron_multilora.models.torch_modules import padded_length
 
-CFG = mm.GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                        ffn_hidden_size=48, vocab_size=64, gated_linear_unit=True)
+CFG = mm.GPTModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=48,
+    vocab_size=64,
+    gated_linear_unit=True,
+)
 # Lengths spread enough to make several length buckets, plus pads to a multiple of 8.
 SLOTS = [[31, 6], [], [4, 18, 9, 2]]
 
@@ -21,19 +27,26 @@ SLOTS = [[31, 6], [], [4, 18, 9, 2]]
 @pytest.fixture
 def model():
     torch.manual_seed(0)
-    return mm.apply_multi_lora(mm.build_gpt_model(CFG), len(SLOTS), 8, 4.0,
-                               row_init_method="normal")
+    return mm.apply_multi_lora(
+        mm.build_gpt_model(CFG), len(SLOTS), 8, 4.0, row_init_method="normal"
+    )
 
 
 def examples(gen: torch.Generator) -> list[list[Example]]:
-    return [[Example(tuple(torch.randint(0, 64, (n + 1,), generator=gen).tolist()), (True,) * n)
-             for n in lengths] for lengths in SLOTS]
+    return [
+        [
+            Example(tuple(torch.randint(0, 64, (n + 1,), generator=gen).tolist()), (True,) * n)
+            for n in lengths
+        ]
+        for lengths in SLOTS
+    ]
 
 
 def packed_loss(model, mb) -> torch.Tensor:
     mm.set_tokens_per_adapter_slot(model, mb.counts)
-    return model(mb.tokens, mb.position_ids, None, labels=mb.labels,
-                 packed_seq_params=mb.packed_seq_params())[0]
+    return model(
+        mb.tokens, mb.position_ids, None, labels=mb.labels, packed_seq_params=mb.packed_seq_params()
+    )[0]
 
 
 def test_packed_forward_and_backward_equal_each_example_alone(model):
@@ -51,8 +64,11 @@ def test_packed_forward_and_backward_equal_each_example_alone(model):
         counts[slot_of[start]] = length
         mm.set_tokens_per_adapter_slot(model, counts)
         span = slice(start, start + length)
-        alone.append(model(mb.tokens[:, span], torch.arange(length)[None], None,
-                           labels=mb.labels[:, span])[0])  # plain causal attention
+        alone.append(
+            model(mb.tokens[:, span], torch.arange(length)[None], None, labels=mb.labels[:, span])[
+                0
+            ]
+        )  # plain causal attention
         start += length
     alone = torch.cat(alone)
     alone.sum().backward()
@@ -78,8 +94,13 @@ def test_examples_cannot_see_each_other(model):
 def packed_attention(attention, lengths: list[int], qkv: list[torch.Tensor]) -> torch.Tensor:
     """``attention`` over the sequences ``qkv`` (each ``[3, length, heads, dim]``) packed."""
     ends = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=ends, cu_seqlens_kv=ends,
-                             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=ends,
+        cu_seqlens_kv=ends,
+        max_seqlen_q=max(lengths),
+        max_seqlen_kv=max(lengths),
+    )
     q, k, v = torch.cat(qkv, dim=1)
     return attention(q, k, v, None, packed_seq_params=params)
 
@@ -94,10 +115,20 @@ def test_an_examples_attention_does_not_depend_on_the_examples_beside_it(model):
         for lengths in ([9, *beside], [*beside, 9]):
             out = packed_attention(attention, lengths, [qkv[n] for n in lengths])
             start = 0 if lengths[0] == 9 else sum(beside)
-            assert torch.equal(out[start:start + 9], alone), lengths
+            assert torch.equal(out[start : start + 9], alone), lengths
 
 
 def test_padded_lengths_depend_on_the_length_alone_and_stay_under_a_quarter_past_16():
     assert [padded_length(n) for n in (1, 4, 5, 9, 12, 13, 17, 33, 100, 129)] == [
-        4, 4, 8, 12, 12, 16, 20, 40, 112, 160]
+        4,
+        4,
+        8,
+        12,
+        12,
+        16,
+        20,
+        40,
+        112,
+        160,
+    ]
     assert all(n <= padded_length(n) < n * 1.25 for n in range(17, 5000))

@@ -11,23 +11,24 @@ import types
 import pytest
 import torch
 
-
 from megatron_multilora.data.packing import pack_micro_batches
 from megatron_multilora.layers.lifecycle import slot_parameters
 from megatron_multilora.ops import packed_linear
 from megatron_multilora.ops.packed_linear import use_packed_frozen_weights
 from megatron_multilora.training import model_setup
 from megatron_multilora.training.step.micro_batches import chunk_inputs
-from tests.unit.test_step_schedule import DENSE, N, PAD, build, slot_examples
+from tests.unit.test_step_schedule import DENSE, PAD, N, build, slot_examples
 
-needs_bf16_gemms = pytest.mark.skipif(not packed_linear.bf16_gemms_supported(),
-                                      reason="oneDNN runs no bf16 GEMMs on this CPU")
+needs_bf16_gemms = pytest.mark.skipif(
+    not packed_linear.bf16_gemms_supported(), reason="oneDNN runs no bf16 GEMMs on this CPU"
+)
 # Where oneDNN emulates bf16 (plain AVX-512), a one-row GEMM rounds differently from the same
 # row among others (measured under ONEDNN_MAX_CPU_ISA=AVX512_CORE on a Zen 4): rows are
 # independent only on bf16 instructions (AVX-512 BF16, AMX), whose sums keep their order.
 needs_bf16_instructions = pytest.mark.skipif(
     not packed_linear.bf16_gemms_fast(),
-    reason="oneDNN emulates bf16 on this CPU: rows of a bf16 GEMM are not independent")
+    reason="oneDNN emulates bf16 on this CPU: rows of a bf16 GEMM are not independent",
+)
 
 
 @pytest.fixture
@@ -54,7 +55,8 @@ def _loss_and_grads(model: torch.nn.Module) -> tuple:
     inputs = chunk_inputs(model, mb)
     embedded = []
     hook = model.embedding.register_forward_hook(
-        lambda module, args, out: embedded.append(out.requires_grad_()) or out)
+        lambda module, args, out: embedded.append(out.requires_grad_()) or out
+    )
     loss = model(**inputs, labels=mb.labels)
     hook.remove()
     embedded[0].retain_grad()
@@ -71,7 +73,8 @@ def input_grad_packed(request, monkeypatch) -> bool:
 
 
 def test_the_cpu_model_runs_its_frozen_linears_packed_with_megatrons_results(
-        packed_calls, input_grad_packed):
+    packed_calls, input_grad_packed
+):
     model = build(DENSE)
     linears = _parallel_linears(model)
     assert len(linears) == 4 * DENSE.num_layers + 1  # qkv, proj, fc1, fc2 a layer, the output layer
@@ -135,8 +138,10 @@ def test_the_input_gradient_runs_packed_off_intel_cpus(tmp_path, monkeypatch, ve
     info = tmp_path / "cpuinfo"
     info.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\nmodel name\t: x\n")
     real_open = open
-    monkeypatch.setattr("builtins.open", lambda path, *a, **kw: real_open(
-        info if path == "/proc/cpuinfo" else path, *a, **kw))
+    monkeypatch.setattr(
+        "builtins.open",
+        lambda path, *a, **kw: real_open(info if path == "/proc/cpuinfo" else path, *a, **kw),
+    )
     assert packed_linear._mkl_is_tuned_here() is not packed
 
 
@@ -150,15 +155,19 @@ def test_without_room_for_its_pack_a_weight_runs_megatrons_path(packed_calls, mo
     torch.testing.assert_close(out, x @ layer.weight.t(), rtol=1e-5, atol=1e-6)
 
 
-def test_a_weight_packs_only_with_room_for_all_its_packs(packed_calls, monkeypatch,
-                                                        input_grad_packed):
+def test_a_weight_packs_only_with_room_for_all_its_packs(
+    packed_calls, monkeypatch, input_grad_packed
+):
     """Room for one copy of the weight: enough for the forward's pack alone, not for two."""
     model = build(DENSE)
     layer = model.decoder.layers[0].mlp.linear_fc1.to_wrap
     total = 10**12
     free = packed_linear._FREE_FRACTION * total + 1.5 * layer.weight.nbytes
-    monkeypatch.setattr(packed_linear.psutil, "virtual_memory",
-                        lambda: types.SimpleNamespace(total=total, available=free))
+    monkeypatch.setattr(
+        packed_linear.psutil,
+        "virtual_memory",
+        lambda: types.SimpleNamespace(total=total, available=free),
+    )
     x = torch.randn(6, 1, layer.weight.size(1))
     out, _ = layer(x)
     assert packed_calls == ([] if input_grad_packed else [6])
@@ -212,8 +221,11 @@ def test_with_bf16_gemms_a_rows_results_do_not_depend_on_the_rows_beside_it():
 
 
 @needs_bf16_instructions
-@pytest.mark.parametrize("in_f,out_f", [(576, 960), (576, 3072), (1536, 576)],
-                         ids=["smollm2_qkv", "smollm2_fc1", "smollm2_fc2"])
+@pytest.mark.parametrize(
+    "in_f,out_f",
+    [(576, 960), (576, 3072), (1536, 576)],
+    ids=["smollm2_qkv", "smollm2_fc1", "smollm2_fc2"],
+)
 def test_with_bf16_gemms_rows_are_independent_at_the_main_jobs_widths(in_f, out_f):
     """The same at SmolLM2's widths, where a sum runs over 576 or 1536 terms (fp32 GEMMs of
     one row there differ from the same row among others, on oneDNN as on MKL)."""
@@ -239,8 +251,11 @@ def test_with_bf16_gemms_rows_are_independent_at_the_main_jobs_widths(in_f, out_
 @needs_bf16_gemms
 def test_a_bf16_gemm_model_keeps_its_logits_fp32_and_stays_close_to_fp32():
     model = _bf16_model()
-    dtypes = {name: m._frozen_gemm_dtype for name, m in model.named_modules()
-              if "_forward_impl" in vars(m)}
+    dtypes = {
+        name: m._frozen_gemm_dtype
+        for name, m in model.named_modules()
+        if "_forward_impl" in vars(m)
+    }
     assert dtypes.pop("output_layer.to_wrap", dtypes.pop("output_layer", None)) == torch.float32
     assert set(dtypes.values()) == {torch.bfloat16}
     low = _loss_and_grads(model)
@@ -261,14 +276,18 @@ def test_auto_picks_bf16_gemms_only_where_the_cpu_multiplies_bf16_in_hardware(mo
         use_packed_frozen_weights(build(DENSE), torch.float16)
 
 
-@pytest.mark.parametrize("supported, amx, avx512_bf16, fast", [
-    (True, True, True, True),     # Intel Sapphire Rapids and newer
-    (True, False, True, True),    # AMD Zen 4, Intel Cooper Lake: AVX-512 BF16 dot products
-    (True, False, False, False),  # plain AVX-512: oneDNN emulates bf16
-    (False, False, False, False),
-])
-def test_bf16_gemms_count_as_fast_where_the_cpu_has_bf16_instructions(monkeypatch, supported,
-                                                                     amx, avx512_bf16, fast):
+@pytest.mark.parametrize(
+    "supported, amx, avx512_bf16, fast",
+    [
+        (True, True, True, True),  # Intel Sapphire Rapids and newer
+        (True, False, True, True),  # AMD Zen 4, Intel Cooper Lake: AVX-512 BF16 dot products
+        (True, False, False, False),  # plain AVX-512: oneDNN emulates bf16
+        (False, False, False, False),
+    ],
+)
+def test_bf16_gemms_count_as_fast_where_the_cpu_has_bf16_instructions(
+    monkeypatch, supported, amx, avx512_bf16, fast
+):
     monkeypatch.setattr(packed_linear, "bf16_gemms_supported", lambda: supported)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)

@@ -7,13 +7,26 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import megatron_multilora as mm
-from megatron_multilora.layers.slot_tensors import get_slot_tensors
 from megatron_multilora.checkpoint.peft_format import export_peft, import_peft
+from megatron_multilora.layers.slot_tensors import get_slot_tensors
 
-DENSE = mm.GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                          ffn_hidden_size=48, vocab_size=64)
-MOE = mm.GPTModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=24,
-                        vocab_size=64, num_moe_experts=4, moe_shared_expert_intermediate_size=16)
+DENSE = mm.GPTModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=48,
+    vocab_size=64,
+)
+MOE = mm.GPTModelConfig(
+    num_layers=1,
+    hidden_size=32,
+    num_attention_heads=4,
+    ffn_hidden_size=24,
+    vocab_size=64,
+    num_moe_experts=4,
+    moe_shared_expert_intermediate_size=16,
+)
 
 
 def wrapped(cfg):
@@ -28,34 +41,58 @@ def test_round_trip_is_exact(cfg, model_type, tmp_path):
     model = wrapped(cfg)
     export_peft(model, 0, tmp_path / "a", cfg, model_type, base_model_name_or_path="tiny")
     config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
-    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 12.0, "tiny")
+    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (
+        4,
+        12.0,
+        "tiny",
+    )
     tensors = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
     if model_type == "llama":
         # hidden 32, 4 heads of 8, 2 KV groups, ffn 48, rank 4 (the notes' layout)
-        assert tensors["base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"].shape == (32, 4)
-        assert tensors["base_model.model.model.layers.1.self_attn.k_proj.lora_B.weight"].shape == (16, 4)
+        assert tensors["base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"].shape == (
+            32,
+            4,
+        )
+        assert tensors["base_model.model.model.layers.1.self_attn.k_proj.lora_B.weight"].shape == (
+            16,
+            4,
+        )
         assert tensors["base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"].shape == (48, 4)
-        assert tensors["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"].shape == (4, 48)
-        assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj",
-                                                 "gate_proj", "up_proj", "down_proj"}
+        assert tensors["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"].shape == (
+            4,
+            48,
+        )
+        assert set(config["target_modules"]) == {
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        }
     else:
-        expert = "block_sparse_moe.experts.3.w3" if model_type == "mixtral" else "mlp.experts.3.up_proj"
+        expert = (
+            "block_sparse_moe.experts.3.w3" if model_type == "mixtral" else "mlp.experts.3.up_proj"
+        )
         assert tensors[f"base_model.model.model.layers.0.{expert}.lora_B.weight"].shape == (24, 4)
     import_peft(model, 2, tmp_path / "a", cfg, model_type)
     first, second = get_slot_tensors(model, 0), get_slot_tensors(model, 2)
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
     export_peft(model, 2, tmp_path / "b", cfg, model_type, base_model_name_or_path="tiny")
     again = load_file(str(tmp_path / "b" / "adapter_model.safetensors"))
-    assert tensors.keys() == again.keys() and all(torch.equal(tensors[k], again[k]) for k in tensors)
+    assert tensors.keys() == again.keys() and all(
+        torch.equal(tensors[k], again[k]) for k in tensors
+    )
 
 
 def test_refusals_are_clear(tmp_path):
     model = wrapped(DENSE)
-    with pytest.raises(ValueError, match="holds no adapter"):
+    with pytest.raises(ValueError, match=r"holds no adapter"):
         mm.clear_adapter_slot(model, 1)
         export_peft(model, 1, tmp_path / "empty", DENSE)
     export_peft(model, 0, tmp_path / "a", DENSE)
-    with pytest.raises(FileExistsError, match="not empty"):
+    with pytest.raises(FileExistsError, match=r"not empty"):
         export_peft(model, 0, tmp_path / "a", DENSE)
 
     def edited(change):
@@ -68,18 +105,28 @@ def test_refusals_are_clear(tmp_path):
         save_file(tensors, str(folder / "adapter_model.safetensors"))
         return folder
 
-    too_big = edited(lambda c, t: t.update({k: torch.zeros(16, v.shape[1]) if "lora_A" in k else
-                                            torch.zeros(v.shape[0], 16) for k, v in t.items()})
-                     or c.update(r=16))
-    with pytest.raises(ValueError, match="rank=16 is outside 1..8"):
+    too_big = edited(
+        lambda c, t: (
+            t.update(
+                {
+                    k: torch.zeros(16, v.shape[1]) if "lora_A" in k else torch.zeros(v.shape[0], 16)
+                    for k, v in t.items()
+                }
+            )
+            or c.update(r=16)
+        )
+    )
+    with pytest.raises(ValueError, match=r"rank=16 is outside 1..8"):
         import_peft(model, 1, too_big, DENSE)
     q_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     differing = edited(lambda c, t: t.update({q_a: t[q_a] + 1}))
-    with pytest.raises(ValueError, match="cannot fuse"):
+    with pytest.raises(ValueError, match=r"cannot fuse"):
         import_peft(model, 1, differing, DENSE)
-    extra = edited(lambda c, t: t.update({"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 32)}))
-    with pytest.raises(ValueError, match="does not wrap"):
+    extra = edited(
+        lambda c, t: t.update({"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 32)})
+    )
+    with pytest.raises(ValueError, match=r"does not wrap"):
         import_peft(model, 1, extra, DENSE)
     dora = edited(lambda c, t: c.update(use_dora=True))
-    with pytest.raises(ValueError, match="use_dora"):
+    with pytest.raises(ValueError, match=r"use_dora"):
         import_peft(model, 1, dora, DENSE)

@@ -38,7 +38,7 @@ def merge_by_hand(hf_model, folder, model_type: str) -> None:
     params = dict(hf_model.named_parameters())
     with torch.no_grad():
         for key in [k for k in tensors if k.endswith("lora_A.weight")]:
-            module = key[len("base_model.model."):-len(".lora_A.weight")]
+            module = key[len("base_model.model.") : -len(".lora_A.weight")]
             delta = scale * tensors[key.replace("lora_A", "lora_B")] @ tensors[key]
             if f"{module}.weight" in params:
                 params[f"{module}.weight"].add_(delta)

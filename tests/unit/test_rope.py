@@ -70,7 +70,9 @@ def test_a_micro_batchs_cos_and_sin_are_made_once_and_follow_its_freqs():
     apply_rope_packed(t, cu, freqs)  # the next layer of the same micro-batch
     assert cu._rope_cos_sin is first
     longer = freqs_table(20, 16)  # other angles (another table): computed anew, not reused
-    assert torch.equal(apply_rope_packed(t, cu, longer), apply_rope_packed(t, bounds(LENGTHS), longer))
+    assert torch.equal(
+        apply_rope_packed(t, cu, longer), apply_rope_packed(t, bounds(LENGTHS), longer)
+    )
     assert cu._rope_cos_sin[0] is longer
 
 
@@ -110,19 +112,36 @@ def test_what_it_does_not_implement_is_refused_by_name():
 def test_the_model_runs_the_fused_rope_and_matches_megatrons_unfused_path():
     if rope_utils.fused_apply_rotary_pos_emb_thd is not apply_rope_packed:
         pytest.skip("Transformer Engine's fused RoPE is installed")
-    cfg = mm.GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
-                            num_query_groups=2, ffn_hidden_size=48, vocab_size=64)
+    cfg = mm.GPTModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=48,
+        vocab_size=64,
+    )
     gen = torch.Generator().manual_seed(0)
     (mb,) = pack_micro_batches(
-        [[Example(tuple(torch.randint(0, 64, (n + 1,), generator=gen).tolist()), (True,) * n)
-          for n in LENGTHS]], 1000)
+        [
+            [
+                Example(tuple(torch.randint(0, 64, (n + 1,), generator=gen).tolist()), (True,) * n)
+                for n in LENGTHS
+            ]
+        ],
+        1000,
+    )
     losses = []
     for fusion in (True, False):
         torch.manual_seed(0)
         model = mm.build_gpt_model(cfg, apply_rope_fusion=fusion)
         assert model.config.apply_rope_fusion is fusion
-        loss = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
-                     packed_seq_params=mb.packed_seq_params())
+        loss = model(
+            mb.tokens,
+            mb.position_ids,
+            None,
+            labels=mb.labels,
+            packed_seq_params=mb.packed_seq_params(),
+        )
         loss.sum().backward()
         losses.append((loss, model.embedding.word_embeddings.weight.grad))
     (fused, fused_grad), (unfused, unfused_grad) = losses

@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from megatron_multilora.training.config import AdapterJob
-from megatron_multilora.training.step.slot_optimizer import SlotOptimizer, lr_factor, slot_grad_norms
+from megatron_multilora.training.step.slot_optimizer import (
+    SlotOptimizer,
+    lr_factor,
+    slot_grad_norms,
+)
 
 
 def slot_grad_norm(params):
@@ -17,8 +21,10 @@ def job(**kw) -> AdapterJob:
     return AdapterJob(name="j", dataset="-", **{"lr": 0.1, "warmup_steps": 2, **kw})
 
 
-@pytest.mark.parametrize("schedule,at_half,at_end", [("constant", 1.0, 1.0), ("linear", 0.55, 0.1),
-                                                      ("cosine", 0.55, 0.1)])
+@pytest.mark.parametrize(
+    "schedule,at_half,at_end",
+    [("constant", 1.0, 1.0), ("linear", 0.55, 0.1), ("cosine", 0.55, 0.1)],
+)
 def test_lr_schedules(schedule, at_half, at_end):
     j = job(schedule=schedule, min_lr_ratio=0.1)
     assert [lr_factor(s, j, 12) for s in (0, 1)] == [0.5, 1.0]  # warmup
@@ -38,13 +44,20 @@ def test_bf16_slot_steps_fp32_masters_and_clips():
     assert torch.allclose(params[0].float(), torch.full((4, 3), 1.0 - 0.1 - 0.1 * 0.01), atol=1e-2)
     assert params[0].dtype == torch.bfloat16 and opt.masters[0].grad is None
     exp_avg = opt.state_of(params[0], "exp_avg")
-    assert torch.allclose(exp_avg, torch.full((4, 3), 0.1 * 3.0 / norm))  # clipped grad * (1 - beta1)
+    assert torch.allclose(
+        exp_avg, torch.full((4, 3), 0.1 * 3.0 / norm)
+    )  # clipped grad * (1 - beta1)
     opt.zero_grad()
     assert params[0].grad.abs().sum() == 0
 
     again = SlotOptimizer(params, job(grad_clip=1.0, warmup_steps=0, schedule="constant"), 10)
-    again.load(opt.scalar_state(), {"exp_avg": {params[0]: exp_avg},
-                                    "exp_avg_sq": {params[0]: opt.state_of(params[0], "exp_avg_sq")}})
+    again.load(
+        opt.scalar_state(),
+        {
+            "exp_avg": {params[0]: exp_avg},
+            "exp_avg_sq": {params[0]: opt.state_of(params[0], "exp_avg_sq")},
+        },
+    )
     assert again.scalar_state()["adam_step"] == 1.0
     assert torch.equal(again.state_of(params[0], "exp_avg"), exp_avg)
 
@@ -82,9 +95,11 @@ def test_reloaded_optimizer_takes_the_same_next_step(schedule, dtype):
         opt.step(slot_grad_norm(params))
     copies = [torch.nn.Parameter(params[0].detach().clone())]
     again = SlotOptimizer(copies, j, 10)
-    again.load(opt.scalar_state(), {m: {copies[0]: opt.state_of(params[0], m)}
-                                    for m in ("exp_avg", "exp_avg_sq")},
-               masters={copies[0]: opt.master_of(params[0])})
+    again.load(
+        opt.scalar_state(),
+        {m: {copies[0]: opt.state_of(params[0], m)} for m in ("exp_avg", "exp_avg_sq")},
+        masters={copies[0]: opt.master_of(params[0])},
+    )
     assert again.lr == opt.lr == pytest.approx(0.1 * lr_factor(4, j, 10))
     assert torch.equal(again.master_of(copies[0]), opt.master_of(params[0]))
     grad = torch.randn(4, 3, generator=gen).to(dtype)

@@ -19,17 +19,37 @@ from megatron_multilora.training.step.train_step import SlotTrainStep
 
 N, DIM, VOCAB, PAD = 3, 8, 64, 0
 RANKS, ALPHAS = [8, 4, 2], [16.0, 4.0, 8.0]
-DENSE = mm.GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                          ffn_hidden_size=48, vocab_size=VOCAB)
-MOE = mm.GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                        ffn_hidden_size=48, vocab_size=VOCAB, num_moe_experts=4, moe_router_topk=2,
-                        moe_shared_expert_intermediate_size=32, moe_aux_loss_coeff=0.1)
+DENSE = mm.GPTModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=48,
+    vocab_size=VOCAB,
+)
+MOE = mm.GPTModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=48,
+    vocab_size=VOCAB,
+    num_moe_experts=4,
+    moe_router_topk=2,
+    moe_shared_expert_intermediate_size=32,
+    moe_aux_loss_coeff=0.1,
+)
 
 
 def build(cfg: mm.GPTModelConfig, state=None) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = mm.apply_multi_lora(mm.build_gpt_model(cfg, calculate_per_token_loss=True), N, DIM,
-                                1.0, row_init_method="normal")  # non-zero B: every factor trains
+    model = mm.apply_multi_lora(
+        mm.build_gpt_model(cfg, calculate_per_token_loss=True),
+        N,
+        DIM,
+        1.0,
+        row_init_method="normal",
+    )  # non-zero B: every factor trains
     for slot, (rank, alpha) in enumerate(zip(RANKS, ALPHAS)):
         mm.init_adapter_slot(model, slot, rank, alpha)
     if state is not None:
@@ -56,19 +76,28 @@ def reference(model, micro_batches, denominators):
     MoEAuxLossAutoScaler.main_loss_backward_scale = torch.ones(1)
     for mb in micro_batches:
         mm.set_tokens_per_adapter_slot(model, mb.counts)
-        token_loss = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
-                           packed_seq_params=mb.packed_seq_params(),
-                           padding_mask=mb.padding_mask())[0]
+        token_loss = model(
+            mb.tokens,
+            mb.position_ids,
+            None,
+            labels=mb.labels,
+            packed_seq_params=mb.packed_seq_params(),
+            padding_mask=mb.padding_mask(),
+        )[0]
         total = 0.0
-        for s, (span, mask) in enumerate(zip(token_loss.split(mb.counts),
-                                             mb.loss_mask[0].split(mb.counts))):
+        for s, (span, mask) in enumerate(
+            zip(token_loss.split(mb.counts), mb.loss_mask[0].split(mb.counts))
+        ):
             if denominators[s]:
                 loss = (span * mask).sum() / denominators[s]
                 losses[s] += loss.item()
                 total = total + loss
         total.backward()
-    return losses, {s: [p.grad.clone() for p in mm.slot_parameters(model, s)]
-                    for s in range(len(denominators)) if denominators[s]}
+    return losses, {
+        s: [p.grad.clone() for p in mm.slot_parameters(model, s)]
+        for s in range(len(denominators))
+        if denominators[s]
+    }
 
 
 @pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
@@ -106,8 +135,10 @@ def test_schedule_step_matches_a_plain_loop(cfg, monkeypatch):
         monkeypatch.setattr(schedule, "_set_aux_loss_scale", lambda scale, grad: None)
         step.grad_sync.zero_grad(range(N))
         step.losses(micro_batches, denominators)
-        assert any(not torch.allclose(p.main_grad, want, rtol=1e-5, atol=1e-7)
-                   for p, want in zip(mm.slot_parameters(model, 0), want_grads[0]))
+        assert any(
+            not torch.allclose(p.main_grad, want, rtol=1e-5, atol=1e-7)
+            for p, want in zip(mm.slot_parameters(model, 0), want_grads[0])
+        )
 
 
 def check_bf16_step(monkeypatch, device: str, cfg: mm.GPTModelConfig, rel: float = 5e-2) -> None:
@@ -129,9 +160,13 @@ def check_bf16_step(monkeypatch, device: str, cfg: mm.GPTModelConfig, rel: float
 
     def adapted(dtype: torch.dtype) -> torch.nn.Module:
         torch.manual_seed(0)
-        model = mm.apply_multi_lora(mm.build_gpt_model(cfg, params_dtype=dtype,
-                                                       calculate_per_token_loss=True).to(device),
-                                    N, dim, 1.0, row_init_method="normal")
+        model = mm.apply_multi_lora(
+            mm.build_gpt_model(cfg, params_dtype=dtype, calculate_per_token_loss=True).to(device),
+            N,
+            dim,
+            1.0,
+            row_init_method="normal",
+        )
         for slot, (rank, alpha) in enumerate(zip(ranks, ALPHAS)):
             mm.init_adapter_slot(model, slot, rank, alpha)
         return model
@@ -141,15 +176,17 @@ def check_bf16_step(monkeypatch, device: str, cfg: mm.GPTModelConfig, rel: float
         micro_batches = pack_micro_batches(slot_examples(), 32, 1, PAD)
         step.grad_sync.zero_grad(range(N))
         losses = step.losses(micro_batches, agree(micro_batches, N).loss_units)
-        return losses.float(), [[p.main_grad.float().cpu() for p in mm.slot_parameters(model, s)]
-                                for s in range(N)]
+        return losses.float(), [
+            [p.main_grad.float().cpu() for p in mm.slot_parameters(model, s)] for s in range(N)
+        ]
 
     low, looped, ref = adapted(torch.bfloat16), adapted(torch.bfloat16), adapted(torch.float32)
     low.load_state_dict({k: v for k, v in ref.state_dict().items() if torch.is_tensor(v)})
     bf16_weights = {k: v for k, v in low.state_dict().items() if torch.is_tensor(v)}
     looped.load_state_dict(bf16_weights)
-    ref.load_state_dict({k: v.float() if v.is_floating_point() else v
-                         for k, v in bf16_weights.items()})
+    ref.load_state_dict(
+        {k: v.float() if v.is_floating_point() else v for k, v in bf16_weights.items()}
+    )
     want_losses, want_grads = step_of(ref)
     kernel = gmm._GROUPED_MM
     monkeypatch.setattr(gmm, "_GROUPED_MM", None)
@@ -169,7 +206,8 @@ def check_bf16_step(monkeypatch, device: str, cfg: mm.GPTModelConfig, rel: float
             err, floor = error(got, want), error(loop, want)
             assert err < max(rel, 2 * floor), (
                 f"slot {s}, parameter {k}: gradient {err:.3e} off fp32 (relative), "
-                f"the per-group loop in bf16 {floor:.3e}")
+                f"the per-group loop in bf16 {floor:.3e}"
+            )
 
 
 @pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])

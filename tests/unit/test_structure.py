@@ -11,11 +11,15 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "megatron_multilora"
 # Each part of the package and its level: a part imports only parts of lower levels.
 LEVELS = {
-    "errors": 0, "validation": 0, "atomic_files": 0, "ops": 0,
+    "errors": 0,
+    "validation": 0,
+    "atomic_files": 0,
+    "ops": 0,
     "platform": 0.5,  # what megatron needs without CUDA or TE; its stand-ins' math is in ops
     "parallel": 1,
     "layers": 2,
-    "models": 3, "data": 3,
+    "models": 3,
+    "data": 3,
     "checkpoint": 4,
     "training": 5,
     "service": 5.5,  # the training service: the engine over training's step, its HTTP front
@@ -23,7 +27,9 @@ LEVELS = {
     "benchmarks": 7,  # the benchmark package, above all of the package
 }
 FACADE_LEVEL = 6.5  # ``import megatron_multilora as mm``: the public API, for what stands above
-MAX_FUNCTION_LINES, MAX_FILE_LINES = 60, 400
+# Sizes in statements, which the formatter's wrapping does not change: 45 and 270 are what 60
+# and 400 lines held when the code was wrapped by hand, before ruff format.
+MAX_FUNCTION_STATEMENTS, MAX_FILE_STATEMENTS = 45, 270
 
 
 def module_name(path: Path) -> str:
@@ -31,8 +37,9 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-MODULES = {module_name(p): p for root in (PACKAGE, REPO / "benchmarks")
-           for p in sorted(root.rglob("*.py"))}
+MODULES = {
+    module_name(p): p for root in (PACKAGE, REPO / "benchmarks") for p in sorted(root.rglob("*.py"))
+}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -84,7 +91,7 @@ def test_no_module_imports_a_circle():
         state[module] = 1
         for target in sorted(graph[module]):
             if state.get(target) == 1:
-                circles.append(" -> ".join(path[path.index(target):] + [target]))
+                circles.append(" -> ".join(path[path.index(target) :] + [target]))
             elif target not in state:
                 visit(target, path + [target])
         state[module] = 2
@@ -95,18 +102,23 @@ def test_no_module_imports_a_circle():
     assert not circles, "import circles:\n" + "\n".join(circles)
 
 
+def statements(node: ast.AST) -> int:
+    return sum(isinstance(n, ast.stmt) for n in ast.walk(node))
+
+
 def test_functions_and_files_are_short():
     long = []
     for module, path in MODULES.items():
         if part(module) == "benchmarks":
             continue
-        source = path.read_text()
-        if source.count("\n") >= MAX_FILE_LINES:
-            long.append(f"{path.name}: {source.count(chr(10))} lines")
-        for node in ast.walk(ast.parse(source)):
+        tree = ast.parse(path.read_text())
+        if statements(tree) > MAX_FILE_STATEMENTS:
+            long.append(f"{path.name}: {statements(tree)} statements")
+        for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                lines = node.end_lineno - node.lineno + 1
-                if lines >= MAX_FUNCTION_LINES:
-                    long.append(f"{module}.{node.name}: {lines} lines")
-    assert not long, (f"functions of {MAX_FUNCTION_LINES}+ lines or files of {MAX_FILE_LINES}+:\n"
-                      + "\n".join(long))
+                if statements(node) > MAX_FUNCTION_STATEMENTS:
+                    long.append(f"{module}.{node.name}: {statements(node)} statements")
+    assert not long, (
+        f"functions of over {MAX_FUNCTION_STATEMENTS} statements or files of over "
+        f"{MAX_FILE_STATEMENTS}:\n" + "\n".join(long)
+    )

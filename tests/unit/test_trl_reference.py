@@ -36,9 +36,11 @@ SLOT, RANK, ALPHA = 1, 4, 8.0
 TARGETS = ["linear_proj", "linear_fc2"]
 REL = 1e-5
 
-PAIRS = [{"prompt": "abc=", "chosen": "cba", "rejected": "abc"},
-         {"prompt": "hello=", "chosen": "olleh", "rejected": "hello there"},
-         {"prompt": "xy=", "chosen": "yx", "rejected": "x"}]
+PAIRS = [
+    {"prompt": "abc=", "chosen": "cba", "rejected": "abc"},
+    {"prompt": "hello=", "chosen": "olleh", "rejected": "hello there"},
+    {"prompt": "xy=", "chosen": "yx", "rejected": "x"},
+]
 
 
 @pytest.fixture()
@@ -103,8 +105,11 @@ def _as_peft(model, cfg) -> dict[str, torch.Tensor]:
 
 
 def peft_grads(wrapped) -> dict[str, torch.Tensor]:
-    return {name.replace(".default", ""): p.grad.detach().clone()
-            for name, p in wrapped.named_parameters() if "lora_" in name and ".default." in name}
+    return {
+        name.replace(".default", ""): p.grad.detach().clone()
+        for name, p in wrapped.named_parameters()
+        if "lora_" in name and ".default." in name
+    }
 
 
 def close(ours_grads: dict, theirs: dict) -> float:
@@ -141,10 +146,20 @@ def test_dpo_matches_trl(setup, loss_type):
     from trl import DPOConfig, DPOTrainer
 
     wrapped = peft_model(base, tmp / "peft")
-    trainer = DPOTrainer(model=wrapped, args=DPOConfig(
-        output_dir=str(tmp / "trl"), beta=beta, loss_type=[loss_type],
-        report_to=[], use_cpu=True, bf16=False, per_device_train_batch_size=len(PAIRS)),
-        train_dataset=datasets.Dataset.from_list(PAIRS), processing_class=byte_level_tokenizer())
+    trainer = DPOTrainer(
+        model=wrapped,
+        args=DPOConfig(
+            output_dir=str(tmp / "trl"),
+            beta=beta,
+            loss_type=[loss_type],
+            report_to=[],
+            use_cpu=True,
+            bf16=False,
+            per_device_train_batch_size=len(PAIRS),
+        ),
+        train_dataset=datasets.Dataset.from_list(PAIRS),
+        processing_class=byte_level_tokenizer(),
+    )
     # TRL keeps a copy of an adapter it is given as the reference ("ref"); ours is the base
     # (the adapter off), TRL's reference for a new adapter: drop the copy.
     assert "ref" in wrapped.peft_config
@@ -155,16 +170,20 @@ def test_dpo_matches_trl(setup, loss_type):
     ids, attention = padded(rows)
     completion = torch.zeros_like(ids)
     for i, m in enumerate(masks):
-        completion[i, :len(m)] = torch.tensor(m)
-    theirs = trainer._compute_loss(wrapped, {"input_ids": ids, "attention_mask": attention,
-                                             "completion_mask": completion}, False)
+        completion[i, : len(m)] = torch.tensor(m)
+    theirs = trainer._compute_loss(
+        wrapped,
+        {"input_ids": ids, "attention_mask": attention, "completion_mask": completion},
+        False,
+    )
     theirs.backward()
     assert loss == pytest.approx(float(theirs), rel=REL)
     assert close(grads, peft_grads(wrapped)) <= REL
 
 
-@pytest.mark.parametrize("aggregation,loss_type,kl", [("token_mean", "bnpo", 0.0),
-                                                      ("sequence_mean", "grpo", 0.05)])
+@pytest.mark.parametrize(
+    "aggregation,loss_type,kl", [("token_mean", "bnpo", 0.0), ("sequence_mean", "grpo", 0.05)]
+)
 def test_grpo_matches_trl(setup, aggregation, loss_type, kl):
     model, cfg, base, tmp = setup
     tok = HFTokenizer(byte_level_tokenizer())
@@ -187,36 +206,65 @@ def test_grpo_matches_trl(setup, aggregation, loss_type, kl):
         old = [v + 0.3 * float(torch.randn((), generator=noise)) for v in lp[head:]]
         old_rows.append(old)
         n = len(c)
-        examples.append(dataclasses.replace(e, values={
-            "logprobs": (0.0,) * head + tuple(old), "advantages": (0.0,) * head + (a,) * n,
-            "weights": (0.0,) * head + (1.0 if aggregation == "token_mean" else 1.0 / n,) * n,
-            "ref_logprobs": tuple(rp)}, units=None if aggregation == "token_mean" else 1))
+        examples.append(
+            dataclasses.replace(
+                e,
+                values={
+                    "logprobs": (0.0,) * head + tuple(old),
+                    "advantages": (0.0,) * head + (a,) * n,
+                    "weights": (0.0,) * head
+                    + (1.0 if aggregation == "token_mean" else 1.0 / n,) * n,
+                    "ref_logprobs": tuple(rp),
+                },
+                units=None if aggregation == "token_mean" else 1,
+            )
+        )
     loss, grads = ours(model, cfg, examples, GRPO(0.2, 0.28, kl))
 
     from trl import GRPOConfig, GRPOTrainer
 
     wrapped = peft_model(base, tmp / "peft")
-    trainer = GRPOTrainer(model=wrapped, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-                          args=GRPOConfig(output_dir=str(tmp / "trl"), beta=kl, epsilon=0.2,
-                                          epsilon_high=0.28, loss_type=loss_type, num_generations=G,
-                                          per_device_train_batch_size=G, report_to=[], use_cpu=True,
-                                          temperature=1.0, bf16=False),
-                          train_dataset=datasets.Dataset.from_list([{"prompt": "ab="}] * G),
-                          processing_class=byte_level_tokenizer())
+    trainer = GRPOTrainer(
+        model=wrapped,
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=GRPOConfig(
+            output_dir=str(tmp / "trl"),
+            beta=kl,
+            epsilon=0.2,
+            epsilon_high=0.28,
+            loss_type=loss_type,
+            num_generations=G,
+            per_device_train_batch_size=G,
+            report_to=[],
+            use_cpu=True,
+            temperature=1.0,
+            bf16=False,
+        ),
+        train_dataset=datasets.Dataset.from_list([{"prompt": "ab="}] * G),
+        processing_class=byte_level_tokenizer(),
+    )
     prompt_ids, prompt_mask = padded([p for p, _ in rows], left=True)
     completion_ids, completion_mask = padded([c for _, c in rows])
     width = completion_ids.size(1)
     old = torch.zeros(len(rows), width)
     for i, o in enumerate(old_rows):
-        old[i, :len(o)] = torch.tensor(o)
-    inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
-              "completion_ids": completion_ids, "completion_mask": completion_mask,
-              "advantages": torch.tensor(adv, dtype=torch.float32), "old_per_token_logps": old}
+        old[i, : len(o)] = torch.tensor(o)
+    inputs = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": torch.tensor(adv, dtype=torch.float32),
+        "old_per_token_logps": old,
+    }
     if kl:
         with torch.no_grad(), wrapped.disable_adapter():  # TRL's reference: the adapter off
             inputs["ref_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
-                wrapped, torch.cat([prompt_ids, completion_ids], 1),
-                torch.cat([prompt_mask, completion_mask], 1), width)[0]
+                wrapped,
+                torch.cat([prompt_ids, completion_ids], 1),
+                torch.cat([prompt_mask, completion_mask], 1),
+                width,
+            )[0]
     theirs = trainer._compute_loss(wrapped, inputs)
     theirs.backward()
     assert loss == pytest.approx(float(theirs), rel=REL)

@@ -10,7 +10,7 @@ is exported as it stands.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 from megatron_multilora.checkpoint.adapter_files import import_adapter
 from megatron_multilora.checkpoint.adapter_folders import FolderFormat, folder_format
@@ -28,16 +28,22 @@ from megatron_multilora.training.config import AdapterJob, TrainerSettings, job_
 from megatron_multilora.training.jobs.export import JobExporter
 from megatron_multilora.training.jobs.job import Job, planned_steps, total_steps
 from megatron_multilora.training.jobs.states import ACTIVE, CANCELLED, DONE, ENDED, FAILED, QUEUED
-from megatron_multilora.training.objectives.registry import objective_of
 from megatron_multilora.training.objectives.objective import RunTools
+from megatron_multilora.training.objectives.registry import objective_of
 from megatron_multilora.training.objectives.rewards import load_reward
 from megatron_multilora.training.objectives.rollouts import reward_stats
 from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
 from megatron_multilora.training.step.train_step import StepResult
 
 
-def start_job(model: ModelOrChunks, slot: int, job: AdapterJob, total_steps: int,
-              model_config: GPTModelConfig, hf_model_type: Optional[str] = None) -> SlotOptimizer:
+def start_job(
+    model: ModelOrChunks,
+    slot: int,
+    job: AdapterJob,
+    total_steps: int,
+    model_config: GPTModelConfig,
+    hf_model_type: str | None = None,
+) -> SlotOptimizer:
     """Put ``job``'s adapter into ``slot``: from its ``init_from`` folder (an adapter or a
     PEFT folder; ``hf_model_type`` names the PEFT modules, default llama) or fresh weights;
     returns the slot's optimizer for ``total_steps`` steps."""
@@ -57,9 +63,19 @@ class JobBoard:
     slots of ``model``; ``batcher`` packs for those slots (the objectives' own passes).
     ``say`` prints a line on the main process."""
 
-    def __init__(self, model: ModelOrChunks, n_slots: int, settings: TrainerSettings, seed: int,
-                 tokenizer, exporter: JobExporter, model_config: GPTModelConfig,
-                 hf_model_type: Optional[str], say: Callable[[str], None], batcher) -> None:
+    def __init__(
+        self,
+        model: ModelOrChunks,
+        n_slots: int,
+        settings: TrainerSettings,
+        seed: int,
+        tokenizer,
+        exporter: JobExporter,
+        model_config: GPTModelConfig,
+        hf_model_type: str | None,
+        say: Callable[[str], None],
+        batcher,
+    ) -> None:
         self.model, self.n_slots, self.settings, self.seed = model, n_slots, settings, seed
         self.tokenizer, self.exporter, self.say = tokenizer, exporter, say
         self.model_config, self.hf_model_type = model_config, hf_model_type
@@ -73,9 +89,16 @@ class JobBoard:
         tr = self.settings
         objective = objective_of(spec)
         data = objective.load(spec, self.tokenizer, tr.max_seq_len, tr.eval_samples)
-        job = Job(spec, objective, data.train, data.eval, data.eval_records,
-                  total_steps(spec, len(data.train), tr.steps_per_job), source=source,
-                  reward=load_reward(spec.grpo.reward) if spec.objective == "grpo" else None)
+        job = Job(
+            spec,
+            objective,
+            data.train,
+            data.eval,
+            data.eval_records,
+            total_steps(spec, len(data.train), tr.steps_per_job),
+            source=source,
+            reward=load_reward(spec.grpo.reward) if spec.objective == "grpo" else None,
+        )
         self.jobs.append(job)
         return job
 
@@ -102,15 +125,24 @@ class JobBoard:
         for job in self.jobs:
             if free and job.status == QUEUED and job.spec.start_step <= step:
                 job.status, job.slot = ACTIVE, free.pop(0)
-                job.optimizer = start_job(self.model, job.slot, job.spec, job.total_steps,
-                                          self.model_config, self.hf_model_type)
-                self.say(f"step {step}: job {job.name} starts on slot {job.slot} "
-                         f"({job.total_steps} steps)")
+                job.optimizer = start_job(
+                    self.model,
+                    job.slot,
+                    job.spec,
+                    job.total_steps,
+                    self.model_config,
+                    self.hf_model_type,
+                )
+                self.say(
+                    f"step {step}: job {job.name} starts on slot {job.slot} "
+                    f"({job.total_steps} steps)"
+                )
                 started.append(job)
         return started
 
-    def global_batch(self, step: int, jobs: Sequence[Job], dp_rank: int, dp_size: int
-                     ) -> tuple[list[list[Packable]], dict[int, tuple[int, int]], list[int]]:
+    def global_batch(
+        self, step: int, jobs: Sequence[Job], dp_rank: int, dp_size: int
+    ) -> tuple[list[list[Packable]], dict[int, tuple[int, int]], list[int]]:
         """What each objective needs first (DPO's references, GRPO's samples: a job whose
         reward fails ends here, the others go on), then this rank's examples per slot of the
         jobs' next global batches, each slot's (tokens, loss tokens) over all ranks, and the
@@ -125,7 +157,10 @@ class JobBoard:
             items = job.objective.batch(job, self.seed)
             slot_examples[job.slot] = shard_for_data_parallel(items, dp_rank, dp_size)
             flat = [e for item in items for e in examples_of(item)]
-            tokens[job.slot] = (sum(len(e.tokens) for e in flat), sum(sum(e.loss_mask) for e in flat))
+            tokens[job.slot] = (
+                sum(len(e.tokens) for e in flat),
+                sum(sum(e.loss_mask) for e in flat),
+            )
         rank = {job.slot: job.spec.rank for job in jobs}
         order = sorted(range(self.n_slots), key=lambda slot: rank.get(slot, 0))
         return slot_examples, tokens, order
@@ -133,25 +168,39 @@ class JobBoard:
     def _fail(self, job: Job, reason: str) -> None:
         self.end(job, FAILED, reason, self._step)
 
-    def record(self, step: int, jobs: Sequence[Job], result: StepResult, tokens: dict[int, int],
-               lrs: dict[int, float]) -> dict[str, dict[str, float]]:
+    def record(
+        self,
+        step: int,
+        jobs: Sequence[Job],
+        result: StepResult,
+        tokens: dict[int, int],
+        lrs: dict[int, float],
+    ) -> dict[str, dict[str, float]]:
         """Count the step for each of ``jobs`` (a skipped one counts a bad step instead);
         returns the metrics of those that stepped, by name (``lrs``: what the step used)."""
         stats = {}
         for job in jobs:
             if job.slot in result.skipped:
                 job.bad_steps += 1
-                self.say(f"step {step}: job {job.name} has non-finite loss/gradients; step "
-                         f"skipped ({job.bad_steps}/{self.settings.max_bad_steps})")
+                self.say(
+                    f"step {step}: job {job.name} has non-finite loss/gradients; step "
+                    f"skipped ({job.bad_steps}/{self.settings.max_bad_steps})"
+                )
                 continue
             job.bad_steps = 0
             job.steps_done += 1
-            stats[job.name] = {"loss": float(result.losses[job.slot]), "lr": lrs[job.slot],
-                               "grad_norm": result.grad_norms[job.slot],
-                               "tokens": tokens[job.slot][0], "loss_tokens": tokens[job.slot][1],
-                               **{name: float(value) for name, value in
-                                  zip(job.objective.metrics, result.metrics[job.slot])},
-                               **(reward_stats(job.rollout) if job.rollout else {})}
+            stats[job.name] = {
+                "loss": float(result.losses[job.slot]),
+                "lr": lrs[job.slot],
+                "grad_norm": result.grad_norms[job.slot],
+                "tokens": tokens[job.slot][0],
+                "loss_tokens": tokens[job.slot][1],
+                **{
+                    name: float(value)
+                    for name, value in zip(job.objective.metrics, result.metrics[job.slot])
+                },
+                **(reward_stats(job.rollout) if job.rollout else {}),
+            }
         return stats
 
     def retire(self, step: int) -> list[Job]:
@@ -181,8 +230,12 @@ class JobBoard:
     def cancel(self, name: str, step: int) -> None:
         job = self.named(name)
         if job.status == ACTIVE:
-            self.end(job, CANCELLED, f"cancelled after {job.steps_done} steps; exported as it "
-                                     "stood", step)
+            self.end(
+                job,
+                CANCELLED,
+                f"cancelled after {job.steps_done} steps; exported as it stood",
+                step,
+            )
         elif job.status == QUEUED:
             job.status, job.reason = CANCELLED, "cancelled before it started"
             self.say(f"step {step}: job {name} cancelled before it started")
@@ -190,8 +243,12 @@ class JobBoard:
     def exported(self) -> list[Job]:
         """Done jobs, jobs cancelled while training, and jobs trainer.max_steps cut short
         (exported at the end of training)."""
-        return [job for job in self.jobs if job.status in (DONE, ACTIVE) or
-                (job.status == CANCELLED and self.exporter.folder(job).is_dir())]
+        return [
+            job
+            for job in self.jobs
+            if job.status in (DONE, ACTIVE)
+            or (job.status == CANCELLED and self.exporter.folder(job).is_dir())
+        ]
 
     def progress(self) -> list[dict]:
         return [job.progress() for job in self.jobs]
@@ -199,7 +256,9 @@ class JobBoard:
     def restore(self, progress: list[dict]) -> None:
         """The jobs' progress from a checkpoint (which lists the same jobs)."""
         if [p["name"] for p in progress] != [job.name for job in self.jobs]:
-            raise ValueError("the checkpoint's adapter jobs differ from the configured ones: "
-                             f"{[p['name'] for p in progress]} vs {[j.name for j in self.jobs]}")
+            raise ValueError(
+                "the checkpoint's adapter jobs differ from the configured ones: "
+                f"{[p['name'] for p in progress]} vs {[j.name for j in self.jobs]}"
+            )
         for job, saved in zip(self.jobs, progress):
             job.restore(saved)

@@ -10,22 +10,31 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from megatron_multilora.training.config import AdapterJob
+from megatron_multilora.training.jobs.states import ACTIVE, QUEUED
 from megatron_multilora.training.objectives.objective import Objective
 from megatron_multilora.training.objectives.rollouts import Rollout
-from megatron_multilora.training.jobs.states import ACTIVE, QUEUED
 from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
 
 # What a checkpoint keeps of a job's progress (the rest comes from its config entry).
-PROGRESS = ("total_steps", "status", "slot", "steps_done", "data_epoch", "data_pos", "bad_steps",
-            "reason")
+PROGRESS = (
+    "total_steps",
+    "status",
+    "slot",
+    "steps_done",
+    "data_epoch",
+    "data_pos",
+    "bad_steps",
+    "reason",
+)
 
 
-def total_steps(job: AdapterJob, dataset_size: int, steps_per_job: Optional[int] = None) -> int:
+def total_steps(job: AdapterJob, dataset_size: int, steps_per_job: int | None = None) -> int:
     """The job's step budget: ``steps_per_job`` (the trainer-wide override) when given, else
     its ``max_steps``, or ``epochs`` over its dataset (a GRPO job steps ``inner_steps``
     times on each batch of prompts)."""
@@ -54,17 +63,17 @@ class Job:
     total_steps: int
     source: str = "config"  # or "submitted" (with mmlora submit)
     status: str = QUEUED
-    slot: Optional[int] = None
+    slot: int | None = None
     steps_done: int = 0
     data_epoch: int = 0
     data_pos: int = 0
     bad_steps: int = 0
     reason: str = ""
-    optimizer: Optional[SlotOptimizer] = None
+    optimizer: SlotOptimizer | None = None
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     prepared: bool = False
-    rollout: Optional[Rollout] = None
-    reward: Optional[Callable[..., float]] = None
+    rollout: Rollout | None = None
+    reward: Callable[..., float] | None = None
 
     @property
     def name(self) -> str:
@@ -82,7 +91,7 @@ class Job:
         while len(out) < n:
             key = zlib.crc32(f"{seed}:{self.name}:{self.data_epoch}".encode())
             order = torch.randperm(size, generator=torch.Generator().manual_seed(key)).tolist()
-            take = order[self.data_pos:self.data_pos + n - len(out)]
+            take = order[self.data_pos : self.data_pos + n - len(out)]
             out += take
             self.data_pos += len(take)
             if self.data_pos >= size:
@@ -90,8 +99,11 @@ class Job:
         return out
 
     def progress(self) -> dict[str, Any]:
-        return {"name": self.name, **{key: getattr(self, key) for key in PROGRESS},
-                "rollout": self.rollout.to_plain() if self.rollout else None}
+        return {
+            "name": self.name,
+            **{key: getattr(self, key) for key in PROGRESS},
+            "rollout": self.rollout.to_plain() if self.rollout else None,
+        }
 
     def restore(self, progress: dict[str, Any]) -> None:
         for key in PROGRESS:
@@ -102,8 +114,9 @@ class Job:
 
 def planned_steps(jobs: list[Job], slots: int) -> int:
     """Trainer steps until every job finishes if none fails: the queue, simulated."""
-    remaining = {i: j.total_steps - j.steps_done for i, j in enumerate(jobs)
-                 if j.status in (QUEUED, ACTIVE)}
+    remaining = {
+        i: j.total_steps - j.steps_done for i, j in enumerate(jobs) if j.status in (QUEUED, ACTIVE)
+    }
     running = {i for i, j in enumerate(jobs) if j.status == ACTIVE}
     step = 0
     while remaining:

@@ -16,7 +16,8 @@ rewards ``beta (logp - ref)`` of each answer, their margin and the preference ac
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,9 +43,15 @@ class DPO(Objective):
             return JobData(train, [], [])
         held_out = load_pairs(spec.eval_dataset, tokenizer, max_seq_len, spec.columns)
         records = read_records(spec.eval_dataset, "preference", spec.columns)[:eval_samples]
-        return JobData(train, held_out[:eval_samples],
-                       [{"prompt": r["prompt"], "completion": r["chosen"]} for r in records
-                        if isinstance(r["prompt"], str) and isinstance(r["chosen"], str)])
+        return JobData(
+            train,
+            held_out[:eval_samples],
+            [
+                {"prompt": r["prompt"], "completion": r["chosen"]}
+                for r in records
+                if isinstance(r["prompt"], str) and isinstance(r["chosen"], str)
+            ],
+        )
 
     @classmethod
     def prepare(cls, jobs: Sequence[Any], tools: RunTools) -> None:
@@ -52,14 +59,19 @@ class DPO(Objective):
         or resume), computed once, forward only, with the adapters off."""
         todo = [job for job in jobs if not job.prepared]
         for job in todo:
-            job.train, job.eval = (with_references(pairs, job.slot, tools)
-                                   for pairs in (job.train, job.eval))
+            job.train, job.eval = (
+                with_references(pairs, job.slot, tools) for pairs in (job.train, job.eval)
+            )
             job.prepared = True
 
     def span_loss(self, logprobs, mask, values, sequence):
         n = int(sequence[-1]) + 1
-        per_seq = logprobs.new_zeros(n).index_add(0, sequence, (logprobs - values["ref_logprobs"]) * mask)
-        chosen = torch.zeros(n, device=mask.device).index_add(0, sequence, values["chosen"] * mask) > 0
+        per_seq = logprobs.new_zeros(n).index_add(
+            0, sequence, (logprobs - values["ref_logprobs"]) * mask
+        )
+        chosen = (
+            torch.zeros(n, device=mask.device).index_add(0, sequence, values["chosen"] * mask) > 0
+        )
         first = chosen.nonzero().flatten()  # each pair's chosen sequence; its rejected one follows
         c, r = per_seq[first], per_seq[first + 1]
         if self.loss_type == "ipo":
@@ -76,8 +88,9 @@ class DPO(Objective):
         return loss.sum(), metrics
 
 
-def with_references(pairs: list[tuple[Example, Example]], slot: int, tools: RunTools
-                    ) -> list[tuple[Example, Example]]:
+def with_references(
+    pairs: list[tuple[Example, Example]], slot: int, tools: RunTools
+) -> list[tuple[Example, Example]]:
     """``pairs`` with each token's reference log-prob (``ref_logprobs``) and the chosen
     answers marked (``chosen``)."""
     if not pairs:
@@ -88,7 +101,12 @@ def with_references(pairs: list[tuple[Example, Example]], slot: int, tools: RunT
     out = []
     for chosen, rejected in pairs:
         ones = (1.0,) * len(chosen.loss_mask)
-        out.append((dataclasses.replace(chosen, values={"ref_logprobs": tuple(next(refs)),
-                                                        "chosen": ones}),
-                    dataclasses.replace(rejected, values={"ref_logprobs": tuple(next(refs))})))
+        out.append(
+            (
+                dataclasses.replace(
+                    chosen, values={"ref_logprobs": tuple(next(refs)), "chosen": ones}
+                ),
+                dataclasses.replace(rejected, values={"ref_logprobs": tuple(next(refs))}),
+            )
+        )
     return out

@@ -9,7 +9,8 @@ the k3 KL to the base (the adapter off) times the importance ratio, weighted by 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -33,22 +34,38 @@ class GRPO(Objective):
         train = read_records(spec.dataset, "prompt", spec.columns)
         if not spec.eval_dataset:
             return JobData(train, [], [])
-        records = [{"prompt": r["prompt"], "completion": str(r["answer"])}
-                   for r in read_records(spec.eval_dataset, "prompt", spec.columns)
-                   if "answer" in r][:eval_samples]
-        held_out = [tokenize_record(r, tokenizer, max_seq_len) for r in records
-                    if isinstance(r["prompt"], str)]
+        records = [
+            {"prompt": r["prompt"], "completion": str(r["answer"])}
+            for r in read_records(spec.eval_dataset, "prompt", spec.columns)
+            if "answer" in r
+        ][:eval_samples]
+        held_out = [
+            tokenize_record(r, tokenizer, max_seq_len)
+            for r in records
+            if isinstance(r["prompt"], str)
+        ]
         return JobData(train, held_out, [r for r in records if isinstance(r["prompt"], str)])
 
     @classmethod
     def prepare(cls, jobs: Sequence[Any], tools: RunTools) -> None:
         """A new rollout for every job whose last one has had its ``inner_steps`` steps (or
         that has none yet), all sampled in one pass."""
-        due = [job for job in jobs
-               if job.rollout is None or job.rollout.index != job.steps_done // job.spec.grpo.inner_steps]
+        due = [
+            job
+            for job in jobs
+            if job.rollout is None
+            or job.rollout.index != job.steps_done // job.spec.grpo.inner_steps
+        ]
         if due:
-            sample_rollouts(due, tools.model, tools.batcher, tools.tokenizer, tools.seed,
-                            tools.max_seq_len, tools.fail)
+            sample_rollouts(
+                due,
+                tools.model,
+                tools.batcher,
+                tools.tokenizer,
+                tools.seed,
+                tools.max_seq_len,
+                tools.fail,
+            )
 
     def batch(self, job: Any, seed: int) -> list:
         return list(job.rollout.examples)
@@ -61,10 +78,12 @@ class GRPO(Objective):
         loss = ppo(logprobs, old, values["advantages"], self.clip_low, self.clip_high)
         # The KL's samples come from the sampling policy: weighed by the importance ratio it
         # estimates the current policy's KL (TRL's use_bias_correction_kl, its default).
-        kl = (kl_to_reference(logprobs, values["ref_logprobs"]) * torch.exp(logprobs - old)
-              if self.kl_coef else torch.zeros_like(logprobs))
+        kl = (
+            kl_to_reference(logprobs, values["ref_logprobs"]) * torch.exp(logprobs - old)
+            if self.kl_coef
+            else torch.zeros_like(logprobs)
+        )
         ratio = torch.exp(logprobs.detach() - old)
         clipped = ((ratio < 1 - self.clip_low) | (ratio > 1 + self.clip_high)).float()
         metrics = torch.stack([(kl.detach() * weights).sum(), (clipped * weights).sum()])
         return ((loss + self.kl_coef * kl) * weights).sum(), metrics
-

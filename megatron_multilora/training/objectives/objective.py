@@ -13,7 +13,8 @@ its global batch, so an adapter's loss and metrics never depend on who shares th
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 import torch
 
@@ -53,7 +54,9 @@ class Objective:
 
     name: ClassVar[str]
     metrics: ClassVar[tuple[str, ...]] = ()  # reported per step, means over loss units
-    table_metrics: ClassVar[tuple[str, ...]] = ()  # of metrics, a table each in a run's final report
+    table_metrics: ClassVar[
+        tuple[str, ...]
+    ] = ()  # of metrics, a table each in a run's final report
 
     def load(self, spec: Any, tokenizer, max_seq_len: int, eval_samples: int) -> JobData:
         train = load_dataset(spec.dataset, tokenizer, max_seq_len, spec.columns)
@@ -72,13 +75,17 @@ class Objective:
         """The job's global batch for this step."""
         return [job.train[i] for i in job.next_samples(job.spec.global_batch_size, seed)]
 
-    def eval_objective(self) -> "Objective":
+    def eval_objective(self) -> Objective:
         """What the job's held-out examples are scored with (its eval loss)."""
         return self
 
-    def span_loss(self, logprobs: torch.Tensor, mask: torch.Tensor,
-                  values: dict[str, torch.Tensor], sequence: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    def span_loss(
+        self,
+        logprobs: torch.Tensor,
+        mask: torch.Tensor,
+        values: dict[str, torch.Tensor],
+        sequence: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss sum, metric sums [len(metrics)])`` over one adapter's positions.
 
         ``logprobs`` ``[T]`` (0 where ``mask`` is 0), ``mask`` ``[T]`` float, ``values`` the

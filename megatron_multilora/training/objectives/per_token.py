@@ -11,11 +11,17 @@ from __future__ import annotations
 
 from megatron_multilora.training.objectives.objective import Objective
 from megatron_multilora.training.objectives.token_losses import (
-    cross_entropy, importance_sampling, ppo)
+    cross_entropy,
+    importance_sampling,
+    ppo,
+)
 
 # Each loss's per-position inputs besides the target tokens.
-INPUTS = {"cross_entropy": ("weights",), "importance_sampling": ("logprobs", "advantages"),
-          "ppo": ("logprobs", "advantages")}
+INPUTS = {
+    "cross_entropy": ("weights",),
+    "importance_sampling": ("logprobs", "advantages"),
+    "ppo": ("logprobs", "advantages"),
+}
 
 
 class PerTokenLoss(Objective):
@@ -28,8 +34,9 @@ class PerTokenLoss(Objective):
         self.loss = loss
         self._per_token = {
             "cross_entropy": lambda lp, v: cross_entropy(lp, v["weights"]),
-            "importance_sampling": lambda lp, v: importance_sampling(lp, v["logprobs"],
-                                                                     v["advantages"]),
+            "importance_sampling": lambda lp, v: importance_sampling(
+                lp, v["logprobs"], v["advantages"]
+            ),
             "ppo": lambda lp, v: ppo(lp, v["logprobs"], v["advantages"], clip_low, clip_high),
         }[loss]
 

@@ -4,7 +4,8 @@ below (its settings: a section of ``AdapterJob``)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from megatron_multilora.training.objectives.dpo import DPO
 from megatron_multilora.training.objectives.grpo import GRPO

@@ -14,7 +14,8 @@ from __future__ import annotations
 import importlib
 import math
 import numbers
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 Reward = Callable[..., float]
 
@@ -49,8 +50,9 @@ def load_reward(spec: str) -> Reward:
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # a user's module may fail to import in any way
-        raise RewardError(f"reward={spec!r}: cannot import {module_name} "
-                          f"({type(e).__name__}: {e})") from None
+        raise RewardError(
+            f"reward={spec!r}: cannot import {module_name} ({type(e).__name__}: {e})"
+        ) from None
     fn = getattr(module, function, None)
     if not callable(fn):
         raise RewardError(f"reward={spec!r}: {module_name} has no function {function!r}")
@@ -65,6 +67,7 @@ def score(reward: Reward, spec: str, prompt: Any, completion: str, record: dict)
     except Exception as e:  # the user's function: report whatever it raised
         raise RewardError(f"reward {spec} raised {type(e).__name__}: {e}") from None
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise RewardError(f"reward {spec} returned {value!r:.80}; it must return a finite "
-                          "real number")
+        raise RewardError(
+            f"reward {spec} returned {value!r:.80}; it must return a finite real number"
+        )
     return float(value)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -35,17 +36,35 @@ class Rollout:
     rewards: list[float]
 
     def to_plain(self) -> dict[str, Any]:
-        return {"index": self.index, "rewards": self.rewards,
-                "examples": [{"tokens": list(e.tokens), "loss_mask": list(e.loss_mask),
-                              "values": {k: list(v) for k, v in e.values.items()},
-                              "units": e.units} for e in self.examples]}
+        return {
+            "index": self.index,
+            "rewards": self.rewards,
+            "examples": [
+                {
+                    "tokens": list(e.tokens),
+                    "loss_mask": list(e.loss_mask),
+                    "values": {k: list(v) for k, v in e.values.items()},
+                    "units": e.units,
+                }
+                for e in self.examples
+            ],
+        }
 
     @classmethod
-    def from_plain(cls, plain: dict[str, Any]) -> "Rollout":
-        return cls(plain["index"], [
-            Example(tuple(e["tokens"]), tuple(e["loss_mask"]),
-                    {k: tuple(v) for k, v in e["values"].items()}, e["units"])
-            for e in plain["examples"]], plain["rewards"])
+    def from_plain(cls, plain: dict[str, Any]) -> Rollout:
+        return cls(
+            plain["index"],
+            [
+                Example(
+                    tuple(e["tokens"]),
+                    tuple(e["loss_mask"]),
+                    {k: tuple(v) for k, v in e["values"].items()},
+                    e["units"],
+                )
+                for e in plain["examples"]
+            ],
+            plain["rewards"],
+        )
 
 
 @dataclasses.dataclass
@@ -61,14 +80,21 @@ class Row:
 def advantages(rewards: Sequence[float], group_size: int, scale: bool) -> list[float]:
     out = []
     for start in range(0, len(rewards), group_size):
-        group = torch.tensor(rewards[start:start + group_size], dtype=torch.float64)
+        group = torch.tensor(rewards[start : start + group_size], dtype=torch.float64)
         centred = group - group.mean()
         out += (centred / (group.std() + 1e-4) if scale else centred).tolist()
     return out
 
 
-def sample_rollouts(jobs: Sequence[Any], model, batcher: MicroBatcher, tokenizer, seed: int,
-                    max_seq_len: int, fail: Callable[[Any, str], None]) -> None:
+def sample_rollouts(
+    jobs: Sequence[Any],
+    model,
+    batcher: MicroBatcher,
+    tokenizer,
+    seed: int,
+    max_seq_len: int,
+    fail: Callable[[Any, str], None],
+) -> None:
     """Give each of ``jobs`` (GRPO jobs due for a rollout) its next :class:`Rollout`, all
     sampled in one pass; a job whose reward fails is handed to ``fail(job, reason)`` and
     the others go on."""
@@ -80,15 +106,25 @@ def sample_rollouts(jobs: Sequence[Any], model, batcher: MicroBatcher, tokenizer
         for p, sample in enumerate(job.next_samples(job.spec.global_batch_size, seed)):
             record = job.train[sample]
             ids = prompt_ids(record["prompt"], tokenizer)
-            ids = ids[:1] + ids[1:][-(budget - 1):] if len(ids) > budget else ids  # keep bos
+            ids = ids[:1] + ids[1:][-(budget - 1) :] if len(ids) > budget else ids  # keep bos
             for k in range(g.group_size):
                 rows.append(Row(job, sample, record, ids))
-                sampling.append(RowSampling(f"{seed}:{job.name}:{index}:{p * g.group_size + k}",
-                                            g.temperature, g.top_p))
+                sampling.append(
+                    RowSampling(
+                        f"{seed}:{job.name}:{index}:{p * g.group_size + k}", g.temperature, g.top_p
+                    )
+                )
                 limits.append(g.max_new_tokens)
-    outputs = generation.generate(model, [(row.job.slot, row.prompt) for row in rows],
-                                  batcher.n_slots, limits, tokenizer.eos_id, batcher.pad_multiple,
-                                  tokenizer.pad_id, pick=KeyedSampler(sampling))
+    outputs = generation.generate(
+        model,
+        [(row.job.slot, row.prompt) for row in rows],
+        batcher.n_slots,
+        limits,
+        tokenizer.eos_id,
+        batcher.pad_multiple,
+        tokenizer.pad_id,
+        pick=KeyedSampler(sampling),
+    )
     by_job: dict[str, list[tuple[Row, generation.Generation]]] = {}
     for row, out in zip(rows, outputs):
         by_job.setdefault(row.job.name, []).append((row, out))
@@ -105,17 +141,26 @@ def sample_rollouts(jobs: Sequence[Any], model, batcher: MicroBatcher, tokenizer
             job.rollout = Rollout(job.steps_done // job.spec.grpo.inner_steps, examples, rewards)
 
 
-def _examples(job, rows: list[tuple[Row, generation.Generation]], tokenizer
-              ) -> tuple[list[Example], list[float]]:
+def _examples(
+    job, rows: list[tuple[Row, generation.Generation]], tokenizer
+) -> tuple[list[Example], list[float]]:
     g = job.spec.grpo
     rewards = []
-    for i, (row, out) in enumerate(rows):
+    for _i, (row, out) in enumerate(rows):
         try:
-            rewards.append(score(job.reward, g.reward, row.record["prompt"],
-                                 tokenizer.decode(out.tokens), row.record))
+            rewards.append(
+                score(
+                    job.reward,
+                    g.reward,
+                    row.record["prompt"],
+                    tokenizer.decode(out.tokens),
+                    row.record,
+                )
+            )
         except RewardError as e:
-            raise RewardError(f"job {job.name}, {job.spec.dataset} record {row.index}: {e}"
-                              ) from None
+            raise RewardError(
+                f"job {job.name}, {job.spec.dataset} record {row.index}: {e}"
+            ) from None
     adv = advantages(rewards, g.group_size, g.scale_rewards)
     examples = []
     for (row, out), a in zip(rows, adv):
@@ -123,12 +168,18 @@ def _examples(job, rows: list[tuple[Row, generation.Generation]], tokenizer
         head = len(row.prompt) - 1
         completion = out.tokens + ([out.stop] if out.ended else [])
         weight = 1.0 if g.aggregation == "token_mean" else 1.0 / n
-        examples.append(Example(
-            tuple(row.prompt + completion), (False,) * head + (True,) * n,
-            {"logprobs": (0.0,) * head + tuple(out.logprobs),
-             "advantages": (0.0,) * head + (a,) * n,
-             "weights": (0.0,) * head + (weight,) * n},
-            units=None if g.aggregation == "token_mean" else 1))
+        examples.append(
+            Example(
+                tuple(row.prompt + completion),
+                (False,) * head + (True,) * n,
+                {
+                    "logprobs": (0.0,) * head + tuple(out.logprobs),
+                    "advantages": (0.0,) * head + (a,) * n,
+                    "weights": (0.0,) * head + (weight,) * n,
+                },
+                units=None if g.aggregation == "token_mean" else 1,
+            )
+        )
     return examples, rewards
 
 
@@ -143,11 +194,18 @@ def _add_references(made: dict, jobs: Sequence[Any], model, batcher: MicroBatche
     refs = target_logprobs(model, slot_examples, batcher)
     for job in kl_jobs:
         examples, rewards = made[job.name]
-        made[job.name] = ([dataclasses.replace(e, values={**e.values, "ref_logprobs": tuple(r)})
-                           for e, r in zip(examples, refs[job.slot])], rewards)
+        made[job.name] = (
+            [
+                dataclasses.replace(e, values={**e.values, "ref_logprobs": tuple(r)})
+                for e, r in zip(examples, refs[job.slot])
+            ],
+            rewards,
+        )
 
 
 def reward_stats(rollout: Rollout) -> dict[str, float]:
     rewards = rollout.rewards
-    return {"reward_mean": statistics.fmean(rewards),
-            "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0}
+    return {
+        "reward_mean": statistics.fmean(rewards),
+        "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+    }

@@ -14,15 +14,21 @@ def cross_entropy(logprobs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
     return -weights * logprobs
 
 
-def importance_sampling(logprobs: torch.Tensor, sampling_logprobs: torch.Tensor,
-                        advantages: torch.Tensor) -> torch.Tensor:
+def importance_sampling(
+    logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, advantages: torch.Tensor
+) -> torch.Tensor:
     """``-exp(logprobs - sampling_logprobs) * advantages``: the policy gradient for samples
     drawn by another (the sampling) policy."""
     return -torch.exp(logprobs - sampling_logprobs) * advantages
 
 
-def ppo(logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, advantages: torch.Tensor,
-        clip_low: float, clip_high: float) -> torch.Tensor:
+def ppo(
+    logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> torch.Tensor:
     """The clipped surrogate: ``-min(rho * A, clip(rho, 1 - clip_low, 1 + clip_high) * A)``
     with ``rho = exp(logprobs - sampling_logprobs)``."""
     ratio = torch.exp(logprobs - sampling_logprobs)

@@ -19,9 +19,9 @@ import numbers
 import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
-
+from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
 KINDS = ("train", "eval")
@@ -91,7 +91,7 @@ class MetricsLogger:
         if wandb_mode == "disabled":
             return
         try:
-            # Imported here: the import is slow (about 0.5 s) and JSONL-only runs never need it.
+            # Imported here: the import is slow and JSONL-only runs never need it.
             import wandb
 
             # setdefault: a user who exported WANDB_SILENT=false still gets wandb's output.
@@ -128,16 +128,24 @@ class MetricsLogger:
             raise ValueError(f"extra uses reserved record keys {sorted(clashes)}")
         if self._file is None:
             return
-        record = {"step": int(step), "kind": kind, "adapters": _json_value(adapters),
-                  **_json_value(extra), "time": time.time()}
+        record = {
+            "step": int(step),
+            "kind": kind,
+            "adapters": _json_value(adapters),
+            **_json_value(extra),
+            "time": time.time(),
+        }
         # allow_nan=False: any non-finite value that slipped through fails here, not in readers.
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         # Flushed per record so a killed run keeps everything it logged.
         self._file.flush()
         self.records += 1
         if self._run is not None:
-            payload = {f"{kind}/{name}/{metric}": value
-                       for name, metrics in adapters.items() for metric, value in metrics.items()}
+            payload = {
+                f"{kind}/{name}/{metric}": value
+                for name, metrics in adapters.items()
+                for metric, value in metrics.items()
+            }
             payload.update({f"{kind}/{key}": value for key, value in extra.items()})
             self._run.log(payload, step=int(step))
 
@@ -180,13 +188,15 @@ _COLUMNS = (
 )
 
 
-def format_adapter_line(step: int, name: str, metrics: Mapping[str, float | None],
-                        name_width: int = 12) -> str:
+def format_adapter_line(
+    step: int, name: str, metrics: Mapping[str, float | None], name_width: int = 12
+) -> str:
     """One aligned console line, e.g. ``step   40 | reverse      loss  1.234 | lr 3.0e-04``.
 
     Only metrics present are shown; ``None`` (a non-finite value read back) shows as ``nan``.
     Names are padded to ``name_width``; pass the longest adapter name's length to align all.
     """
+
     def value(key: str) -> float:
         v = metrics[key]
         return math.nan if v is None else float(v)
@@ -237,9 +247,11 @@ class Progress:
             elapsed = time.perf_counter() - self._start
             rate = (step - self._initial) / max(elapsed, 1e-9)
             eta = (self.total - step) / rate if rate > 0 else math.inf
-            print(f"{self.desc}: step {step}/{self.total} ({100 * step // max(self.total, 1)}%) "
-                  f"{rate:.1f} steps/s, eta {eta:.0f}s" + (f" | {postfix}" if postfix else ""),
-                  flush=True)
+            print(
+                f"{self.desc}: step {step}/{self.total} ({100 * step // max(self.total, 1)}%) "
+                f"{rate:.1f} steps/s, eta {eta:.0f}s" + (f" | {postfix}" if postfix else ""),
+                flush=True,
+            )
             self._next_print = self._after(step)
 
     def set_total(self, total: int, step: int) -> None:

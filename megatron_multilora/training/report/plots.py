@@ -13,12 +13,12 @@ import matplotlib
 
 matplotlib.use("Agg")  # before pyplot is imported: training hosts have no display
 
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.figure import Figure
 
-from megatron_multilora.atomic_files import atomic_file  # noqa: E402
-from megatron_multilora.training.report.text_tables import as_matrix  # noqa: E402
+from megatron_multilora.atomic_files import atomic_file
+from megatron_multilora.training.report.text_tables import as_matrix
 
 # Below this many points a curve gets markers, so a single eval point is still visible.
 _MARKER_MAX_POINTS = 30
@@ -34,8 +34,9 @@ def _save_atomic(fig: Figure, out_png: str | Path) -> Path:
     return Path(out_png)
 
 
-def plot_loss_curves(records: list[dict], out_png: str | Path, kind: str = "train",
-                     metric: str = "loss") -> Path:
+def plot_loss_curves(
+    records: list[dict], out_png: str | Path, kind: str = "train", metric: str = "loss"
+) -> Path:
     """Plot each adapter's ``metric`` (e.g. ``reward_mean``) against step from ``kind``
     records (see ``read_metrics``); adapters that do not report it are left out.
 
@@ -57,8 +58,13 @@ def plot_loss_curves(records: list[dict], out_png: str | Path, kind: str = "trai
         if not points:
             continue
         steps = sorted(points)
-        ax.plot(steps, [points[s] for s in steps], label=name,
-                marker="o" if len(steps) <= _MARKER_MAX_POINTS else None, markersize=3)
+        ax.plot(
+            steps,
+            [points[s] for s in steps],
+            label=name,
+            marker="o" if len(steps) <= _MARKER_MAX_POINTS else None,
+            markersize=3,
+        )
     if ax.lines:
         ax.legend(title="adapter")
     ax.set_xlabel("step")
@@ -68,13 +74,20 @@ def plot_loss_curves(records: list[dict], out_png: str | Path, kind: str = "trai
     return _save_atomic(fig, out_png)
 
 
-def plot_heatmap(matrix: list[list[float]], row_labels: list[str], col_labels: list[str],
-                 out_png: str | Path, title: str, value_format: str = "{:.2f}") -> Path:
+def plot_heatmap(
+    matrix: list[list[float]],
+    row_labels: list[str],
+    col_labels: list[str],
+    out_png: str | Path,
+    title: str,
+    value_format: str = "{:.2f}",
+) -> Path:
     """An annotated heat map (rows = adapters, columns = tasks) with a colour bar."""
     values = as_matrix(matrix, row_labels, col_labels)
     n_rows, n_cols = values.shape
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.1 * n_cols + 2.5), max(3.0, 0.5 * n_rows + 1.5)),
-                           layout="constrained")
+    fig, ax = plt.subplots(
+        figsize=(max(4.0, 1.1 * n_cols + 2.5), max(3.0, 0.5 * n_rows + 1.5)), layout="constrained"
+    )
     image = ax.imshow(values, cmap="viridis", aspect="auto")
     fig.colorbar(image, ax=ax)
     ax.set_xticks(range(n_cols), labels=col_labels, rotation=30, ha="right")
@@ -87,6 +100,13 @@ def plot_heatmap(matrix: list[list[float]], row_labels: list[str], col_labels: l
             # NaN cells are left blank (white), so their text is dark.
             dark = np.isfinite(values[i, j]) and 0.299 * r + 0.587 * g + 0.114 * b < 0.5
             color = "white" if dark else "black"
-            ax.text(j, i, value_format.format(values[i, j]), ha="center", va="center",
-                    color=color, fontsize=9)
+            ax.text(
+                j,
+                i,
+                value_format.format(values[i, j]),
+                ha="center",
+                va="center",
+                color=color,
+                fontsize=9,
+            )
     return _save_atomic(fig, out_png)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from megatron_multilora.training.config import RunConfig
 from megatron_multilora.training.jobs.board import JobBoard
@@ -21,7 +21,6 @@ from megatron_multilora.training.report.metrics import (
 )
 from megatron_multilora.training.report.tables import AdapterTaskEval
 
-
 # What every step records; anything else is an objective's metric.
 _PER_STEP = ("loss", "lr", "grad_norm", "tokens", "loss_tokens")
 
@@ -31,10 +30,16 @@ class RunReport:
 
     def __init__(self, run: RunConfig, is_main: bool, config: dict[str, Any]) -> None:
         self.run, self.is_main, self.run_dir = run, is_main, Path(run.run_dir)
-        self.logger = MetricsLogger(self.run_dir, is_main, run.logging.wandb_mode,
-                                    run.logging.wandb_project, self.run_dir.name, config)
-        self.progress: Optional[Progress] = None
-        self.seconds_per_step: Optional[float] = None  # over the last logging window
+        self.logger = MetricsLogger(
+            self.run_dir,
+            is_main,
+            run.logging.wandb_mode,
+            run.logging.wandb_project,
+            self.run_dir.name,
+            config,
+        )
+        self.progress: Progress | None = None
+        self.seconds_per_step: float | None = None  # over the last logging window
         self._window: dict[str, list[dict[str, float]]] = {}
         self._window_start, self._window_step = time.perf_counter(), 0
 
@@ -62,21 +67,27 @@ class RunReport:
         self.seconds_per_step = seconds / max(1, step - self._window_step)
         adapters = {}
         for name, items in self._window.items():
-            adapters[name] = {"loss": sum(i["loss"] for i in items) / len(items),
-                              "lr": items[-1]["lr"], "grad_norm": items[-1]["grad_norm"],
-                              "tokens_per_s": sum(i["tokens"] for i in items) / max(seconds, 1e-9),
-                              "loss_tokens_per_s": (sum(i["loss_tokens"] for i in items)
-                                                    / max(seconds, 1e-9)),
-                              # the objective's own metrics (e.g. DPO's margin, GRPO's
-                              # reward): the window's mean
-                              **{key: sum(i[key] for i in items) / len(items)
-                                 for key in items[-1] if key not in _PER_STEP}}
+            adapters[name] = {
+                "loss": sum(i["loss"] for i in items) / len(items),
+                "lr": items[-1]["lr"],
+                "grad_norm": items[-1]["grad_norm"],
+                "tokens_per_s": sum(i["tokens"] for i in items) / max(seconds, 1e-9),
+                "loss_tokens_per_s": (sum(i["loss_tokens"] for i in items) / max(seconds, 1e-9)),
+                # the objective's own metrics (e.g. DPO's margin, GRPO's
+                # reward): the window's mean
+                **{
+                    key: sum(i[key] for i in items) / len(items)
+                    for key in items[-1]
+                    if key not in _PER_STEP
+                },
+            }
         self.restart_window(step)
         if not adapters:
             return
         for name, metrics in adapters.items():
-            board.named(name).metrics.update(loss=metrics["loss"],
-                                             tokens_per_s=metrics["tokens_per_s"])
+            board.named(name).metrics.update(
+                loss=metrics["loss"], tokens_per_s=metrics["tokens_per_s"]
+            )
         self.logger.log(step, "train", adapters)
         width = max(len(n) for n in adapters)
         for name, metrics in adapters.items():
@@ -106,8 +117,9 @@ class RunReport:
         the plots, and how each job ended."""
         exported = board.exported()
         rows = [None] + exported if exported else []
-        tables = tasks.tables([board.exporter.folder(job) if job else None for job in rows],
-                              board.jobs)
+        tables = tasks.tables(
+            [board.exporter.folder(job) if job else None for job in rows], board.jobs
+        )
         if self.is_main:
             names = [job.name if job else "base" for job in rows]
             self._print_tables(step, names, [t.name for t in tables.tasks], tables)
@@ -131,14 +143,35 @@ class RunReport:
         for metric in sorted({m for task_metrics in shown for m in task_metrics}):
             have = [col for col, task_metrics in enumerate(shown) if metric in task_metrics]
             print(f"held-out {metric.replace('_', ' ')}:")
-            print(format_table([[row[col].get(metric, float("nan")) for col in have]
-                                for row in tables.metrics],
-                               names, [tasks[col] for col in have]), flush=True)
-        self.logger.log(step, "eval", {
-            n: {**{f"loss_on_{t}": v for t, v in zip(tasks, lrow)},
-                **{f"accuracy_on_{t}": v for t, v in zip(tasks, arow)},
-                **{f"{m}_on_{t}": v for t, values in zip(tasks, mrow) for m, v in values.items()}}
-            for n, lrow, arow, mrow in zip(names, tables.losses, tables.accuracy, tables.metrics)})
+            print(
+                format_table(
+                    [
+                        [row[col].get(metric, float("nan")) for col in have]
+                        for row in tables.metrics
+                    ],
+                    names,
+                    [tasks[col] for col in have],
+                ),
+                flush=True,
+            )
+        self.logger.log(
+            step,
+            "eval",
+            {
+                n: {
+                    **{f"loss_on_{t}": v for t, v in zip(tasks, lrow)},
+                    **{f"accuracy_on_{t}": v for t, v in zip(tasks, arow)},
+                    **{
+                        f"{m}_on_{t}": v
+                        for t, values in zip(tasks, mrow)
+                        for m, v in values.items()
+                    },
+                }
+                for n, lrow, arow, mrow in zip(
+                    names, tables.losses, tables.accuracy, tables.metrics
+                )
+            },
+        )
 
     def _plot(self, names: list[str], tasks: list[str], tables) -> None:
         path = self.run_dir / METRICS_FILE
@@ -149,13 +182,23 @@ class RunReport:
 
         plot_loss_curves(records, self.run_dir / "loss_curves.png")
         plots = [self.run_dir / "loss_curves.png"]
-        if any("reward_mean" in m for r in records if r["kind"] == "train"
-               for m in r["adapters"].values()):  # RL jobs: their reward curves
-            plots.append(plot_loss_curves(records, self.run_dir / "reward_curves.png",
-                                          metric="reward_mean"))
+        if any(
+            "reward_mean" in m
+            for r in records
+            if r["kind"] == "train"
+            for m in r["adapters"].values()
+        ):  # RL jobs: their reward curves
+            plots.append(
+                plot_loss_curves(records, self.run_dir / "reward_curves.png", metric="reward_mean")
+            )
         if names and tasks:
-            plot_heatmap(tables.losses, names, tasks, self.run_dir / "adapter_task_loss.png",
-                         "held-out loss: adapter (row) x task (column), lower is better")
+            plot_heatmap(
+                tables.losses,
+                names,
+                tasks,
+                self.run_dir / "adapter_task_loss.png",
+                "held-out loss: adapter (row) x task (column), lower is better",
+            )
             plots.append(self.run_dir / "adapter_task_loss.png")
         print(f"plots: {', '.join(map(str, plots))}")
 
@@ -164,19 +207,26 @@ class RunReport:
         limit = f"trainer.max_steps={self.run.trainer.max_steps} reached"
         for job in board.jobs:
             where = board.exporter.folder(job) if job.name in exported else "-"
-            how = {DONE: f"done after {job.steps_done} steps",
-                   FAILED: f"FAILED after {job.steps_done} steps ({job.reason}), not exported",
-                   CANCELLED: job.reason,
-                   ACTIVE: f"UNFINISHED: {job.steps_done} of {job.total_steps} steps ({limit}), "
-                           "exported as is",
-                   QUEUED: f"not started ({limit})"}[job.status]
+            how = {
+                DONE: f"done after {job.steps_done} steps",
+                FAILED: f"FAILED after {job.steps_done} steps ({job.reason}), not exported",
+                CANCELLED: job.reason,
+                ACTIVE: f"UNFINISHED: {job.steps_done} of {job.total_steps} steps ({limit}), "
+                "exported as is",
+                QUEUED: f"not started ({limit})",
+            }[job.status]
             print(f"job {job.name}: {how} -> {where}", flush=True)
         if self.run.hf_dir and exported:
-            print(f"PEFT adapters in {self.run_dir / 'peft'}; load one with:\n"
-                  f"  PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("
-                  f"'{self.run.hf_dir}'), '{self.run_dir / 'peft' / exported[0]}')", flush=True)
+            print(
+                f"PEFT adapters in {self.run_dir / 'peft'}; load one with:\n"
+                f"  PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("
+                f"'{self.run.hf_dir}'), '{self.run_dir / 'peft' / exported[0]}')",
+                flush=True,
+            )
         if not board.finished():
-            print(f"the run stopped at {limit} before every job finished: unfinished adapters "
-                  "are marked \"finished\": false in their adapter_config.json; to shorten "
-                  "every job with complete schedules, set trainer.steps_per_job instead",
-                  flush=True)
+            print(
+                f"the run stopped at {limit} before every job finished: unfinished adapters "
+                'are marked "finished": false in their adapter_config.json; to shorten '
+                "every job with complete schedules, set trainer.steps_per_job instead",
+                flush=True,
+            )

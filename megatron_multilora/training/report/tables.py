@@ -5,8 +5,8 @@ table of every exported adapter (and the base model alone) on every task."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import torch
 from megatron.core import parallel_state
@@ -34,7 +34,7 @@ class AdapterTaskTables:
 
 # Per (slot, task name), per eval record: its greedy generation's tokens where the held-out
 # pass's teacher-forced choices decide them (generation.forced_greedy), else None.
-Known = dict[tuple[int, str], list[Optional[list[int]]]]
+Known = dict[tuple[int, str], list[list[int] | None]]
 
 
 class AdapterTaskEval:
@@ -49,14 +49,20 @@ class AdapterTaskEval:
     pass leaves open (a clear leaving choice whose text may still match, an unclear choice,
     a layout whose output layer runs whole) are decoded."""
 
-    def __init__(self, model: ModelOrChunks, tokenizer, n_slots: int, token_budget: int,
-                 pad_multiple: int, max_new_tokens: int) -> None:
+    def __init__(
+        self,
+        model: ModelOrChunks,
+        tokenizer,
+        n_slots: int,
+        token_budget: int,
+        pad_multiple: int,
+        max_new_tokens: int,
+    ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.n_slots, self.token_budget = n_slots, token_budget
         self.pad_multiple, self.max_new_tokens = pad_multiple, max_new_tokens
 
-    def evaluate(self, slot_to_task: dict[int, Job]
-                 ) -> tuple[dict[int, dict[str, float]], Known]:
+    def evaluate(self, slot_to_task: dict[int, Job]) -> tuple[dict[int, dict[str, float]], Known]:
         """Each slot's mean loss on its task's examples by the task's objective, and the
         objective's metrics (slots whose task has examples); and the greedy generations that
         pass decides, for :meth:`accuracy`."""
@@ -68,22 +74,38 @@ class AdapterTaskEval:
         if not any(slot_examples):
             return {}, {}
         table, choices = evaluation.eval_results_and_choices(
-            self.model, slot_examples, self.token_budget, self.pad_multiple,
-            self.tokenizer.pad_id, objectives)
-        results = {slot: {"loss": float(table[slot, 0]),
-                          **{name: float(v) for name, v in
-                             zip(objectives[slot].metrics, table[slot, 1:])}}
-                   for slot in slot_to_task if slot_examples[slot]}
-        known = {(slot, task.name): self._known(task, choices[slot])
-                 for slot, task in slot_to_task.items()}
+            self.model,
+            slot_examples,
+            self.token_budget,
+            self.pad_multiple,
+            self.tokenizer.pad_id,
+            objectives,
+        )
+        results = {
+            slot: {
+                "loss": float(table[slot, 0]),
+                **{name: float(v) for name, v in zip(objectives[slot].metrics, table[slot, 1:])},
+            }
+            for slot in slot_to_task
+            if slot_examples[slot]
+        }
+        known = {
+            (slot, task.name): self._known(task, choices[slot])
+            for slot, task in slot_to_task.items()
+        }
         return results, known
 
-    def accuracy(self, slot_to_task: dict[int, Job], known: Optional[Known] = None
-                 ) -> dict[int, float]:
+    def accuracy(
+        self, slot_to_task: dict[int, Job], known: Known | None = None
+    ) -> dict[int, float]:
         """Exact-match accuracy of greedy generations, per slot, on its task's records
         (prompt/completion records only); ``known``: what :meth:`evaluate` decided."""
-        return {slot: acc for (slot, _), acc in
-                self._cell_accuracy(list(slot_to_task.items()), known or {}).items()}
+        return {
+            slot: acc
+            for (slot, _), acc in self._cell_accuracy(
+                list(slot_to_task.items()), known or {}
+            ).items()
+        }
 
     def _prompt(self, record: dict) -> list[int]:
         return [self.tokenizer.bos_id] + self.tokenizer.encode(record["prompt"])
@@ -92,26 +114,32 @@ class AdapterTaskEval:
         # Only the match is reported: a prompt whose text has left its answer stops.
         return not may_still_match(self.tokenizer.decode(tokens), completion)
 
-    def _known(self, task: Job, choices: list[list[list[int]]]) -> list[Optional[list[int]]]:
+    def _known(self, task: Job, choices: list[list[list[int]]]) -> list[list[int] | None]:
         """Each of ``task``'s records' greedy tokens where its example's teacher-forced
         ``choices`` (per item, per example, per position) decide them, else None."""
-        known: list[Optional[list[int]]] = []
+        known: list[list[int] | None] = []
         for record, item, item_choices in zip(task.eval_records, task.eval, choices):
             tokens = list(item.tokens) if isinstance(item, Example) else []
             prompt = self._prompt(record) if "prompt" in record else None
-            if prompt is None or tokens[:len(prompt)] != prompt or len(tokens) <= len(prompt):
+            if prompt is None or tokens[: len(prompt)] != prompt or len(tokens) <= len(prompt):
                 known.append(None)
                 continue
             # Position p's choice follows tokens[:p + 1]: the completion's k-th token is
             # chosen at position len(prompt) - 1 + k.
-            known.append(generation.forced_greedy(
-                tokens[len(prompt):], item_choices[0][len(prompt) - 1:], self.max_new_tokens,
-                self.tokenizer.eos_id,
-                lambda _, done, answer=record["completion"]: self._missed(done, answer)))
+            known.append(
+                generation.forced_greedy(
+                    tokens[len(prompt) :],
+                    item_choices[0][len(prompt) - 1 :],
+                    self.max_new_tokens,
+                    self.tokenizer.eos_id,
+                    lambda _, done, answer=record["completion"]: self._missed(done, answer),
+                )
+            )
         return known + [None] * (len(task.eval_records) - len(known))
 
-    def _cell_accuracy(self, cells: Sequence[tuple[int, Job]], known: Known
-                       ) -> dict[tuple[int, str], float]:
+    def _cell_accuracy(
+        self, cells: Sequence[tuple[int, Job]], known: Known
+    ) -> dict[tuple[int, str], float]:
         """Exact-match accuracy per ``(slot, task name)`` cell (cells with prompts only): the
         ``known`` generations as they are, every other prompt of every cell generated in one
         batch (one forward per new token serves them all), shared out over the
@@ -130,16 +158,27 @@ class AdapterTaskEval:
                     answers.append((index, record["completion"]))
                 else:
                     hits[index] += torch.tensor(
-                        [exact_match(self.tokenizer.decode(out), record["completion"]), 1])
+                        [exact_match(self.tokenizer.decode(out), record["completion"]), 1]
+                    )
         world, rank = 1, 0
         if generation.uses_kv_cache(self.model, self.pad_multiple):
             world = parallel_state.get_data_parallel_world_size()
             rank = parallel_state.get_data_parallel_rank()
         mine = answers[rank::world]
-        outputs = generation.greedy_generate(
-            self.model, prompts[rank::world], self.n_slots, self.max_new_tokens,
-            self.tokenizer.eos_id, self.pad_multiple, self.tokenizer.pad_id,
-            give_up=lambda i, tokens: self._missed(tokens, mine[i][1])) if prompts else []
+        outputs = (
+            generation.greedy_generate(
+                self.model,
+                prompts[rank::world],
+                self.n_slots,
+                self.max_new_tokens,
+                self.tokenizer.eos_id,
+                self.pad_multiple,
+                self.tokenizer.pad_id,
+                give_up=lambda i, tokens: self._missed(tokens, mine[i][1]),
+            )
+            if prompts
+            else []
+        )
         generated = torch.zeros(len(cells), 2, dtype=torch.int64)
         for out, (index, answer) in zip(outputs, mine):
             generated[index] += torch.tensor([exact_match(self.tokenizer.decode(out), answer), 1])
@@ -148,7 +187,7 @@ class AdapterTaskEval:
         hits += generated
         return {keys[i]: hit / total for i, (hit, total) in enumerate(hits.tolist()) if total}
 
-    def tables(self, adapters: Sequence[Optional[Path]], jobs: Sequence[Job]) -> AdapterTaskTables:
+    def tables(self, adapters: Sequence[Path | None], jobs: Sequence[Job]) -> AdapterTaskTables:
         """Every adapter folder (None: a cleared slot, i.e. the base model alone) on every
         job with held-out data, ``n_slots`` adapters at a time; the slots used are cleared
         afterwards. Each group's remaining generations of every task run in one batch."""
@@ -157,7 +196,7 @@ class AdapterTaskEval:
         accuracy = [[float("nan")] * len(tasks) for _ in adapters]
         metrics: list[list[dict[str, float]]] = [[{} for _ in tasks] for _ in adapters]
         for start in range(0, len(adapters), self.n_slots) if tasks else []:
-            group = adapters[start:start + self.n_slots]
+            group = adapters[start : start + self.n_slots]
             for slot, folder in enumerate(group):
                 if folder is None:  # the slot may still hold a job's adapter from training
                     clear_adapter_slot(self.model, slot)
@@ -170,12 +209,12 @@ class AdapterTaskEval:
                 for slot in range(len(group)):
                     losses[start + slot][col] = results[slot].pop("loss")
                     metrics[start + slot][col] = results[slot]
-            cell_accuracy = self._cell_accuracy([(slot, task) for task in tasks
-                                                 for slot in range(len(group))], known)
+            cell_accuracy = self._cell_accuracy(
+                [(slot, task) for task in tasks for slot in range(len(group))], known
+            )
             for col, task in enumerate(tasks):
                 for slot in range(len(group)):
-                    accuracy[start + slot][col] = cell_accuracy.get((slot, task.name),
-                                                                    float("nan"))
+                    accuracy[start + slot][col] = cell_accuracy.get((slot, task.name), float("nan"))
             for slot in range(len(group)):
                 clear_adapter_slot(self.model, slot)
         return AdapterTaskTables(tasks, losses, accuracy, metrics)

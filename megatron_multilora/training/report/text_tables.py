@@ -3,28 +3,36 @@ that draws no figures does not import one)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 
-def as_matrix(matrix: Sequence[Sequence[float | None]], row_labels: Sequence[str],
-              col_labels: Sequence[str]) -> np.ndarray:
+def as_matrix(
+    matrix: Sequence[Sequence[float | None]], row_labels: Sequence[str], col_labels: Sequence[str]
+) -> np.ndarray:
     """``matrix`` as a float array (None -> NaN), checked against the label counts."""
     if len(matrix) != len(row_labels):
         raise ValueError(f"matrix has {len(matrix)} rows but {len(row_labels)} row labels")
     for i, row in enumerate(matrix):
         if len(row) != len(col_labels):
-            raise ValueError(f"matrix row {i} has {len(row)} values "
-                             f"but there are {len(col_labels)} column labels")
+            raise ValueError(
+                f"matrix row {i} has {len(row)} values "
+                f"but there are {len(col_labels)} column labels"
+            )
     if not row_labels or not col_labels:
         raise ValueError("matrix is empty")
     return np.array(matrix, dtype=float)
 
 
-def format_table(matrix: list[list[float]], row_labels: list[str], col_labels: list[str],
-                 value_format: str = "{:.2f}", highlight_best_in_column: bool = True,
-                 higher_is_better: bool = True) -> str:
+def format_table(
+    matrix: list[list[float]],
+    row_labels: list[str],
+    col_labels: list[str],
+    value_format: str = "{:.2f}",
+    highlight_best_in_column: bool = True,
+    higher_is_better: bool = True,
+) -> str:
     """A plain-text aligned table; the best value of each column gets a ``*`` suffix.
 
     Best is the largest value, or the smallest with ``higher_is_better=False``, compared as
@@ -46,14 +54,18 @@ def format_table(matrix: list[list[float]], row_labels: list[str], col_labels: l
                 best[marked, j] = True
     # A trailing space on unmarked cells keeps the digits of marked and unmarked cells aligned.
     suffix = {True: "*", False: " " if highlight_best_in_column else ""}
-    cells = [[text + suffix[bool(b)] for text, b in zip(row, best_row)]
-             for row, best_row in zip(shown, best)]
+    cells = [
+        [text + suffix[bool(b)] for text, b in zip(row, best_row)]
+        for row, best_row in zip(shown, best)
+    ]
     label_width = max(len(label) for label in row_labels)
-    widths = [max(len(col_labels[j]), *(len(row[j]) for row in cells))
-              for j in range(len(col_labels))]
+    widths = [
+        max(len(col_labels[j]), *(len(row[j]) for row in cells)) for j in range(len(col_labels))
+    ]
     header = " " * label_width + "".join(f"  {c:>{w}}" for c, w in zip(col_labels, widths))
     lines = [header, "-" * len(header)]
     for label, row in zip(row_labels, cells):
-        lines.append(f"{label:<{label_width}}"
-                     + "".join(f"  {c:>{w}}" for c, w in zip(row, widths)))
+        lines.append(
+            f"{label:<{label_width}}" + "".join(f"  {c:>{w}}" for c, w in zip(row, widths))
+        )
     return "\n".join(line.rstrip() for line in lines)

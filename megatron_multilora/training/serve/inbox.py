@@ -24,7 +24,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from megatron_multilora.atomic_files import atomic_file, write_json_atomic
 
@@ -59,12 +59,16 @@ def submitted_names(run_dir: str | Path) -> set[str]:
     folder = serve_dir(run_dir) / "submitted"
     if not folder.is_dir():
         return set()
-    return {entry[:-len(".json")] for entry in os.listdir(folder)
-            if entry.endswith(".json") and not entry.startswith(".")}
+    return {
+        entry[: -len(".json")]
+        for entry in os.listdir(folder)
+        if entry.endswith(".json") and not entry.startswith(".")
+    }
 
 
-def submissions(run_dir: str | Path, skip: frozenset[str] | set[str] = frozenset()
-                ) -> list[Submission]:
+def submissions(
+    run_dir: str | Path, skip: frozenset[str] | set[str] = frozenset()
+) -> list[Submission]:
     """The landed submissions whose names are not in ``skip``, oldest first (ties by name);
     only those files are read."""
     found = []
@@ -85,7 +89,11 @@ def request_cancel(run_dir: str | Path, name: str) -> Path:
 
 def cancel_requests(run_dir: str | Path) -> set[str]:
     folder = serve_dir(run_dir) / "cancel"
-    return {p.name for p in folder.iterdir() if not p.name.startswith(".")} if folder.is_dir() else set()
+    return (
+        {p.name for p in folder.iterdir() if not p.name.startswith(".")}
+        if folder.is_dir()
+        else set()
+    )
 
 
 def request_stop(run_dir: str | Path) -> Path:
@@ -133,6 +141,6 @@ def write_status(run_dir: str | Path, status: dict[str, Any]) -> None:
     write_json_atomic(serve_dir(run_dir) / STATUS_FILE, status)
 
 
-def read_status(run_dir: str | Path) -> Optional[dict[str, Any]]:
+def read_status(run_dir: str | Path) -> dict[str, Any] | None:
     path = serve_dir(run_dir) / STATUS_FILE
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None

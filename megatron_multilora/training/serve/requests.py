@@ -12,14 +12,15 @@ same jobs at the same steps.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
-from megatron_multilora.training.serve import inbox
 from megatron_multilora.training.config import AdapterJob
+from megatron_multilora.training.serve import inbox
 
 # (job, problems) of a submission: the trainer's checks against the run
-Check = Callable[[inbox.Submission], tuple[Optional[AdapterJob], list[str]]]
+Check = Callable[[inbox.Submission], tuple[AdapterJob | None, list[str]]]
 
 
 class JobRequests:
@@ -49,11 +50,13 @@ class JobRequests:
     def pending(self) -> int:
         """Rank 0, before each step: submissions not decided yet and cancel requests not
         handled yet (file names only: cheap enough for every step)."""
-        return (len(inbox.submitted_names(self.run_dir) - self.decided)
-                + len(inbox.cancel_requests(self.run_dir) - self.cancel_handled))
+        return len(inbox.submitted_names(self.run_dir) - self.decided) + len(
+            inbox.cancel_requests(self.run_dir) - self.cancel_handled
+        )
 
-    def decide(self, step: int, names: set[str], ended: set[str], check: Check,
-               say: Callable[[str], None]) -> dict[str, list]:
+    def decide(
+        self, step: int, names: set[str], ended: set[str], check: Check, say: Callable[[str], None]
+    ) -> dict[str, list]:
         """Rank 0 at a boundary: ``{"add": [job dicts], "cancel": [names]}``, journaled.
         ``names``: the run's jobs; ``ended``: those that ended."""
         decision: dict[str, list] = {"add": [], "cancel": []}
@@ -66,13 +69,16 @@ class JobRequests:
                 job, problems = check(sub)
             if problems:
                 reason = "; ".join(problems)
-                inbox.append_event(self.run_dir, {"event": "refuse", "name": sub.name,
-                                                      "step": step, "reason": reason})
+                inbox.append_event(
+                    self.run_dir,
+                    {"event": "refuse", "name": sub.name, "step": step, "reason": reason},
+                )
                 say(f"step {step}: submitted job {sub.name} refused: {reason}")
                 continue
             added = {**dataclasses.asdict(job), "start_step": step}
-            inbox.append_event(self.run_dir, {"event": "add", "name": sub.name, "step": step,
-                                                  "job": added})
+            inbox.append_event(
+                self.run_dir, {"event": "add", "name": sub.name, "step": step, "job": added}
+            )
             decision["add"].append(added)
             names.add(sub.name)
         for name in sorted(inbox.cancel_requests(self.run_dir) - self.cancel_handled):

@@ -15,8 +15,8 @@ not depend on the other rows), and its log-prob under the model (temperature 1) 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Collection, Sequence
 from functools import partial
-from typing import Callable, Collection, Optional, Sequence, Union
 
 import torch
 from megatron.core import parallel_state
@@ -49,15 +49,16 @@ class Generation:
 
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
-    stop: Optional[int] = None
+    stop: int | None = None
 
     @property
     def ended(self) -> bool:
         return self.stop is not None
 
 
-def _choose(pick: Pick, logits: torch.Tensor, rows: list[int], generated: list[int]
-            ) -> torch.Tensor:
+def _choose(
+    pick: Pick, logits: torch.Tensor, rows: list[int], generated: list[int]
+) -> torch.Tensor:
     """``[B, 2]`` float64: each row's chosen token and its log-prob (one tensor, so a
     pipeline broadcasts both at once; token ids are exact in float64)."""
     logits = logits.float()
@@ -66,16 +67,18 @@ def _choose(pick: Pick, logits: torch.Tensor, rows: list[int], generated: list[i
     return torch.stack([tokens.double(), logprobs.double()], dim=1)
 
 
-def _packed_prompts(seqs: list[tuple[int, list[int]]], batcher: MicroBatcher
-                    ) -> tuple[MicroBatch, list[int]]:
+def _packed_prompts(
+    seqs: list[tuple[int, list[int]]], batcher: MicroBatcher
+) -> tuple[MicroBatch, list[int]]:
     """Pack (slot, tokens) sequences, already slot-ordered, into one micro-batch (the batcher's
     budget holds them all) for one generation step; returns it and the position of each
     sequence's last token."""
     examples: list[list[Example]] = [[] for _ in range(batcher.n_slots)]
     for slot, tokens in seqs:
         # A dummy next token: generation reads logits, not labels.
-        examples[slot].append(Example(tuple(tokens) + (batcher.pad_id,),
-                                      (False,) * (len(tokens) - 1) + (True,)))
+        examples[slot].append(
+            Example(tuple(tokens) + (batcher.pad_id,), (False,) * (len(tokens) - 1) + (True,))
+        )
     (mb,) = batcher.pack(examples)
     ends, pos = [], 0
     for _, tokens in seqs:
@@ -85,11 +88,19 @@ def _packed_prompts(seqs: list[tuple[int, list[int]]], batcher: MicroBatcher
 
 
 @torch.no_grad()
-def generate(model: ModelOrChunks, prompts: Sequence[tuple[int, list[int]]], n_slots: int,
-             max_new_tokens: Union[int, Sequence[int]], eos_id: int, pad_multiple: int,
-             pad_id: int, kv_cache: bool = True, pick: Pick = greedy,
-             stops: Optional[Sequence[Collection[int]]] = None,
-             give_up: Optional[GiveUp] = None) -> list[Generation]:
+def generate(
+    model: ModelOrChunks,
+    prompts: Sequence[tuple[int, list[int]]],
+    n_slots: int,
+    max_new_tokens: int | Sequence[int],
+    eos_id: int,
+    pad_multiple: int,
+    pad_id: int,
+    kv_cache: bool = True,
+    pick: Pick = greedy,
+    stops: Sequence[Collection[int]] | None = None,
+    give_up: GiveUp | None = None,
+) -> list[Generation]:
     """Continuations (until ``eos_id`` or one of the prompt's ``stops`` tokens, at most
     ``max_new_tokens``: one for all, or one per prompt) of ``(slot, prompt tokens)`` pairs,
     every slot's prompts in one batch, each next token chosen by ``pick``.
@@ -102,8 +113,9 @@ def generate(model: ModelOrChunks, prompts: Sequence[tuple[int, list[int]]], n_s
     know whether a continuation reaches a target stops feeding those that no longer can).
     """
     chunks = model_chunks(model)
-    limits = ([max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int)
-              else list(max_new_tokens))
+    limits = (
+        [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    )
     order = sorted(range(len(prompts)), key=lambda i: prompts[i][0])  # adapter-major
     seqs = [(prompts[i][0], list(prompts[i][1])) for i in order]
     cached = kv_cache and uses_kv_cache(chunks, pad_multiple)
@@ -127,33 +139,64 @@ def uses_kv_cache(model: ModelOrChunks, pad_multiple: int) -> bool:
     data-parallel ranks may generate different prompts."""
     chunks = model_chunks(model)
     # pad_multiple > 1 means sequence parallelism: a [B, 1] decode step cannot be split.
-    return (pad_multiple == 1 and len(chunks) == 1 and not _has_moe(chunks)
-            and parallel_state.get_pipeline_model_parallel_world_size() == 1)
+    return (
+        pad_multiple == 1
+        and len(chunks) == 1
+        and not _has_moe(chunks)
+        and parallel_state.get_pipeline_model_parallel_world_size() == 1
+    )
 
 
-def greedy_generate(model: ModelOrChunks, prompts: Sequence[tuple[int, list[int]]], n_slots: int,
-                    max_new_tokens: int, eos_id: int, pad_multiple: int, pad_id: int,
-                    kv_cache: bool = True, give_up: Optional[GiveUp] = None) -> list[list[int]]:
+def greedy_generate(
+    model: ModelOrChunks,
+    prompts: Sequence[tuple[int, list[int]]],
+    n_slots: int,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_multiple: int,
+    pad_id: int,
+    kv_cache: bool = True,
+    give_up: GiveUp | None = None,
+) -> list[list[int]]:
     """Greedy continuations' tokens (see :func:`generate`)."""
-    return [g.tokens for g in generate(model, prompts, n_slots, max_new_tokens, eos_id,
-                                       pad_multiple, pad_id, kv_cache, give_up=give_up)]
+    return [
+        g.tokens
+        for g in generate(
+            model,
+            prompts,
+            n_slots,
+            max_new_tokens,
+            eos_id,
+            pad_multiple,
+            pad_id,
+            kv_cache,
+            give_up=give_up,
+        )
+    ]
 
 
 class _Run:
     """The sequences being continued (adapter-major), what each has produced, and when each
     is done: at one of its stop tokens, at its own limit, or when the caller gives it up."""
 
-    def __init__(self, seqs: list[tuple[int, list[int]]], rows: list[int], limits: list[int],
-                 ends: list[frozenset[int]], pick: Pick, give_up: Optional[GiveUp] = None
-                 ) -> None:
+    def __init__(
+        self,
+        seqs: list[tuple[int, list[int]]],
+        rows: list[int],
+        limits: list[int],
+        ends: list[frozenset[int]],
+        pick: Pick,
+        give_up: GiveUp | None = None,
+    ) -> None:
         self.seqs, self.rows, self.limits, self.ends, self.pick = seqs, rows, limits, ends, pick
         self.give_up = give_up
         self.out = [Generation() for _ in seqs]
         self.done = [limit < 1 for limit in limits]
 
     def choose(self, logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
-        return _choose(self.pick, logits, [self.rows[k] for k in ks],
-                       [len(self.out[k].tokens) for k in ks])
+        return _choose(
+            self.pick, logits, [self.rows[k] for k in ks], [len(self.out[k].tokens) for k in ks]
+        )
 
     def take(self, k: int, token: int, logprob: float) -> None:
         """Sequence k's next token (ignored once it is done)."""
@@ -165,12 +208,18 @@ class _Run:
             out.stop, self.done[k] = token, True
             return
         out.tokens.append(token)
-        self.done[k] = (len(out.tokens) >= self.limits[k]
-                        or (self.give_up is not None and self.give_up(self.rows[k], out.tokens)))
+        self.done[k] = len(out.tokens) >= self.limits[k] or (
+            self.give_up is not None and self.give_up(self.rows[k], out.tokens)
+        )
 
 
-def forced_greedy(reference: Sequence[int], choices: Sequence[int], max_new_tokens: int,
-                  eos_id: int, give_up: Optional[GiveUp] = None) -> Optional[list[int]]:
+def forced_greedy(
+    reference: Sequence[int],
+    choices: Sequence[int],
+    max_new_tokens: int,
+    eos_id: int,
+    give_up: GiveUp | None = None,
+) -> list[int] | None:
     """What :func:`greedy_generate` returns for a prompt, known without decoding it, from a
     teacher-forced pass over the prompt followed by ``reference``: ``choices[k]`` is the clear
     greedy choice after the prompt and ``reference[:k]`` (-1: not clear; see
@@ -198,14 +247,16 @@ def _has_moe(chunks: list[torch.nn.Module]) -> bool:
     return any(isinstance(m, MoELayer) for chunk in chunks for m in chunk.modules())
 
 
-def _chosen_at_ends(run: _Run, ends: list[int], mb: MicroBatch, logits: torch.Tensor,
-                    non_loss_data: bool = True) -> torch.Tensor:
+def _chosen_at_ends(
+    run: _Run, ends: list[int], mb: MicroBatch, logits: torch.Tensor, non_loss_data: bool = True
+) -> torch.Tensor:
     """The last stage's choice for every sequence of ``mb`` (``[B, 2]``, see ``_choose``)."""
     return run.choose(logits[0, ends], list(range(len(ends))))
 
 
-def _generate_uncached(chunks: list[torch.nn.Module], run: _Run, n_slots: int,
-                       pad_multiple: int, pad_id: int) -> None:
+def _generate_uncached(
+    chunks: list[torch.nn.Module], run: _Run, n_slots: int, pad_multiple: int, pad_id: int
+) -> None:
     """Every step packs every (prefix + generated) sequence and runs it whole through the
     schedule; the last stage's choices are broadcast to every stage."""
     batcher = MicroBatcher(chunks, n_slots, 10**9, pad_multiple, pad_id)
@@ -215,10 +266,18 @@ def _generate_uncached(chunks: list[torch.nn.Module], run: _Run, n_slots: int,
         # Pads after every prompt's last token (expert-parallel peers, pipeline shapes), and
         # fillers where virtual pipeline stages need more micro-batches.
         mbs = batcher.equalize([mb])
-        store = run_schedule(chunks, mbs, partial(_chosen_at_ends, run, ends), forward_only=True,
-                             collect_non_loss_data=True, labels=None, runtime_gather_output=True)
-        chosen = store[0] if store else torch.zeros(len(ends), 2, dtype=torch.float64,
-                                                    device=device)
+        store = run_schedule(
+            chunks,
+            mbs,
+            partial(_chosen_at_ends, run, ends),
+            forward_only=True,
+            collect_non_loss_data=True,
+            labels=None,
+            runtime_gather_output=True,
+        )
+        chosen = (
+            store[0] if store else torch.zeros(len(ends), 2, dtype=torch.float64, device=device)
+        )
         for k, (token, logprob) in enumerate(from_last_stage(chosen).tolist()):
             if not run.done[k]:
                 run.take(k, int(token), logprob)
@@ -257,9 +316,12 @@ def _generate_cached(model: torch.nn.Module, run: _Run, n_slots: int) -> None:
     for slot, n in enumerate(per_slot):
         if n:
             context.batch_size_offset = start
-            chosen += forward([tokens[:prefill] for _, tokens in seqs[start:start + n]], 0,
-                              [n * prefill if s == slot else 0 for s in range(n_slots)],
-                              list(range(start, start + n)))
+            chosen += forward(
+                [tokens[:prefill] for _, tokens in seqs[start : start + n]],
+                0,
+                [n * prefill if s == slot else 0 for s in range(n_slots)],
+                list(range(start, start + n)),
+            )
             start += n
     context.batch_size_offset = 0
     live = list(range(len(seqs)))  # the sequence in each row of the KV cache, adapter-major
@@ -272,12 +334,18 @@ def _generate_cached(model: torch.nn.Module, run: _Run, n_slots: int) -> None:
             break
         if any(run.done[k] for k in live):
             # Finished sequences leave the batch and their cache rows with them.
-            context.keep_rows(torch.tensor([row for row, k in enumerate(live) if not run.done[k]],
-                                           device=device))
+            context.keep_rows(
+                torch.tensor([row for row, k in enumerate(live) if not run.done[k]], device=device)
+            )
             live = [k for k in live if not run.done[k]]
-        feed = [seqs[k][1][position] if position < lengths[k] else run.out[k].tokens[-1]
-                for k in live]
+        feed = [
+            seqs[k][1][position] if position < lengths[k] else run.out[k].tokens[-1] for k in live
+        ]
         context.sequence_len_offset = position
-        chosen = forward([[t] for t in feed], position,
-                         [sum(slots[k] == s for k in live) for s in range(n_slots)], live)
+        chosen = forward(
+            [[t] for t in feed],
+            position,
+            [sum(slots[k] == s for k in live) for s in range(n_slots)],
+            live,
+        )
         position += 1

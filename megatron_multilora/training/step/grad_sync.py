@@ -11,7 +11,7 @@ span, reduced in place (separate spans are coalesced into one collective); slots
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -41,13 +41,14 @@ class _SlotGrads:
     """One slot's fp32 gradient ranges, as ``(start, end)`` offsets into the shared buffer:
     ``dense`` (sequence-parallel partial sums first, ``partial``) and ``expert``."""
 
-    def __init__(self, params: list[torch.nn.Parameter], buffer: torch.Tensor, dense_at: int,
-                 expert_at: int) -> None:
+    def __init__(
+        self, params: list[torch.nn.Parameter], buffer: torch.Tensor, dense_at: int, expert_at: int
+    ) -> None:
         dense = sorted((p for p in params if _is_dense(p)), key=lambda p: not _is_partial(p))
         expert = [p for p in params if not _is_dense(p)]
         for group, offset in ((dense, dense_at), (expert, expert_at)):
             for p in group:
-                p.main_grad = buffer[offset:offset + p.numel()].view_as(p)
+                p.main_grad = buffer[offset : offset + p.numel()].view_as(p)
                 p.register_post_accumulate_grad_hook(_accumulate)
                 offset += p.numel()
         self.dense = (dense_at, dense_at + sum(p.numel() for p in dense))
@@ -70,8 +71,9 @@ class SlotGradSync:
         params = [slot_parameters(model, s) for s in range(num_adapter_slots(model))]
         dense = [sum(p.numel() for p in ps if _is_dense(p)) for ps in params]
         expert = [sum(p.numel() for p in ps if not _is_dense(p)) for ps in params]
-        self._buffer = torch.zeros(sum(dense) + sum(expert), dtype=torch.float32,
-                                   device=params[0][0].device)
+        self._buffer = torch.zeros(
+            sum(dense) + sum(expert), dtype=torch.float32, device=params[0][0].device
+        )
         dense_at, expert_at = 0, sum(dense)
         self._slots = []
         for ps, n_dense, n_expert in zip(params, dense, expert):
@@ -100,11 +102,16 @@ class SlotGradSync:
         routers and their expert bias, is frozen.
         """
         chosen = [self._slots[s] for s in slots]
-        _all_reduce(self._spans([g.dense for g in chosen]), parallel_state.get_data_parallel_group())
-        _all_reduce(self._spans([g.expert for g in chosen]),
-                    parallel_state.get_expert_data_parallel_group())
-        _all_reduce(self._spans([g.partial for g in chosen]),
-                    parallel_state.get_tensor_model_parallel_group())
+        _all_reduce(
+            self._spans([g.dense for g in chosen]), parallel_state.get_data_parallel_group()
+        )
+        _all_reduce(
+            self._spans([g.expert for g in chosen]), parallel_state.get_expert_data_parallel_group()
+        )
+        _all_reduce(
+            self._spans([g.partial for g in chosen]),
+            parallel_state.get_tensor_model_parallel_group(),
+        )
 
     def _spans(self, ranges: list[tuple[int, int]]) -> list[torch.Tensor]:
         """The ranges as buffer views, adjacent ones merged (in order; the same elements in

@@ -23,7 +23,8 @@ gradient (see ``schedule.run_schedule`` for the MoE auxiliary loss).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,8 +48,7 @@ class Agreement:
     extras: tuple[int, ...] = ()
 
 
-def agree(micro_batches: list[MicroBatch], n_slots: int,
-          extras: Sequence[int] = ()) -> Agreement:
+def agree(micro_batches: list[MicroBatch], n_slots: int, extras: Sequence[int] = ()) -> Agreement:
     """One collective over the whole world instead of one per question: each rank writes its
     own row (extras, micro-batch count, loss units per slot) of a zeroed table that is summed,
     so every rank reads every row (exact integers) and takes its data-parallel peers' max count
@@ -58,9 +58,9 @@ def agree(micro_batches: list[MicroBatch], n_slots: int,
     row[:k] = torch.tensor(list(extras), dtype=torch.int64)
     row[k] = len(micro_batches)
     for mb in micro_batches:
-        row[k + 1:] += mb.loss_units_per_slot()
+        row[k + 1 :] += mb.loss_units_per_slot()
     if dist.get_world_size() == 1:
-        return Agreement(int(row[k]), row[k + 1:], tuple(int(v) for v in row[:k]))
+        return Agreement(int(row[k]), row[k + 1 :], tuple(int(v) for v in row[:k]))
     table = torch.zeros(dist.get_world_size(), row.numel(), dtype=torch.int64)
     table[dist.get_rank()] = row
     table = table.to(collective_device())
@@ -68,7 +68,7 @@ def agree(micro_batches: list[MicroBatch], n_slots: int,
     table = table.cpu()
     peers = table[dist.get_process_group_ranks(parallel_state.get_data_parallel_group())]
     most = tuple(int(v) for v in table[:, :k].max(0).values) if k else ()
-    return Agreement(int(peers[:, k].max()), peers[:, k + 1:].sum(0), most)
+    return Agreement(int(peers[:, k].max()), peers[:, k + 1 :].sum(0), most)
 
 
 def micro_batch_multiple(model: ModelOrChunks) -> int:
@@ -83,10 +83,16 @@ def filler_micro_batch(n_slots: int, pad_multiple: int, pad_id: int) -> MicroBat
     """A loss-free micro-batch of ``pad_multiple`` pad tokens."""
     s = max(1, pad_multiple)
     pads = torch.full((1, s), pad_id, dtype=torch.int64)
-    return MicroBatch(tokens=pads, labels=pads.clone(), loss_mask=torch.zeros(1, s),
-                      position_ids=torch.arange(s).view(1, s),
-                      counts=[s] + [0] * (n_slots - 1), examples_per_slot=[0] * n_slots,
-                      seq_lengths=[s], n_pad=s)
+    return MicroBatch(
+        tokens=pads,
+        labels=pads.clone(),
+        loss_mask=torch.zeros(1, s),
+        position_ids=torch.arange(s).view(1, s),
+        counts=[s] + [0] * (n_slots - 1),
+        examples_per_slot=[0] * n_slots,
+        seq_lengths=[s],
+        n_pad=s,
+    )
 
 
 class MicroBatcher:
@@ -94,29 +100,40 @@ class MicroBatcher:
     at most ``token_budget`` positions each, padded to ``pad_multiple`` (the
     sequence-parallel size) with ``pad_id``."""
 
-    def __init__(self, model: ModelOrChunks, n_slots: int, token_budget: int,
-                 pad_multiple: int, pad_id: int) -> None:
+    def __init__(
+        self, model: ModelOrChunks, n_slots: int, token_budget: int, pad_multiple: int, pad_id: int
+    ) -> None:
         self.n_slots, self.token_budget = n_slots, token_budget
         self.pad_multiple, self.pad_id = pad_multiple, pad_id
         self.count_multiple = micro_batch_multiple(model)
         self.filler = filler_micro_batch(n_slots, pad_multiple, pad_id)
 
-    def pack(self, slot_examples: Sequence[Sequence[Packable]], exclude: Iterable[int] = (),
-             slot_order: Optional[Sequence[int]] = None) -> list[MicroBatch]:
+    def pack(
+        self,
+        slot_examples: Sequence[Sequence[Packable]],
+        exclude: Iterable[int] = (),
+        slot_order: Sequence[int] | None = None,
+    ) -> list[MicroBatch]:
         """This rank's micro-batches of every slot's examples but ``exclude``'s, before any
         agreement (``slot_order`` as in ``pack_micro_batches``)."""
         skip = set(exclude)
         kept = [[] if s in skip else examples for s, examples in enumerate(slot_examples)]
-        return pack_micro_batches(kept, self.token_budget, self.pad_multiple, self.pad_id,
-                                  slot_order=slot_order)
+        return pack_micro_batches(
+            kept, self.token_budget, self.pad_multiple, self.pad_id, slot_order=slot_order
+        )
 
-    def ready(self, slot_examples: Sequence[Sequence[Packable]], exclude: Iterable[int] = (),
-              slot_order: Optional[Sequence[int]] = None) -> list[MicroBatch]:
+    def ready(
+        self,
+        slot_examples: Sequence[Sequence[Packable]],
+        exclude: Iterable[int] = (),
+        slot_order: Sequence[int] | None = None,
+    ) -> list[MicroBatch]:
         """Packed and equalised, the count agreed over the data-parallel group."""
         return self.equalize(self.pack(slot_examples, exclude, slot_order))
 
-    def equalize(self, micro_batches: list[MicroBatch], count: Optional[int] = None
-                 ) -> list[MicroBatch]:
+    def equalize(
+        self, micro_batches: list[MicroBatch], count: int | None = None
+    ) -> list[MicroBatch]:
         """Make this rank's micro-batches runnable in lockstep with the other ranks (step 3 of
         the module docstring). ``count``: the most micro-batches of any data-parallel peer
         when already agreed (:func:`agree`); else agreed here over the data-parallel group (no
@@ -124,12 +141,14 @@ class MicroBatcher:
         if count is None:
             most = torch.tensor([len(micro_batches)], device=collective_device())
             if parallel_state.get_data_parallel_world_size() > 1:
-                dist.all_reduce(most, op=dist.ReduceOp.MAX,
-                                group=parallel_state.get_data_parallel_group())
+                dist.all_reduce(
+                    most, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group()
+                )
             count = int(most)
         target = -(-count // self.count_multiple) * self.count_multiple
         padded = align_with_expert_peers(
-            micro_batches + [self.filler] * (target - len(micro_batches)), self.pad_id)
+            micro_batches + [self.filler] * (target - len(micro_batches)), self.pad_id
+        )
         if parallel_state.get_pipeline_model_parallel_world_size() > 1 and padded:
             # Every stage of a pipeline holds the same micro-batches (and, after the alignment,
             # expert-parallel peers the same lengths), so all agree on this length.
@@ -159,9 +178,13 @@ def align_with_expert_peers(micro_batches: list[MicroBatch], pad_id: int) -> lis
     table = table.to(collective_device())
     dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
     table = table.cpu()
-    return [dataclasses.replace(pad_micro_batch(mb, int(row[0]), pad_id),
-                                ep_slots=tuple(row[1:].nonzero().flatten().tolist()))
-            for mb, row in zip(micro_batches, table)]
+    return [
+        dataclasses.replace(
+            pad_micro_batch(mb, int(row[0]), pad_id),
+            ep_slots=tuple(row[1:].nonzero().flatten().tolist()),
+        )
+        for mb, row in zip(micro_batches, table)
+    ]
 
 
 def chunk_inputs(chunk: torch.nn.Module, mb: MicroBatch) -> dict[str, Any]:
@@ -170,9 +193,13 @@ def chunk_inputs(chunk: torch.nn.Module, mb: MicroBatch) -> dict[str, Any]:
     # Pads carry no loss, and megatron's padding mask keeps them out of MoE routers'
     # auxiliary losses. A micro-batch of pads only (a filler) cannot be masked (its aux loss
     # would be 0/0): the schedule scales its aux-loss gradient to zero instead.
-    return {"input_ids": mb.tokens, "position_ids": mb.position_ids, "attention_mask": None,
-            "packed_seq_params": with_slot_layout(mb.packed_seq_params(), mb.slot_layout()),
-            "padding_mask": None if only_pads else _padding_mask(chunk, mb)}
+    return {
+        "input_ids": mb.tokens,
+        "position_ids": mb.position_ids,
+        "attention_mask": None,
+        "packed_seq_params": with_slot_layout(mb.packed_seq_params(), mb.slot_layout()),
+        "padding_mask": None if only_pads else _padding_mask(chunk, mb),
+    }
 
 
 def _padding_mask(chunk: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:

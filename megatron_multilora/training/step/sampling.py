@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -51,8 +51,11 @@ class KeyedSampler:
         if not full.all():
             ordered, index = probs[~full].sort(dim=-1, descending=True, stable=True)
             # Keep a token while the more likely ones do not yet reach top_p (the first always).
-            kept = torch.where(ordered.cumsum(-1) - ordered < top_p[~full, None], ordered,
-                               torch.zeros((), dtype=torch.float64))
+            kept = torch.where(
+                ordered.cumsum(-1) - ordered < top_p[~full, None],
+                ordered,
+                torch.zeros((), dtype=torch.float64),
+            )
             tokens[~full] = index.gather(1, _invert(kept, u[~full])[:, None]).flatten()
         return tokens
 

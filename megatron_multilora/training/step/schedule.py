@@ -11,8 +11,9 @@ length, given to the schedule as ``seq_length`` (``micro_batches.MicroBatcher.eq
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,9 +32,15 @@ from megatron_multilora.training.step.micro_batches import chunk_inputs
 LossFunc = Callable[[MicroBatch, torch.Tensor], Any]
 
 
-def run_schedule(model: ModelOrChunks, micro_batches: Sequence[MicroBatch], loss_func: LossFunc,
-                 forward_only: bool, collect_non_loss_data: bool = False, choices: bool = False,
-                 **forward_kwargs: Any) -> list[Any]:
+def run_schedule(
+    model: ModelOrChunks,
+    micro_batches: Sequence[MicroBatch],
+    loss_func: LossFunc,
+    forward_only: bool,
+    collect_non_loss_data: bool = False,
+    choices: bool = False,
+    **forward_kwargs: Any,
+) -> list[Any]:
     """Run the micro-batches through the schedule; returns what the last stage's
     ``loss_func`` reported per micro-batch (empty on the other stages).
 
@@ -55,11 +62,14 @@ def run_schedule(model: ModelOrChunks, micro_batches: Sequence[MicroBatch], loss
     mbs = [mb.to(device) for mb in micro_batches]
     lengths = {mb.tokens.size(1) for mb in mbs}
     if parallel_state.get_pipeline_model_parallel_world_size() > 1 and len(lengths) > 1:
-        raise ValueError(f"under pipeline parallelism every micro-batch of a call must have one "
-                         f"length (the p2p tensor shape), got {sorted(lengths)}")
+        raise ValueError(
+            f"under pipeline parallelism every micro-batch of a call must have one "
+            f"length (the p2p tensor shape), got {sorted(lengths)}"
+        )
 
-    def forward_step(data_iterator: Iterator[tuple[MicroBatch, Optional[torch.Tensor]]],
-                     chunk: torch.nn.Module, *_):
+    def forward_step(
+        data_iterator: Iterator[tuple[MicroBatch, torch.Tensor | None]], chunk: torch.nn.Module, *_
+    ):
         mb, at = next(data_iterator)
         # The packed params carry the micro-batch's slot layout to the adapted layers (also to
         # their recompute re-runs, which may run after later micro-batches' forwards).
@@ -68,7 +78,8 @@ def run_schedule(model: ModelOrChunks, micro_batches: Sequence[MicroBatch], loss
             chosen = None
         else:
             output, chosen = token_loss_and_choices(
-                chunk, {**chunk_inputs(chunk, mb), **forward_kwargs}, mb.labels, at, choices)
+                chunk, {**chunk_inputs(chunk, mb), **forward_kwargs}, mb.labels, at, choices
+            )
         if output.requires_grad:
             # A filler's (pads only) aux-loss gradient is scaled to zero: it trains nothing.
             # Its backward runs whenever the schedule says; the hook fires as it starts, before
@@ -77,15 +88,22 @@ def run_schedule(model: ModelOrChunks, micro_batches: Sequence[MicroBatch], loss
             output.register_hook(partial(_set_aux_loss_scale, 0.0 if only_pads else 1.0))
         return output, partial(loss_func, mb, choices=chosen) if choices else partial(loss_func, mb)
 
-    with torch.no_grad() if forward_only else contextlib.nullcontext(), _aux_loss_scale_kept(device):
+    with (
+        torch.no_grad() if forward_only else contextlib.nullcontext(),
+        _aux_loss_scale_kept(device),
+    ):
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             # One iterator per chunk, each over all the micro-batches: every virtual stage
             # runs every micro-batch.
             data_iterator=[iter(list(zip(mbs, rows))) for _ in chunks],
-            model=chunks, num_microbatches=len(mbs), seq_length=max(lengths),
-            micro_batch_size=1, forward_only=forward_only,
-            collect_non_loss_data=collect_non_loss_data)
+            model=chunks,
+            num_microbatches=len(mbs),
+            seq_length=max(lengths),
+            micro_batch_size=1,
+            forward_only=forward_only,
+            collect_non_loss_data=collect_non_loss_data,
+        )
 
 
 def loss_rows(mb: MicroBatch) -> torch.Tensor:
@@ -112,9 +130,13 @@ def _aux_loss_scale_kept(device: torch.device) -> Iterator[None]:
         MoEAuxLossAutoScaler.main_loss_backward_scale = saved
 
 
-def objective_loss(objectives: Sequence[Objective], weights: Sequence[float], mb: MicroBatch,
-                   token_loss: torch.Tensor, choices: Optional[torch.Tensor] = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def objective_loss(
+    objectives: Sequence[Objective],
+    weights: Sequence[float],
+    mb: MicroBatch,
+    token_loss: torch.Tensor,
+    choices: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """The last stage's loss of one micro-batch: each slot's span goes to its objective
     (``objectives[s]``), whose loss and metric sums weigh ``weights[s]`` (1 / the slot's loss
     units; 0: the slot does not count). Returns megatron's ``(loss, num_tokens, data)`` with
@@ -140,20 +162,24 @@ def objective_loss(objectives: Sequence[Objective], weights: Sequence[float], mb
             continue  # pads only (a filler's span carries no objective inputs)
         seq = sequence[span]
         loss, metrics = objectives[slot].span_loss(
-            logprobs[span], mask[span], {k: v[0, span] for k, v in mb.values.items()},
-            seq - seq[0])
+            logprobs[span], mask[span], {k: v[0, span] for k, v in mb.values.items()}, seq - seq[0]
+        )
         total = total + loss * weights[slot]
         table[slot, 0] = loss.detach().double() * weights[slot]
-        table[slot, 1:1 + metrics.numel()] = metrics.double() * weights[slot]
+        table[slot, 1 : 1 + metrics.numel()] = metrics.double() * weights[slot]
     data = {"per_slot": table, "logprobs": logprobs.detach()}
     if choices is not None:
         data["choices"] = choices[0]
     return total, mask.sum().to(torch.int), data
 
 
-def per_slot_results(model: ModelOrChunks, micro_batches: Sequence[MicroBatch],
-                     denominators: torch.Tensor, forward_only: bool = False,
-                     objectives: Optional[Sequence[Optional[Objective]]] = None) -> torch.Tensor:
+def per_slot_results(
+    model: ModelOrChunks,
+    micro_batches: Sequence[MicroBatch],
+    denominators: torch.Tensor,
+    forward_only: bool = False,
+    objectives: Sequence[Objective | None] | None = None,
+) -> torch.Tensor:
     """Forward (and backward) the micro-batches; returns each adapter's summed normalised
     loss and metrics over this rank's micro-batches (``[n_slots, 1 + MAX_METRICS]``, column
     0 the loss), on every pipeline stage (float64, on the CPU).
@@ -163,19 +189,23 @@ def per_slot_results(model: ModelOrChunks, micro_batches: Sequence[MicroBatch],
     values are means over its global batch. ``objectives[s]``: slot s's objective (default,
     and where None: SFT).
     """
-    return per_slot_results_and_data(model, micro_batches, denominators, forward_only,
-                                     objectives, keep=())[0]
+    return per_slot_results_and_data(
+        model, micro_batches, denominators, forward_only, objectives, keep=()
+    )[0]
 
 
 KEPT_DTYPES = {"logprobs": torch.float32, "choices": torch.int64}
 """What :func:`per_slot_results_and_data` can keep per example, and its dtype."""
 
 
-def per_slot_results_and_data(model: ModelOrChunks, micro_batches: Sequence[MicroBatch],
-                              denominators: torch.Tensor, forward_only: bool = False,
-                              objectives: Optional[Sequence[Optional[Objective]]] = None,
-                              keep: Sequence[str] = ("logprobs",)
-                              ) -> tuple[torch.Tensor, dict[str, list[list[list]]]]:
+def per_slot_results_and_data(
+    model: ModelOrChunks,
+    micro_batches: Sequence[MicroBatch],
+    denominators: torch.Tensor,
+    forward_only: bool = False,
+    objectives: Sequence[Objective | None] | None = None,
+    keep: Sequence[str] = ("logprobs",),
+) -> tuple[torch.Tensor, dict[str, list[list[list]]]]:
     """:func:`per_slot_results`, and for each name in ``keep``, per slot, per example, the
     value at each of its positions, on every stage: ``"logprobs"``, each target's log-prob
     where its loss mask is set (0 elsewhere); ``"choices"``, the clear greedy choice after
@@ -183,48 +213,63 @@ def per_slot_results_and_data(model: ModelOrChunks, micro_batches: Sequence[Micr
     layer runs whole: :func:`~megatron_multilora.models.loss_rows.token_loss_and_choices`)."""
     chunks = model_chunks(model)
     if not chunks[0].config.calculate_per_token_loss:
-        raise ValueError("build the model with calculate_per_token_loss=True: the per-adapter "
-                         "losses are normalised here, megatron must not divide them again")
+        raise ValueError(
+            "build the model with calculate_per_token_loss=True: the per-adapter "
+            "losses are normalised here, megatron must not divide them again"
+        )
     device = next(chunks[0].parameters()).device
     n = denominators.numel()
     weights = [1.0 / float(d) if d > 0 else 0.0 for d in denominators.tolist()]
     chosen = [SFT() if o is None else o for o in (objectives or [None] * n)]
-    store = run_schedule(chunks, micro_batches, partial(objective_loss, chosen, weights),
-                         forward_only=forward_only, choices="choices" in keep)
+    store = run_schedule(
+        chunks,
+        micro_batches,
+        partial(objective_loss, chosen, weights),
+        forward_only=forward_only,
+        choices="choices" in keep,
+    )
     per_slot = torch.zeros(n, 1 + MAX_METRICS, dtype=torch.float64, device=device)
     for data in store:
         per_slot += data["per_slot"]
     kept = {}
     for name in keep:
-        values = [data[name] if name in data else torch.full_like(data["logprobs"], -1,
-                                                                    dtype=torch.int64)
-                  for data in store]
+        values = [
+            data[name] if name in data else torch.full_like(data["logprobs"], -1, dtype=torch.int64)
+            for data in store
+        ]
         kept[name] = per_example(micro_batches, values, n, device, KEPT_DTYPES[name])
     return from_last_stage(per_slot).cpu(), kept  # read back once per call
 
 
-def per_example(micro_batches: Sequence[MicroBatch], per_position: list[torch.Tensor],
-                n_slots: int, device: torch.device, dtype: torch.dtype = torch.float32
-                ) -> list[list[list]]:
+def per_example(
+    micro_batches: Sequence[MicroBatch],
+    per_position: list[torch.Tensor],
+    n_slots: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+) -> list[list[list]]:
     """Per slot, per example (in packing order), its positions' values of ``per_position``
     (the last stage's ``[S]`` tensor of each micro-batch, as ``dtype``; empty on the other
     stages), on every stage."""
     out: list[list[list]] = [[] for _ in range(n_slots)]
     for i, mb in enumerate(micro_batches):
-        values = (per_position[i] if per_position
-                  else torch.zeros(mb.tokens.size(1), device=device))
+        values = per_position[i] if per_position else torch.zeros(mb.tokens.size(1), device=device)
         values = from_last_stage(values.to(dtype).contiguous()).cpu().tolist()
         position, sequence = 0, 0
         for slot, count in enumerate(mb.examples_per_slot):
             for _ in range(count):
                 length = mb.seq_lengths[sequence]
-                out[slot].append(values[position:position + length])
+                out[slot].append(values[position : position + length])
                 position, sequence = position + length, sequence + 1
     return out
 
 
-def per_slot_losses(model: ModelOrChunks, micro_batches: Sequence[MicroBatch],
-                    denominators: torch.Tensor, forward_only: bool = False) -> torch.Tensor:
+def per_slot_losses(
+    model: ModelOrChunks,
+    micro_batches: Sequence[MicroBatch],
+    denominators: torch.Tensor,
+    forward_only: bool = False,
+) -> torch.Tensor:
     """Each adapter's SFT loss column of :func:`per_slot_results` (``[n_slots]``)."""
     return per_slot_results(model, micro_batches, denominators, forward_only)[:, 0].contiguous()
 
@@ -232,6 +277,9 @@ def per_slot_losses(model: ModelOrChunks, micro_batches: Sequence[MicroBatch],
 def from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as the last pipeline stage holds it, on every stage (in place)."""
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(tensor, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                       group=parallel_state.get_pipeline_model_parallel_group())
+        dist.broadcast(
+            tensor,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
     return tensor

@@ -9,7 +9,7 @@ clips and is reset on its own, so a plain torch AdamW per slot is used. Gradient
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ def lr_factor(step: int, job: AdapterJob, total_steps: int) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+def _grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     return getattr(param, "main_grad", None) if hasattr(param, "main_grad") else param.grad
 
 
@@ -68,10 +68,17 @@ def slot_grad_norms(params_by_slot: dict[int, list[torch.nn.Parameter]]) -> dict
     device = grads[0].device if grads else torch.device("cpu")
     # One norm kernel over every slot's tensors, squared at once and summed per slot and kind
     # on the device, read back once: no per-parameter or per-slot device-to-host sync.
-    squares = (torch.stack(torch._foreach_norm([g.float() for g in grads])).pow(2) if grads
-               else torch.zeros(0, dtype=torch.float32, device=device))
-    sums = [chunk.sum() for chunk in squares.split([len(kind) for group in groups for kind in group])]
-    dense = torch.stack([split + replicated / tp for split, replicated in zip(sums[0::3], sums[1::3])])
+    squares = (
+        torch.stack(torch._foreach_norm([g.float() for g in grads])).pow(2)
+        if grads
+        else torch.zeros(0, dtype=torch.float32, device=device)
+    )
+    sums = [
+        chunk.sum() for chunk in squares.split([len(kind) for group in groups for kind in group])
+    ]
+    dense = torch.stack(
+        [split + replicated / tp for split, replicated in zip(sums[0::3], sums[1::3])]
+    )
     experts = torch.stack(sums[2::3])
     if tp > 1:
         dist.all_reduce(dense, group=parallel_state.get_tensor_model_parallel_group())
@@ -90,14 +97,18 @@ class SlotOptimizer:
         self.params, self.job, self.total_steps = params, job, total_steps
         self.grad_clip = job.grad_clip
         # fp32 parameters are their own masters; bf16 ones get fp32 copies.
-        self.masters = [p if p.dtype == torch.float32 else
-                        torch.nn.Parameter(p.detach().float().clone()) for p in params]
+        self.masters = [
+            p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float().clone())
+            for p in params
+        ]
         self._master_of = {id(p): m for p, m in zip(params, self.masters)}
         # fused: one kernel over the slot's tensors instead of a Python loop per tensor.
-        self.optimizer = torch.optim.AdamW(self.masters, lr=job.lr, weight_decay=job.weight_decay,
-                                           fused=True)
+        self.optimizer = torch.optim.AdamW(
+            self.masters, lr=job.lr, weight_decay=job.weight_decay, fused=True
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_factor(step, job, total_steps))
+            self.optimizer, lambda step: lr_factor(step, job, total_steps)
+        )
 
     @property
     def lr(self) -> float:
@@ -122,8 +133,14 @@ class SlotOptimizer:
                 if master is not param:
                     param.copy_(master)
 
-    def set_hyperparameters(self, lr: float, betas: tuple[float, float], eps: float,
-                            weight_decay: float, grad_clip: Optional[float]) -> None:
+    def set_hyperparameters(
+        self,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        grad_clip: float | None,
+    ) -> None:
         """The next step's AdamW settings and clipping (a client that sends them with every
         step, as Tinker's do; the schedule is then not used)."""
         for group in self.optimizer.param_groups:
@@ -150,11 +167,14 @@ class SlotOptimizer:
     def scalar_state(self) -> dict[str, Any]:
         """Everything but the moments: step counts and the scheduler."""
         steps = [float(s["step"]) for s in self.optimizer.state.values() if "step" in s]
-        return {"adam_step": steps[0] if steps else 0.0,
-                "scheduler": self.scheduler.state_dict()}
+        return {"adam_step": steps[0] if steps else 0.0, "scheduler": self.scheduler.state_dict()}
 
-    def load(self, scalar: dict[str, Any], moments: dict[str, dict[torch.nn.Parameter, torch.Tensor]],
-             masters: Optional[dict[torch.nn.Parameter, torch.Tensor]] = None) -> None:
+    def load(
+        self,
+        scalar: dict[str, Any],
+        moments: dict[str, dict[torch.nn.Parameter, torch.Tensor]],
+        masters: dict[torch.nn.Parameter, torch.Tensor] | None = None,
+    ) -> None:
         """Restore from :meth:`scalar_state`, per-parameter moments and, for parameters
         that are not fp32, their saved fp32 master weights (default: the parameters' values)."""
         for param, master in zip(self.params, self.masters):
@@ -164,10 +184,14 @@ class SlotOptimizer:
         # (the fused kernel wants ``step`` on the parameters' device, e.g. the GPU).
         state = self.optimizer.state_dict()
         if scalar["adam_step"] > 0:
-            state["state"] = {i: {"step": torch.tensor(scalar["adam_step"]),
-                                  "exp_avg": moments["exp_avg"][param].float().clone(),
-                                  "exp_avg_sq": moments["exp_avg_sq"][param].float().clone()}
-                              for i, param in enumerate(self.params)}
+            state["state"] = {
+                i: {
+                    "step": torch.tensor(scalar["adam_step"]),
+                    "exp_avg": moments["exp_avg"][param].float().clone(),
+                    "exp_avg_sq": moments["exp_avg_sq"][param].float().clone(),
+                }
+                for i, param in enumerate(self.params)
+            }
         self.optimizer.load_state_dict(state)
         self.scheduler.load_state_dict(scalar["scheduler"])
         # The scheduler's state holds the lr it last set; the optimizer still has the step-0

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,9 +26,9 @@ from megatron_multilora.data.datasets import Packable
 from megatron_multilora.data.packing import MicroBatch
 from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
 from megatron_multilora.parallel import collective_device
+from megatron_multilora.training.objectives.objective import Objective
 from megatron_multilora.training.step.grad_sync import SlotGradSync
 from megatron_multilora.training.step.micro_batches import MicroBatcher, agree
-from megatron_multilora.training.objectives.objective import Objective
 from megatron_multilora.training.step.schedule import per_slot_results
 from megatron_multilora.training.step.slot_optimizer import SlotOptimizer, slot_grad_norms
 
@@ -73,30 +73,41 @@ class SlotTrainStep:
     :meth:`__call__`. Owns the slots' fp32 gradient buffers (:class:`SlotGradSync`).
     """
 
-    def __init__(self, model: ModelOrChunks, n_slots: int, token_budget: int, pad_multiple: int,
-                 pad_id: int) -> None:
+    def __init__(
+        self, model: ModelOrChunks, n_slots: int, token_budget: int, pad_multiple: int, pad_id: int
+    ) -> None:
         self.model = model_chunks(model)
         self.n_slots = n_slots
         self.grad_sync = SlotGradSync(self.model)
         self.batcher = MicroBatcher(self.model, n_slots, token_budget, pad_multiple, pad_id)
 
-    def losses(self, micro_batches: list[MicroBatch], loss_units: torch.Tensor,
-               forward_only: bool = False,
-               objectives: Optional[dict[int, Objective]] = None) -> torch.Tensor:
+    def losses(
+        self,
+        micro_batches: list[MicroBatch],
+        loss_units: torch.Tensor,
+        forward_only: bool = False,
+        objectives: dict[int, Objective] | None = None,
+    ) -> torch.Tensor:
         """Each adapter's loss over the global batch (reduced over data-parallel ranks, on
         every stage); with ``forward_only=False`` its gradients accumulate in ``main_grad``."""
-        return start_reducing_losses(per_slot_results(
-            self.model, micro_batches, loss_units, forward_only,
-            self._per_slot(objectives)))()[:, 0]
+        return start_reducing_losses(
+            per_slot_results(
+                self.model, micro_batches, loss_units, forward_only, self._per_slot(objectives)
+            )
+        )()[:, 0]
 
-    def _per_slot(self, objectives: Optional[dict[int, Objective]]) -> list[Optional[Objective]]:
+    def _per_slot(self, objectives: dict[int, Objective] | None) -> list[Objective | None]:
         return [(objectives or {}).get(s) for s in range(self.n_slots)]
 
-    def __call__(self, slot_examples: Sequence[Sequence[Packable]],
-                 optimizers: dict[int, SlotOptimizer], slot_order: Optional[Sequence[int]] = None,
-                 micro_batches: Optional[list[MicroBatch]] = None,
-                 extras: Sequence[int] = (),
-                 objectives: Optional[dict[int, Objective]] = None) -> StepResult:
+    def __call__(
+        self,
+        slot_examples: Sequence[Sequence[Packable]],
+        optimizers: dict[int, SlotOptimizer],
+        slot_order: Sequence[int] | None = None,
+        micro_batches: list[MicroBatch] | None = None,
+        extras: Sequence[int] = (),
+        objectives: dict[int, Objective] | None = None,
+    ) -> StepResult:
         """One step of the slots in ``optimizers`` on this rank's ``slot_examples`` (its
         data-parallel share of each slot's global batch); ``micro_batches``: their packing
         when already done (equalised). ``extras`` are agreed over all ranks in the step's
@@ -122,34 +133,43 @@ class SlotTrainStep:
             # Only the training slots' gradients are reset and reduced: free slots cost nothing.
             self.grad_sync.zero_grad(optimizers)
             reduced = start_reducing_losses(
-                per_slot_results(self.model, micro_batches, loss_units, objectives=per_slot))
+                per_slot_results(self.model, micro_batches, loss_units, objectives=per_slot)
+            )
             stepping = [s for s in optimizers if s not in skipped]
             self.grad_sync.sync(stepping)
             table = reduced()
             losses = table[:, 0]
             norms = slot_grad_norms({s: optimizers[s].params for s in stepping})
-            failing = {s for s, norm in norms.items()
-                       if not (math.isfinite(norm) and math.isfinite(float(losses[s])))}
+            failing = {
+                s
+                for s, norm in norms.items()
+                if not (math.isfinite(norm) and math.isfinite(float(losses[s])))
+            }
             if not failing:
                 break
             # A non-finite adapter can poison the others through masked attention (0 * inf):
             # find which fail on their own samples, and redo the step without them.
-            skipped |= self._failing_alone(slot_examples, loss_units, failing, slot_order,
-                                           objectives)
+            skipped |= self._failing_alone(
+                slot_examples, loss_units, failing, slot_order, objectives
+            )
             micro_batches = self.batcher.ready(slot_examples, skipped, slot_order)
         for s in stepping:
             optimizers[s].step(norms[s])
         return StepResult(losses, table[:, 1:], norms, skipped, loss_units, agreed.extras)
 
-    def _failing_alone(self, slot_examples: Sequence[Sequence[Packable]], loss_units: torch.Tensor,
-                       candidates: set[int], slot_order: Optional[Sequence[int]],
-                       objectives: Optional[dict[int, Objective]]) -> set[int]:
+    def _failing_alone(
+        self,
+        slot_examples: Sequence[Sequence[Packable]],
+        loss_units: torch.Tensor,
+        candidates: set[int],
+        slot_order: Sequence[int] | None,
+        objectives: dict[int, Objective] | None,
+    ) -> set[int]:
         """The candidates whose loss is non-finite on their own samples (all of them when
         none is, i.e. only their combination fails)."""
         culprits = set()
         for slot in sorted(candidates):
-            alone = self.batcher.ready(slot_examples, set(range(self.n_slots)) - {slot},
-                                       slot_order)
+            alone = self.batcher.ready(slot_examples, set(range(self.n_slots)) - {slot}, slot_order)
             if not math.isfinite(float(self.losses(alone, loss_units, True, objectives)[slot])):
                 culprits.add(slot)
         return culprits or set(candidates)
