@@ -372,7 +372,7 @@ def test_every_schema_field_has_a_range_rule_or_another_check():
     checked_by_model = {
         f.name
         for f in dataclasses.fields(GPTModelConfig)
-        if f.type in ("str", "bool", "Optional[str]", "Optional[list[str]]")
+        if f.type in ("str", "bool", "str | None", "list[str] | None")
     }
     for cls in (
         schema.AdapterJob,
