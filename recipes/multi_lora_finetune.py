@@ -145,14 +145,14 @@ def main(cfg: DictConfig) -> None:
 
 
 def _serve_api(run: RunConfig) -> None:
-    from megatron_multilora.service.api_keys import APIKeyError, load_keys
+    from megatron_multilora.api.api_keys import APIKeyError, load_keys
 
     try:
         keys = load_keys(run.api.keys_file)
     except APIKeyError as err:
         _report_and_exit(f"the service cannot start:\n  - {err}", 2)
     mm.support_megatron_here()
-    from megatron_multilora.service.server import serve_api
+    from megatron_multilora.api.server import serve_api
 
     try:
         with stop_on_signals():  # SIGTERM / Ctrl-C / mmlora stop: stop serving, states stay

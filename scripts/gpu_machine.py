@@ -151,7 +151,7 @@ def _metadata(path: Path) -> tuple[list[str], set[str]]:
 # The training service (the optional `api` extra), its tests and benchmark: not installed
 # or run on the GPU machine.
 NOT_ON_THE_MACHINE = (
-    "megatron_multilora/service/",
+    "megatron_multilora/api/",
     "tests/recipe/test_api_service.py",
     "tests/recipe/test_api_cookbook.py",
     "benchmarks/api_service.py",

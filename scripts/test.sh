@@ -15,7 +15,7 @@ trap 'rm -rf "$reports"' EXIT
 # Grouped GEMMs, LoRA layers, slot routing, the step and the frozen linears: where results
 # depend on how MKL rounds.
 NUMERICS=(tests/unit/test_grouped_mm.py tests/unit/test_multi_lora_linear.py
-          tests/unit/test_moe.py tests/unit/test_micro_batch_layout.py
+          tests/unit/test_moe.py tests/unit/test_slot_layout_route.py
           tests/unit/test_step_schedule.py tests/unit/test_less_work.py
           tests/unit/test_slot_optimizer.py tests/unit/test_packed_linear.py
           tests/unit/test_packed_attention.py tests/unit/test_loss_rows.py

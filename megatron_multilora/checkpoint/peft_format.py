@@ -43,7 +43,7 @@ from megatron_multilora.layers.slot_tensors import (
     slot_rank_alpha,
 )
 from megatron_multilora.models.gpt_config import GPTModelConfig
-from megatron_multilora.ops.fused_rows import QKVLayout, fuse_gate_up, split_gate_up
+from megatron_multilora.ops.fused_rows import QKVRows, fuse_gate_up, split_gate_up
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -74,7 +74,7 @@ def hf_module_names(megatron_rest: str, model_type: str) -> list[str] | None:
 def _split_rows(name: str, b: torch.Tensor, cfg: GPTModelConfig) -> list[torch.Tensor]:
     """Split a fused B ``[out, r]`` into the HF parts' B matrices."""
     if name.endswith("linear_qkv"):
-        return list(QKVLayout.of(cfg).split(b))
+        return list(QKVRows.of(cfg).split(b))
     if name.endswith("linear_fc1"):
         return list(split_gate_up(b))
     return [b]
@@ -83,7 +83,7 @@ def _split_rows(name: str, b: torch.Tensor, cfg: GPTModelConfig) -> list[torch.T
 def _fuse_rows(name: str, parts: list[torch.Tensor], cfg: GPTModelConfig) -> torch.Tensor:
     """Inverse of :func:`_split_rows`."""
     if name.endswith("linear_qkv"):
-        return QKVLayout.of(cfg).fuse(*parts)
+        return QKVRows.of(cfg).fuse(*parts)
     if name.endswith("linear_fc1"):
         return fuse_gate_up(*parts)
     return parts[0]
@@ -289,7 +289,7 @@ def _out_rows(rest: str, cfg: GPTModelConfig, layer) -> list[int]:
     """Row counts of the HF parts of a wrapped linear's full output."""
     full_out = layer.full_shape(B)[-2]
     if rest.endswith("linear_qkv"):
-        return list(QKVLayout.of(cfg).part_rows())
+        return list(QKVRows.of(cfg).part_rows())
     if rest.endswith("linear_fc1"):
         return [full_out // 2, full_out // 2]
     return [full_out]

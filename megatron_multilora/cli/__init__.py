@@ -18,7 +18,7 @@ import argparse
 import sys
 from importlib import metadata
 
-from megatron_multilora.cli import export, serve, train
+from megatron_multilora.cli import api, export, jobs, train
 from megatron_multilora.cli.command import EXIT_REFUSED, CommandError, Commands
 
 
@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
         version=f"mmlora (megatron-multilora) {metadata.version('megatron-multilora')}",
     )
     commands = Commands(parser)
-    for module in (train, export, serve):
+    for module in (train, api, export, jobs):
         module.add_commands(commands)
     return parser
 

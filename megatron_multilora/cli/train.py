@@ -1,8 +1,6 @@
-"""``mmlora train``: the training recipe under torchrun, as torchtune's ``tune run`` does;
-``mmlora api``: the same recipe serving the Tinker-compatible training service.
+"""``mmlora train``: the training recipe under torchrun, as torchtune's ``tune run`` does.
 
     mmlora train [--nproc N] [OVERRIDE ...]
-    mmlora api --run-dir R [--port P] [--keys-file F] [--nproc N] [OVERRIDE ...]
 
 runs ``torchrun --standalone --nproc-per-node N recipes/multi_lora_finetune.py OVERRIDE ...``
 in this process (rank 0's output only, one torch thread per process when there are several)
@@ -77,23 +75,6 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
-def api(args: argparse.Namespace) -> int:
-    """The recipe with the service on: the user's arguments (Hydra's flags come first), then
-    ``api.enabled=true`` and the options as overrides."""
-    keys = [f"api.keys_file={os.path.abspath(args.keys_file)}"] if args.keys_file else []
-    # The config's jobs are not trained (clients bring their own): adapters=[].
-    args.overrides = [
-        *args.overrides,
-        "api.enabled=true",
-        f"run_dir={args.run_dir}",
-        f"api.port={args.port}",
-        f"api.host={args.host}",
-        *keys,
-        "adapters=[]",
-    ]
-    return train(args)
-
-
 def add_commands(commands: Commands) -> None:
     sub = commands.add("train", train, "train adapter jobs: the recipe under torchrun")
     sub.add_argument(
@@ -111,32 +92,4 @@ def add_commands(commands: Commands) -> None:
     sub.epilog = (
         "OVERRIDE: what the recipe takes, e.g. trainer.steps_per_job=50 parallel=tp2 "
         "--config-name smollm2 (Hydra's overrides and flags)"
-    )
-    sub = commands.add(
-        "api",
-        api,
-        "serve the Tinker-compatible training service: clients of "
-        "the tinker SDK train and sample LoRA adapters on this model",
-        run_dir=True,
-    )
-    sub.add_argument("--port", type=int, default=8000, help="default 8000")
-    sub.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (this machine only)")
-    sub.add_argument(
-        "--keys-file",
-        help="API keys, one 'tml-...' per line (default: the "
-        "MMLORA_API_KEYS variable, comma-separated; there is no default key)",
-    )
-    sub.add_argument("--nproc", type=int, default=1, help="processes (parallel ranks); default 1")
-    sub.add_argument(
-        "--all-ranks", action="store_true", help="show every process's output, not only rank 0's"
-    )
-    sub.set_defaults(overrides=[])
-    sub.usage = (
-        "mmlora api [-h] --run-dir R [--port P] [--host H] [--keys-file F] [--nproc N] "
-        "[OVERRIDE ...]"
-    )
-    sub.epilog = (
-        "OVERRIDE: the recipe's, e.g. --config-name smollm2 lora.slots=8 parallel=tp2; "
-        "it prints the URL once it answers: point tinker.ServiceClient(base_url=...) "
-        "at it"
     )

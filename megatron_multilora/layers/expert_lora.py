@@ -11,7 +11,7 @@ slot token counts cannot segment them; the MoE layer's routing hook
 sorts rows by (slot, expert). The LoRA term is then :func:`.multi_lora_linear.lora_term` over
 ``N * E`` groups. Expert weights are never tensor-split (expert tensor parallel size 1):
 factors are split over expert-parallel ranks by whole experts
-(:class:`~.expert_sharding.ExpertParallel`) and tagged ``allreduce=False`` like megatron's expert
+(:class:`~.expert_sharding.ExpertParallelLayout`) and tagged ``allreduce=False`` like megatron's expert
 weights. The slots and their lifecycle are the dense layer's (a :class:`~.slot_bank.SlotBank`).
 """
 
@@ -21,9 +21,8 @@ from typing import Any
 
 import torch
 
-from megatron_multilora.layers.expert_sharding import ExpertParallel
+from megatron_multilora.layers.expert_sharding import ExpertParallelLayout
 from megatron_multilora.layers.factors import A, B
-from megatron_multilora.layers.layout import owns_output
 from megatron_multilora.layers.multi_lora_linear import (
     MultiLoRALinear,
     Stack,
@@ -31,6 +30,7 @@ from megatron_multilora.layers.multi_lora_linear import (
     lora_term,
 )
 from megatron_multilora.layers.slot_dropout import dropout_by_row
+from megatron_multilora.layers.tp_layout import owns_output
 
 
 class MultiLoRAGroupedExpertLinear(MultiLoRALinear):
@@ -69,7 +69,7 @@ class MultiLoRAGroupedExpertLinear(MultiLoRALinear):
             )
         self._build(
             to_wrap,
-            ExpertParallel(num_local_experts, expert_offset),
+            ExpertParallelLayout(num_local_experts, expert_offset),
             n_adapters,
             dim,
             alpha,
@@ -83,7 +83,7 @@ class MultiLoRAGroupedExpertLinear(MultiLoRALinear):
 
     @property
     def num_local_experts(self) -> int:
-        return self.layout.num_local_experts
+        return self.tp_layout.num_local_experts
 
     def forward(self, x: torch.Tensor, m_splits: Any, *args: Any, **kwargs: Any) -> Any:
         out, bias = self.to_wrap(x, m_splits, *args, **kwargs)

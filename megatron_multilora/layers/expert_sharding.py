@@ -11,14 +11,12 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
 from megatron_multilora.layers.factors import A, B, Factor, init_weight
-from megatron_multilora.layers.layout import Generators, Layout, all_gather_list
+from megatron_multilora.layers.tp_layout import Generators, TPLayout, all_gather_list
 
 
-class ExpertParallel(Layout):
+class ExpertParallelLayout(TPLayout):
     """A grouped expert linear's factors ``[local experts, ...]``: whole experts split over
     the expert-parallel ranks, never over TP (expert tensor parallel size 1)."""
-
-    kind = "experts"
 
     def __init__(self, num_local_experts: int, expert_offset: int) -> None:
         super().__init__()
@@ -98,4 +96,4 @@ class ExpertParallel(Layout):
         return out
 
     def __repr__(self) -> str:
-        return f"ExpertParallel(num_local_experts={self.num_local_experts})"
+        return f"ExpertParallelLayout(num_local_experts={self.num_local_experts})"

@@ -13,10 +13,10 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_multilora.layers.expert_lora import MultiLoRAGroupedExpertLinear
 from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
-from megatron_multilora.layers.micro_batch_layout import install_micro_batch_layout_hooks
 from megatron_multilora.layers.model_paths import global_named_modules
 from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear
 from megatron_multilora.layers.sharding import base_kind
+from megatron_multilora.layers.slot_layout_route import install_slot_layout_route
 from megatron_multilora.layers.slot_routing import check_moe_config, install_moe_slot_routing
 from megatron_multilora.parallel import collective_device
 from megatron_multilora.validation import TARGETS
@@ -70,7 +70,7 @@ def apply_multi_lora(
     :class:`MultiLoRAGroupedExpertLinear` and their MoE layers the slot-routing hook; shared
     experts and other dense linears a :class:`MultiLoRALinear`; routers are left alone.
     Transformer layers get the hooks that take each micro-batch's slot layout from its
-    ``packed_seq_params`` (:mod:`.micro_batch_layout`). Targets are module names (``"linear_qkv"`` matches every ``...linear_qkv``) or
+    ``packed_seq_params`` (:mod:`.slot_layout_route`). Targets are module names (``"linear_qkv"`` matches every ``...linear_qkv``) or
     wildcard patterns over the full path (``"*.layers.0.*.linear_qkv"``), with global layer
     numbers under pipeline parallelism (:mod:`.model_paths`). ``seed`` (default: the first
     pipeline stage's torch seed, which stages may seed differently) and the global path seed
@@ -115,7 +115,7 @@ def apply_multi_lora(
     for parent, child, wrapper in planned:
         setattr(parent, child, wrapper)
     install_moe_slot_routing(model)
-    install_micro_batch_layout_hooks(model)
+    install_slot_layout_route(model)
     for chunk in model_chunks(model):
         _keep_graph_through_recompute(chunk)
     set_adapter_trainability(model)

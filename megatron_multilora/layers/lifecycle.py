@@ -55,7 +55,7 @@ def set_tokens_per_adapter_slot(
 
     For calls whose ``packed_seq_params`` carry no layout. Under pipelining or activation
     recompute pass the layout with the micro-batch instead
-    (:func:`.micro_batch_layout.with_slot_layout`): set here, it is whatever was set last
+    (:func:`.slot_layout_route.with_slot_layout`): set here, it is whatever was set last
     when a recompute re-runs a layer during backward.
 
     Tokens are the ``[s, b]`` positions flattened sequence-major; the counts must sum to

@@ -8,7 +8,7 @@ Every slot is allocated at the max rank ``dim``; rows ``[r_s:]`` of A_s and colu
 ``[:, r_s:]`` of B_s are kept at zero, so padded rank never contributes and its gradients
 stay zero. A packed micro-batch holds each slot's tokens contiguously (adapter-major); its
 slot layout (:class:`~megatron_multilora.ops.slot_layout.SlotLayout`, handed over by
-:mod:`.micro_batch_layout`) says how many. :func:`lora_term` is the math: two grouped GEMMs
+:mod:`.slot_layout_route`) says how many. :func:`lora_term` is the math: two grouped GEMMs
 over those slot segments with one TP collective on the small ``[tokens, r]`` buffer between
 them (where each factor lives, and that collective, per base kind: :mod:`.sharding`). The
 per-slot scale is applied in fp32 to that small buffer, as serving kernels apply it, rather
@@ -31,10 +31,10 @@ from megatron.core.transformer.utils import sharded_state_dict_default
 
 from megatron_multilora.layers.factors import FACTORS, A, B, Factor
 from megatron_multilora.layers.grouped_gemm import grouped_linear
-from megatron_multilora.layers.layout import Layout
 from megatron_multilora.layers.sharding import dense_layout
 from megatron_multilora.layers.slot_bank import LoRASlot, SlotBank
 from megatron_multilora.layers.slot_dropout import dropout_by_counts
+from megatron_multilora.layers.tp_layout import TPLayout
 from megatron_multilora.ops.grouped_mm import single_group_mm
 from megatron_multilora.ops.slot_layout import Segments, SlotLayout
 from megatron_multilora.validation import INIT_METHODS
@@ -181,7 +181,7 @@ class MultiLoRALinear(torch.nn.Module):
     def _build(
         self,
         to_wrap: torch.nn.Module,
-        layout: Layout,
+        layout: TPLayout,
         n_slots: int,
         max_rank: int,
         alpha: float,
@@ -193,7 +193,7 @@ class MultiLoRALinear(torch.nn.Module):
     ) -> None:
         """What both layer kinds hold: the base, its layout, the slots (fresh weights)."""
         super().__init__()
-        self.to_wrap, self.layout, self.full_name = to_wrap, layout, full_name
+        self.to_wrap, self.tp_layout, self.full_name = to_wrap, layout, full_name
         self.where = f"{type(self).__name__}({full_name})"
         self._init_methods, self._dropout_position, self.seed = init_methods, dropout_position, seed
         self.slot_layout: SlotLayout | None = None
@@ -258,7 +258,7 @@ class MultiLoRALinear(torch.nn.Module):
         shapes = {f: tuple(f.weight(self.adapters[idx]).shape) for f in FACTORS}
         self.adapters.load(
             idx,
-            self.layout.draw(
+            self.tp_layout.draw(
                 self._init_methods, shapes, self._generator, idx if init_key is None else init_key
             ),
         )
@@ -276,7 +276,7 @@ class MultiLoRALinear(torch.nn.Module):
 
     def full_shape(self, factor: Factor) -> tuple[int, ...]:
         """The unsharded shape of ``factor`` (slot 0's; all slots agree)."""
-        return self.layout.full_shape(factor, tuple(factor.weight(self.adapters[0]).shape))
+        return self.tp_layout.full_shape(factor, tuple(factor.weight(self.adapters[0]).shape))
 
     def _generator(self, *key: object) -> torch.Generator:
         """A CPU generator seeded by (seed, layer name, key): the same on every rank."""
@@ -297,31 +297,33 @@ class MultiLoRALinear(torch.nn.Module):
 
     def _segments(self, rows: int, is_shard: bool, device: torch.device) -> Segments:
         """This input's/output's per-slot row groups within the packed micro-batch."""
-        layout, tp = self.slot_layout, self.layout.tp_size
-        expected = layout.total // tp if is_shard else layout.total
-        if rows != expected or (is_shard and layout.total % tp):
+        slots, tp = self.slot_layout, self.tp_layout.tp_size
+        expected = slots.total // tp if is_shard else slots.total
+        if rows != expected or (is_shard and slots.total % tp):
             what = (
-                f"this rank's sequence shard of {layout.total} tokens over {tp} ranks"
+                f"this rank's sequence shard of {slots.total} tokens over {tp} ranks"
                 if is_shard
-                else f"{layout.total} tokens"
+                else f"{slots.total} tokens"
             )
             raise ValueError(
                 f"{self.where}: input has {rows} tokens but tokens_per_adapter="
-                f"{list(layout.counts)} describes {what}; the counts must sum to the "
+                f"{list(slots.counts)} describes {what}; the counts must sum to the "
                 "micro-batch's tokens (sequence x batch)"
             )
-        return layout.segments(self.layout.tp_rank * rows if is_shard else 0, rows, device)
+        return slots.segments(self.tp_layout.tp_rank * rows if is_shard else 0, rows, device)
 
     def lora(
         self, x2: torch.Tensor, slots: tuple[int, ...], in_shard: bool, out_shard: bool
     ) -> torch.Tensor:
         """The LoRA term of ``slots`` for the rows of ``x2`` (``[rows, in]``)."""
-        bank, layout = self.adapters, self.layout
+        bank, tp_layout = self.adapters, self.tp_layout
         seg_in = self._segments(x2.size(0), in_shard, x2.device)
         rates = [bank.rates[s] for s in slots]
         if self.dropout_position == "pre":
-            x2 = dropout_by_counts(x2, seg_in.counts, rates, self.training, layout.varies("input"))
-        r = bank.compute_rank(slots, layout.rank_is_split)
+            x2 = dropout_by_counts(
+                x2, seg_in.counts, rates, self.training, tp_layout.varies("input")
+            )
+        r = bank.compute_rank(slots, tp_layout.rank_is_split)
         if len(slots) == 1:  # every row is this slot's (the counts sum to the rows)
             slot = bank[slots[0]]
             lora = one_slot_term(
@@ -329,7 +331,7 @@ class MultiLoRALinear(torch.nn.Module):
                 A.cut(A.weight(slot), r),
                 B.cut(B.weight(slot), r),
                 bank.scale[slots[0]],
-                layout.reduce_mid,
+                tp_layout.reduce_mid,
             )
         else:
             # A copied factor stack is rebuilt for backward rather than kept: nothing but the
@@ -341,7 +343,7 @@ class MultiLoRALinear(torch.nn.Module):
                 seg_in,
                 lambda rows: self._segments(rows, out_shard, x2.device),
                 bank.scale,
-                layout.reduce_mid,
+                tp_layout.reduce_mid,
             )
         if self.dropout_position == "post":
             lora = dropout_by_counts(
@@ -349,12 +351,12 @@ class MultiLoRALinear(torch.nn.Module):
                 self._segments(lora.size(0), out_shard, lora.device).counts,
                 rates,
                 self.training,
-                layout.varies("output"),
+                tp_layout.varies("output"),
             )
         return lora
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        return self.layout.forward(self, x, self._active_slots(), args, kwargs)
+        return self.tp_layout.forward(self, x, self._active_slots(), args, kwargs)
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
@@ -376,12 +378,12 @@ class MultiLoRALinear(torch.nn.Module):
             for key, value in child.state_dict(prefix=f"{name}.", keep_vars=True).items()
         }
         sharded.update(
-            self.layout.sharded_state_dict(factor_of, tensors, prefix, sharded_offsets, metadata)
+            self.tp_layout.sharded_state_dict(factor_of, tensors, prefix, sharded_offsets, metadata)
         )
         return sharded
 
     def extra_repr(self) -> str:
-        return f"n_adapters={self.n_adapters}, dim={self.dim}, layout={self.layout}"
+        return f"n_adapters={self.n_adapters}, dim={self.dim}, tp_layout={self.tp_layout}"
 
 
 def _check_dense_base(to_wrap: torch.nn.Module, where: str) -> None:

@@ -35,7 +35,7 @@ row-parallel    split on in             split on out           all-reduce of ``m
 ==============  ======================  =====================  ==============================
 
 Expert linears are never tensor-split: their factors ``[experts, ...]`` are split over the
-expert-parallel ranks by whole experts (:class:`ExpertParallel`).
+expert-parallel ranks by whole experts (:class:`ExpertParallelLayout`).
 
 Each collective moves only the small ``[tokens, r]`` buffer, once per layer whatever the
 number of slots. Factors whose gradient is a partial sum over this rank's sequence shard
@@ -46,6 +46,7 @@ sums them across TP ranks; fully sharded factors never are.
 
 from __future__ import annotations
 
+import enum
 from functools import partial
 from typing import Any
 
@@ -56,16 +57,25 @@ from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from megatron_multilora.layers.factors import A, B, Factor
-from megatron_multilora.layers.layout import Layout, add_lora
+from megatron_multilora.layers.tp_layout import TPLayout, add_lora
+
+
+class BaseKind(enum.Enum):
+    """How a wrapped base's weight is split over TP."""
+
+    COLUMN = "column"  # on its output dim (linear_qkv, linear_fc1)
+    ROW = "row"  # on its input dim (linear_proj, linear_fc2)
+    REPLICATED = "replicated"  # whole on every rank
+
 
 _TE_KINDS = {
-    "TEColumnParallelLinear": "column",
-    "TELayerNormColumnParallelLinear": "column",
-    "TERowParallelLinear": "row",
+    "TEColumnParallelLinear": BaseKind.COLUMN,
+    "TELayerNormColumnParallelLinear": BaseKind.COLUMN,
+    "TERowParallelLinear": BaseKind.ROW,
 }
 
 
-class _SplitLikeTheBase(Layout):
+class _SplitLikeTheBase(TPLayout):
     """A base split over TP (column: on out, row: on in): one factor is split like the base's
     weight, the other replicated; the TP collective on ``mid`` matches the base's output.
     Subclasses are rows of the table above: which factor is split (and on which dim), the
@@ -95,20 +105,20 @@ class _SplitLikeTheBase(Layout):
         return collective(mid, group=self.group)
 
 
-class ColumnParallel(_SplitLikeTheBase):
+class ColumnParallelLayout(_SplitLikeTheBase):
     """B split on out like the base's weight; A replicated."""
 
-    kind, split, split_side = "column", (B, 0), "output"
+    split, split_side = (B, 0), "output"
     collective = staticmethod(mappings.copy_to_tensor_model_parallel_region)
     sp_collective = staticmethod(
         partial(mappings.gather_from_sequence_parallel_region, tensor_parallel_output_grad=True)
     )
 
 
-class RowParallel(_SplitLikeTheBase):
+class RowParallelLayout(_SplitLikeTheBase):
     """A split on in like the base's weight; B replicated."""
 
-    kind, split, split_side = "row", (A, 1), "input"
+    split, split_side = (A, 1), "input"
     collective = staticmethod(mappings.reduce_from_tensor_model_parallel_region)
     sp_collective = staticmethod(mappings.reduce_scatter_to_sequence_parallel_region)
 
@@ -124,7 +134,7 @@ class _FullySharded:
         return False
 
 
-class FullyShardedColumn(_FullySharded, ColumnParallel):
+class FullyShardedColumnLayout(_FullySharded, ColumnParallelLayout):
     """A split on rank too: ``mid``'s rank columns are all-gathered; the base's input
     collective, run here, also sums the LoRA branch's input gradient."""
 
@@ -160,7 +170,7 @@ class FullyShardedColumn(_FullySharded, ColumnParallel):
         return out, returned_bias
 
 
-class FullyShardedRow(_FullySharded, RowParallel):
+class FullyShardedRowLayout(_FullySharded, RowParallelLayout):
     """B split on out too: this rank's LoRA output columns are added into its partial sum of
     the base's output before the base's own reduction, which completes both."""
 
@@ -207,12 +217,12 @@ def _plain_call(layer: Any, args: tuple, kwargs: dict) -> tuple[torch.nn.Module,
     return (base, None, base.bias) if base.skip_bias_add else (base, base.bias, None)
 
 
-def base_kind(to_wrap: torch.nn.Module) -> str:
-    """``"column"``, ``"row"`` or ``"replicated"``: how the base's weight is split over TP."""
+def base_kind(to_wrap: torch.nn.Module) -> BaseKind:
+    """How the base's weight is split over TP."""
     if isinstance(to_wrap, ColumnParallelLinear):
-        return "column"
+        return BaseKind.COLUMN
     if isinstance(to_wrap, RowParallelLinear):
-        return "row"
+        return BaseKind.ROW
     kind = _TE_KINDS.get(type(to_wrap).__name__)
     if kind is not None:
         return kind
@@ -220,7 +230,7 @@ def base_kind(to_wrap: torch.nn.Module) -> str:
         isinstance(to_wrap, torch.nn.Linear)
         or getattr(to_wrap, "parallel_mode", "") == "duplicated"
     ):
-        return "replicated"
+        return BaseKind.REPLICATED
     raise TypeError(
         f"MultiLoRALinear cannot wrap {type(to_wrap).__name__}: supported bases are megatron's "
         "ColumnParallelLinear/RowParallelLinear, TE's (LayerNorm)ColumnParallelLinear/"
@@ -235,7 +245,7 @@ def dense_layout(
     gated: bool,
     max_rank: int,
     where: str,
-) -> Layout:
+) -> TPLayout:
     """The layout of a wrapped dense base under the current TP group (checked)."""
     kind = base_kind(to_wrap)
     sp = getattr(to_wrap, "sequence_parallel", None)
@@ -245,21 +255,21 @@ def dense_layout(
         group = parallel_state.get_tensor_model_parallel_group()
     tp = torch.distributed.get_world_size(group) if group is not None else 1
     rank = torch.distributed.get_rank(group) if group is not None else 0
-    sharded = fully_sharded and tp > 1 and kind != "replicated"
+    sharded = fully_sharded and tp > 1 and kind is not BaseKind.REPLICATED
     if sharded:
         _check_fully_sharded(to_wrap, kind, tp, max_rank, where)
     cls = {
-        ("column", False): ColumnParallel,
-        ("row", False): RowParallel,
-        ("replicated", False): Layout,
-        ("column", True): FullyShardedColumn,
-        ("row", True): FullyShardedRow,
+        (BaseKind.COLUMN, False): ColumnParallelLayout,
+        (BaseKind.ROW, False): RowParallelLayout,
+        (BaseKind.REPLICATED, False): TPLayout,
+        (BaseKind.COLUMN, True): FullyShardedColumnLayout,
+        (BaseKind.ROW, True): FullyShardedRowLayout,
     }[kind, sharded]
     return cls(tp, rank, group, sp, gated)
 
 
 def _check_fully_sharded(
-    to_wrap: torch.nn.Module, kind: str, tp: int, max_rank: int, where: str
+    to_wrap: torch.nn.Module, kind: BaseKind, tp: int, max_rank: int, where: str
 ) -> None:
     if not isinstance(to_wrap, (ColumnParallelLinear, RowParallelLinear)):
         raise ValueError(
@@ -268,12 +278,12 @@ def _check_fully_sharded(
             "collectives inside TE): build the model with the local (non-TE) spec or use "
             "fully_sharded=False"
         )
-    if kind == "column" and max_rank % tp:
+    if kind is BaseKind.COLUMN and max_rank % tp:
         raise ValueError(
             f"{where}: fully_sharded=True splits the rank dim over {tp} TP ranks; "
             f"dim={max_rank} must be a multiple of it"
         )
-    if kind == "row" and to_wrap.weight.size(0) % tp:
+    if kind is BaseKind.ROW and to_wrap.weight.size(0) % tp:
         raise ValueError(
             f"{where}: fully_sharded=True splits B's {to_wrap.weight.size(0)} output "
             f"rows over {tp} TP ranks: they must divide evenly"

@@ -69,7 +69,7 @@ def get_slot_tensors(
         for factor, name, param in _factors(layer, idx):
             local = (param if value is None else value(param)).detach().float()
             out[f"{path}.adapter.{name}"] = factor.cut(
-                layer.layout.gather(factor, local), rank
+                layer.tp_layout.gather(factor, local), rank
             ).cpu()
     return {k: v for stage in _every_stage(out, _pipeline_group()) for k, v in stage.items()}
 
@@ -128,7 +128,7 @@ def set_slot_tensors(
                 )
                 continue
             target.copy_(full)
-            shards[param] = layer.layout.shard(factor, padded)
+            shards[param] = layer.tp_layout.shard(factor, padded)
     # A shape one stage refuses stops every stage: no stage loads alone.
     problems = [p for p in _every_stage(problem, group) if p is not None]
     if problems:

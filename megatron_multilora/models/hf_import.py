@@ -59,7 +59,7 @@ from megatron_multilora.models.gpt import build_gpt_model
 from megatron_multilora.models.gpt_config import GPTModelConfig
 from megatron_multilora.models.hf_config import hf_to_model_config, read_hf_config
 from megatron_multilora.models.hf_safetensors import SafetensorsFolder
-from megatron_multilora.ops.fused_rows import QKVLayout, fuse_gate_up
+from megatron_multilora.ops.fused_rows import QKVRows, fuse_gate_up
 
 __all__ = ["hf_to_model_config", "load_hf_checkpoint", "load_hf_model", "load_hf_tokenizer"]
 
@@ -152,7 +152,7 @@ class _Loader:
     def qkv(self, prefix: str, suffix: str, shard: _Shard) -> torch.Tensor:
         """Fused q/k/v rows (weight or bias) in megatron's per-group layout; this rank's
         groups only."""
-        layout = QKVLayout.of(self.cfg)
+        layout = QKVRows.of(self.cfg)
         local = layout.groups // shard.size  # TP holds whole groups (an unsplit param: size 1)
         first = shard.rank * local
 

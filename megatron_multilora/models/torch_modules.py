@@ -117,7 +117,7 @@ class SDPAttention(MegatronModule):
 
 
 @dataclasses.dataclass(frozen=True)
-class _PackedLayout:
+class _AttentionBuckets:
     buckets: list[torch.Tensor]
     unpack: torch.Tensor  # for each packed token, its row in the concatenated bucket outputs
 
@@ -133,7 +133,7 @@ def padded_length(length: int) -> int:
     return -(-length // step) * step
 
 
-def _packed_layout(params: PackedSeqParams, device: torch.device) -> _PackedLayout:
+def _packed_layout(params: PackedSeqParams, device: torch.device) -> _AttentionBuckets:
     """Bucket the packed sequences by :func:`padded_length`, built once per micro-batch:
     every layer gets the same ``params`` object, which caches it."""
     cached = getattr(params, "_sdpa_layout", None)
@@ -156,7 +156,7 @@ def _packed_layout(params: PackedSeqParams, device: torch.device) -> _PackedLayo
             )
         rows.append(index.to(device))
         offset += len(bucket) * padded
-    layout = _PackedLayout(rows, torch.tensor(unpack, dtype=torch.int64, device=device))
+    layout = _AttentionBuckets(rows, torch.tensor(unpack, dtype=torch.int64, device=device))
     params._sdpa_layout = layout
     return layout
 

@@ -20,7 +20,7 @@ import torch
 
 
 @dataclasses.dataclass(frozen=True)
-class QKVLayout:
+class QKVRows:
     """The fused q/k/v row layout of one attention layer."""
 
     heads: int
@@ -28,7 +28,7 @@ class QKVLayout:
     head_dim: int
 
     @classmethod
-    def of(cls, cfg: Any) -> QKVLayout:
+    def of(cls, cfg: Any) -> QKVRows:
         """From a model config with megatron's field names (``GPTModelConfig``,
         ``TransformerConfig``): ``num_query_groups`` None means one per head, ``kv_channels``
         None means ``hidden_size // num_attention_heads``."""

@@ -22,8 +22,8 @@ from megatron_multilora.training.checkpoints import (
 )
 from megatron_multilora.training.config import RunConfig, adapter_job
 from megatron_multilora.training.jobs.board import JobBoard
+from megatron_multilora.training.mailbox.folder import SERVE_DIR
 from megatron_multilora.training.report.metrics import METRICS_FILE, keep_first_records
-from megatron_multilora.training.serve.inbox import SERVE_DIR
 from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
 
 # What a run writes into run_dir (its recorded hydra/ config aside): moved to

@@ -41,11 +41,11 @@ from megatron_multilora.training.jobs.states import (
     STOPPED,
     TRAINING,
 )
+from megatron_multilora.training.mailbox.trainer_side import TrainerMailbox
 from megatron_multilora.training.model_setup import build_run_model, precision_summary
 from megatron_multilora.training.report.run_report import RunReport
 from megatron_multilora.training.report.tables import AdapterTaskEval
 from megatron_multilora.training.resume import RunCheckpoints
-from megatron_multilora.training.serve.mailbox import ServeMailbox
 from megatron_multilora.training.step.micro_batches import agree
 from megatron_multilora.training.step.train_step import SlotTrainStep
 from megatron_multilora.training.stop import STOP_REQUESTED, RunStopped, received
@@ -103,7 +103,7 @@ class Trainer:
         )
         for spec in run.adapters:
             self.board.add(spec)
-        self.mailbox = ServeMailbox(
+        self.mailbox = TrainerMailbox(
             Path(run.run_dir),
             self.is_main,
             self.dp_size,

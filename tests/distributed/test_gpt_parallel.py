@@ -156,10 +156,10 @@ def test_fully_sharded_checkpoint_and_export_equal_default_mode(layout, tmp_path
     mm.clear_adapter_slot(model, 0, init_key="fresh")
     mm.init_adapter_slot(model, 0, 3, 6.0)
     for path_name, layer in named_multi_lora_modules(model):
-        a = layer.layout.gather(A, layer.adapters[0].linear_in.weight.detach())
-        if layer.layout.rank_is_split and not (a[3:].abs().sum() == 0 and a[:3].abs().sum() > 0):
+        a = layer.tp_layout.gather(A, layer.adapters[0].linear_in.weight.detach())
+        if layer.tp_layout.rank_is_split and not (a[3:].abs().sum() == 0 and a[:3].abs().sum() > 0):
             failures.append(f"{path_name}: rank 3 not masked on the global rank rows")
-    rank_split = [layer.layout.rank_is_split for layer in mm.multi_lora_modules(model)]
+    rank_split = [layer.tp_layout.rank_is_split for layer in mm.multi_lora_modules(model)]
     if not any(rank_split):
         failures.append("no layer splits A's rank dim: the test does not test fully sharded")
     exported = get_slot_tensors(model, 0)

@@ -87,7 +87,7 @@ def test_tp2_layer_matches_unsharded_reference(layout, kind, sp, fully, counts):
     # Fully sharded: A split on its rank dim (column) and B on its output dim (row) too.
     a_dim = {"row": 1, "column": 0 if fully else None}.get(kind)
     b_dim = {"column": 0, "row": 0 if fully else None}.get(kind)
-    assert (layer.layout.split_dim(A), layer.layout.split_dim(B)) == (a_dim, b_dim)
+    assert (layer.tp_layout.split_dim(A), layer.tp_layout.split_dim(B)) == (a_dim, b_dim)
     with torch.no_grad():
         for i, f in enumerate(slots):
             layer.init_adapter_slot(i, f.rank, f.alpha)

@@ -13,8 +13,8 @@ import pytest
 import megatron_multilora as mm
 from megatron_multilora.checkpoint.files import verify_manifest
 from megatron_multilora.training.checkpoints import CheckpointError
+from megatron_multilora.training.mailbox import folder
 from megatron_multilora.training.report.metrics import read_metrics
-from megatron_multilora.training.serve import inbox
 from megatron_multilora.training.stop import RunStopped, stop_on_signals
 from tests.recipe.conftest import QUIET, compose_run, job, losses_by_adapter, run_in_process
 
@@ -185,8 +185,8 @@ def test_starting_over_moves_the_earlier_run_aside(why, finished, demo_data, tmp
         if why.startswith("checkpoint.")
         else ["adapters", "metrics.jsonl"]
     )
-    earlier = inbox.read_status(finished)["updated_at"]
-    assert inbox.read_status(run_dir)["updated_at"] > earlier  # written by the new run
+    earlier = folder.read_status(finished)["updated_at"]
+    assert folder.read_status(run_dir)["updated_at"] > earlier  # written by the new run
 
 
 def test_explicit_older_checkpoint_sets_the_newer_ones_aside(finished, demo_data, tmp_path, capsys):

@@ -16,8 +16,8 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
+from megatron_multilora.training.mailbox import folder
 from megatron_multilora.training.report.metrics import read_metrics
-from megatron_multilora.training.serve import inbox
 from tests.recipe.conftest import job, job_fields, losses_by_adapter
 from tests.recipe.test_cli import ROOT, finish, last_train_step, latest_step
 from tests.recipe.test_cli import command as launch_command
@@ -86,18 +86,22 @@ def wait_for(what, proc: subprocess.Popen, log: Path, timeout: float = 240):
 
 def event_step(run_dir: Path, kind: str, name: str) -> int | None:
     return next(
-        (e["step"] for e in inbox.read_events(run_dir) if e["event"] == kind and e["name"] == name),
+        (
+            e["step"]
+            for e in folder.read_events(run_dir)
+            if e["event"] == kind and e["name"] == name
+        ),
         None,
     )
 
 
 def refusals(run_dir: Path) -> dict[str, str]:
     """The refused submissions' reasons, by name."""
-    return {e["name"]: e["reason"] for e in inbox.read_events(run_dir) if e["event"] == "refuse"}
+    return {e["name"]: e["reason"] for e in folder.read_events(run_dir) if e["event"] == "refuse"}
 
 
 def status(run_dir: Path) -> dict:
-    return inbox.read_status(run_dir)
+    return folder.read_status(run_dir)
 
 
 def job_row(run_dir: Path, name: str) -> dict:
@@ -198,8 +202,8 @@ def test_cancel_hands_the_slot_on_stop_checkpoints_and_a_job_submitted_while_dow
     # Submissions the trainer finds broken (written past `mmlora submit`, whose checks would
     # refuse them: a missing dataset, a reserved name) are refused and journaled; training
     # goes on.
-    inbox.submit(run, {"name": "ghost", "dataset": str(tmp_path / "gone.jsonl"), "max_steps": 5})
-    inbox.submit(run, job_fields("base", demo_data, "add", 5))
+    folder.submit(run, {"name": "ghost", "dataset": str(tmp_path / "gone.jsonl"), "max_steps": 5})
+    folder.submit(run, job_fields("base", demo_data, "add", 5))
     refused = wait_for(lambda: (r := refusals(run)).keys() >= {"ghost", "base"} and r, proc, log)
     assert "gone.jsonl" in refused["ghost"] and "name='base': reserved" in refused["base"]
     assert not {"ghost", "base"} & {j["name"] for j in status(run)["jobs"]}

@@ -44,7 +44,7 @@ def test_wraps_all_four_targets_and_trains_only_adapters():
     # qkv: 32 -> (4 + 2*2) heads * 8 = 64 outputs, 3 slots of rank 4: 3 * 4 * (32 + 64)
     qkv = model.decoder.layers[0].self_attention.linear_qkv
     gated = {
-        n.rsplit(".", 1)[-1]: m.layout.gated
+        n.rsplit(".", 1)[-1]: m.tp_layout.gated
         for n, m in mm.layers.lifecycle.named_multi_lora_modules(model)
     }
     assert gated == {

@@ -19,8 +19,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from megatron_multilora import cli
-from megatron_multilora.cli import serve as serve_cli
-from megatron_multilora.training.serve import inbox
+from megatron_multilora.cli import jobs as jobs_cli
+from megatron_multilora.training.mailbox import folder
 
 REPO = Path(__file__).resolve().parents[2]
 GOOD_LINES = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(4)]
@@ -204,7 +204,7 @@ def test_submit_refuses_a_duplicate_of_a_submitted_name(run_dir, data, tmp_path)
 
 
 def test_submit_checks_the_batch_against_the_reported_data_parallel_size(run_dir, data, tmp_path):
-    inbox.write_status(run_dir, live_status(dp_size=2))
+    folder.write_status(run_dir, live_status(dp_size=2))
     spec = spec_file(tmp_path, good_spec(data, global_batch_size=3))
     code, _, err = run_cli("submit", "--run-dir", run_dir, spec)
     assert (
@@ -248,7 +248,7 @@ def test_submit_lands_one_file_with_absolute_paths(run_dir, data, tmp_path, monk
     assert "submitted job newjob" in out and "when the run is resumed" in out  # no trainer yet
     added = set(snapshot(run_dir)) - set(before)
     assert added == {"serve", "serve/submitted", "serve/submitted/newjob.json"}
-    [sub] = inbox.submissions(run_dir)
+    [sub] = folder.submissions(run_dir)
     assert sub.job == {
         "name": "newjob",
         "dataset": str(data / "train.jsonl"),
@@ -259,10 +259,10 @@ def test_submit_lands_one_file_with_absolute_paths(run_dir, data, tmp_path, monk
 
 
 def test_submit_to_a_live_trainer_says_next_step_boundary(run_dir, data, tmp_path):
-    inbox.write_status(run_dir, live_status())
+    folder.write_status(run_dir, live_status())
     code, out, _ = run_cli("submit", "--run-dir", run_dir, spec_file(tmp_path, good_spec(data)))
     assert code == 0 and "at its next step boundary" in out
-    inbox.write_status(run_dir, live_status(state="stopped"))
+    folder.write_status(run_dir, live_status(state="stopped"))
     spec = spec_file(tmp_path, good_spec(data, name="other"))
     code, out, _ = run_cli("submit", "--run-dir", run_dir, spec)
     assert code == 0 and "when the run is resumed" in out
@@ -298,13 +298,13 @@ def test_racing_submissions_of_one_name_land_exactly_one(run_dir, data, tmp_path
     assert sorted(code for code, _ in outcomes) == [0] + [2] * 7
     for code, err in outcomes:
         assert code == 0 or "a job of that name was already submitted" in err
-    assert sorted(os.listdir(inbox.serve_dir(run_dir) / "submitted")) == ["newjob.json"]
+    assert sorted(os.listdir(folder.serve_dir(run_dir) / "submitted")) == ["newjob.json"]
 
 
 def test_racing_submissions_of_two_names_both_land(run_dir, data, tmp_path):
     specs = [spec_file(tmp_path, good_spec(data, name=n), name=f"{n}.json") for n in ("a1", "b2")]
     assert [code for code, _ in _race(run_dir, specs)] == [0, 0]
-    assert sorted(os.listdir(inbox.serve_dir(run_dir) / "submitted")) == ["a1.json", "b2.json"]
+    assert sorted(os.listdir(folder.serve_dir(run_dir) / "submitted")) == ["a1.json", "b2.json"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,7 +321,7 @@ def test_status_merges_reports_submissions_cancels_and_refusals(
 ):
     _submit(run_dir, data, tmp_path, "pending")
     _submit(run_dir, data, tmp_path, "turned-down")
-    inbox.append_event(
+    folder.append_event(
         run_dir,
         {
             "event": "refuse",
@@ -330,12 +330,12 @@ def test_status_merges_reports_submissions_cancels_and_refusals(
             "reason": "rank 16 exceeds the free memory",
         },
     )
-    inbox.request_cancel(run_dir, "reverse")
+    folder.request_cancel(run_dir, "reverse")
     status = live_status()
-    inbox.write_status(run_dir, status)
+    folder.write_status(run_dir, status)
     # Read 64.6 s after the report, however slow this machine's disk: "updated 1m05s ago".
     monkeypatch.setattr(
-        serve_cli, "time", types.SimpleNamespace(time=lambda: status["updated_at"] + 64.6)
+        jobs_cli, "time", types.SimpleNamespace(time=lambda: status["updated_at"] + 64.6)
     )
     code, out, err = run_cli("status", "--run-dir", run_dir)
     assert (code, err) == (0, "")
@@ -372,9 +372,9 @@ def test_status_without_a_trainer_report_lists_submissions(run_dir, data, tmp_pa
 def test_status_json_and_a_dead_trainer(run_dir, data, tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # a pid that no longer lives
-    inbox.write_status(run_dir, live_status(pid=dead.pid))
+    folder.write_status(run_dir, live_status(pid=dead.pid))
     _submit(run_dir, data, tmp_path, "pending")
-    inbox.request_stop(run_dir)
+    folder.request_stop(run_dir)
     code, out, _ = run_cli("status", "--run-dir", run_dir, "--json")
     report = json.loads(out)
     assert code == 0 and report["trainer_alive"] is False and report["stop_requested"] is True
@@ -397,7 +397,7 @@ def test_status_refuses_a_folder_that_is_not_a_run_directory(tmp_path):
 
 
 def test_cancel_refuses_unknown_and_ended_jobs(run_dir):
-    inbox.write_status(run_dir, live_status())
+    folder.write_status(run_dir, live_status())
     before = snapshot(run_dir)
     code, _, err = run_cli("cancel", "--run-dir", run_dir, "nosuch")
     assert code == 2 and "no job named 'nosuch'" in err and "reverse" in err
@@ -407,25 +407,25 @@ def test_cancel_refuses_unknown_and_ended_jobs(run_dir):
 
 
 def test_cancel_requests_an_active_a_configured_and_a_submitted_job(run_dir, data, tmp_path):
-    inbox.write_status(run_dir, live_status())
+    folder.write_status(run_dir, live_status())
     _submit(run_dir, data, tmp_path, "pending")
     for name in ("reverse", "sort", "pending"):  # reported, config only, submission only
         code, out, err = run_cli("cancel", "--run-dir", run_dir, name)
         assert (code, err) == (0, "") and "at its next step boundary" in out
-    assert inbox.cancel_requests(run_dir) == {"reverse", "sort", "pending"}
+    assert folder.cancel_requests(run_dir) == {"reverse", "sort", "pending"}
 
 
 def test_stop_requests_a_stop(run_dir):
-    inbox.write_status(run_dir, live_status())
+    folder.write_status(run_dir, live_status())
     code, out, _ = run_cli("stop", "--run-dir", run_dir)
     assert code == 0 and "same launch command" in out
-    assert inbox.stop_requested(run_dir)
+    assert folder.stop_requested(run_dir)
 
 
 def test_stop_refuses_a_folder_that_is_not_a_run_directory(tmp_path):
     code, _, err = run_cli("stop", "--run-dir", tmp_path)
     assert code == 2 and "is not a run directory" in err
-    assert not inbox.stop_requested(tmp_path)
+    assert not folder.stop_requested(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,7 +468,7 @@ def test_installed_as_the_mmlora_command(run_dir):
         timeout=120,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
-    assert done.returncode == 0 and inbox.stop_requested(run_dir), done.stderr
+    assert done.returncode == 0 and folder.stop_requested(run_dir), done.stderr
 
 
 def test_no_command_loads_torch_or_megatron(run_dir, data, tmp_path):
@@ -495,7 +495,7 @@ def test_no_command_loads_torch_or_megatron(run_dir, data, tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [[0, 0, 0, 0], []], done.stdout
-    assert inbox.submitted_names(run_dir) == {"newjob"} and inbox.stop_requested(run_dir)
+    assert folder.submitted_names(run_dir) == {"newjob"} and folder.stop_requested(run_dir)
 
 
 def test_version_and_the_verbs_a_user_looks_for():

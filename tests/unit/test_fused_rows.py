@@ -3,7 +3,7 @@ import torch
 
 from megatron_multilora import GPTModelConfig
 from megatron_multilora.ops.fused_rows import (
-    QKVLayout,
+    QKVRows,
     fuse_gate_up,
     shard_gate_up,
     split_gate_up,
@@ -17,16 +17,16 @@ def _rows(n: int, first: int, cols: int = 3) -> torch.Tensor:
 
 
 def test_qkv_layout_from_config_defaults():
-    assert QKVLayout.of(GPTModelConfig(hidden_size=32, num_attention_heads=4)) == QKVLayout(4, 4, 8)
+    assert QKVRows.of(GPTModelConfig(hidden_size=32, num_attention_heads=4)) == QKVRows(4, 4, 8)
     cfg = GPTModelConfig(hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=6)
-    assert QKVLayout.of(cfg) == QKVLayout(4, 2, 6)
-    assert QKVLayout.of(cfg).part_rows() == (24, 12, 12)
+    assert QKVRows.of(cfg) == QKVRows(4, 2, 6)
+    assert QKVRows.of(cfg).part_rows() == (24, 12, 12)
 
 
 @pytest.mark.parametrize("heads,groups", [(4, 2), (4, 4), (6, 1)])
 def test_qkv_fuse_is_megatrons_per_group_order_and_split_inverts_it(heads, groups):
     d = 2
-    layout = QKVLayout(heads, groups, d)
+    layout = QKVRows(heads, groups, d)
     q, k, v = _rows(heads * d, 0), _rows(groups * d, 100), _rows(groups * d, 200)
     fused = layout.fuse(q, k, v)
     # Written out by hand: each group's q heads, then its k head, then its v head.
@@ -45,7 +45,7 @@ def test_qkv_fuse_is_megatrons_per_group_order_and_split_inverts_it(heads, group
 
 
 def test_qkv_round_trip_of_a_bias_and_of_lora_b():
-    layout = QKVLayout(4, 2, 2)
+    layout = QKVRows(4, 2, 2)
     bias = torch.arange(16.0)  # 1-D: a qkv bias
     assert torch.equal(layout.fuse(*layout.split(bias)), bias)
     b = torch.randn(16, 5)  # [out, r]: a LoRA B

@@ -5,6 +5,8 @@ functions and files of the package stay short enough to read."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,7 +24,7 @@ LEVELS = {
     "data": 3,
     "checkpoint": 4,
     "training": 5,
-    "service": 5.5,  # the training service: the engine over training's step, its HTTP front
+    "api": 5.5,  # the training service: the engine over training's step, its HTTP front
     "cli": 6,
     "benchmarks": 7,  # the benchmark package, above all of the package
 }
@@ -122,3 +124,35 @@ def test_functions_and_files_are_short():
         f"functions of over {MAX_FUNCTION_STATEMENTS} statements or files of over "
         f"{MAX_FILE_STATEMENTS}:\n" + "\n".join(long)
     )
+
+
+# The training service's HTTP side: requests, keys, futures, the wire format, listings.
+HTTP_SIDE = [
+    "front",
+    "listings",
+    "routes",
+    "request_checks",
+    "call_queue",
+    "futures",
+    "wire",
+    "checkpoint_index",
+    "api_keys",
+    "ops",
+]
+
+
+def test_the_apis_http_side_imports_no_torch():
+    """Importing it with torch and megatron made unimportable succeeds (the tinker SDK itself
+    falls back without torch): only the engine's side needs them."""
+    blocker = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('torch', 'megatron'):\n"
+        "            raise ImportError(f'{name} is blocked')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        + "".join(f"import megatron_multilora.api.{m}\n" for m in HTTP_SIDE)
+        + "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", blocker], cwd=REPO, capture_output=True, text=True)
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]

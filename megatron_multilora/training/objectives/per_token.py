@@ -9,19 +9,13 @@ Inputs per position (``Example.values``): ``cross_entropy``: ``weights``;
 
 from __future__ import annotations
 
+from megatron_multilora.training.objectives.loss_inputs import INPUTS
 from megatron_multilora.training.objectives.objective import Objective
 from megatron_multilora.training.objectives.token_losses import (
     cross_entropy,
     importance_sampling,
     ppo,
 )
-
-# Each loss's per-position inputs besides the target tokens.
-INPUTS = {
-    "cross_entropy": ("weights",),
-    "importance_sampling": ("logprobs", "advantages"),
-    "ppo": ("logprobs", "advantages"),
-}
 
 
 class PerTokenLoss(Objective):

@@ -5,7 +5,7 @@ every adapter. With the KV cache (dense models without sequence or pipeline para
 keys and values stay in megatron's static inference context and each step runs one new token
 per prompt; otherwise every step re-runs each prompt's whole prefix, packed, through the
 pipeline schedule. Both give the same tokens. Either way the slot layout reaches the adapted
-layers with the call (``layers/micro_batch_layout.py``), as in training.
+layers with the call (``layers/slot_layout_route.py``), as in training.
 
 Each next token is chosen by a ``Pick`` from its row's logits (greedy: the argmax; sampling:
 ``step/sampling.py``, whose draws are keyed per row and token so that a row's samples do
@@ -24,7 +24,7 @@ from megatron.core import parallel_state
 from megatron_multilora.data.datasets import Example
 from megatron_multilora.data.packing import MicroBatch
 from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
-from megatron_multilora.layers.micro_batch_layout import SlotInferenceContext
+from megatron_multilora.layers.slot_layout_route import SlotInferenceContext
 from megatron_multilora.ops.slot_layout import SlotLayout
 from megatron_multilora.training.step.evaluation import eval_mode
 from megatron_multilora.training.step.micro_batches import MicroBatcher

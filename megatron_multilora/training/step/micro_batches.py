@@ -14,7 +14,7 @@ From each slot's examples to what a model chunk is called with, in one place:
    and, under pipelining, to one length for all (one p2p tensor shape per step);
 4. **chunk inputs**: tokens, positions, labels, megatron's MoE padding mask (split over
    sequence-parallel ranks after the first stage) and the ``thd`` packing description carrying
-   the slot layout to the adapted layers (:func:`~megatron_multilora.layers.micro_batch_layout.with_slot_layout`).
+   the slot layout to the adapted layers (:func:`~megatron_multilora.layers.slot_layout_route.with_slot_layout`).
 
 Pads carry no loss and attend only among themselves, so none of this changes any adapter's
 gradient (see ``schedule.run_schedule`` for the MoE auxiliary loss).
@@ -33,7 +33,7 @@ from megatron.core import parallel_state
 from megatron_multilora.data.datasets import Packable
 from megatron_multilora.data.packing import MicroBatch, pack_micro_batches, pad_micro_batch
 from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
-from megatron_multilora.layers.micro_batch_layout import with_slot_layout
+from megatron_multilora.layers.slot_layout_route import with_slot_layout
 from megatron_multilora.parallel import collective_device
 
 

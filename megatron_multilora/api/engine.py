@@ -16,27 +16,25 @@ and, on a Hugging Face base, a PEFT one).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import math
 import traceback
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from safetensors.torch import load_file, save_file
 
+from megatron_multilora.api import wire
+from megatron_multilora.api.futures import ERROR, JSON, PROTOBUF, Result
+from megatron_multilora.api.ops import STATE_META, Op, OpError, read_state_meta
 from megatron_multilora.atomic_files import write_dir_atomic, write_json_atomic
 from megatron_multilora.checkpoint.adapter_files import export_adapter, import_adapter
 from megatron_multilora.checkpoint.peft_format import export_peft
 from megatron_multilora.data.datasets import Example
 from megatron_multilora.layers.lifecycle import clear_adapter_slot, model_chunks
-from megatron_multilora.service import wire
-from megatron_multilora.service.futures import ERROR, JSON, PROTOBUF, Result
 from megatron_multilora.training.checkpoints import restore_slot, slot_snapshot
 from megatron_multilora.training.config import AdapterJob
 from megatron_multilora.training.jobs.board import start_job
@@ -50,22 +48,6 @@ from megatron_multilora.training.step.sampling import KeyedSampler, RowSampling
 from megatron_multilora.training.step.schedule import per_slot_results_and_data
 from megatron_multilora.training.step.slot_optimizer import SlotOptimizer, slot_grad_norms
 from megatron_multilora.training.step.train_step import start_reducing_losses
-
-STATE_META = "meta.json"
-
-
-@dataclasses.dataclass
-class Op:
-    """One call to run: ``kind`` (a method of :class:`Engine`), its future's id, and its
-    arguments (plain data)."""
-
-    kind: str
-    request_id: str
-    args: dict[str, Any]
-
-
-class OpError(ValueError):
-    """A call that cannot run as asked (answered to its client, the others go on)."""
 
 
 def client_job(name: str, rank: int) -> AdapterJob:
@@ -413,10 +395,3 @@ class Engine:
         values = target_logprobs(self.model, slot_examples, self.batcher, adapters=True)
         scored = {request_id: [math.nan] + values[slot][i] for request_id, slot, i in order}
         return {op.request_id: scored.get(op.request_id, [math.nan]) for op in asked}
-
-
-def read_state_meta(folder: Path) -> dict:
-    try:
-        return json.loads((folder / STATE_META).read_text())
-    except (OSError, ValueError) as err:
-        raise OpError(f"cannot read the training state {folder}: {err}") from None

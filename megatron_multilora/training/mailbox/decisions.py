@@ -1,4 +1,4 @@
-"""Serve mode's decisions: what the run directory's mailbox (:mod:`.inbox`) asks for,
+"""Serve mode's decisions: what the run directory's mailbox (:mod:`.folder`) asks for,
 turned into the jobs to add and cancel at a step boundary.
 
 Rank 0 counts the pending requests before each step (the count rides in the step's
@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from megatron_multilora.training.config import AdapterJob
-from megatron_multilora.training.serve import inbox
+from megatron_multilora.training.mailbox import folder
 
 # (job, problems) of a submission: the trainer's checks against the run
-Check = Callable[[inbox.Submission], tuple[AdapterJob | None, list[str]]]
+Check = Callable[[folder.Submission], tuple[AdapterJob | None, list[str]]]
 
 
 class JobRequests:
@@ -37,7 +37,7 @@ class JobRequests:
         order, each with its start step), and the cancellations from ``step`` on scheduled
         for their boundaries; earlier decisions are the checkpoint's state."""
         jobs = []
-        for event in inbox.read_events(self.run_dir):
+        for event in folder.read_events(self.run_dir):
             (self.cancel_handled if event["event"] == "cancel" else self.decided).add(event["name"])
             if event["step"] < step:
                 continue
@@ -50,8 +50,8 @@ class JobRequests:
     def pending(self) -> int:
         """Rank 0, before each step: submissions not decided yet and cancel requests not
         handled yet (file names only: cheap enough for every step)."""
-        return len(inbox.submitted_names(self.run_dir) - self.decided) + len(
-            inbox.cancel_requests(self.run_dir) - self.cancel_handled
+        return len(folder.submitted_names(self.run_dir) - self.decided) + len(
+            folder.cancel_requests(self.run_dir) - self.cancel_handled
         )
 
     def decide(
@@ -61,7 +61,7 @@ class JobRequests:
         ``names``: the run's jobs; ``ended``: those that ended."""
         decision: dict[str, list] = {"add": [], "cancel": []}
         names = set(names)
-        for sub in inbox.submissions(self.run_dir, skip=self.decided):
+        for sub in folder.submissions(self.run_dir, skip=self.decided):
             self.decided.add(sub.name)
             if sub.name in names:
                 job, problems = None, [f"a job named {sub.name} is already in the run"]
@@ -69,22 +69,22 @@ class JobRequests:
                 job, problems = check(sub)
             if problems:
                 reason = "; ".join(problems)
-                inbox.append_event(
+                folder.append_event(
                     self.run_dir,
                     {"event": "refuse", "name": sub.name, "step": step, "reason": reason},
                 )
                 say(f"step {step}: submitted job {sub.name} refused: {reason}")
                 continue
             added = {**dataclasses.asdict(job), "start_step": step}
-            inbox.append_event(
+            folder.append_event(
                 self.run_dir, {"event": "add", "name": sub.name, "step": step, "job": added}
             )
             decision["add"].append(added)
             names.add(sub.name)
-        for name in sorted(inbox.cancel_requests(self.run_dir) - self.cancel_handled):
+        for name in sorted(folder.cancel_requests(self.run_dir) - self.cancel_handled):
             self.cancel_handled.add(name)
             if name in names and name not in ended:
-                inbox.append_event(self.run_dir, {"event": "cancel", "name": name, "step": step})
+                folder.append_event(self.run_dir, {"event": "cancel", "name": name, "step": step})
                 decision["cancel"].append(name)
         return decision
 

@@ -2,8 +2,8 @@
 
 import asyncio
 
-from megatron_multilora.service import futures
-from megatron_multilora.service.futures import JSON, Futures, Result
+from megatron_multilora.api import futures
+from megatron_multilora.api.futures import JSON, Futures, Result
 
 
 def test_results_are_kept_for_a_while_then_forgotten(monkeypatch):

@@ -1,5 +1,5 @@
 """The trainer's side of the run directory's mailbox: decisions on requests at a step
-boundary, taken on rank 0 (journaled before they take effect, :mod:`.requests`) and
+boundary, taken on rank 0 (journaled before they take effect, :mod:`.decisions`) and
 broadcast, and the status report ``mmlora status`` reads."""
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import torch.distributed as dist
 from megatron_multilora.training.config import AdapterJob, ConfigError, adapter_job
 from megatron_multilora.training.jobs.board import JobBoard
 from megatron_multilora.training.jobs.states import ACTIVE, ENDED
-from megatron_multilora.training.serve import inbox
-from megatron_multilora.training.serve.requests import JobRequests
+from megatron_multilora.training.mailbox import folder
+from megatron_multilora.training.mailbox.decisions import JobRequests
 
 # problems(job, where): what the run's checks find wrong with a submitted job now
 JobCheck = Callable[[AdapterJob, str], list[str]]
 
 
-class ServeMailbox:
+class TrainerMailbox:
     """``run_dir``'s requests for a run of ``dp_size`` data-parallel ranks; ``check`` re-checks
     each submission when it is decided on (``mmlora submit`` checked it, but files and the run
     may have changed since, and anyone can write the folder)."""
@@ -41,12 +41,12 @@ class ServeMailbox:
         return self.requests.pending() if self.is_main else 0
 
     def stop_requested(self) -> bool:
-        return self.is_main and inbox.stop_requested(self.run_dir)
+        return self.is_main and folder.stop_requested(self.run_dir)
 
     def stop_honoured(self) -> None:
         """A resumed run trains on."""
         if self.is_main:
-            inbox.clear_stop_request(self.run_dir)
+            folder.clear_stop_request(self.run_dir)
 
     def replay(self, step: int, known: set[str]) -> list[dict[str, Any]]:
         return self.requests.replay(step, known)
@@ -75,7 +75,7 @@ class ServeMailbox:
         """Cancels a resumed run replays at this boundary (no request pending)."""
         return self.requests.cancels_at(step, [])
 
-    def _checked(self, sub: inbox.Submission) -> tuple[AdapterJob | None, list[str]]:
+    def _checked(self, sub: folder.Submission) -> tuple[AdapterJob | None, list[str]]:
         where = f"submitted job {sub.name}"
         try:
             job = adapter_job(sub.job, where)
@@ -117,7 +117,7 @@ class ServeMailbox:
                     "source": job.source,
                 }
             )
-        inbox.write_status(
+        folder.write_status(
             self.run_dir,
             {
                 "state": state,

@@ -10,7 +10,7 @@ import numpy as np
 from starlette.responses import JSONResponse
 from tinker import types
 
-from megatron_multilora.service import wire
+from megatron_multilora.api import wire
 
 # The SDK's simplest paths: plain API keys, uncompressed bodies sent one by one, a future
 # polled per call. Its default transport (pyqwest) stays on: on httpx's, tinker 0.38 left a

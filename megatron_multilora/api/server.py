@@ -1,5 +1,5 @@
 """The service's run: the run's model (every rank), the HTTP front (rank 0, in a thread) and
-the engine loop: rank 0 takes the ready calls from the inbox, every rank receives them
+the engine loop: rank 0 takes the ready calls from the call queue, every rank receives them
 (one broadcast) and runs them, so calls run under any parallel layout as a step does.
 
     mmlora api --run-dir R --port P [OVERRIDE ...]   # the recipe with api.enabled=true
@@ -15,21 +15,21 @@ from pathlib import Path
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_multilora.api.call_queue import CallQueue
+from megatron_multilora.api.engine import Engine
+from megatron_multilora.api.front import Front, Limits
+from megatron_multilora.api.futures import Futures
+from megatron_multilora.api.routes import build_app
+from megatron_multilora.api.status import ServiceStatus
 from megatron_multilora.data.tokenizer import ByteTokenizer, HFTokenizer
 from megatron_multilora.errors import RunError
 from megatron_multilora.models.hf_config import read_hf_config
 from megatron_multilora.models.hf_import import load_hf_tokenizer
 from megatron_multilora.parallel import destroy_parallel, init_parallel
-from megatron_multilora.service.engine import Engine
-from megatron_multilora.service.front import Front, Limits
-from megatron_multilora.service.futures import Futures
-from megatron_multilora.service.inbox import Inbox
-from megatron_multilora.service.routes import build_app
-from megatron_multilora.service.status import ServiceStatus
 from megatron_multilora.training.config import RunConfig, base_model_config
 from megatron_multilora.training.jobs.states import STOPPED
+from megatron_multilora.training.mailbox import folder
 from megatron_multilora.training.model_setup import build_run_model
-from megatron_multilora.training.serve import inbox as run_requests
 from megatron_multilora.training.step.micro_batches import MicroBatcher
 from megatron_multilora.training.stop import received
 
@@ -85,10 +85,10 @@ def serve_api(run: RunConfig, keys: dict[str, str], say: Callable[[str], None] =
     while True:
         message = [None]
         if front:
-            stop = received() or run_requests.stop_requested(run.run_dir)
+            stop = received() or folder.stop_requested(run.run_dir)
             front.sweep()
             message = [
-                ("stop", None) if stop else ("run", front.inbox.take(timeout=0.5, window=window))
+                ("stop", None) if stop else ("run", front.calls.take(timeout=0.5, window=window))
             ]
             status.write()
         dist.broadcast_object_list(message, src=0)
@@ -108,7 +108,7 @@ def serve_api(run: RunConfig, keys: dict[str, str], say: Callable[[str], None] =
                 )
     if front:
         status.write(STOPPED, force=True)
-        run_requests.clear_stop_request(run.run_dir)
+        folder.clear_stop_request(run.run_dir)
         say(
             "api: stopped (clients' saved states stay in the run folder; a restart on it "
             "serves them)"
@@ -135,7 +135,7 @@ def _start_front(
     )
     loop = asyncio.new_event_loop()
     front = Front(
-        keys, limits, run_dir, Inbox(api.max_pending), Futures(loop), api.session_timeout_s
+        keys, limits, run_dir, CallQueue(api.max_pending), Futures(loop), api.session_timeout_s
     )
     server = uvicorn.Server(
         uvicorn.Config(

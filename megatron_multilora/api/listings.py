@@ -10,8 +10,8 @@ from datetime import UTC, datetime
 from starlette.requests import Request
 from tinker import types
 
-from megatron_multilora.service.front import Front
-from megatron_multilora.service.requests import Refused
+from megatron_multilora.api.front import Front
+from megatron_multilora.api.request_checks import Refused
 
 
 class Listings:

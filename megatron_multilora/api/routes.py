@@ -11,10 +11,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from megatron_multilora.service import wire
-from megatron_multilora.service.front import Front
-from megatron_multilora.service.listings import Listings
-from megatron_multilora.service.requests import Refused, refusal
+from megatron_multilora.api import wire
+from megatron_multilora.api.front import Front
+from megatron_multilora.api.listings import Listings
+from megatron_multilora.api.request_checks import Refused, refusal
 
 
 def build_app(front: Front) -> Starlette:

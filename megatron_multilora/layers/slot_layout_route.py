@@ -118,7 +118,7 @@ def _chunk_pre_hook(linears: list[MultiLoRALinear], signature: inspect.Signature
     return pre_hook
 
 
-def install_micro_batch_layout_hooks(model: ModelOrChunks) -> None:
+def install_slot_layout_route(model: ModelOrChunks) -> None:
     """Hook every transformer layer holding multi-LoRA linears (and each chunk holding some
     outside its layers) to take the layout from the call's carrier.
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from tinker import types
 
+from megatron_multilora.api.request_checks import Refused
 from megatron_multilora.atomic_files import write_json_atomic
-from megatron_multilora.service.requests import Refused
 
 INDEX = "checkpoints.json"
 

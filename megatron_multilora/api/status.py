@@ -8,10 +8,10 @@ import os
 import socket
 import time
 
-from megatron_multilora.service.engine import Engine
-from megatron_multilora.service.front import Front
+from megatron_multilora.api.engine import Engine
+from megatron_multilora.api.front import Front
 from megatron_multilora.training.jobs.states import ACTIVE, SERVING
-from megatron_multilora.training.serve import inbox as run_requests
+from megatron_multilora.training.mailbox import folder
 
 
 class ServiceStatus:
@@ -38,7 +38,7 @@ class ServiceStatus:
             }
             for c in clients
         ]
-        run_requests.write_status(
+        folder.write_status(
             self.run_dir,
             {
                 "state": state,

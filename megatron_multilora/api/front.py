@@ -1,6 +1,6 @@
 """The HTTP front the ``tinker`` SDK talks to: what each endpoint checks (the caller's key,
 that what it names is its own, the request against the run's limits) before a call goes to
-the engine's inbox, and the answers.
+the engine's call queue, and the answers.
 
 Bad requests get a 4xx with the reason before anything changes; a call failing as it runs
 answers ``{"error", "category"}`` (the SDK raises ``RequestFailedError``). Training
@@ -23,12 +23,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from tinker import types
 
-from megatron_multilora.service import wire
-from megatron_multilora.service.checkpoint_index import CheckpointIndex
-from megatron_multilora.service.engine import Op, OpError, read_state_meta
-from megatron_multilora.service.futures import ERROR, KEEP_S, PROTOBUF, Futures
-from megatron_multilora.service.inbox import Inbox
-from megatron_multilora.service.requests import (
+from megatron_multilora.api import wire
+from megatron_multilora.api.call_queue import CallQueue
+from megatron_multilora.api.checkpoint_index import CheckpointIndex
+from megatron_multilora.api.futures import ERROR, KEEP_S, PROTOBUF, Futures
+from megatron_multilora.api.ops import Op, OpError, read_state_meta
+from megatron_multilora.api.request_checks import (
     CLIENT_CONFIG,
     Limits,
     Refused,
@@ -36,7 +36,7 @@ from megatron_multilora.service.requests import (
     refusal,
     sample_args,
 )
-from megatron_multilora.training.objectives.per_token import INPUTS
+from megatron_multilora.training.objectives.loss_inputs import INPUTS
 
 RESEND_WINDOW = 256  # a client's calls whose resend is recognised: its last ones
 
@@ -59,18 +59,18 @@ class Sampler:
 
 
 class Front:
-    """The endpoints; ``inbox`` takes the calls for the engine, ``futures`` their results."""
+    """The endpoints; ``calls`` queues the calls for the engine, ``futures`` their results."""
 
     def __init__(
         self,
         keys: dict[str, str],
         limits: Limits,
         run_dir: Path,
-        inbox: Inbox,
+        calls: CallQueue,
         futures: Futures,
         session_timeout: float,
     ) -> None:
-        self.keys, self.limits, self.inbox, self.futures = keys, limits, inbox, futures
+        self.keys, self.limits, self.calls, self.futures = keys, limits, calls, futures
         self.root = run_dir / "api"
         self.session_timeout = session_timeout
         self.lock = threading.Lock()
@@ -110,7 +110,7 @@ class Front:
                 return {"request_id": self.seen[key], **answer}
             request_id = self.futures.new(owner)
             op = Op(kind, request_id, args)
-            queued = self.inbox.put(op, client.model_id, seq_id) if key else self.inbox.put(op)
+            queued = self.calls.put(op, client.model_id, seq_id) if key else self.calls.put(op)
             if not queued:
                 raise Refused(429, "the service has too many calls waiting; retry shortly")
             if key:
@@ -221,8 +221,8 @@ class Front:
         for client in [c for c in self.clients.values() if c.session_id in gone]:
             del self.clients[client.model_id]
             self.seen = {k: v for k, v in self.seen.items() if k[0] != client.model_id}
-            self.inbox.forget(client.model_id)
-            self.inbox.put(
+            self.calls.forget(client.model_id)
+            self.calls.put(
                 Op("free", self.futures.new(client.owner), {"slot": client.slot}), force=True
             )
 
@@ -260,7 +260,7 @@ class Front:
             client = self.clients[model_id] = Client(
                 model_id, owner, session_id, free[0], rank, user_metadata
             )
-            self.inbox.start(model_id)
+            self.calls.start(model_id)
         return client
 
     async def create_model(self, request: Request, owner: str) -> dict:

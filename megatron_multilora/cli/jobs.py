@@ -1,7 +1,7 @@
 """``mmlora submit | status | cancel | stop``: talk to a serving training run.
 
 A run launched with ``trainer.serve=true`` admits jobs at step boundaries; these commands talk
-to it only through the run directory's mailbox (:mod:`megatron_multilora.training.serve.inbox`),
+to it only through the run directory's mailbox (:mod:`megatron_multilora.training.mailbox.folder`),
 so they work on any machine that sees the run directory, whether the trainer is up or not.
 Torch-free: each answers in a fraction of a second.
 """
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_multilora.cli.command import CommandError, Commands
 from megatron_multilora.training.jobs.states import ENDED, RUNNING
-from megatron_multilora.training.serve import inbox
+from megatron_multilora.training.mailbox import folder
 
 if TYPE_CHECKING:
     from megatron_multilora.training.config import AdapterJob, RunConfig
@@ -95,7 +95,7 @@ def _when_seen(status: dict[str, Any] | None) -> str:
 
 def submit(args: argparse.Namespace) -> int:
     run = _load_run(args.run_dir)
-    status = inbox.read_status(args.run_dir)
+    status = folder.read_status(args.run_dir)
     spec = _read_spec(args.spec)
     job = _validated_job(spec, args.spec, run, status, args.run_dir)
     # normalised types, absolute paths; an objective's settings as plain values
@@ -104,7 +104,7 @@ def submit(args: argparse.Namespace) -> int:
         for key in spec
     }
     try:
-        inbox.submit(args.run_dir, stored)
+        folder.submit(args.run_dir, stored)
     except FileExistsError:  # a racing submission of the same name landed first
         raise CommandError(_already_submitted(args.spec, job.name)) from None
     print(f"submitted job {job.name} to {args.run_dir}: the trainer adds it {_when_seen(status)}")
@@ -214,7 +214,7 @@ def _name_problems(name: str, where: str, run: RunConfig, run_dir: str) -> list[
         return problems
     if name in {job.name for job in run.adapters}:
         return [f"{where}: name={name!r} is already a job of the run's config; choose another name"]
-    if name in inbox.submitted_names(run_dir):
+    if name in folder.submitted_names(run_dir):
         return [_already_submitted(where, name)]
     return []
 
@@ -240,28 +240,28 @@ def status(args: argparse.Namespace) -> int:
 def run_report(run_dir: str) -> dict[str, Any]:
     """The trainer's status merged with what it has not reported yet: submissions it has not
     seen, pending cancel requests, refused submissions (with the reason)."""
-    reported = inbox.read_status(run_dir)
+    reported = folder.read_status(run_dir)
     trainer = {k: v for k, v in (reported or {}).items() if k != "jobs"} or None
     rows = [dict(row) for row in (reported or {}).get("jobs", [])]
     known = {row["name"] for row in rows}
     decided = {
-        e["name"]: e for e in inbox.read_events(run_dir) if e.get("event") in ("add", "refuse")
+        e["name"]: e for e in folder.read_events(run_dir) if e.get("event") in ("add", "refuse")
     }
-    for sub in inbox.submissions(run_dir, skip=known):
+    for sub in folder.submissions(run_dir, skip=known):
         rows.append(_submission_row(sub, decided.get(sub.name)))
-    cancelling = inbox.cancel_requests(run_dir)
+    cancelling = folder.cancel_requests(run_dir)
     for row in rows:
         row["cancel_requested"] = row["name"] in cancelling and row["status"] not in ENDED
     return {
         "run_dir": str(run_dir),
         "trainer": trainer,
         "trainer_alive": _trainer_alive(reported),
-        "stop_requested": inbox.stop_requested(run_dir),
+        "stop_requested": folder.stop_requested(run_dir),
         "jobs": rows,
     }
 
 
-def _submission_row(sub: inbox.Submission, event: dict[str, Any] | None) -> dict[str, Any]:
+def _submission_row(sub: folder.Submission, event: dict[str, Any] | None) -> dict[str, Any]:
     # "added": the trainer took it but has not reported since.
     state = {None: "submitted", "add": "added", "refuse": "refused"}[event and event["event"]]
     row = {
@@ -300,7 +300,7 @@ def _header(report: dict[str, Any]) -> str:
     if trainer is None:
         head = (
             f"{report['run_dir']}: the trainer has not reported yet (no "
-            f"{inbox.STATUS_FILE}); showing submissions only"
+            f"{folder.STATUS_FILE}); showing submissions only"
         )
     else:
         alive = {
@@ -374,7 +374,7 @@ def cancel(args: argparse.Namespace) -> int:
             f"job {args.name!r} in {args.run_dir} has already ended "
             f"({row['status']}); there is nothing to cancel"
         )
-    inbox.request_cancel(args.run_dir, args.name)
+    folder.request_cancel(args.run_dir, args.name)
     print(
         f"cancel of {args.name} requested: the trainer stops it "
         f"{_when_seen(report['trainer'])}, exports its adapter as it stands (if it trained) "
@@ -385,8 +385,8 @@ def cancel(args: argparse.Namespace) -> int:
 
 def stop(args: argparse.Namespace) -> int:
     _run_config_path(args.run_dir)
-    status_now = inbox.read_status(args.run_dir)
-    inbox.request_stop(args.run_dir)
+    status_now = folder.read_status(args.run_dir)
+    folder.request_stop(args.run_dir)
     if _trainer_running(status_now) and status_now.get("service"):
         print(
             "stop requested: the training service stops after its current calls; its "

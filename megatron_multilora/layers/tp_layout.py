@@ -1,5 +1,5 @@
 """What a layout is: where a LoRA slot's factors live across ranks and how its LoRA term
-meets the wrapped base's output. :class:`Layout` is the TP-replicated base and the questions
+meets the wrapped base's output. :class:`TPLayout` is the TP-replicated base and the questions
 every layout answers; the TP layouts are in :mod:`.sharding`, the experts' in
 :mod:`.expert_sharding`."""
 
@@ -41,13 +41,12 @@ def add_lora(base_out: torch.Tensor, lora: torch.Tensor) -> torch.Tensor:
     return base_out.add_(lora) if owns_output(base_out) else base_out + lora
 
 
-class Layout:
+class TPLayout:
     """A TP-replicated base (or any base at TP=1 that is neither column- nor row-parallel),
     and what every layout answers: where each factor is split, how a full factor is
     sharded and gathered, which collective ``mid`` takes, and how the LoRA term meets the
     base's output."""
 
-    kind = "replicated"
     rank_is_split = False  # A's rank rows split over the ranks (then computed at max rank)
 
     def __init__(

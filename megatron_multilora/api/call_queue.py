@@ -1,7 +1,7 @@
 """Calls waiting for the engine, in each client's order.
 
 A training client's calls carry the SDK's ``seq_id`` (1, 2, ... over all its calls): the
-inbox hands out a client's call only when every earlier one has been handed out, at most
+queue hands out a client's call only when every earlier one has been handed out, at most
 one per client per batch, so a client's calls apply in its order while different clients'
 calls share a batch. Other calls (creations, samples) wait in arrival order. A bounded
 number of calls may wait (beyond it the front answers 429, the SDK's backpressure).
@@ -12,10 +12,10 @@ from __future__ import annotations
 import threading
 import time
 
-from megatron_multilora.service.engine import Op
+from megatron_multilora.api.ops import Op
 
 
-class Inbox:
+class CallQueue:
     def __init__(self, max_pending: int) -> None:
         self.max_pending = max_pending
         self._cond = threading.Condition()
@@ -28,7 +28,7 @@ class Inbox:
     def put(
         self, op: Op, client: str | None = None, seq_id: int | None = None, force: bool = False
     ) -> bool:
-        """Queue ``op`` (False: the inbox is full; ``force``: queued anyway)."""
+        """Queue ``op`` (False: the queue is full; ``force``: queued anyway)."""
         with self._cond:
             if self._pending >= self.max_pending and not force:
                 return False
