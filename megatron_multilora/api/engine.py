@@ -38,7 +38,7 @@ from megatron_multilora.layers.lifecycle import clear_adapter_slot, model_chunks
 from megatron_multilora.training.checkpoints import restore_slot, slot_snapshot
 from megatron_multilora.training.config import AdapterJob
 from megatron_multilora.training.jobs.board import start_job
-from megatron_multilora.training.objectives.per_token import PerTokenLoss
+from megatron_multilora.training.objectives.registry import client_objective
 from megatron_multilora.training.step import generation
 from megatron_multilora.training.step.evaluation import eval_mode
 from megatron_multilora.training.step.grad_sync import SlotGradSync
@@ -175,7 +175,7 @@ class Engine:
                 Example(tuple(d["tokens"]), (True,) * (len(d["tokens"]) - 1), d["values"], units=1)
                 for d in op.args["data"][rank::dp]
             ]
-            objectives[slot] = PerTokenLoss(
+            objectives[slot] = client_objective(
                 op.args["loss"], op.args["clip_low"], op.args["clip_high"]
             )
         micro_batches = self.batcher.ready(slot_examples)

@@ -36,7 +36,7 @@ from megatron_multilora.api.request_checks import (
     refusal,
     sample_args,
 )
-from megatron_multilora.training.objectives.loss_inputs import INPUTS
+from megatron_multilora.training.objectives.registry import CLIENT_LOSSES
 
 RESEND_WINDOW = 256  # a client's calls whose resend is recognised: its last ones
 
@@ -305,14 +305,15 @@ class Front:
         client = self._client(owner, call.model_id)
 
         def build() -> tuple[str, dict]:
-            if call.loss_fn not in INPUTS:
+            if call.loss_fn not in CLIENT_LOSSES:
                 raise Refused(
-                    400, f"loss_fn {call.loss_fn!r}: this service computes {', '.join(INPUTS)}"
+                    400,
+                    f"loss_fn {call.loss_fn!r}: this service computes {', '.join(CLIENT_LOSSES)}",
                 )
             low = float(call.loss_fn_config.get("clip_low_threshold", 0.8))
             high = float(call.loss_fn_config.get("clip_high_threshold", 1.2))
             data = [
-                datum_example(i, d, INPUTS[call.loss_fn], self.limits)
+                datum_example(i, d, CLIENT_LOSSES[call.loss_fn], self.limits)
                 for i, d in enumerate(call.data)
             ]
             return "forward_backward", {

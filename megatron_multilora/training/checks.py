@@ -22,12 +22,13 @@ from megatron_multilora.checkpoint.adapter_folders import (
     folder_format,
 )
 from megatron_multilora.training.config import (
-    OBJECTIVE_FORMS,
     AdapterJob,
     ConfigError,
     RunConfig,
     base_model_config,
 )
+from megatron_multilora.training.objectives.objective import Objective
+from megatron_multilora.training.objectives.registry import JOB_OBJECTIVES
 from megatron_multilora.validation import (
     CONFIG_NAMES,
     TARGETS,
@@ -212,30 +213,15 @@ def job_problems(
         problems.append(
             f"{where}max_steps={job.max_steps}, epochs={job.epochs}: give exactly one of them"
         )
-    if job.objective == "grpo":
-        problems += _reward_problems(job, where)
-        if job.grpo.max_new_tokens >= max_seq_len:
-            problems.append(
-                f"{where}grpo.max_new_tokens={job.grpo.max_new_tokens}: must be "
-                f"below trainer.max_seq_len={max_seq_len} (the prompt needs room)"
-            )
-    known = job.objective in OBJECTIVE_FORMS  # else its record form is unknown
-    return problems + (_file_problems(job, where) if check_files and known else [])
+    objective = JOB_OBJECTIVES.get(job.objective)  # None: refused above by its range
+    if objective is None:
+        return problems
+    problems += objective.problems(job, where, max_seq_len)
+    return problems + (_file_problems(job, objective, where) if check_files else [])
 
 
-def _reward_problems(job: AdapterJob, where: str) -> list[str]:
-    from megatron_multilora.training.objectives.rewards import RewardError, load_reward
-
-    try:
-        load_reward(job.grpo.reward)
-    except RewardError as err:
-        return [f"{where}grpo.{err}"]
-    return []
-
-
-def _file_problems(job: AdapterJob, where: str) -> list[str]:
+def _file_problems(job: AdapterJob, objective: type[Objective], where: str) -> list[str]:
     from megatron_multilora.data.datasets import DatasetError, read_records
-    from megatron_multilora.training.objectives.rewards import BUILT_IN
 
     problems = []
     for field in ("dataset", "eval_dataset"):
@@ -243,18 +229,11 @@ def _file_problems(job: AdapterJob, where: str) -> list[str]:
         if path is None:
             continue
         try:
-            records = read_records(path, OBJECTIVE_FORMS[job.objective], job.columns)
+            records = read_records(path, objective.record_form, job.columns)
         except DatasetError as err:
             problems.append(f"{where}{field}: {err}")
             continue
-        if job.objective == "grpo" and job.grpo.reward in BUILT_IN and field == "dataset":
-            missing = next((i for i, r in enumerate(records) if "answer" not in r), None)
-            if missing is not None:
-                problems.append(
-                    f'{where}{field}: {path}: record {missing} has no "answer", '
-                    f"which grpo.reward={job.grpo.reward} compares the completion "
-                    "with (map a column to it with columns: {answer: <column>})"
-                )
+        problems += objective.record_problems(job, field, records, where)
     if job.init_from is not None and not os.path.isdir(job.init_from):
         problems.append(f"{where}init_from={job.init_from}: not a folder")
     elif job.init_from is not None:

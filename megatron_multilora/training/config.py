@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megatron_multilora.checkpoint.adapter_folders import declared_rank_alpha
 from megatron_multilora.models.gpt_config import GPTModelConfig
+from megatron_multilora.training.objectives.registry import DEFAULT, JOB_OBJECTIVES
 from megatron_multilora.validation import (
     INIT_METHODS,
     SCHEDULES,
@@ -38,52 +39,15 @@ class ConfigError(ValueError):
     """A configuration a run cannot start with; the message lists every problem."""
 
 
-# Each objective and the record form its data comes in (data/record_forms.py); its loss is
-# in training/objectives/.
-OBJECTIVE_FORMS = {"sft": "completion", "dpo": "preference", "grpo": "prompt"}
-
-
 @dataclasses.dataclass
-class DPOSettings:
-    beta: float = ranged(0.1, positive())
-    """Strength of the pull towards the reference (the base with the adapter off)."""
-    loss_type: str = ranged("sigmoid", one_of("sigmoid", "ipo"))
-    """sigmoid (Rafailov et al.) or ipo (squared, on length-averaged log-probs)."""
-    label_smoothing: float = ranged(0.0, within(0.0, 0.5))
-    """Assumed probability that a pair's preference is flipped (sigmoid loss only)."""
-
-
-@dataclasses.dataclass
-class GRPOSettings:
-    group_size: int = ranged(4, at_least(2))
-    """Completions sampled per prompt; advantages are normalised within each group."""
-    temperature: float = ranged(1.0, positive())
-    top_p: float = ranged(1.0, Rule("in (0, 1]", lambda v: 0.0 < v <= 1.0))
-    max_new_tokens: int = ranged(16, at_least(1))
-    inner_steps: int = ranged(1, at_least(1))
-    """Optimizer steps on each batch of samples before sampling the next."""
-    clip_low: float = ranged(0.2, within(0.0, 1.0))
-    clip_high: float = ranged(0.2, at_least(0.0))
-    """The importance ratio is clipped to [1 - clip_low, 1 + clip_high]."""
-    kl_coef: float = ranged(0.0, at_least(0.0))
-    """Weight of the KL to the base model (the adapter off; 0: no reference pass)."""
-    aggregation: str = ranged("token_mean", one_of("token_mean", "sequence_mean"))
-    """token_mean: over every completion token of the batch; sequence_mean: each
-    completion's token mean, then over completions."""
-    scale_rewards: bool = True
-    """Divide advantages by the group's reward std (false: Dr. GRPO)."""
-    reward: str = "exact_match"
-    """exact_match or word_match (against each record's "answer"), or module:function
-    called with prompt=, completion=, record= and returning a number."""
-
-
-@dataclasses.dataclass
-class AdapterJob:
-    """One fine-tuning job: an adapter trained on its own data with its own hyperparameters."""
+class _JobFields:
+    """One fine-tuning job: an adapter trained on its own data with its own hyperparameters;
+    :data:`AdapterJob` adds a section per objective with settings."""
 
     name: str = MISSING
-    objective: str = ranged("sft", one_of(*OBJECTIVE_FORMS))
-    """sft, dpo or grpo; the settings of the latter two are in dpo and grpo."""
+    objective: str = ranged(DEFAULT.name, one_of(*JOB_OBJECTIVES))
+    """The job's objective (training/objectives/registry.py: sft, dpo, grpo); its settings
+    are the section of its name (dpo, grpo)."""
     dataset: str = MISSING
     """Training data (JSONL, Parquet, JSON or a datasets save_to_disk folder): sft
     {"prompt", "completion"} or {"messages": [...]}; dpo {"prompt", "chosen", "rejected"};
@@ -122,8 +86,20 @@ class AdapterJob:
     """An adapter folder to start from instead of a fresh initialisation: one this trainer
     exported, or a Hugging Face PEFT LoRA folder (rank padded up to lora.max_rank). The job's
     rank must be the adapter's; its alpha is the adapter's (see alpha)."""
-    dpo: DPOSettings = dataclasses.field(default_factory=DPOSettings)
-    grpo: GRPOSettings = dataclasses.field(default_factory=GRPOSettings)
+
+
+# A job's fields and one section per objective with settings (its ``settings`` dataclass,
+# documented in its module), so an objective adds its section itself.
+AdapterJob = dataclasses.make_dataclass(
+    "AdapterJob",
+    [
+        (name, objective.settings, dataclasses.field(default_factory=objective.settings))
+        for name, objective in JOB_OBJECTIVES.items()
+        if objective.settings is not None
+    ],
+    bases=(_JobFields,),
+)
+AdapterJob.__module__, AdapterJob.__doc__ = __name__, _JobFields.__doc__
 
 
 @dataclasses.dataclass

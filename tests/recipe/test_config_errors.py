@@ -11,6 +11,7 @@ import pytest
 
 from megatron_multilora.training.checks import validate
 from megatron_multilora.training.config import ConfigError, base_model_config
+from megatron_multilora.training.objectives.registry import JOB_OBJECTIVES
 from tests.recipe.conftest import CONF, compose_run, job
 
 
@@ -376,8 +377,7 @@ def test_every_schema_field_has_a_range_rule_or_another_check():
     }
     for cls in (
         schema.AdapterJob,
-        schema.DPOSettings,
-        schema.GRPOSettings,
+        *(o.settings for o in JOB_OBJECTIVES.values() if o.settings),
         schema.LoRASettings,
         schema.ParallelSettings,
         schema.TrainerSettings,

@@ -20,10 +20,10 @@ from megatron_multilora.models.hf_import import load_hf_model
 from megatron_multilora.models.tiny_hf import byte_level_tokenizer, write_tiny_llama
 from megatron_multilora.training.objectives.dpo import DPO, with_references
 from megatron_multilora.training.objectives.grpo import GRPO
-from megatron_multilora.training.objectives.objective import RunTools
 from megatron_multilora.training.objectives.rollouts import advantages
 from megatron_multilora.training.step.grad_sync import SlotGradSync
 from megatron_multilora.training.step.micro_batches import MicroBatcher
+from megatron_multilora.training.step.objective_tools import StepTools
 from megatron_multilora.training.step.reference import target_logprobs
 from megatron_multilora.training.step.schedule import per_slot_results
 
@@ -139,7 +139,7 @@ def test_dpo_matches_trl(setup, loss_type):
     beta = 0.5
     tok = HFTokenizer(byte_level_tokenizer())
     pairs = [tokenize_pair(r, tok, 64) for r in PAIRS]
-    tools = RunTools(model, MicroBatcher(model, 2, 4096, 1, 0), tok, 0, 64, lambda *a: None)
+    tools = StepTools(model, MicroBatcher(model, 2, 4096, 1, 0), tok, 0, 64, lambda *a: None)
     pairs = with_references(pairs, SLOT, tools)
     loss, grads = ours(model, cfg, pairs, DPO(beta, loss_type, 0.0))
 

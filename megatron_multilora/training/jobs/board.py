@@ -28,10 +28,8 @@ from megatron_multilora.training.config import AdapterJob, TrainerSettings, job_
 from megatron_multilora.training.jobs.export import JobExporter
 from megatron_multilora.training.jobs.job import Job, planned_steps, total_steps
 from megatron_multilora.training.jobs.states import ACTIVE, CANCELLED, DONE, ENDED, FAILED, QUEUED
-from megatron_multilora.training.objectives.objective import RunTools
 from megatron_multilora.training.objectives.registry import objective_of
-from megatron_multilora.training.objectives.rewards import load_reward
-from megatron_multilora.training.objectives.rollouts import reward_stats
+from megatron_multilora.training.step.objective_tools import StepTools
 from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
 from megatron_multilora.training.step.train_step import StepResult
 
@@ -80,7 +78,7 @@ class JobBoard:
         self.tokenizer, self.exporter, self.say = tokenizer, exporter, say
         self.model_config, self.hf_model_type = model_config, hf_model_type
         self.jobs: list[Job] = []
-        self.tools = RunTools(model, batcher, tokenizer, seed, settings.max_seq_len, self._fail)
+        self.tools = StepTools(model, batcher, tokenizer, seed, settings.max_seq_len, self._fail)
         self._step = 0
 
     def add(self, spec: AdapterJob, source: str = "config") -> Job:
@@ -97,7 +95,7 @@ class JobBoard:
             data.eval_records,
             total_steps(spec, len(data.train), tr.steps_per_job),
             source=source,
-            reward=load_reward(spec.grpo.reward) if spec.objective == "grpo" else None,
+            state=objective.new_state(spec),
         )
         self.jobs.append(job)
         return job
@@ -199,7 +197,7 @@ class JobBoard:
                     name: float(value)
                     for name, value in zip(job.objective.metrics, result.metrics[job.slot])
                 },
-                **(reward_stats(job.rollout) if job.rollout else {}),
+                **job.objective.step_metrics(job.state),
             }
         return stats
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ import torch
 from megatron_multilora.training.config import AdapterJob
 from megatron_multilora.training.jobs.states import ACTIVE, QUEUED
 from megatron_multilora.training.objectives.objective import Objective
-from megatron_multilora.training.objectives.rollouts import Rollout
+from megatron_multilora.training.objectives.registry import JOB_OBJECTIVES
 from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
 
 # What a checkpoint keeps of a job's progress (the rest comes from its config entry).
@@ -42,7 +41,7 @@ def total_steps(job: AdapterJob, dataset_size: int, steps_per_job: int | None = 
         return steps_per_job
     if job.max_steps is not None:
         return job.max_steps
-    per_batch = job.grpo.inner_steps if job.objective == "grpo" else 1
+    per_batch = JOB_OBJECTIVES[job.objective].steps_per_batch(job)
     return max(1, math.ceil(job.epochs * dataset_size / job.global_batch_size) * per_batch)
 
 
@@ -51,9 +50,9 @@ class Job:
     """A job's config entry (``spec``, never changed), its objective, its data (what the
     objective loads: examples, pairs or prompt records), where it stands and, while it
     trains, its slot and optimizer. ``data_epoch``/``data_pos`` index its shuffled sample
-    order; ``metrics`` holds its latest logged values (for ``mmlora status``). What an
-    objective keeps between steps: ``prepared`` (DPO: the data carries its reference
-    log-probs), ``rollout`` (GRPO: the samples being trained on), ``reward`` (GRPO)."""
+    order; ``metrics`` holds its latest logged values (for ``mmlora status``); ``state`` is
+    what its objective keeps between steps (``Objective.new_state``: DPO's references
+    added, GRPO's reward and rollout)."""
 
     spec: AdapterJob
     objective: Objective
@@ -71,9 +70,7 @@ class Job:
     reason: str = ""
     optimizer: SlotOptimizer | None = None
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
-    prepared: bool = False
-    rollout: Rollout | None = None
-    reward: Callable[..., float] | None = None
+    state: Any = None
 
     @property
     def name(self) -> str:
@@ -102,14 +99,13 @@ class Job:
         return {
             "name": self.name,
             **{key: getattr(self, key) for key in PROGRESS},
-            "rollout": self.rollout.to_plain() if self.rollout else None,
+            **self.objective.state_to_plain(self.state),
         }
 
     def restore(self, progress: dict[str, Any]) -> None:
         for key in PROGRESS:
             setattr(self, key, progress[key])
-        saved = progress.get("rollout")
-        self.rollout = Rollout.from_plain(saved) if saved else None
+        self.state = self.objective.state_from_plain(self.state, progress)
 
 
 def planned_steps(jobs: list[Job], slots: int) -> int:

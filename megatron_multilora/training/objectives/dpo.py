@@ -19,21 +19,35 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-
 from megatron_multilora.data.datasets import Example, load_pairs, read_records
 from megatron_multilora.training.objectives.objective import JobData, Objective, RunTools
-from megatron_multilora.training.step.reference import target_logprobs
+from megatron_multilora.validation import one_of, positive, ranged, within
+
+
+@dataclasses.dataclass
+class DPOSettings:
+    beta: float = ranged(0.1, positive())
+    """Strength of the pull towards the reference (the base with the adapter off)."""
+    loss_type: str = ranged("sigmoid", one_of("sigmoid", "ipo"))
+    """sigmoid (Rafailov et al.) or ipo (squared, on length-averaged log-probs)."""
+    label_smoothing: float = ranged(0.0, within(0.0, 0.5))
+    """Assumed probability that a pair's preference is flipped (sigmoid loss only)."""
 
 
 class DPO(Objective):
     name = "dpo"
+    record_form = "preference"
+    settings = DPOSettings
     metrics = ("chosen_reward", "rejected_reward", "margin", "preference_accuracy")
     table_metrics = ("preference_accuracy",)
+    inputs = ("ref_logprobs", "chosen")  # the base's log-probs, computed when the job starts
 
     def __init__(self, beta: float, loss_type: str, label_smoothing: float) -> None:
         self.beta, self.loss_type, self.label_smoothing = beta, loss_type, label_smoothing
+
+    @classmethod
+    def build(cls, spec: Any) -> DPO:
+        return cls(spec.dpo.beta, spec.dpo.loss_type, spec.dpo.label_smoothing)
 
     def load(self, spec: Any, tokenizer, max_seq_len: int, eval_samples: int) -> JobData:
         """Train and held-out pairs (the eval loss is the DPO loss on held-out pairs); string
@@ -53,25 +67,28 @@ class DPO(Objective):
             ],
         )
 
+    def new_state(self, spec: Any) -> bool:
+        return False  # whether the job's pairs carry their reference log-probs
+
     @classmethod
     def prepare(cls, jobs: Sequence[Any], tools: RunTools) -> None:
         """The base's log-probs of every pair of the jobs not yet prepared (when they start
         or resume), computed once, forward only, with the adapters off."""
-        todo = [job for job in jobs if not job.prepared]
-        for job in todo:
+        for job in (job for job in jobs if not job.state):
             job.train, job.eval = (
                 with_references(pairs, job.slot, tools) for pairs in (job.train, job.eval)
             )
-            job.prepared = True
+            job.state = True
 
     def span_loss(self, logprobs, mask, values, sequence):
+        import torch
+        import torch.nn.functional as F
+
         n = int(sequence[-1]) + 1
         per_seq = logprobs.new_zeros(n).index_add(
             0, sequence, (logprobs - values["ref_logprobs"]) * mask
         )
-        chosen = (
-            torch.zeros(n, device=mask.device).index_add(0, sequence, values["chosen"] * mask) > 0
-        )
+        chosen = mask.new_zeros(n).index_add(0, sequence, values["chosen"] * mask) > 0
         first = chosen.nonzero().flatten()  # each pair's chosen sequence; its rejected one follows
         c, r = per_seq[first], per_seq[first + 1]
         if self.loss_type == "ipo":
@@ -95,9 +112,7 @@ def with_references(
     answers marked (``chosen``)."""
     if not pairs:
         return pairs
-    slot_examples: list[list] = [[] for _ in range(tools.batcher.n_slots)]
-    slot_examples[slot] = pairs
-    refs = iter(target_logprobs(tools.model, slot_examples, tools.batcher)[slot])
+    refs = iter(tools.reference_logprobs({slot: pairs})[slot])
     out = []
     for chosen, rejected in pairs:
         ones = (1.0,) * len(chosen.loss_mask)

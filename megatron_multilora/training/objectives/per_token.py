@@ -2,14 +2,12 @@
 :mod:`.token_losses` by Tinker's name, summed over the datum's positions. The sum is not
 normalised: as Tinker's, a client's loss and gradient are sums over its datums (it scales
 them itself, e.g. with ``weights``).
-
-Inputs per position (``Example.values``): ``cross_entropy``: ``weights``;
-``importance_sampling`` and ``ppo``: ``logprobs`` (the sampler's) and ``advantages``.
 """
 
 from __future__ import annotations
 
-from megatron_multilora.training.objectives.loss_inputs import INPUTS
+from typing import ClassVar
+
 from megatron_multilora.training.objectives.objective import Objective
 from megatron_multilora.training.objectives.token_losses import (
     cross_entropy,
@@ -20,12 +18,19 @@ from megatron_multilora.training.objectives.token_losses import (
 
 class PerTokenLoss(Objective):
     name = "per_token"
+    # Each loss by the name the SDK sends, and the inputs it reads per position besides the
+    # target tokens (``logprobs``: the sampler's).
+    LOSSES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "cross_entropy": ("weights",),
+        "importance_sampling": ("logprobs", "advantages"),
+        "ppo": ("logprobs", "advantages"),
+    }
 
     def __init__(self, loss: str, clip_low: float = 0.2, clip_high: float = 0.2) -> None:
-        """``loss``: a key of INPUTS; ``ppo`` clips the ratio to [1 - clip_low, 1 + clip_high]."""
-        if loss not in INPUTS:
-            raise ValueError(f"unknown loss {loss!r}: use one of {', '.join(INPUTS)}")
-        self.loss = loss
+        """``loss``: a key of LOSSES; ``ppo`` clips the ratio to [1 - clip_low, 1 + clip_high]."""
+        if loss not in self.LOSSES:
+            raise ValueError(f"unknown loss {loss!r}: use one of {', '.join(self.LOSSES)}")
+        self.loss, self.inputs = loss, self.LOSSES[loss]
         self._per_token = {
             "cross_entropy": lambda lp, v: cross_entropy(lp, v["weights"]),
             "importance_sampling": lambda lp, v: importance_sampling(

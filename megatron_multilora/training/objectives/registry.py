@@ -1,24 +1,33 @@
-"""A job's objective by name (``adapters[i].objective``), each a small class behind one
-interface (:class:`.objective.Objective`); adding one is a module in this package and a line
-below (its settings: a section of ``AdapterJob``)."""
+"""Every objective by name, each one module behind one interface
+(:class:`.objective.Objective`): adding one is its module and a line here. A job names its
+objective (``adapters[i].objective``) and sets its section (``adapters[i].<name>``, the
+objective's ``settings``); a service client names a per-token loss (Tinker's)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from megatron_multilora.training.objectives.dpo import DPO
 from megatron_multilora.training.objectives.grpo import GRPO
 from megatron_multilora.training.objectives.objective import Objective
+from megatron_multilora.training.objectives.per_token import PerTokenLoss
 from megatron_multilora.training.objectives.sft import SFT
 
-BUILDERS: dict[str, Callable[[Any], Objective]] = {
-    "sft": lambda spec: SFT(),
-    "dpo": lambda spec: DPO(spec.dpo.beta, spec.dpo.loss_type, spec.dpo.label_smoothing),
-    "grpo": lambda spec: GRPO(spec.grpo.clip_low, spec.grpo.clip_high, spec.grpo.kl_coef),
-}
+JOB_OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (SFT, DPO, GRPO)}
+"""What a job's ``objective`` may name."""
+
+DEFAULT: type[Objective] = SFT
+"""A job's objective when it names none, and what a slot given none is scored with."""
+
+CLIENT_LOSSES: dict[str, tuple[str, ...]] = PerTokenLoss.LOSSES
+"""The per-token losses a service client may name, and the inputs each reads per position."""
 
 
 def objective_of(spec: Any) -> Objective:
     """The objective a job's config entry (an ``AdapterJob``) names, with its settings."""
-    return BUILDERS[spec.objective](spec)
+    return JOB_OBJECTIVES[spec.objective].build(spec)
+
+
+def client_objective(loss: str, clip_low: float, clip_high: float) -> Objective:
+    """A service client's loss by Tinker's name (a key of :data:`CLIENT_LOSSES`)."""
+    return PerTokenLoss(loss, clip_low, clip_high)

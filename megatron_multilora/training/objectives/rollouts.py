@@ -12,18 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
-
-import torch
 
 from megatron_multilora.data.datasets import Example
 from megatron_multilora.data.record_forms import prompt_ids
+from megatron_multilora.training.objectives.objective import RunTools, SampleRequest
 from megatron_multilora.training.objectives.rewards import RewardError, score
-from megatron_multilora.training.step import generation
-from megatron_multilora.training.step.micro_batches import MicroBatcher
-from megatron_multilora.training.step.reference import target_logprobs
-from megatron_multilora.training.step.sampling import KeyedSampler, RowSampling
 
 
 @dataclasses.dataclass
@@ -78,6 +73,8 @@ class Row:
 
 
 def advantages(rewards: Sequence[float], group_size: int, scale: bool) -> list[float]:
+    import torch  # see objective.py: imported where it computes
+
     out = []
     for start in range(0, len(rewards), group_size):
         group = torch.tensor(rewards[start : start + group_size], dtype=torch.float64)
@@ -86,76 +83,50 @@ def advantages(rewards: Sequence[float], group_size: int, scale: bool) -> list[f
     return out
 
 
-def sample_rollouts(
-    jobs: Sequence[Any],
-    model,
-    batcher: MicroBatcher,
-    tokenizer,
-    seed: int,
-    max_seq_len: int,
-    fail: Callable[[Any, str], None],
-) -> None:
+def sample_rollouts(jobs: Sequence[Any], tools: RunTools) -> None:
     """Give each of ``jobs`` (GRPO jobs due for a rollout) its next :class:`Rollout`, all
-    sampled in one pass; a job whose reward fails is handed to ``fail(job, reason)`` and
-    the others go on."""
-    rows, sampling, limits = [], [], []
+    sampled in one pass; a job whose reward fails is handed to ``tools.fail(job, reason)``
+    and the others go on."""
+    rows, requests = [], []
     for job in jobs:
         g = job.spec.grpo
         index = job.steps_done // g.inner_steps
-        budget = max_seq_len - g.max_new_tokens
-        for p, sample in enumerate(job.next_samples(job.spec.global_batch_size, seed)):
+        budget = tools.max_seq_len - g.max_new_tokens
+        for p, sample in enumerate(job.next_samples(job.spec.global_batch_size, tools.seed)):
             record = job.train[sample]
-            ids = prompt_ids(record["prompt"], tokenizer)
+            ids = prompt_ids(record["prompt"], tools.tokenizer)
             ids = ids[:1] + ids[1:][-(budget - 1) :] if len(ids) > budget else ids  # keep bos
             for k in range(g.group_size):
                 rows.append(Row(job, sample, record, ids))
-                sampling.append(
-                    RowSampling(
-                        f"{seed}:{job.name}:{index}:{p * g.group_size + k}", g.temperature, g.top_p
-                    )
+                key = f"{tools.seed}:{job.name}:{index}:{p * g.group_size + k}"
+                requests.append(
+                    SampleRequest(job.slot, ids, key, g.temperature, g.top_p, g.max_new_tokens)
                 )
-                limits.append(g.max_new_tokens)
-    outputs = generation.generate(
-        model,
-        [(row.job.slot, row.prompt) for row in rows],
-        batcher.n_slots,
-        limits,
-        tokenizer.eos_id,
-        batcher.pad_multiple,
-        tokenizer.pad_id,
-        pick=KeyedSampler(sampling),
-    )
-    by_job: dict[str, list[tuple[Row, generation.Generation]]] = {}
-    for row, out in zip(rows, outputs):
+    by_job: dict[str, list[tuple[Row, Any]]] = {}
+    for row, out in zip(rows, tools.generate(requests)):
         by_job.setdefault(row.job.name, []).append((row, out))
     made = {}
     for job in jobs:
         try:
-            made[job.name] = _examples(job, by_job[job.name], tokenizer)
+            made[job.name] = _examples(job, by_job[job.name], tools.tokenizer)
         except RewardError as e:
-            fail(job, str(e))
-    _add_references(made, jobs, model, batcher)
+            tools.fail(job, str(e))
+    _add_references(made, jobs, tools)
     for job in jobs:
         if job.name in made:
             examples, rewards = made[job.name]
-            job.rollout = Rollout(job.steps_done // job.spec.grpo.inner_steps, examples, rewards)
+            index = job.steps_done // job.spec.grpo.inner_steps
+            job.state.rollout = Rollout(index, examples, rewards)
 
 
-def _examples(
-    job, rows: list[tuple[Row, generation.Generation]], tokenizer
-) -> tuple[list[Example], list[float]]:
+def _examples(job, rows: list[tuple[Row, Any]], tokenizer) -> tuple[list[Example], list[float]]:
     g = job.spec.grpo
     rewards = []
-    for _i, (row, out) in enumerate(rows):
+    for row, out in rows:
         try:
+            completion = tokenizer.decode(out.tokens)
             rewards.append(
-                score(
-                    job.reward,
-                    g.reward,
-                    row.record["prompt"],
-                    tokenizer.decode(out.tokens),
-                    row.record,
-                )
+                score(job.state.reward, g.reward, row.record["prompt"], completion, row.record)
             )
         except RewardError as e:
             raise RewardError(
@@ -183,15 +154,12 @@ def _examples(
     return examples, rewards
 
 
-def _add_references(made: dict, jobs: Sequence[Any], model, batcher: MicroBatcher) -> None:
+def _add_references(made: dict, jobs: Sequence[Any], tools: RunTools) -> None:
     """The base's log-probs of every row of the jobs with a KL term, in one pass."""
     kl_jobs = [job for job in jobs if job.name in made and job.spec.grpo.kl_coef]
-    slot_examples: list[list[Example]] = [[] for _ in range(batcher.n_slots)]
-    for job in kl_jobs:
-        slot_examples[job.slot] = made[job.name][0]
     if not kl_jobs:
         return
-    refs = target_logprobs(model, slot_examples, batcher)
+    refs = tools.reference_logprobs({job.slot: made[job.name][0] for job in kl_jobs})
     for job in kl_jobs:
         examples, rewards = made[job.name]
         made[job.name] = (

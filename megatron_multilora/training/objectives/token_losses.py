@@ -1,12 +1,16 @@
 """Per-token losses on per-token inputs, named and defined as Tinker's built-in losses, so a
 service can hand its clients' inputs straight to them. Each returns the per-token loss
 (``[T]``); the caller weighs and sums it. ``logprobs`` are the trained policy's log-probs of
-the target tokens (with gradient); every other input is a constant.
+the target tokens (with gradient); every other input is a constant. Tensors' own methods
+only: the module imports no torch (see :mod:`.objective`).
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def cross_entropy(logprobs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -19,7 +23,7 @@ def importance_sampling(
 ) -> torch.Tensor:
     """``-exp(logprobs - sampling_logprobs) * advantages``: the policy gradient for samples
     drawn by another (the sampling) policy."""
-    return -torch.exp(logprobs - sampling_logprobs) * advantages
+    return -(logprobs - sampling_logprobs).exp() * advantages
 
 
 def ppo(
@@ -31,13 +35,13 @@ def ppo(
 ) -> torch.Tensor:
     """The clipped surrogate: ``-min(rho * A, clip(rho, 1 - clip_low, 1 + clip_high) * A)``
     with ``rho = exp(logprobs - sampling_logprobs)``."""
-    ratio = torch.exp(logprobs - sampling_logprobs)
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    return -torch.minimum(ratio * advantages, clipped * advantages)
+    ratio = (logprobs - sampling_logprobs).exp()
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return -(ratio * advantages).minimum(clipped * advantages)
 
 
 def kl_to_reference(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """The k3 estimator of KL(policy || reference) per token:
     ``exp(ref - logp) - (ref - logp) - 1`` (non-negative, unbiased on policy samples)."""
     diff = ref_logprobs - logprobs
-    return torch.exp(diff) - diff - 1.0
+    return diff.exp() - diff - 1.0

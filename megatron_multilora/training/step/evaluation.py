@@ -48,8 +48,8 @@ def eval_results(
     objectives: Sequence[Objective | None] | None = None,
 ) -> torch.Tensor:
     """``[n_slots, 1 + MAX_METRICS]``: each slot's mean loss over its examples' loss units by
-    its objective (``objectives[s]``, default SFT), then the objective's metrics (nan: no
-    examples). Every rank passes the same ``slot_examples``."""
+    its objective (``objectives[s]``, default the registry's DEFAULT), then the objective's
+    metrics (nan: no examples). Every rank passes the same ``slot_examples``."""
     return _evaluate(model, slot_examples, token_budget, pad_multiple, pad_id, objectives, keep=())[
         0
     ]

@@ -25,7 +25,7 @@ from megatron_multilora.data.packing import MicroBatch
 from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
 from megatron_multilora.models.loss_rows import selectable, token_loss_and_choices
 from megatron_multilora.training.objectives.objective import MAX_METRICS, Objective
-from megatron_multilora.training.objectives.sft import SFT
+from megatron_multilora.training.objectives.registry import DEFAULT
 from megatron_multilora.training.step.micro_batches import chunk_inputs
 
 # loss_func(micro-batch, chunk output) -> what megatron's forward_step_calc_loss takes.
@@ -187,7 +187,7 @@ def per_slot_results(
     Slot s's loss and metric sums weigh ``1 / denominators[s]`` (its loss units over the
     global batch; 0 where it has none), so summed over data-parallel ranks each adapter's
     values are means over its global batch. ``objectives[s]``: slot s's objective (default,
-    and where None: SFT).
+    and where None: the registry's DEFAULT).
     """
     return per_slot_results_and_data(
         model, micro_batches, denominators, forward_only, objectives, keep=()
@@ -220,7 +220,7 @@ def per_slot_results_and_data(
     device = next(chunks[0].parameters()).device
     n = denominators.numel()
     weights = [1.0 / float(d) if d > 0 else 0.0 for d in denominators.tolist()]
-    chosen = [SFT() if o is None else o for o in (objectives or [None] * n)]
+    chosen = [DEFAULT() if o is None else o for o in (objectives or [None] * n)]
     store = run_schedule(
         chunks,
         micro_batches,
@@ -270,7 +270,7 @@ def per_slot_losses(
     denominators: torch.Tensor,
     forward_only: bool = False,
 ) -> torch.Tensor:
-    """Each adapter's SFT loss column of :func:`per_slot_results` (``[n_slots]``)."""
+    """Each adapter's loss column of :func:`per_slot_results` by the default objective (``[n_slots]``)."""
     return per_slot_results(model, micro_batches, denominators, forward_only)[:, 0].contiguous()
 
 

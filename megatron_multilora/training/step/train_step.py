@@ -112,7 +112,7 @@ class SlotTrainStep:
         data-parallel share of each slot's global batch); ``micro_batches``: their packing
         when already done (equalised). ``extras`` are agreed over all ranks in the step's
         first collective and come back in the result. ``objectives``: each slot's objective
-        (default SFT). Every rank of the world must call it.
+        (default the registry's DEFAULT). Every rank of the world must call it.
 
         A slot whose loss or gradient norm is not finite is left out: the step is redone
         without the adapters found to fail on their own samples, and they do not step.
