@@ -81,6 +81,21 @@ def dpo(data: Path) -> str:
     )
 
 
+def simpo(data: Path) -> str:
+    return fields(
+        "simpo",
+        data,
+        objective="simpo",
+        dataset=f"{data}/reverse.pairs.train.jsonl",
+        eval_dataset=f"{data}/reverse.pairs.eval.jsonl",
+        global_batch_size=4,
+        rank=4,
+        alpha=8,
+        lr=1e-2,
+        simpo="{beta:2.0,gamma:0.5}",
+    )
+
+
 def grpo(data: Path, reward: str = "tests.recipe.rewards:letters", name: str = "grpo") -> str:
     return fields(
         name,
@@ -171,6 +186,21 @@ def test_each_objective_trains_in_a_mixed_step_as_alone(runs, name):
     assert sorted(a) == sorted(b)
     for key in a:
         assert (a[key] - b[key]).norm() <= REL_WEIGHTS * max(float(a[key].norm()), 1e-12), key
+
+
+def test_an_objective_added_in_its_module_alone_trains_mixed_as_alone(data, tmp_path):
+    """SimPO, added as its module and a registry line: configured by its own section, its
+    metrics logged, the same trajectory beside an SFT job as alone, exported."""
+    for what, jobs in (("mixed", [sft(data), simpo(data)]), ("alone", [simpo(data)])):
+        run_in_process(tmp_path / what, jobs, OVERRIDES)
+    mixed = train_records(tmp_path / "mixed")["simpo"]
+    alone = train_records(tmp_path / "alone")["simpo"]
+    assert {"chosen_reward", "margin", "preference_accuracy"} <= alone[0].keys()
+    assert alone[-1]["loss"] != alone[0]["loss"]  # it trained
+    assert_same_records(alone, mixed, "simpo")
+    assert (tmp_path / "mixed" / "adapters" / "simpo" / "adapter.safetensors").is_file()
+    with pytest.raises(ConfigError, match=r"adapters\.0\.simpo\.beta=0\.0: must be > 0"):
+        validate(compose_run([f"adapters=[{simpo(data).replace('beta:2.0', 'beta:0.0')}]"]))
 
 
 def test_grpo_samples_do_not_depend_on_the_other_jobs(runs):

@@ -21,6 +21,7 @@ from megatron_multilora.models.tiny_hf import byte_level_tokenizer, write_tiny_l
 from megatron_multilora.training.objectives.dpo import DPO, with_references
 from megatron_multilora.training.objectives.grpo import GRPO
 from megatron_multilora.training.objectives.rollouts import advantages
+from megatron_multilora.training.objectives.simpo import SimPO, marked
 from megatron_multilora.training.step.grad_sync import SlotGradSync
 from megatron_multilora.training.step.micro_batches import MicroBatcher
 from megatron_multilora.training.step.objective_tools import StepTools
@@ -266,6 +267,49 @@ def test_grpo_matches_trl(setup, aggregation, loss_type, kl):
                 width,
             )[0]
     theirs = trainer._compute_loss(wrapped, inputs)
+    theirs.backward()
+    assert loss == pytest.approx(float(theirs), rel=REL)
+    assert close(grads, peft_grads(wrapped)) <= REL
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_simpo_matches_trl(setup, label_smoothing):
+    """SimPO against TRL's ``CPOTrainer.cpo_loss`` with ``loss_type="simpo"`` (its pure
+    SimPO loss, cpo_alpha 0) on each answer's mean log-prob from transformers + peft's own
+    forward of our exported adapter."""
+    model, cfg, base, tmp = setup
+    beta, gamma = 2.0, 0.8
+    tok = HFTokenizer(byte_level_tokenizer())
+    pairs = marked([tokenize_pair(r, tok, 64) for r in PAIRS])
+    loss, grads = ours(model, cfg, pairs, SimPO(beta, gamma, label_smoothing))
+
+    from trl.experimental.cpo import CPOTrainer
+
+    wrapped = peft_model(base, tmp / "peft")
+
+    def mean_logprob(example: Example) -> torch.Tensor:
+        ids = torch.tensor([example.tokens])
+        logprobs = wrapped(input_ids=ids).logits[0, :-1].log_softmax(-1)
+        per_token = logprobs.gather(1, ids[0, 1:, None])[:, 0]
+        mask = torch.tensor(example.loss_mask, dtype=torch.float32)
+        return (per_token * mask).sum() / mask.sum()
+
+    chosen = torch.stack([mean_logprob(c) for c, _ in pairs])
+    rejected = torch.stack([mean_logprob(r) for _, r in pairs])
+    settings = type(
+        "Settings",
+        (),
+        dict(
+            alpha=0.0,
+            beta=beta,
+            simpo_gamma=gamma,
+            label_smoothing=label_smoothing,
+            loss_type="simpo",
+            accelerator=type("A", (), {"device": "cpu"}),
+        ),
+    )
+    losses, _, _ = CPOTrainer.cpo_loss(settings, chosen, rejected)
+    theirs = losses.mean()
     theirs.backward()
     assert loss == pytest.approx(float(theirs), rel=REL)
     assert close(grads, peft_grads(wrapped)) <= REL

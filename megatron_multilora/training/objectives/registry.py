@@ -12,8 +12,9 @@ from megatron_multilora.training.objectives.grpo import GRPO
 from megatron_multilora.training.objectives.objective import Objective
 from megatron_multilora.training.objectives.per_token import PerTokenLoss
 from megatron_multilora.training.objectives.sft import SFT
+from megatron_multilora.training.objectives.simpo import SimPO
 
-JOB_OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (SFT, DPO, GRPO)}
+JOB_OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (SFT, DPO, GRPO, SimPO)}
 """What a job's ``objective`` may name."""
 
 DEFAULT: type[Objective] = SFT
