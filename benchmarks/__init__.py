@@ -19,7 +19,7 @@ Rows (A vs B):
   5      peak memory of fwd+bwd+optimizer with N slots vs 1 slot, above the frozen base alone
   6a-6b  fully sharded (S-LoRA) vs default adapter layout under TP=2, without and with
          sequence parallelism (two processes under torchrun)
-  7a-7b  one trainer step (SlotTrainStep: pack, forward/backward through megatron's schedule,
+  7a-7b  one trainer step (SlotStep.train: pack, forward/backward through megatron's schedule,
          grad sync, norms, optimizer) of the dense GPT on two pipeline stages (PP=2, two
          processes) vs the same two processes as data-parallel ranks (DP=2), and vs one process
          holding the whole model (PP=1); same jobs, data and micro-batch budget
@@ -46,7 +46,7 @@ grouped expert linear on both devices.
 One module a section (``layers_and_models``, ``jobs``, ``memory``, ``tensor_parallel``,
 ``pipeline_parallel``, ``scaling``, ``peers/``), each with its rows and a ``section``
 function; ``workloads`` builds what they time with the package's own builders
-(``build_gpt_model``, ``apply_multi_lora``, ``start_job``, ``SlotTrainStep``); ``run`` runs
+(``build_gpt_model``, ``apply_multi_lora``, ``start_job``, ``SlotStep``); ``run`` runs
 the sections and rewrites the report (``report``) after each. ``recipe_step`` times the
 recipe's step for A/B runs across commits.
 """

@@ -10,7 +10,8 @@ from benchmarks.report import Results, Row
 from benchmarks.settings import Settings
 from benchmarks.timing import Clock, medians, time_side_by_side
 from benchmarks.workloads import build_model, make_job, model_config, random_examples, training_step
-from megatron_multilora.training.jobs.board import start_job
+from megatron_multilora.training.runtime import start_job
+from megatron_multilora.training.step.slot_step import slot_work
 
 
 def jobs_variants(s: Settings, device: torch.device) -> dict[str, Callable[[], None]]:
@@ -37,13 +38,13 @@ def jobs_variants(s: Settings, device: torch.device) -> dict[str, Callable[[], N
     def together() -> None:
         opts = {j: start_job(multi_n, j, job, s.job_steps, cfg) for j, job in enumerate(jobs)}
         for examples, mbs in together_batches:
-            step_n(examples, opts, micro_batches=mbs)
+            step_n.train(slot_work(examples, opts), micro_batches=mbs)
 
     def one_after_another() -> None:
         for j, job in enumerate(jobs):
             opts = {0: start_job(multi_1, 0, job, s.job_steps, cfg)}
             for examples, mbs in alone_batches[j * s.job_steps : (j + 1) * s.job_steps]:
-                step_1(examples, opts, micro_batches=mbs)
+                step_1.train(slot_work(examples, opts), micro_batches=mbs)
 
     return {"together": together, "one-after-another": one_after_another}
 

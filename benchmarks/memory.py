@@ -26,6 +26,7 @@ from benchmarks.workloads import (
     start_jobs,
     training_step,
 )
+from megatron_multilora.training.step.slot_step import slot_work
 
 
 def memory_probe(s: Settings, variant: str) -> dict:
@@ -50,7 +51,7 @@ def memory_probe(s: Settings, variant: str) -> dict:
             )
             opts = start_jobs(model, s, cfg, 2, slots)
             for _ in range(2):
-                train(examples, opts, micro_batches=mbs)
+                train.train(slot_work(examples, opts), micro_batches=mbs)
             params = mm.slot_parameters(model, 0)
             result.update(
                 params_per_slot=sum(p.numel() for p in params), param_bytes=params[0].element_size()

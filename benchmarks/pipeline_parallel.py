@@ -8,7 +8,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from megatron.core import parallel_state
 
 import megatron_multilora as mm
 from benchmarks.children import torchrun_two
@@ -17,8 +16,7 @@ from benchmarks.settings import Settings
 from benchmarks.timing import Clock, medians
 from benchmarks.workloads import build_model, model_config, random_examples, start_jobs
 from megatron_multilora.data.datasets import Example
-from megatron_multilora.data.packing import shard_for_data_parallel
-from megatron_multilora.training.step.train_step import SlotTrainStep, StepResult
+from megatron_multilora.training.step.slot_step import SlotStep, StepResult, slot_work
 
 PP_LAYOUTS = {"PP=2": 2, "DP=2": 1}  # the 2-process layouts: name -> pipeline size
 
@@ -56,13 +54,10 @@ def pp_trainer_step(s: Settings) -> Callable[[], StepResult]:
     cfg = pp_model_config(s)
     data, budget = pp_data(s, cfg.vocab_size)
     model = [build_model(cfg, s, s.slots)]  # this rank's stage (the whole model at PP=1)
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
-    examples = [shard_for_data_parallel(exs, dp_rank, dp_size) for exs in data]  # as the trainer
-    train = SlotTrainStep(model, s.slots, budget, pad_multiple=1, pad_id=0)
+    train = SlotStep(model, s.slots, budget, pad_multiple=1, pad_id=0)
     steps = 10**6  # constant schedule: the count only bounds the lr schedule
     opts = start_jobs(model, s, cfg, steps, s.slots)
-    return lambda: train(examples, opts)
+    return lambda: train.train(slot_work(data, opts))  # each rank takes its share
 
 
 def pp_timed(clock: Clock, step: Callable[[], StepResult]) -> tuple[float, list[float]]:
@@ -156,7 +151,7 @@ def pp_rows(s: Settings, result: dict | None, skipped: str | None) -> list[Row]:
     layers, e = cfg.num_layers, pp_examples_per_slot(s)
     cpu = s.device == "cpu"
     step = (
-        f"one trainer step of {s.slots} adapter jobs (SlotTrainStep: pack, forward/backward "
+        f"one trainer step of {s.slots} adapter jobs (SlotStep.train: pack, forward/backward "
         f"of the micro-batches through megatron's schedule, per-slot grad sync, norms, "
         f"AdamW) on the dense GPT with {layers} layers; a global batch of {e} examples of "
         f"{s.example_tokens} tokens per job, packed into micro-batches of at most "

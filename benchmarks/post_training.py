@@ -19,7 +19,7 @@ from megatron_multilora.training.objectives.grpo import GRPO
 from megatron_multilora.training.objectives.sft import SFT
 from megatron_multilora.training.step.generation import generate
 from megatron_multilora.training.step.sampling import KeyedSampler, RowSampling
-from megatron_multilora.training.step.train_step import SlotTrainStep
+from megatron_multilora.training.step.slot_step import SlotStep, slot_work
 
 JOBS, PROMPTS, GROUP = 4, 4, 4  # GRPO jobs, prompts per rollout, samples per prompt
 
@@ -92,7 +92,7 @@ def step_variants(s: Settings, device: torch.device) -> dict[str, Callable[[], N
     ]
     slot_examples = [sft, dpo, grpo]
     objectives = {0: SFT(), 1: DPO(0.1, "sigmoid", 0.0), 2: GRPO(0.2, 0.2, 0.05)}
-    step = SlotTrainStep([model], 3, 4 * s.example_tokens * n, 1, 0)
+    step = SlotStep([model], 3, 4 * s.example_tokens * n, 1, 0)
     optimizers = start_jobs(model, s, cfg, 10**6, 3)
     batches = {"together": step.batcher.ready(slot_examples)}
     for slot in range(3):
@@ -100,15 +100,15 @@ def step_variants(s: Settings, device: torch.device) -> dict[str, Callable[[], N
         batches[slot] = step.batcher.ready(alone)
 
     def together() -> None:
-        step(slot_examples, optimizers, micro_batches=batches["together"], objectives=objectives)
+        step.train(
+            slot_work(slot_examples, optimizers, objectives), micro_batches=batches["together"]
+        )
 
     def alone() -> None:
         for slot in range(3):
-            step(
-                slot_examples,
-                {slot: optimizers[slot]},
+            step.train(
+                slot_work(slot_examples, {slot: optimizers[slot]}, objectives),
                 micro_batches=batches[slot],
-                objectives=objectives,
             )
 
     return {"together": together, "each-alone": alone}

@@ -9,7 +9,7 @@ Alternate the trees a few times and compare medians (a shared machine is noisy).
 the recipe's, built as its trainer builds it: the run composed from conf/ (``model=KIND``, no
 HF base), its model (``build_run_model``), 4 jobs started in their slots by ``start_job``
 (ranks 16/8/16/12, one with dropout 0.05), 16 random examples of 16-128 tokens per job packed
-into 1024-token micro-batches, then ``SlotTrainStep`` (forward/backward, per-slot gradient
+into 1024-token micro-batches, then ``SlotStep.train`` (forward/backward, per-slot gradient
 sync, grad norm and AdamW step); 1 thread; 3 warm-up steps, then the median of 10. Prints one
 JSON line.
 """
@@ -28,9 +28,9 @@ import megatron_multilora as mm
 from benchmarks.workloads import recipe_run
 from megatron_multilora.data.datasets import Example
 from megatron_multilora.training.config import base_model_config
-from megatron_multilora.training.jobs.board import start_job
 from megatron_multilora.training.model_setup import build_run_model
-from megatron_multilora.training.step.train_step import SlotTrainStep
+from megatron_multilora.training.runtime import start_job
+from megatron_multilora.training.step.slot_step import SlotStep, slot_work
 
 JOBS = [(16, 0.0), (8, 0.0), (16, 0.05), (12, 0.0)]  # (rank, dropout)
 
@@ -61,7 +61,7 @@ def main(kind: str) -> None:
     optimizers = {
         slot: start_job(model, slot, job, 100, cfg) for slot, job in enumerate(run.adapters)
     }
-    train_step = SlotTrainStep(
+    train_step = SlotStep(
         model, run.lora.slots, run.trainer.micro_batch_tokens, pad_multiple=1, pad_id=0
     )
     rng = random.Random(0)
@@ -76,7 +76,7 @@ def main(kind: str) -> None:
         ]
         micro_batches = train_step.batcher.ready(slot_examples)
         start = time.perf_counter()
-        train_step(slot_examples, optimizers, micro_batches=micro_batches)
+        train_step.train(slot_work(slot_examples, optimizers), micro_batches=micro_batches)
         if i >= 3:
             times.append(time.perf_counter() - start)
     print(

@@ -21,6 +21,7 @@ from benchmarks.workloads import (
     timed_model_step,
     training_step,
 )
+from megatron_multilora.training.step.slot_step import slot_work
 
 SCALE_SLOTS = (1, 8, 32, 64)
 
@@ -51,7 +52,7 @@ WIDTH_SLOTS, WIDTH_RANK = 4, 16
 
 
 def scaling_variants(s: Settings, device: torch.device) -> dict[str, Callable[[], None]]:
-    """One trainer step (SlotTrainStep: forward/backward of one packed micro-batch, per-slot
+    """One trainer step (SlotStep.train: forward/backward of one packed micro-batch, per-slot
     grad norms, every slot's AdamW step) of the dense GPT of rows 1c/2c, the same
     ``SCALE_EXAMPLES`` examples spread over N slots (64 / N each)."""
     cfg = model_config("dense", s)
@@ -66,7 +67,7 @@ def scaling_variants(s: Settings, device: torch.device) -> dict[str, Callable[[]
         opts = start_jobs(model, s, cfg, 10**6, n)
 
         def run(step=step, exs=exs, mbs=mbs, opts=opts) -> None:
-            step(exs, opts, micro_batches=mbs)
+            step.train(slot_work(exs, opts), micro_batches=mbs)
 
         variants[f"{n} slots"] = run
     return variants
@@ -80,7 +81,7 @@ def scaling_rows(s: Settings, med: dict[str, float]) -> list[Row]:
             f"8{suffix}",
             f"trainer step: {n} slots vs 1 slot, same tokens",
             (
-                f"one trainer step (SlotTrainStep: forward/backward of one packed micro-batch "
+                f"one trainer step (SlotStep.train: forward/backward of one packed micro-batch "
                 f"through megatron's schedule, per-slot grad norms and clipping, each slot's AdamW "
                 f"step; packing done beforehand) of the dense GPT of rows 1c/2c, {SCALE_EXAMPLES} "
                 f"examples ({tokens} positions) spread over {n} slots ({SCALE_EXAMPLES // n} each) "

@@ -5,7 +5,7 @@ split into a part that does not depend on its positions and a part per position.
     PYTHONPATH=. .venv/bin/python -m benchmarks.step_floor --config-name config data_dir=...
 
 One process, one thread: the trainer is set up from conf/ as the recipe sets it up (the run's
-data, model and jobs), then one data-parallel rank's ``SlotTrainStep`` is timed on its share
+data, model and jobs), then one data-parallel rank's step (``SlotStep.train``) is timed on its share
 (1/1, 1/2, 1/4, 1/8) of each phase's global batch: every job at once, and the job with the
 most steps alone (the main job's sort_words, which trains alone for 80 of its 120 steps).
 A least-squares line through each phase's (positions, median ms) gives the fixed ms a step
@@ -22,6 +22,7 @@ the block's ms eager and compiled. Prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -30,6 +31,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from megatron_multilora.data.packing import shard_for_data_parallel
 
 SHARES = (1, 2, 4, 8)
 
@@ -46,17 +49,16 @@ def _phase(trainer, jobs: list, share: int, reps: int, warmup: int) -> tuple[int
     """(positions, median ms) of rank 0's step on 1/``share`` of ``jobs``' global batch."""
     times, rows = [], []
     for i in range(warmup + reps):
-        examples, _, order = trainer.board.global_batch(i, jobs, 0, share)
+        work, _, order = trainer.board.global_batch(i, jobs)
+        share_of = {  # rank 0's share of a world of ``share`` data-parallel ranks
+            s: dataclasses.replace(w, items=shard_for_data_parallel(w.items, 0, share))
+            for s, w in work.items()
+        }
         start = time.perf_counter()
-        trainer.train_step(
-            examples,
-            {job.slot: job.optimizer for job in jobs},
-            slot_order=order,
-            objectives={job.slot: job.objective for job in jobs},
-        )
+        trainer.rt.step.train(share_of, slot_order=order)
         if i >= warmup:
             times.append(time.perf_counter() - start)
-            rows.append(sum(len(e.tokens) for slot in examples for e in slot))
+            rows.append(sum(len(e.tokens) for w in share_of.values() for e in w.items))
     return round(statistics.mean(rows)), 1e3 * statistics.median(times)
 
 
@@ -127,7 +129,7 @@ def measure(
             }
     if with_compile:
         alone = next(reversed(out["phases"].values()))["positions_ms"][1][0]  # share 1/2
-        cfg = trainer.model_config
+        cfg = trainer.rt.model_config
         out["compile"] = compile_probe(alone, cfg.hidden_size, cfg.ffn_hidden_size)
     params = matmul_parameters(Path(run.hf_dir)) if run.hf_dir else None
     if params:

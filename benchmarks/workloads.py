@@ -1,6 +1,6 @@
 """What the sections time, built with the package's own builders: the GPT with adapter slots
 (``build_gpt_model``, ``apply_multi_lora``), random examples packed as the trainer packs them,
-and its training step (``SlotTrainStep``) over jobs started by ``start_job``."""
+and its training step (``SlotStep``) over jobs started by ``start_job``."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from megatron_multilora.data.datasets import Example
 from megatron_multilora.data.packing import MicroBatch, pack_micro_batches
 from megatron_multilora.training.checks import validate
 from megatron_multilora.training.config import AdapterJob, RunConfig, load_run_config
-from megatron_multilora.training.jobs.board import start_job
+from megatron_multilora.training.runtime import start_job
 from megatron_multilora.training.step.schedule import per_slot_losses
 from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
-from megatron_multilora.training.step.train_step import SlotTrainStep
+from megatron_multilora.training.step.slot_step import SlotStep
 
 
 def layer_config(s: Settings) -> TransformerConfig:
@@ -174,11 +174,11 @@ def start_jobs(
 
 def training_step(
     model: torch.nn.Module, slots: int, batches: list[list[list[Example]]], device: torch.device
-) -> tuple[SlotTrainStep, list[Packed]]:
+) -> tuple[SlotStep, list[Packed]]:
     """The recipe's step for ``model`` and each step's (examples, micro-batches), packed
     beforehand (as a data loader would: only training is timed)."""
     budget = max(one_batch_budget(examples) for examples in batches)
-    train = SlotTrainStep([model], slots, budget, pad_multiple=1, pad_id=0)
+    train = SlotStep([model], slots, budget, pad_multiple=1, pad_id=0)
     return train, [
         (examples, [mb.to(device) for mb in train.batcher.ready(examples)]) for examples in batches
     ]

@@ -108,7 +108,7 @@ def _peft_step_costs(spec: dict, jobs: list, batches, pad_id: int, median) -> di
 def _our_step_costs(spec: dict, jobs: list, batches, pad_id: int, median) -> dict:
     """The recipe's own pieces, as its trainer puts them together: the run composed from
     conf/, the base built and loaded (frozen), then the run's model with every job started in
-    its slot by ``start_job`` and the trainer's ``SlotTrainStep``."""
+    its slot by ``start_job`` and the trainer's step (``SlotStep.train``)."""
     import torch
 
     import megatron_multilora as mm
@@ -117,10 +117,10 @@ def _our_step_costs(spec: dict, jobs: list, batches, pad_id: int, median) -> dic
     from megatron_multilora.models.gpt import build_model_chunks
     from megatron_multilora.models.hf_import import load_hf_checkpoint
     from megatron_multilora.training.config import base_model_config
-    from megatron_multilora.training.jobs.board import start_job
     from megatron_multilora.training.model_setup import build_run_model
+    from megatron_multilora.training.runtime import start_job
     from megatron_multilora.training.step.schedule import per_slot_losses
-    from megatron_multilora.training.step.train_step import SlotTrainStep
+    from megatron_multilora.training.step.slot_step import SlotStep, slot_work
 
     mm.support_megatron_here()
     run = recipe_run(spec["overrides"], config_name=spec["config_name"])
@@ -153,6 +153,8 @@ def _our_step_costs(spec: dict, jobs: list, batches, pad_id: int, median) -> dic
         slot: start_job(model, slot, job, spec["steps"], cfg) for slot, job in enumerate(jobs)
     }
     out["lora"] = median(forward_backward(model))
-    train_step = SlotTrainStep(model, run.lora.slots, run.trainer.micro_batch_tokens, 1, pad_id)
-    out["step"] = median(lambda rep: train_step(batches(rep), optimizers, slot_order=order))
+    step = SlotStep(model, run.lora.slots, run.trainer.micro_batch_tokens, 1, pad_id)
+    out["step"] = median(
+        lambda rep: step.train(slot_work(batches(rep), optimizers), slot_order=order)
+    )
     return out

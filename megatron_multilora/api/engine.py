@@ -2,29 +2,29 @@
 model, and the calls of many clients run together.
 
 The engine takes a batch of operations (``Op``: plain data, the same on every rank, so
-every rank of a parallel layout runs the same calls) and runs it: every ``forward_backward``
-of the batch (each client's at most once: a client's calls run in its order) in one packed
-forward/backward, each client's loss the sum over its own datums by its own loss
-(``objectives/per_token.py``), its gradient accumulating in its slot until its
-``optim_step``; every ``sample`` in one generation pass, each row through its sampler's
-adapter with draws keyed by the request (``step/sampling.py``). Neither depends on who
-else is in the batch. Saves write ``<run_dir>/api/...`` folders: a training state (adapter
+every rank of a parallel layout runs the same calls) and runs it on the runtime the trainer
+runs on (``training/runtime.py``): every ``forward_backward`` of the batch (each client's at
+most once: a client's calls run in its order) in one call of the step
+(``SlotStep.train``), each client's loss the sum over its own datums by its own loss (the
+objectives registry's per-token losses), its gradient accumulating in its slot until its
+``optim_step``; the batch's ``optim_step`` calls in one ``SlotStep.apply`` (one gradient
+sync, one norm pass); every ``sample`` in one generation pass, each row through its
+sampler's adapter with draws keyed by the request (``step/sampling.py``). None depends on
+who else is in the batch: a client whose loss or gradients are not finite is answered an
+error, its gradients of that call dropped, and the others' pass is redone without it. Saves write ``<run_dir>/api/...`` folders: a training state (adapter
 and optimizer, ``training/checkpoints.slot_snapshot``) or sampler weights (an adapter folder
 and, on a Hugging Face base, a PEFT one).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import traceback
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from safetensors.torch import load_file, save_file
 
 from megatron_multilora.api import wire
@@ -34,20 +34,15 @@ from megatron_multilora.atomic_files import write_dir_atomic, write_json_atomic
 from megatron_multilora.checkpoint.adapter_files import export_adapter, import_adapter
 from megatron_multilora.checkpoint.peft_format import export_peft
 from megatron_multilora.data.datasets import Example
-from megatron_multilora.layers.lifecycle import clear_adapter_slot, model_chunks
+from megatron_multilora.layers.lifecycle import clear_adapter_slot
 from megatron_multilora.training.checkpoints import restore_slot, slot_snapshot
 from megatron_multilora.training.config import AdapterJob
-from megatron_multilora.training.jobs.board import start_job
+from megatron_multilora.training.objectives.objective import SampleRequest
 from megatron_multilora.training.objectives.registry import client_objective
-from megatron_multilora.training.step import generation
-from megatron_multilora.training.step.evaluation import eval_mode
-from megatron_multilora.training.step.grad_sync import SlotGradSync
-from megatron_multilora.training.step.micro_batches import MicroBatcher
+from megatron_multilora.training.runtime import Runtime
 from megatron_multilora.training.step.reference import target_logprobs
-from megatron_multilora.training.step.sampling import KeyedSampler, RowSampling
-from megatron_multilora.training.step.schedule import per_slot_results_and_data
-from megatron_multilora.training.step.slot_optimizer import SlotOptimizer, slot_grad_norms
-from megatron_multilora.training.step.train_step import start_reducing_losses
+from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
+from megatron_multilora.training.step.slot_step import SlotWork
 
 
 def client_job(name: str, rank: int) -> AdapterJob:
@@ -66,24 +61,21 @@ def client_job(name: str, rank: int) -> AdapterJob:
 
 
 class Engine:
-    """Runs operations on ``model`` (its chunks): one slot per training client."""
+    """Runs operations on the runtime's model: one slot per training client. ``complete``
+    answers a call (rank 0's front; the other ranks answer nothing)."""
 
     def __init__(
         self,
-        model: list[torch.nn.Module],
-        tokenizer,
-        batcher: MicroBatcher,
+        runtime: Runtime,
         run_dir: Path,
-        model_config,
         hf_dir: str | None,
-        hf_model_type: str | None,
         complete: Callable[[str, Result], None],
     ) -> None:
-        self.model, self.tokenizer, self.batcher = model_chunks(model), tokenizer, batcher
-        self.run_dir, self.model_config = run_dir, model_config
-        self.hf_dir, self.hf_model_type = hf_dir, hf_model_type
+        self.rt, self.model, self.tokenizer = runtime, runtime.model, runtime.tokenizer
+        self.run_dir, self.hf_dir = run_dir, hf_dir
+        self.n_slots = runtime.run.lora.slots
+        self.tools = runtime.tools(lambda job, reason: None)
         self.complete = complete if dist.get_rank() == 0 else (lambda request_id, result: None)
-        self.grad_sync = SlotGradSync(self.model)
         self.optimizers: dict[int, SlotOptimizer] = {}  # by slot: the training clients'
         self.versions: dict[int, int] = {}  # by slot: bumped whenever its weights change
         self.steps: dict[int, int] = {}  # by slot: its client's optim_steps here
@@ -95,8 +87,8 @@ class Engine:
     def run(self, ops: list[Op]) -> None:
         """Every op of the batch (a client has at most one in it): ended clients' slots
         freed and new clients created first (a client's first call may share its creation's
-        batch), then every forward_backward together, the other calls in order, and every
-        sample in one pass."""
+        batch), then every forward_backward together, every optim_step together, the other
+        calls in order, and every sample in one pass."""
         first = [op for op in ops if op.kind == "free"] + [
             op for op in ops if op.kind == "create" or op.args.get("init_key")
         ]
@@ -110,8 +102,11 @@ class Engine:
             ]
             if batch:
                 self._guarded(batch, partial(self._forward_backward, batch, forward_only))
+        steps = [op for op in ops if op.kind == "optim_step"]
+        if steps:
+            self._guarded(steps, partial(self._optim_steps, steps))
         for op in ops:
-            if op not in first and op.kind not in ("forward_backward", "sample"):
+            if op not in first and op.kind not in ("forward_backward", "optim_step", "sample"):
                 self._run_one(op)
         samples = [op for op in ops if op.kind == "sample"]
         if samples:
@@ -139,10 +134,8 @@ class Engine:
     # -- training clients -----------------------------------------------------------------
 
     def create(self, slot: int, rank: int, init_key: str, model_id: str) -> dict:
-        self.optimizers[slot] = start_job(
-            self.model, slot, client_job(init_key, rank), 1, self.model_config, self.hf_model_type
-        )
-        self.grad_sync.zero_grad([slot])
+        self.optimizers[slot] = self.rt.start_slot(slot, client_job(init_key, rank), 1)
+        self.rt.step.drop([slot])
         self.versions[slot] = self.versions.get(slot, 0) + 1
         self.steps[slot] = 0
         self.losses.pop(slot, None)
@@ -154,80 +147,75 @@ class Engine:
 
     def free(self, slot: int) -> dict:
         """A client gone (its session ended or timed out): its slot back to a fresh one."""
-        self.grad_sync.zero_grad([slot])
         self.optimizers.pop(slot, None)
-        clear_adapter_slot(self.model, slot)
+        self.rt.free_slot(slot)
         self.versions[slot] = self.versions.get(slot, 0) + 1
         self.steps.pop(slot, None)
         self.losses.pop(slot, None)
         return {}
 
     def _forward_backward(self, ops: list[Op], forward_only: bool) -> None:
-        """The calls' datums in one packed forward/backward, split over data-parallel ranks
-        (datum i on rank i mod dp; gradients are summed over them at the optim_step)."""
-        dp = parallel_state.get_data_parallel_world_size()
-        rank = parallel_state.get_data_parallel_rank()
-        slot_examples: list[list[Example]] = [[] for _ in range(self.batcher.n_slots)]
-        objectives = [None] * self.batcher.n_slots
+        """The calls' datums in one call of the step (each client's loss a sum over its
+        datums); a client whose loss or gradients are not finite is refused, its gradients of
+        this call dropped, the others answered as if it were not there."""
+        work = {
+            op.args["slot"]: SlotWork(
+                [
+                    Example(tuple(d["tokens"]), (True,) * (len(d["tokens"]) - 1), d["values"], 1)
+                    for d in op.args["data"]
+                ],
+                client_objective(op.args["loss"], op.args["clip_low"], op.args["clip_high"]),
+                mean=False,  # a sum, as Tinker's: a client scales its own datums
+            )
+            for op in ops
+        }
+        step = self.rt.step
+        result = (step.forward if forward_only else step.train)(work, keep=("logprobs",))
         for op in ops:
             slot = op.args["slot"]
-            slot_examples[slot] = [
-                Example(tuple(d["tokens"]), (True,) * (len(d["tokens"]) - 1), d["values"], units=1)
-                for d in op.args["data"][rank::dp]
-            ]
-            objectives[slot] = client_objective(
-                op.args["loss"], op.args["clip_low"], op.args["clip_high"]
-            )
-        micro_batches = self.batcher.ready(slot_examples)
-        # Sums, not means: each slot's loss weighs 1 (a client scales its own datums).
-        ones = torch.zeros(self.batcher.n_slots, dtype=torch.int64).index_fill_(
-            0, torch.tensor([op.args["slot"] for op in ops]), 1
-        )
-        with eval_mode(self.model) if forward_only else contextlib.nullcontext():
-            table, kept = per_slot_results_and_data(
-                self.model, micro_batches, ones, forward_only, objectives
-            )
-        logprobs = kept["logprobs"]
-        losses = start_reducing_losses(table[:, 0].contiguous())()
-        shares = [None] * dp  # every rank's log-probs of its datums, by slot
-        if dp > 1:
-            dist.all_gather_object(shares, logprobs, group=parallel_state.get_data_parallel_group())
-        else:
-            shares = [logprobs]
-        for op in ops:
-            slot, n = op.args["slot"], len(op.args["data"])
+            if slot in result.skipped:
+                self.complete(
+                    op.request_id,
+                    Result(
+                        ERROR,
+                        (
+                            "the loss or the gradients of this call are not finite: its gradients are "
+                            "dropped (the client's earlier ones are kept)",
+                            "user",
+                        ),
+                    ),
+                )
+                continue
+            loss = float(result.losses[slot])
             if not forward_only:
-                self.losses[slot] = float(losses[slot])
-            per_datum = [{"logprobs": shares[i % dp][slot][i // dp]} for i in range(n)]
+                self.losses[slot] = loss
+            per_datum = [{"logprobs": lp} for lp in result.kept["logprobs"][slot]]
             self.complete(
                 op.request_id,
-                Result(
-                    PROTOBUF,
-                    wire.forward_backward_output(per_datum, {"loss:sum": float(losses[slot])}),
-                ),
+                Result(PROTOBUF, wire.forward_backward_output(per_datum, {"loss:sum": loss})),
             )
 
-    def optim_step(
-        self,
-        slot: int,
-        lr: float,
-        betas: tuple[float, float],
-        eps: float,
-        weight_decay: float,
-        grad_clip: float | None,
-    ) -> dict:
-        opt = self.optimizers[slot]
-        self.grad_sync.sync([slot])
-        norm = slot_grad_norms({slot: opt.params})[slot]
-        if not math.isfinite(norm):
-            self.grad_sync.zero_grad([slot])
-            raise OpError(f"the gradient norm is {norm}: step skipped, gradients dropped")
-        opt.set_hyperparameters(lr, tuple(betas), eps, weight_decay, grad_clip)
-        opt.step(norm)
-        self.grad_sync.zero_grad([slot])
-        self.versions[slot] += 1
-        self.steps[slot] += 1
-        return {"metrics": {"grad_norm:mean": norm}}
+    def _optim_steps(self, ops: list[Op]) -> None:
+        """Every optim_step of the batch in one ``SlotStep.apply``: each client's optimizer
+        with its call's hyperparameters; a client whose gradient norm is not finite does not
+        step (its call is refused), its gradients dropped."""
+        for op in ops:
+            a = op.args
+            self.optimizers[a["slot"]].set_hyperparameters(
+                a["lr"], tuple(a["betas"]), a["eps"], a["weight_decay"], a["grad_clip"]
+            )
+        norms, skipped = self.rt.step.apply(
+            {op.args["slot"]: self.optimizers[op.args["slot"]] for op in ops}
+        )
+        for op in ops:
+            slot = op.args["slot"]
+            if slot in skipped:
+                message = f"the gradient norm is {norms[slot]}: step skipped, gradients dropped"
+                self.complete(op.request_id, Result(ERROR, (message, "user")))
+                continue
+            self.versions[slot] += 1
+            self.steps[slot] += 1
+            self.complete(op.request_id, Result(JSON, {"metrics": {"grad_norm:mean": norms[slot]}}))
 
     # -- saves and loads ------------------------------------------------------------------
 
@@ -269,7 +257,7 @@ class Engine:
             opt,
             optimizer,
         )
-        self.grad_sync.zero_grad([slot])
+        self.rt.step.drop([slot])
         self.versions[slot] += 1
         return {"type": "load_weights", "path": path, "model_id": model_id}
 
@@ -284,8 +272,8 @@ class Engine:
                 self.model,
                 slot,
                 Path(folder) / "peft",
-                self.model_config,
-                self.hf_model_type,
+                self.rt.model_config,
+                self.rt.hf_model_type,
                 self.hf_dir,
                 overwrite=True,
             )
@@ -297,29 +285,26 @@ class Engine:
         """Every sample op in one generation pass. A sampler's weights are its client's slot
         while they are unchanged since they were saved, else they are loaded into a free
         slot for this pass; the base model samples from a free (cleared) slot."""
-        free = [s for s in range(self.batcher.n_slots) if s not in self.optimizers]
+        free = [s for s in range(self.n_slots) if s not in self.optimizers]
         loaded: dict[str, int] = {}
-        prompts, rows, limits, stops, owners = [], [], [], [], []
+        requests, owners = [], []
         for op in ops:
             a = op.args
             slot = self._sampler_slot(a, free, loaded)
             for k in range(a["num_samples"]):
-                prompts.append((slot, a["prompt"]))
-                rows.append(RowSampling(f"{a['key']}:{k}", a["temperature"], a["top_p"]))
-                limits.append(a["max_tokens"])
-                stops.append(frozenset(a["stop"]))
+                requests.append(
+                    SampleRequest(
+                        slot,
+                        a["prompt"],
+                        f"{a['key']}:{k}",
+                        a["temperature"],
+                        a["top_p"],
+                        a["max_tokens"],
+                        frozenset(a["stop"]),
+                    )
+                )
                 owners.append(op)
-        outputs = generation.generate(
-            self.model,
-            prompts,
-            self.batcher.n_slots,
-            limits,
-            self.tokenizer.eos_id,
-            self.batcher.pad_multiple,
-            self.tokenizer.pad_id,
-            pick=KeyedSampler(rows),
-            stops=stops,
-        )
+        outputs = self.tools.generate(requests)
         prompt_logprobs = self._prompt_logprobs(ops, free, loaded)
         for slot in loaded.values():
             clear_adapter_slot(self.model, slot)
@@ -383,7 +368,7 @@ class Engine:
         asked = [op for op in ops if op.args["prompt_logprobs"]]
         if not asked:
             return {}
-        slot_examples: list[list[Example]] = [[] for _ in range(self.batcher.n_slots)]
+        slot_examples: list[list[Example]] = [[] for _ in range(self.n_slots)]
         order = []
         for op in asked:
             slot = self._sampler_slot(op.args, free, loaded)
@@ -392,6 +377,6 @@ class Engine:
                 continue
             slot_examples[slot].append(Example(tuple(tokens), (True,) * (len(tokens) - 1)))
             order.append((op.request_id, slot, len(slot_examples[slot]) - 1))
-        values = target_logprobs(self.model, slot_examples, self.batcher, adapters=True)
+        values = target_logprobs(self.model, slot_examples, self.rt.step.batcher, adapters=True)
         scored = {request_id: [math.nan] + values[slot][i] for request_id, slot, i in order}
         return {op.request_id: scored.get(op.request_id, [math.nan]) for op in asked}

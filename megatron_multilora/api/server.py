@@ -13,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from megatron_multilora.api.call_queue import CallQueue
 from megatron_multilora.api.engine import Engine
@@ -21,59 +20,33 @@ from megatron_multilora.api.front import Front, Limits
 from megatron_multilora.api.futures import Futures
 from megatron_multilora.api.routes import build_app
 from megatron_multilora.api.status import ServiceStatus
-from megatron_multilora.data.tokenizer import ByteTokenizer, HFTokenizer
 from megatron_multilora.errors import RunError
-from megatron_multilora.models.hf_config import read_hf_config
-from megatron_multilora.models.hf_import import load_hf_tokenizer
-from megatron_multilora.parallel import destroy_parallel, init_parallel
-from megatron_multilora.training.config import RunConfig, base_model_config
+from megatron_multilora.parallel import destroy_parallel
+from megatron_multilora.training.config import RunConfig
 from megatron_multilora.training.jobs.states import STOPPED
 from megatron_multilora.training.mailbox import folder
-from megatron_multilora.training.model_setup import build_run_model
-from megatron_multilora.training.step.micro_batches import MicroBatcher
+from megatron_multilora.training.runtime import Runtime
 from megatron_multilora.training.stop import received
 
 
 def serve_api(run: RunConfig, keys: dict[str, str], say: Callable[[str], None] = print) -> None:
     """Serve until a stop signal or ``mmlora stop --run-dir``; ``keys``: the API keys
     (``api_keys.load_keys``, checked before the launch)."""
-    par = run.parallel
-    init_parallel(
-        tensor_model_parallel_size=par.tp,
-        expert_model_parallel_size=par.ep,
-        pipeline_model_parallel_size=par.pp,
-        virtual_pipeline_model_parallel_size=par.vpp,
-        sequence_parallel=par.sp,
-        seed=run.seed,
-    )
-    model_config = base_model_config(run)
-    tokenizer = HFTokenizer(load_hf_tokenizer(run.hf_dir)) if run.hf_dir else ByteTokenizer()
-    model = build_run_model(run, model_config)
-    batcher = MicroBatcher(
-        model,
-        run.lora.slots,
-        run.trainer.micro_batch_tokens,
-        par.tp if par.sp else 1,
-        tokenizer.pad_id,
-    )
+    runtime = Runtime.build(run)  # the layout, tokenizer, model and step, as the trainer's
     run_dir = Path(run.run_dir)
     hf_dir = str(Path(run.hf_dir).resolve()) if run.hf_dir else None
     front = None
     if dist.get_rank() == 0:
-        front, url = _start_front(run, keys, model_config, hf_dir, run_dir)
+        front, url = _start_front(run, keys, runtime.model_config, hf_dir, run_dir)
     engine = Engine(
-        model,
-        tokenizer,
-        batcher,
+        runtime,
         run_dir,
-        model_config,
         hf_dir,
-        read_hf_config(run.hf_dir)["model_type"] if run.hf_dir else None,
         front.futures.complete if front else (lambda request_id, result: None),
     )
     status = None
     if front:
-        dp = parallel_state.get_data_parallel_world_size()
+        dp = runtime.dp_size
         status = ServiceStatus(run.run_dir, url, front, engine, dp)
         status.write(force=True)
         say(

@@ -1,7 +1,7 @@
 """The multi-LoRA trainer: N adapter jobs on one frozen Megatron-core model.
 
-:meth:`Trainer.setup` builds the run: the parallel layout, tokenizer, model with its adapter
-slots, the training step, the job board (every job's data), the serve mailbox, a resumed
+:meth:`Trainer.setup` builds the run: its runtime (the parallel layout, tokenizer, model
+with its adapter slots and the step, shared with the training service), the job board (every job's data), the serve mailbox, a resumed
 checkpoint and the submitted jobs the run's journal adds later, the report. :meth:`~Trainer.train`
 is the run loop (it reads in one screen): at each step boundary honour an agreed stop and
 the mailbox's requests, admit queued jobs into free slots, run one step of every training
@@ -16,18 +16,13 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
-from megatron.core import parallel_state
 
-from megatron_multilora.data.tokenizer import ByteTokenizer, HFTokenizer
-from megatron_multilora.models.hf_config import read_hf_config
-from megatron_multilora.models.hf_import import load_hf_tokenizer
-from megatron_multilora.parallel import destroy_parallel, init_parallel
+from megatron_multilora.parallel import destroy_parallel
 from megatron_multilora.training.checks import job_problems, name_problems
 from megatron_multilora.training.config import (
     AdapterJob,
     RunConfig,
     adapter_job,
-    base_model_config,
     to_plain,
 )
 from megatron_multilora.training.jobs.board import JobBoard
@@ -42,12 +37,12 @@ from megatron_multilora.training.jobs.states import (
     TRAINING,
 )
 from megatron_multilora.training.mailbox.trainer_side import TrainerMailbox
-from megatron_multilora.training.model_setup import build_run_model, precision_summary
+from megatron_multilora.training.model_setup import precision_summary
 from megatron_multilora.training.report.run_report import RunReport
 from megatron_multilora.training.report.tables import AdapterTaskEval
 from megatron_multilora.training.resume import RunCheckpoints
+from megatron_multilora.training.runtime import Runtime
 from megatron_multilora.training.step.micro_batches import agree
-from megatron_multilora.training.step.train_step import SlotTrainStep
 from megatron_multilora.training.stop import STOP_REQUESTED, RunStopped, received
 
 
@@ -58,49 +53,17 @@ class Trainer:
 
     def __init__(self, run: RunConfig) -> None:
         self.run = run
-        self.model_config = base_model_config(run)  # hf_dir's architecture, or run.model
-        # Read once: exports and every checkpoint's adapter meta name the HF model type.
-        self.hf_model_type = read_hf_config(run.hf_dir)["model_type"] if run.hf_dir else None
 
     def setup(self) -> None:
         run, tr = self.run, self.run.trainer
-        init_parallel(
-            tensor_model_parallel_size=run.parallel.tp,
-            expert_model_parallel_size=run.parallel.ep,
-            pipeline_model_parallel_size=run.parallel.pp,
-            virtual_pipeline_model_parallel_size=run.parallel.vpp,
-            sequence_parallel=run.parallel.sp,
-            seed=run.seed,
-        )
+        self.rt = rt = Runtime.build(run)  # the layout, tokenizer, model and step
         self.is_main = dist.get_rank() == 0
-        self.dp_rank = parallel_state.get_data_parallel_rank()
-        self.dp_size = parallel_state.get_data_parallel_world_size()
-        pad_multiple = run.parallel.tp if run.parallel.sp else 1
-        tokenizer = HFTokenizer(load_hf_tokenizer(run.hf_dir)) if run.hf_dir else ByteTokenizer()
-        self.model = build_run_model(run, self.model_config)  # its chunks
-        self.train_step = SlotTrainStep(
-            self.model, run.lora.slots, tr.micro_batch_tokens, pad_multiple, tokenizer.pad_id
-        )
+        self.dp_size = rt.dp_size
+        self.model = rt.model
         exporter = JobExporter(
-            Path(run.run_dir),
-            self.model,
-            self.model_config,
-            run.lora,
-            run.hf_dir,
-            self.hf_model_type,
+            Path(run.run_dir), rt.model, rt.model_config, run.lora, run.hf_dir, rt.hf_model_type
         )
-        self.board = JobBoard(
-            self.model,
-            run.lora.slots,
-            tr,
-            run.seed,
-            tokenizer,
-            exporter,
-            self.model_config,
-            self.hf_model_type,
-            self.say,
-            self.train_step.batcher,
-        )
+        self.board = JobBoard(rt, tr, exporter, self.say)
         for spec in run.adapters:
             self.board.add(spec)
         self.mailbox = TrainerMailbox(
@@ -116,16 +79,9 @@ class Trainer:
             self.board.add(adapter_job(job, f"submitted job {job['name']}"), source="submitted")
         self._agreed: tuple[int, ...] | None = None  # (stop signal, requests) of the last step
         self.report = RunReport(
-            run, self.is_main, {**to_plain(run), "model": dataclasses.asdict(self.model_config)}
+            run, self.is_main, {**to_plain(run), "model": dataclasses.asdict(rt.model_config)}
         )
-        self.tasks = AdapterTaskEval(
-            self.model,
-            tokenizer,
-            run.lora.slots,
-            tr.micro_batch_tokens,
-            pad_multiple,
-            tr.max_new_tokens,
-        )
+        self.tasks = AdapterTaskEval(rt.step, rt.tokenizer, tr.max_new_tokens)
         self.say(self._summary())
 
     def train(self) -> None:
@@ -156,18 +112,10 @@ class Trainer:
 
     def train_one_step(self, active: list[Job]) -> dict[str, dict[str, float]]:
         """One trainer step of the ``active`` jobs; returns the metrics of those that stepped."""
-        slot_examples, tokens, order = self.board.global_batch(
-            self.step, active, self.dp_rank, self.dp_size
-        )
+        work, tokens, order = self.board.global_batch(self.step, active)
         active = [job for job in active if job.status == ACTIVE]  # a reward may have failed one
         lrs = {job.slot: job.optimizer.lr for job in active}  # what this step uses
-        result = self.train_step(
-            slot_examples,
-            {job.slot: job.optimizer for job in active},
-            slot_order=order,
-            extras=self._local_extras(),
-            objectives={job.slot: job.objective for job in active},
-        )
+        result = self.rt.step.train(work, slot_order=order, extras=self._local_extras())
         self._agreed = result.extras  # for the coming step boundary
         return self.board.record(self.step, active, result, tokens, lrs)
 

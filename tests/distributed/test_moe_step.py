@@ -20,7 +20,7 @@ from megatron_multilora.layers import expert_lora
 from megatron_multilora.training.step import evaluation, generation, schedule
 from megatron_multilora.training.step.grad_sync import SlotGradSync
 from megatron_multilora.training.step.micro_batches import MicroBatcher, agree
-from megatron_multilora.training.step.train_step import start_reducing_losses
+from megatron_multilora.training.step.slot_step import SlotStep, start_reducing_losses
 from tests.distributed.conftest import assert_all_ranks, compare
 from tests.distributed.harness import load_full_state
 
@@ -137,7 +137,7 @@ def test_ep2_step_matches_one_process(layout, dispatcher, aux_loss, monkeypatch)
     layout(tp=1)
     ref, state, ref_losses, ref_grads = reference(config)
     # Evaluation is given both ranks' data; each data-parallel rank evaluates a share.
-    ref_eval = evaluation.eval_losses(ref, both_ranks_data(), 1000, 1, PAD)
+    ref_eval = evaluation.eval_losses(SlotStep(ref, N, 1000, 1, PAD), both_ranks_data())
     ref_gen = [generation.greedy_generate(ref, prompts(d), N, 3, -1, 1, PAD) for d in (0, 1)]
     mm.destroy_parallel()
 
@@ -179,7 +179,7 @@ def test_ep2_step_matches_one_process(layout, dispatcher, aux_loss, monkeypatch)
         )
 
     monkeypatch.undo()
-    got_eval = evaluation.eval_losses(model, both_ranks_data(), 1000, 1, PAD)
+    got_eval = evaluation.eval_losses(SlotStep(model, N, 1000, 1, PAD), both_ranks_data())
     if not torch.equal(got_eval.isnan(), ref_eval.isnan()):
         failures.append(f"eval losses {got_eval} != one process's {ref_eval}")
     compare(failures, got_eval.nan_to_num(), ref_eval.nan_to_num(), REL, "eval losses")

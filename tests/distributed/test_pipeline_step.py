@@ -51,7 +51,7 @@ from megatron_multilora.training.config import AdapterJob
 from megatron_multilora.training.step import evaluation, generation
 from megatron_multilora.training.step.micro_batches import agree, micro_batch_multiple
 from megatron_multilora.training.step.slot_optimizer import SlotOptimizer, slot_grad_norms
-from megatron_multilora.training.step.train_step import SlotTrainStep
+from megatron_multilora.training.step.slot_step import SlotStep, slot_work
 from tests.distributed.conftest import assert_all_ranks, compare
 from tests.unit.test_step_schedule import reference
 
@@ -174,7 +174,7 @@ def check_step(
     want_grads = {s: grads(ref, s, "grad") for s in range(N)}
     want_norms = [torch.stack([g.norm() for g in want_grads[s].values()]).norm() for s in range(N)]
     if extras:
-        want_eval = evaluation.eval_losses(ref, all_examples(), BUDGET, 1, PAD)
+        want_eval = evaluation.eval_losses(SlotStep(ref, N, BUDGET, 1, PAD), all_examples())
         want_gen = generation.greedy_generate(ref, prompts(), N, 4, -1, 1, PAD, kv_cache=False)
     del ref
 
@@ -191,7 +191,7 @@ def check_step(
     for s in range(N):
         mm.set_slot_tensors(model, s, adapters[s], RANKS[s], ALPHAS[s])
 
-    step = SlotTrainStep(model, N, BUDGET, tp, PAD)
+    step = SlotStep(model, N, BUDGET, tp, PAD)
     dp, d = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     own = micro_batches(range(d, len(SHARES), dp), tp)
     # The filler in the middle: the micro-batch after it must train normally again.
@@ -227,7 +227,7 @@ def check_step(
             f"slot {s} gradient norm",
         )
     if extras:
-        got_eval = evaluation.eval_losses(model, all_examples(), BUDGET, tp, PAD)
+        got_eval = evaluation.eval_losses(step, all_examples())
         if not torch.equal(got_eval.isnan(), want_eval.isnan()):  # nan: the idle slot
             failures.append(f"eval losses {got_eval} != {want_eval}")
         compare(failures, got_eval.nan_to_num(), want_eval.nan_to_num(), REL_GRAD, "eval losses")
@@ -295,7 +295,7 @@ def test_pp2_non_finite_slot_is_skipped_on_every_stage(layout, poisoned_stage):
         for s in range(N)
         if s != IDLE
     }
-    result = SlotTrainStep(model, N, BUDGET, 1, PAD)(all_examples(), optimizers)
+    result = SlotStep(model, N, BUDGET, 1, PAD).train(slot_work(all_examples(), optimizers))
 
     failures: list[str] = []
     if result.skipped != {bad}:  # only a non-finite loss or norm gets a slot skipped

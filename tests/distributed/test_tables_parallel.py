@@ -14,6 +14,7 @@ from megatron_multilora.models.gpt import build_model_chunks
 from megatron_multilora.training.objectives.sft import SFT
 from megatron_multilora.training.report.tables import AdapterTaskEval
 from megatron_multilora.training.step import generation
+from megatron_multilora.training.step.slot_step import SlotStep
 from tests.distributed.conftest import assert_all_ranks
 from tests.distributed.harness import N, build
 from tests.unit.test_known_generations import CFG as KNOWN_CFG
@@ -54,7 +55,7 @@ def task(name: str, seed: int, n: int) -> types.SimpleNamespace:
 
 
 def tables_of(model, tasks):
-    ev = AdapterTaskEval(model, Digits(), N, token_budget=40, pad_multiple=1, max_new_tokens=3)
+    ev = AdapterTaskEval(SlotStep(model, N, 40, 1, Digits().pad_id), Digits(), 3)
     cells = [(slot, t) for t in tasks for slot in range(N)]
     return (
         {(s, t.name): ev.evaluate({s: t})[0][s]["loss"] for s, t in cells},

@@ -101,11 +101,11 @@ def test_bf16_step_matches_fp32(monkeypatch, cfg):
 
 
 def _step_on(model, examples):
-    """One SlotTrainStep's per-slot losses; slot gradients stay in ``main_grad``."""
+    """One SlotStep's per-slot losses; slot gradients stay in ``main_grad``."""
     from megatron_multilora.training.step.micro_batches import agree
-    from megatron_multilora.training.step.train_step import SlotTrainStep
+    from megatron_multilora.training.step.slot_step import SlotStep
 
-    step = SlotTrainStep(model, N, 64, 1, 0)
+    step = SlotStep(model, N, 64, 1, 0)
     mbs = step.batcher.ready(examples)
     step.grad_sync.zero_grad(range(N))
     losses = step.losses(mbs, agree(mbs, N).loss_units)

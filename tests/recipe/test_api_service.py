@@ -284,6 +284,59 @@ def test_four_clients_at_once_each_train_as_alone(service, data):
     assert max(batched) >= 2, batched  # some calls of different clients shared a step
 
 
+def test_a_tenants_non_finite_gradients_leave_its_neighbour_as_alone(service, data):
+    """One tenant's loss and gradients are not finite (a sampler log-prob of -1e30 in its
+    importance_sampling datums) while a neighbour trains in the same steps: every call of
+    the tenant is refused naming why, the neighbour's are answered and it trains exactly as
+    alone; the service log shows their calls shared steps."""
+    neighbour = datums(data, "sort")
+    poisoned = [
+        types.Datum(
+            model_input=d.model_input,
+            loss_fn_inputs={
+                "target_tokens": d.loss_fn_inputs["target_tokens"],
+                "logprobs": [-1e30] * len(d.loss_fn_inputs["target_tokens"].data),
+                "advantages": [1.0] * len(d.loss_fn_inputs["target_tokens"].data),
+            },
+        )
+        for d in datums(data, "add")
+    ]
+    with service.client(KEYS[2]) as sc:
+        client = sc.create_lora_training_client(base_model="tiny", rank=4, seed=11).result()
+        alone = train(client, neighbour, 3, 1e-2)
+    before = service.log.read_text()
+    together, refusals, done = {}, [], threading.Event()
+
+    def tenant() -> None:
+        with service.client(KEYS[0]) as sc:
+            bad = sc.create_lora_training_client(base_model="tiny", rank=4, seed=12).result()
+            while not done.is_set():
+                try:
+                    bad.forward_backward(poisoned, "importance_sampling").result(timeout=120)
+                except Exception as err:  # the SDK's error for a refused call
+                    refusals.append(str(err))
+                else:
+                    refusals.append("answered")
+
+    def run() -> None:
+        with service.client(KEYS[2]) as sc:
+            client = sc.create_lora_training_client(base_model="tiny", rank=4, seed=11).result()
+            together["losses"] = train(client, neighbour, 3, 1e-2)
+        done.set()
+
+    threads = [threading.Thread(target=tenant), threading.Thread(target=run)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert together["losses"] == alone  # exactly: the poisoned pass was redone without it
+    assert refusals and all("not finite" in r for r in refusals), refusals[:3]
+    shared = re.findall(
+        r"(\d+) forward_backward in one step", service.log.read_text()[len(before) :]
+    )
+    assert max(map(int, shared)) >= 2, shared  # the tenant's calls shared the neighbour's steps
+
+
 def test_sampling_and_logprobs_from_a_saved_adapter(service, data):
     sc = service.client(KEYS[1])
     training = sc.create_lora_training_client(base_model="tiny", rank=8).result()

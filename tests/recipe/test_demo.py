@@ -52,13 +52,7 @@ def test_smollm2_config_trains_the_four_word_jobs_and_reports_the_base_model(tmp
     # The base row is the model without any adapter (every slot is free after finish).
     for task in WORD_TASKS:
         index = list(WORD_TASKS).index(task)
-        alone = evaluation.eval_losses(
-            recipe.model,
-            [recipe.board.jobs[index].eval, [], [], []],
-            run.trainer.micro_batch_tokens,
-            1,
-            recipe.board.tokenizer.pad_id,
-        )
+        alone = evaluation.eval_losses(recipe.rt.step, [recipe.board.jobs[index].eval, [], [], []])
         assert torch.isclose(alone[0], torch.tensor(final["adapters"]["base"][f"loss_on_{task}"]))
         adapter, base_row = final["adapters"][task], final["adapters"]["base"]
         assert adapter[f"loss_on_{task}"] != base_row[f"loss_on_{task}"]

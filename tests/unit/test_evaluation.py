@@ -116,6 +116,7 @@ def test_the_tables_base_row_is_the_base_model_whatever_its_slot_held(tmp_path):
     from megatron_multilora.data.datasets import Example
     from megatron_multilora.training.objectives.sft import SFT
     from megatron_multilora.training.report.tables import AdapterTaskEval
+    from megatron_multilora.training.step.slot_step import SlotStep
 
     torch.manual_seed(1)
     model = mm.apply_multi_lora(
@@ -133,9 +134,7 @@ def test_the_tables_base_row_is_the_base_model_whatever_its_slot_held(tmp_path):
     ]
     task = types.SimpleNamespace(name="t", eval=examples, eval_records=[], objective=SFT())
     tokenizer = types.SimpleNamespace(bos_id=1, eos_id=2, pad_id=0)
-    ev = AdapterTaskEval(
-        model, tokenizer, N_SLOTS, token_budget=64, pad_multiple=1, max_new_tokens=2
-    )
+    ev = AdapterTaskEval(SlotStep(model, N_SLOTS, 64, 1, tokenizer.pad_id), tokenizer, 2)
     base = ev.evaluate({3: task})[0][3]["loss"]  # slot 3 is free
     held, one = (ev.evaluate({s: task})[0][s]["loss"] for s in (0, 1))
     assert abs(held - base) > 1e-3  # slot 0 really holds an adapter that changes the loss

@@ -1,6 +1,7 @@
 """Jobs and the board of slots they train in: slots, start steps, budgets, data order, their
 checkpointed progress, ending and cancelling."""
 
+import types
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ from megatron_multilora.training.jobs.export import JobExporter
 from megatron_multilora.training.jobs.job import Job, planned_steps, total_steps
 from megatron_multilora.training.jobs.states import ACTIVE, CANCELLED, DONE, QUEUED
 from megatron_multilora.training.objectives.sft import SFT
+from megatron_multilora.training.runtime import Runtime
+from megatron_multilora.training.step.slot_step import SlotStep
 
 CFG = mm.GPTModelConfig(
     num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, vocab_size=32
@@ -37,17 +40,12 @@ def board(tmp_path: Path, steps_per_job=None) -> JobBoard:
     settings = TrainerSettings(max_steps=None, steps_per_job=steps_per_job, max_bad_steps=2)
     lora = type("Lora", (), {"targets": ["linear_qkv"], "max_rank": 4})()
     said = []
+    run = types.SimpleNamespace(
+        lora=types.SimpleNamespace(slots=2), seed=1, trainer=types.SimpleNamespace(max_seq_len=64)
+    )
+    runtime = Runtime(run, CFG, None, None, [model], SlotStep([model], 2, 64, 1, 0))
     b = JobBoard(
-        model,
-        2,
-        settings,
-        1,
-        None,
-        JobExporter(tmp_path, model, CFG, lora, None, None),
-        CFG,
-        None,
-        said.append,
-        None,
+        runtime, settings, JobExporter(tmp_path, model, CFG, lora, None, None), said.append
     )
     b.jobs = [job(s, steps_per_job) for s in specs()]
     b.said = said

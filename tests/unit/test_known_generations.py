@@ -15,6 +15,7 @@ from megatron_multilora.models.loss_rows import CLEAR_MARGINS, clear_choices, co
 from megatron_multilora.training.objectives.sft import SFT
 from megatron_multilora.training.report.tables import AdapterTaskEval
 from megatron_multilora.training.step import generation
+from megatron_multilora.training.step.slot_step import SlotStep
 
 EOS = 2
 CFG = mm.GPTModelConfig(
@@ -127,9 +128,7 @@ def known_against_generated(model) -> tuple[list[str], AdapterTaskEval, list, di
     prompt. Returns the disagreements, the evaluator, the cells, what is known and the
     number of prompts; asserts nothing, so that multi-process tests gather the failures."""
     tasks = own_and_other_tasks(model)
-    ev = AdapterTaskEval(
-        model, Digits(), N_SLOTS, token_budget=64, pad_multiple=1, max_new_tokens=4
-    )
+    ev = AdapterTaskEval(SlotStep(model, N_SLOTS, 64, 1, Digits().pad_id), Digits(), 4)
     cells = [(slot, task) for task in tasks for slot in range(N_SLOTS)]
     known = {}
     for task in tasks:

@@ -13,9 +13,12 @@ from megatron.core.transformer.moe.moe_utils import (
 import megatron_multilora as mm
 from megatron_multilora.data.datasets import Example
 from megatron_multilora.data.packing import pack_micro_batches
-from megatron_multilora.training.step import schedule
+from megatron_multilora.training import runtime
+from megatron_multilora.training.config import AdapterJob
+from megatron_multilora.training.objectives import registry
+from megatron_multilora.training.step import schedule, slot_step
 from megatron_multilora.training.step.micro_batches import agree
-from megatron_multilora.training.step.train_step import SlotTrainStep
+from megatron_multilora.training.step.slot_step import SlotStep, SlotWork
 
 N, DIM, VOCAB, PAD = 3, 8, 64, 0
 RANKS, ALPHAS = [8, 4, 2], [16.0, 4.0, 8.0]
@@ -107,7 +110,7 @@ def test_schedule_step_matches_a_plain_loop(cfg, monkeypatch):
     get_moe_layer_wise_logging_tracker().clear()
     ref_model = build(cfg)
     model = build(cfg, {k: v for k, v in ref_model.state_dict().items() if torch.is_tensor(v)})
-    step = SlotTrainStep([model], N, token_budget=32, pad_multiple=1, pad_id=PAD)
+    step = SlotStep([model], N, token_budget=32, pad_multiple=1, pad_id=PAD)
     examples = slot_examples()
     plain = pack_micro_batches(examples, 32, 1, PAD)
     # The filler goes in the middle: the micro-batch after it must train normally again.
@@ -172,7 +175,7 @@ def check_bf16_step(monkeypatch, device: str, cfg: mm.GPTModelConfig, rel: float
         return model
 
     def step_of(model: torch.nn.Module) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
-        step = SlotTrainStep([model], N, token_budget=32, pad_multiple=1, pad_id=PAD)
+        step = SlotStep([model], N, token_budget=32, pad_multiple=1, pad_id=PAD)
         micro_batches = pack_micro_batches(slot_examples(), 32, 1, PAD)
         step.grad_sync.zero_grad(range(N))
         losses = step.losses(micro_batches, agree(micro_batches, N).loss_units)
@@ -213,3 +216,82 @@ def check_bf16_step(monkeypatch, device: str, cfg: mm.GPTModelConfig, rel: float
 @pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
 def test_bf16_step_matches_fp32(monkeypatch, cfg):
     check_bf16_step(monkeypatch, "cpu", cfg)
+
+
+def client_items(gen: torch.Generator, poisoned: bool = False) -> list[Example]:
+    """A service client's datums for importance_sampling: every target counts; ``poisoned``:
+    a sampler log-prob of -1e30, so the ratio, the loss and the gradients are not finite."""
+    out = []
+    for n in (7, 9):
+        tokens = tuple(torch.randint(1, VOCAB, (n,), generator=gen).tolist())
+        sampled = [-1e30 if poisoned else -4.0] * (n - 1)
+        values = {"logprobs": tuple(sampled), "advantages": (0.5,) * (n - 1)}
+        out.append(Example(tokens, (True,) * (n - 1), values, units=1))
+    return out
+
+
+def client_work(slots: dict[int, list[Example]]) -> dict:
+    loss = registry.client_objective("importance_sampling", 0.2, 0.2)
+    return {s: SlotWork(items, loss, mean=False) for s, items in slots.items()}
+
+
+def main_grads(model, slot: int) -> list[torch.Tensor]:
+    return [p.main_grad.clone() for p in mm.slot_parameters(model, slot)]
+
+
+def test_a_clients_non_finite_call_is_left_out_and_its_neighbours_are_as_alone():
+    """The service's use of the step: gradients accumulate over calls until ``apply``; a
+    slot whose loss and gradients turn non-finite in a call beside another is skipped, its
+    earlier gradients kept, and the other's gradients, loss and log-probs are exactly those
+    of the same calls alone."""
+    gen = torch.Generator().manual_seed(5)
+    first, second, bad = client_items(gen), client_items(gen), client_items(gen, poisoned=True)
+    state = {k: v for k, v in build(DENSE).state_dict().items() if torch.is_tensor(v)}
+    mixed, alone = build(DENSE, state), build(DENSE, state)
+    mixed_step = SlotStep([mixed], N, 32, 1, PAD)
+    alone_step = SlotStep([alone], N, 32, 1, PAD)
+    for step in (mixed_step, alone_step):  # a first call of both clients, all finite
+        step.train(client_work({0: first, 2: second}))
+    earlier = main_grads(mixed, 2)
+    got = mixed_step.train(client_work({0: second, 2: bad}), keep=("logprobs",))
+    want = alone_step.train(client_work({0: second}), keep=("logprobs",))
+    assert got.skipped == {2} and want.skipped == set()
+    assert float(got.losses[0]) == float(want.losses[0])
+    assert got.kept["logprobs"][0] == want.kept["logprobs"][0]
+    for g, w in zip(main_grads(mixed, 0), main_grads(alone, 0)):
+        assert torch.equal(g, w)
+    for g, w in zip(main_grads(mixed, 2), earlier):  # the poisoned call added nothing
+        assert torch.equal(g, w)
+
+
+def test_apply_steps_every_accumulated_slot_with_one_sync_and_one_norm_pass(monkeypatch):
+    model = build(DENSE)
+    step = SlotStep([model], N, 32, 1, PAD)
+    gen = torch.Generator().manual_seed(6)
+    step.train(client_work({s: client_items(gen) for s in range(N)}))
+    calls = {"sync": 0, "norms": 0}
+    sync, norms = step.grad_sync.sync, slot_step.slot_grad_norms
+    monkeypatch.setattr(
+        step.grad_sync, "sync", lambda slots: (calls.update(sync=calls["sync"] + 1), sync(slots))[1]
+    )
+    monkeypatch.setattr(
+        slot_step,
+        "slot_grad_norms",
+        lambda params: (calls.update(norms=calls["norms"] + 1), norms(params))[1],
+    )
+    optimizers = {
+        s: runtime.start_job(
+            [model], s, AdapterJob(name=f"c{s}", dataset="-", rank=RANKS[s], max_steps=1), 1, DENSE
+        )
+        for s in range(N)
+    }
+    for s in range(N):  # start_job re-initialises: accumulate again
+        step.drop([s])
+    step.train(client_work({s: client_items(gen) for s in range(N)}))
+    before = {s: [p.detach().clone() for p in mm.slot_parameters(model, s)] for s in range(N)}
+    calls.update(sync=0, norms=0)
+    norms_of, skipped = step.apply(optimizers)
+    assert calls == {"sync": 1, "norms": 1} and skipped == set() and len(norms_of) == N
+    for s in range(N):
+        assert any(not torch.equal(p, q) for p, q in zip(mm.slot_parameters(model, s), before[s]))
+        assert all(p.main_grad.abs().sum() == 0 for p in mm.slot_parameters(model, s))

@@ -86,21 +86,7 @@ def test_imports_point_down():
 def test_no_module_imports_a_circle():
     graph = {m: imported_modules(p) - {m} for m, p in MODULES.items()}
     graph = {m: {t for t in targets if not m.startswith(t + ".")} for m, targets in graph.items()}
-    state: dict[str, int] = {}  # 1: on the path, 2: done
-    circles = []
-
-    def visit(module: str, path: list[str]) -> None:
-        state[module] = 1
-        for target in sorted(graph[module]):
-            if state.get(target) == 1:
-                circles.append(" -> ".join(path[path.index(target) :] + [target]))
-            elif target not in state:
-                visit(target, path + [target])
-        state[module] = 2
-
-    for module in sorted(graph):
-        if module not in state:
-            visit(module, [module])
+    circles = _circles(graph)
     assert not circles, "import circles:\n" + "\n".join(circles)
 
 
@@ -156,3 +142,50 @@ def test_the_apis_http_side_imports_no_torch():
     )
     done = subprocess.run([sys.executable, "-c", blocker], cwd=REPO, capture_output=True, text=True)
     assert done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_no_two_folders_import_each_other_at_any_depth():
+    """Within every folder of the package, its children (subfolders and modules) import
+    without a circle: e.g. training/step may import training/objectives, not both ways (a
+    module-level circle is caught above; this catches folders whose modules import each
+    other's without one)."""
+    folders = sorted(
+        m for m, p in MODULES.items() if p.name == "__init__.py" and part(m) != "benchmarks"
+    )
+    circles = []
+    for folder in folders:
+        edges: dict[str, set[str]] = {}
+        for module, path in MODULES.items():
+            mine = _child_of(folder, module)
+            for target in imported_modules(path) if mine else ():
+                theirs = _child_of(folder, target)
+                if theirs and theirs != mine:
+                    edges.setdefault(mine, set()).add(theirs)
+        circles += _circles(edges)
+    assert not circles, "folders importing each other:\n" + "\n".join(circles)
+
+
+def _child_of(folder: str, module: str) -> str | None:
+    """The child of ``folder`` (a subfolder or module) that holds ``module``, if any."""
+    if not module.startswith(folder + "."):
+        return None
+    return ".".join(module.split(".")[: folder.count(".") + 2])
+
+
+def _circles(edges: dict[str, set[str]]) -> list[str]:
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    found = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for target in sorted(edges.get(node, ())):
+            if state.get(target) == 1:
+                found.append(" -> ".join([*path[path.index(target) :], target]))
+            elif target not in state:
+                visit(target, [*path, target])
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+    return found

@@ -12,73 +12,31 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from megatron_multilora.checkpoint.adapter_files import import_adapter
-from megatron_multilora.checkpoint.adapter_folders import FolderFormat, folder_format
-from megatron_multilora.checkpoint.peft_format import import_peft
-from megatron_multilora.data.datasets import Packable, examples_of
-from megatron_multilora.data.packing import shard_for_data_parallel
-from megatron_multilora.layers.lifecycle import (
-    ModelOrChunks,
-    clear_adapter_slot,
-    init_adapter_slot,
-    slot_parameters,
-)
-from megatron_multilora.models.gpt_config import GPTModelConfig
-from megatron_multilora.training.config import AdapterJob, TrainerSettings, job_alpha
+from megatron_multilora.data.datasets import examples_of
+from megatron_multilora.training.config import AdapterJob, TrainerSettings
 from megatron_multilora.training.jobs.export import JobExporter
 from megatron_multilora.training.jobs.job import Job, planned_steps, total_steps
 from megatron_multilora.training.jobs.states import ACTIVE, CANCELLED, DONE, ENDED, FAILED, QUEUED
 from megatron_multilora.training.objectives.registry import objective_of
-from megatron_multilora.training.step.objective_tools import StepTools
-from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
-from megatron_multilora.training.step.train_step import StepResult
-
-
-def start_job(
-    model: ModelOrChunks,
-    slot: int,
-    job: AdapterJob,
-    total_steps: int,
-    model_config: GPTModelConfig,
-    hf_model_type: str | None = None,
-) -> SlotOptimizer:
-    """Put ``job``'s adapter into ``slot``: from its ``init_from`` folder (an adapter or a
-    PEFT folder; ``hf_model_type`` names the PEFT modules, default llama) or fresh weights;
-    returns the slot's optimizer for ``total_steps`` steps."""
-    if job.init_from and folder_format(job.init_from) is FolderFormat.PEFT:
-        import_peft(model, slot, job.init_from, model_config, hf_model_type or "llama")
-    elif job.init_from:
-        import_adapter(model, slot, job.init_from)
-    else:  # initialised from the job, not the slot: the same adapter in any slot
-        clear_adapter_slot(model, slot, init_key=job.name)
-    # An imported adapter keeps its own alpha (the config check refused a differing job alpha).
-    init_adapter_slot(model, slot, job.rank, job_alpha(job), job.dropout)
-    return SlotOptimizer(slot_parameters(model, slot), job, total_steps)
+from megatron_multilora.training.runtime import Runtime
+from megatron_multilora.training.step.slot_step import SlotWork, StepResult
 
 
 class JobBoard:
-    """Every job of the run (config jobs first, then submitted ones) and its ``n_slots``
-    slots of ``model``; ``batcher`` packs for those slots (the objectives' own passes).
-    ``say`` prints a line on the main process."""
+    """Every job of the run (config jobs first, then submitted ones) and the slots of the
+    runtime's model they train in. ``say`` prints a line on the main process."""
 
     def __init__(
         self,
-        model: ModelOrChunks,
-        n_slots: int,
+        runtime: Runtime,
         settings: TrainerSettings,
-        seed: int,
-        tokenizer,
         exporter: JobExporter,
-        model_config: GPTModelConfig,
-        hf_model_type: str | None,
         say: Callable[[str], None],
-        batcher,
     ) -> None:
-        self.model, self.n_slots, self.settings, self.seed = model, n_slots, settings, seed
-        self.tokenizer, self.exporter, self.say = tokenizer, exporter, say
-        self.model_config, self.hf_model_type = model_config, hf_model_type
+        self.rt, self.settings, self.exporter, self.say = runtime, settings, exporter, say
+        self.n_slots, self.seed = runtime.run.lora.slots, runtime.run.seed
         self.jobs: list[Job] = []
-        self.tools = StepTools(model, batcher, tokenizer, seed, settings.max_seq_len, self._fail)
+        self.tools = runtime.tools(self._fail)
         self._step = 0
 
     def add(self, spec: AdapterJob, source: str = "config") -> Job:
@@ -86,7 +44,7 @@ class JobBoard:
         by its objective."""
         tr = self.settings
         objective = objective_of(spec)
-        data = objective.load(spec, self.tokenizer, tr.max_seq_len, tr.eval_samples)
+        data = objective.load(spec, self.rt.tokenizer, tr.max_seq_len, tr.eval_samples)
         job = Job(
             spec,
             objective,
@@ -123,14 +81,7 @@ class JobBoard:
         for job in self.jobs:
             if free and job.status == QUEUED and job.spec.start_step <= step:
                 job.status, job.slot = ACTIVE, free.pop(0)
-                job.optimizer = start_job(
-                    self.model,
-                    job.slot,
-                    job.spec,
-                    job.total_steps,
-                    self.model_config,
-                    self.hf_model_type,
-                )
+                job.optimizer = self.rt.start_slot(job.slot, job.spec, job.total_steps)
                 self.say(
                     f"step {step}: job {job.name} starts on slot {job.slot} "
                     f"({job.total_steps} steps)"
@@ -139,21 +90,20 @@ class JobBoard:
         return started
 
     def global_batch(
-        self, step: int, jobs: Sequence[Job], dp_rank: int, dp_size: int
-    ) -> tuple[list[list[Packable]], dict[int, tuple[int, int]], list[int]]:
+        self, step: int, jobs: Sequence[Job]
+    ) -> tuple[dict[int, SlotWork], dict[int, tuple[int, int]], list[int]]:
         """What each objective needs first (DPO's references, GRPO's samples: a job whose
-        reward fails ends here, the others go on), then this rank's examples per slot of the
-        jobs' next global batches, each slot's (tokens, loss tokens) over all ranks, and the
-        packing order: by rank, so a micro-batch holds jobs of similar rank and low-rank
-        jobs do not pay for a high-rank one's computed rank."""
+        reward fails ends here, the others go on), then each training job's work for the
+        step (its next global batch, objective and optimizer) by slot, each slot's (tokens,
+        loss tokens), and the packing order: by rank, so a micro-batch holds jobs of similar
+        rank and low-rank jobs do not pay for a high-rank one's computed rank."""
         self._step = step
         for kind in {type(job.objective): None for job in jobs}:
             kind.prepare([job for job in jobs if type(job.objective) is kind], self.tools)
-        slot_examples: list[list[Packable]] = [[] for _ in range(self.n_slots)]
-        tokens = {}
+        work, tokens = {}, {}
         for job in (job for job in jobs if job.status == ACTIVE):
             items = job.objective.batch(job, self.seed)
-            slot_examples[job.slot] = shard_for_data_parallel(items, dp_rank, dp_size)
+            work[job.slot] = SlotWork(items, job.objective, job.optimizer)
             flat = [e for item in items for e in examples_of(item)]
             tokens[job.slot] = (
                 sum(len(e.tokens) for e in flat),
@@ -161,7 +111,7 @@ class JobBoard:
             )
         rank = {job.slot: job.spec.rank for job in jobs}
         order = sorted(range(self.n_slots), key=lambda slot: rank.get(slot, 0))
-        return slot_examples, tokens, order
+        return work, tokens, order
 
     def _fail(self, job: Job, reason: str) -> None:
         self.end(job, FAILED, reason, self._step)
@@ -220,9 +170,8 @@ class JobBoard:
             self.exporter.export(job, cancelled=status == CANCELLED)
         slot = job.slot
         job.status, job.reason, job.slot = status, reason, None
-        job.optimizer.zero_grad()
         job.optimizer = None
-        clear_adapter_slot(self.model, slot)  # weights, rank, alpha back to a fresh slot
+        self.rt.free_slot(slot)  # weights, rank, alpha, gradients back to a fresh slot
         self.say(f"step {step}: job {job.name} {status} ({reason}); slot {slot} is free")
 
     def cancel(self, name: str, step: int) -> None:

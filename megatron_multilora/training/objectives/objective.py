@@ -44,7 +44,8 @@ MAX_METRICS = 4
 class SampleRequest:
     """One row to sample from an adapter: its slot, its prompt's token ids, the key its
     draws are drawn by (``step/sampling.py``: the same key, the same tokens), its
-    temperature and top-p, and the most tokens it may generate."""
+    temperature and top-p, the most tokens it may generate, and the tokens that end it
+    besides the end-of-sequence token."""
 
     slot: int
     prompt: list[int]
@@ -52,6 +53,7 @@ class SampleRequest:
     temperature: float
     top_p: float
     max_new_tokens: int
+    stop_tokens: frozenset[int] = frozenset()
 
 
 class RunTools(Protocol):

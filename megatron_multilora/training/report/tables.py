@@ -14,10 +14,11 @@ from megatron.core import parallel_state
 from megatron_multilora.checkpoint.adapter_files import import_adapter
 from megatron_multilora.data.datasets import Example
 from megatron_multilora.data.demo_tasks import exact_match, may_still_match
-from megatron_multilora.layers.lifecycle import ModelOrChunks, clear_adapter_slot
+from megatron_multilora.layers.lifecycle import clear_adapter_slot
 from megatron_multilora.parallel import data_parallel_sum
 from megatron_multilora.training.jobs.job import Job
 from megatron_multilora.training.step import evaluation, generation
+from megatron_multilora.training.step.slot_step import SlotStep
 
 
 @dataclasses.dataclass
@@ -38,9 +39,10 @@ Known = dict[tuple[int, str], list[list[int] | None]]
 
 
 class AdapterTaskEval:
-    """Held-out loss and accuracy of the adapters in ``model``'s slots on jobs' held-out data
+    """Held-out loss and accuracy of the adapters in ``step``'s slots on jobs' held-out data
     (``job.eval`` examples; ``job.eval_records`` with a prompt and a completion are generated
-    from). ``tokenizer`` has ``bos_id``, ``eos_id``, ``pad_id``, ``encode`` and ``decode``.
+    from), greedy generations of at most ``max_new_tokens``. ``tokenizer`` has ``bos_id``,
+    ``eos_id``, ``pad_id``, ``encode`` and ``decode``.
 
     The loss pass also decides most greedy generations: where an example's prompt is its
     record's, the teacher-forced choices at its completion positions give the tokens greedy
@@ -49,18 +51,10 @@ class AdapterTaskEval:
     pass leaves open (a clear leaving choice whose text may still match, an unclear choice,
     a layout whose output layer runs whole) are decoded."""
 
-    def __init__(
-        self,
-        model: ModelOrChunks,
-        tokenizer,
-        n_slots: int,
-        token_budget: int,
-        pad_multiple: int,
-        max_new_tokens: int,
-    ) -> None:
-        self.model, self.tokenizer = model, tokenizer
-        self.n_slots, self.token_budget = n_slots, token_budget
-        self.pad_multiple, self.max_new_tokens = pad_multiple, max_new_tokens
+    def __init__(self, step: SlotStep, tokenizer, max_new_tokens: int) -> None:
+        self.step, self.model, self.tokenizer = step, step.model, tokenizer
+        self.n_slots, self.pad_multiple = step.n_slots, step.batcher.pad_multiple
+        self.max_new_tokens = max_new_tokens
 
     def evaluate(self, slot_to_task: dict[int, Job]) -> tuple[dict[int, dict[str, float]], Known]:
         """Each slot's mean loss on its task's examples by the task's objective, and the
@@ -73,14 +67,7 @@ class AdapterTaskEval:
             objectives[slot] = task.objective.eval_objective()
         if not any(slot_examples):
             return {}, {}
-        table, choices = evaluation.eval_results_and_choices(
-            self.model,
-            slot_examples,
-            self.token_budget,
-            self.pad_multiple,
-            self.tokenizer.pad_id,
-            objectives,
-        )
+        table, choices = evaluation.eval_results_and_choices(self.step, slot_examples, objectives)
         results = {
             slot: {
                 "loss": float(table[slot, 0]),

@@ -87,6 +87,20 @@ class SlotGradSync:
             for span in self._spans(ranges):
                 span.zero_()
 
+    def save(self, slots: Iterable[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the given slots' gradients (their buffer ranges), for :meth:`load`."""
+        out = []
+        for s in slots:
+            for start, end in (self._slots[s].dense, self._slots[s].expert):
+                view = self._buffer[start:end]
+                out.append((view, view.clone()))
+        return out
+
+    def load(self, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Put gradients :meth:`save` copied back."""
+        for view, copy in saved:
+            view.copy_(copy)
+
     def sync(self, slots: Iterable[int]) -> None:
         """Reduce the given slots' gradients as megatron DDP + ``finalize_model_grads`` would
         with ``calculate_per_token_loss=True``; every rank must pass the same slots.

@@ -1,6 +1,6 @@
 """What an objective's preparation gets from the step's side (``objectives.objective.RunTools``):
 the base's log-probs of its rows and samples of its adapters, each one pass for all the
-objective's jobs."""
+objective's jobs; the training service samples for its clients through the same."""
 
 from __future__ import annotations
 
@@ -44,4 +44,5 @@ class StepTools:
             self.batcher.pad_multiple,
             self.tokenizer.pad_id,
             pick=KeyedSampler([RowSampling(r.key, r.temperature, r.top_p) for r in requests]),
+            stops=[r.stop_tokens for r in requests],
         )

@@ -12,9 +12,8 @@ import torch
 from megatron_multilora.data.datasets import Packable
 from megatron_multilora.data.packing import MicroBatch
 from megatron_multilora.layers.lifecycle import ModelOrChunks, adapters_off, model_chunks
-from megatron_multilora.training.step.evaluation import eval_mode
 from megatron_multilora.training.step.micro_batches import MicroBatcher
-from megatron_multilora.training.step.schedule import per_example, run_schedule
+from megatron_multilora.training.step.schedule import eval_mode, per_example, run_schedule
 
 
 def _target_logprobs(

@@ -32,6 +32,19 @@ from megatron_multilora.training.step.micro_batches import chunk_inputs
 LossFunc = Callable[[MicroBatch, torch.Tensor], Any]
 
 
+@contextlib.contextmanager
+def eval_mode(chunks: list[torch.nn.Module]) -> Iterator[None]:
+    """The chunks in eval mode (no dropout) for the block, then as they were."""
+    modes = [chunk.training for chunk in chunks]
+    for chunk in chunks:
+        chunk.eval()
+    try:
+        yield
+    finally:
+        for chunk, mode in zip(chunks, modes):
+            chunk.train(mode)
+
+
 def run_schedule(
     model: ModelOrChunks,
     micro_batches: Sequence[MicroBatch],
