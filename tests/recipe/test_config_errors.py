@@ -360,8 +360,7 @@ def test_every_schema_field_has_a_range_rule_or_another_check():
         "logging",
         "checkpoint",
         "columns",
-        "dpo",
-        "grpo",
+        *JOB_OBJECTIVES,  # each objective's section: its fields have their rules
         "scale_rewards",
         "reward",
         "api",

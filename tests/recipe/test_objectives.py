@@ -13,6 +13,7 @@ from megatron_multilora.data.demo_tasks import write_post_training_datasets
 from megatron_multilora.training.checkpoints import read_training_state
 from megatron_multilora.training.checks import validate
 from megatron_multilora.training.config import ConfigError
+from megatron_multilora.training.objectives.registry import JOB_OBJECTIVES
 from megatron_multilora.training.report.metrics import read_metrics
 from tests.recipe.conftest import compose_run, run_in_process
 from tests.recipe.test_cli import (
@@ -413,9 +414,8 @@ def test_an_unknown_objective_is_refused(data):
     msg = problems(
         [fields("x", data, objective="ppo", dataset=f"{data}/add.train.jsonl", global_batch_size=2)]
     )
-    assert msg.endswith("\n  - adapters.0.objective='ppo': must be one of 'sft', 'dpo', 'grpo'"), (
-        msg
-    )
+    names = ", ".join(f"'{name}'" for name in JOB_OBJECTIVES)  # the registry's
+    assert msg.endswith(f"\n  - adapters.0.objective='ppo': must be one of {names}"), msg
 
 
 def test_dpo_settings_out_of_range_are_refused(data):

@@ -59,7 +59,8 @@ def agree(micro_batches: list[MicroBatch], n_slots: int, extras: Sequence[int] =
     row[k] = len(micro_batches)
     for mb in micro_batches:
         row[k + 1 :] += mb.loss_units_per_slot()
-    if dist.get_world_size() == 1:
+    alone = parallel_state.get_data_parallel_world_size() == 1 and not extras
+    if dist.get_world_size() == 1 or alone:  # no peer's counts or extras to take
         return Agreement(int(row[k]), row[k + 1 :], tuple(int(v) for v in row[:k]))
     table = torch.zeros(dist.get_world_size(), row.numel(), dtype=torch.int64)
     table[dist.get_rank()] = row
