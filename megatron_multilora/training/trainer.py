@@ -26,7 +26,7 @@ from megatron_multilora.training.config import (
     to_plain,
 )
 from megatron_multilora.training.jobs.board import JobBoard
-from megatron_multilora.training.jobs.export import JobExporter
+from megatron_multilora.training.jobs.exporter import JobExporter
 from megatron_multilora.training.jobs.job import Job
 from megatron_multilora.training.jobs.states import (
     ACTIVE,

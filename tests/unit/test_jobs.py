@@ -10,7 +10,7 @@ import megatron_multilora as mm
 from megatron_multilora.data.datasets import Example
 from megatron_multilora.training.config import AdapterJob, TrainerSettings
 from megatron_multilora.training.jobs.board import JobBoard
-from megatron_multilora.training.jobs.export import JobExporter
+from megatron_multilora.training.jobs.exporter import JobExporter
 from megatron_multilora.training.jobs.job import Job, planned_steps, total_steps
 from megatron_multilora.training.jobs.states import ACTIVE, CANCELLED, DONE, QUEUED
 from megatron_multilora.training.objectives.sft import SFT

@@ -189,3 +189,14 @@ def _circles(edges: dict[str, set[str]]) -> list[str]:
         if node not in state:
             visit(node, [node])
     return found
+
+
+def test_no_two_modules_share_a_name():
+    """A module's name says what it does, so two modules of one name in different folders
+    (the service's inbox beside the trainer's) would be two things under one word."""
+    by_name: dict[str, list[str]] = {}
+    for module, path in MODULES.items():
+        if path.name != "__init__.py" and part(module) != "benchmarks":
+            by_name.setdefault(path.stem, []).append(module)
+    shared = {name: mods for name, mods in by_name.items() if len(mods) > 1}
+    assert not shared, f"rename one of each: {shared}"

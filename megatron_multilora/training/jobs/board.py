@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from megatron_multilora.data.datasets import examples_of
 from megatron_multilora.training.config import AdapterJob, TrainerSettings
-from megatron_multilora.training.jobs.export import JobExporter
+from megatron_multilora.training.jobs.exporter import JobExporter
 from megatron_multilora.training.jobs.job import Job, planned_steps, total_steps
 from megatron_multilora.training.jobs.states import ACTIVE, CANCELLED, DONE, ENDED, FAILED, QUEUED
 from megatron_multilora.training.objectives.registry import objective_of
