@@ -22,7 +22,10 @@ from megatron_multilora.layers.factors import Factor
 
 class _SlotFactors(torch.autograd.Function):
     """Identity on ``w`` (the active slots' factors, read from the buffer) whose backward
-    gives the gradient to the slots' own Parameters, zero-padded to their full rank."""
+    gives the gradient to the slots' own Parameters, zero-padded to their full rank; or, where
+    the buffer has a ``main_grad`` (``target``: its rows of these slots, or the whole of it
+    with ``rows``, their indices), adds it there in one op (as megatron's gradient
+    accumulation fusion adds a weight's gradient to its ``main_grad`` in backward)."""
 
     @staticmethod
     def forward(
@@ -30,20 +33,30 @@ class _SlotFactors(torch.autograd.Function):
         w: torch.Tensor,
         rank_index: tuple,  # type: ignore[override]
         full_shape: torch.Size,
+        target: torch.Tensor | None,
+        rows: torch.Tensor | None,
         *params: torch.Tensor,
     ) -> torch.Tensor:
-        ctx.rank_index, ctx.full_shape = rank_index, full_shape
+        ctx.rank_index, ctx.full_shape, ctx.target, ctx.rows = rank_index, full_shape, target, rows
+        ctx.n_params = len(params)
         return w
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        if grad.shape[1:] != ctx.full_shape:  # cut to a lower rank in forward
+        cut = grad.shape[1:] != ctx.full_shape  # cut to a lower rank in forward
+        if ctx.target is not None and ctx.rows is None:
+            ctx.target[ctx.rank_index].add_(grad)
+            return (None,) * (5 + ctx.n_params)
+        if cut:
             full = grad.new_zeros((grad.size(0), *ctx.full_shape))
             full[ctx.rank_index] = grad
             grad = full
         else:
             grad = grad.contiguous()  # each slot's slice then matches its Parameter's layout
-        return (None, None, None, *grad.unbind(0))
+        if ctx.target is not None:
+            ctx.target.index_add_(0, ctx.rows, grad.to(ctx.target.dtype))
+            return (None,) * (5 + ctx.n_params)
+        return (None, None, None, None, None, *grad.unbind(0))
 
 
 class SlotFactorBuffer:
@@ -55,14 +68,19 @@ class SlotFactorBuffer:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], factor: Factor) -> None:
         self.factor = factor
+        self.main_grad: torch.Tensor | None = None  # [N, ...] fp32 rows the gradients add to
         self.realias(params)
 
-    def realias(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """Copy ``params`` (every slot's, in slot order, one shape) into a fresh buffer and
+    def realias(
+        self, params: Sequence[torch.nn.Parameter], into: torch.Tensor | None = None
+    ) -> None:
+        """Copy ``params`` (every slot's, in slot order, one shape) into a fresh buffer, or
+        into ``into`` (``[N, *shape]``, e.g. rows of the optimizer's parameter matrices), and
         point their data at it (after construction, and after a conversion such as
         ``module.to()`` replaced their data)."""
         with torch.no_grad():
-            self.buffer = torch.stack([p.detach() for p in params])
+            stacked = torch.stack([p.detach() for p in params])
+            self.buffer = stacked if into is None else into.copy_(stacked)
         for i, p in enumerate(params):
             p.data = self.buffer[i]
         self._step = self.buffer.stride(0) * self.buffer.element_size()
@@ -92,7 +110,11 @@ class SlotFactorBuffer:
         contiguous = hi - lo == len(slots)
         with torch.no_grad():
             w = (self.buffer[lo:hi] if contiguous else self.buffer[list(slots)])[index]
-        w = _SlotFactors.apply(w, index, self.buffer.shape[1:], *params)
+        target = rows = None
+        if self.main_grad is not None:
+            target = self.main_grad[lo:hi] if contiguous else self.main_grad
+            rows = None if contiguous else torch.tensor(slots, device=w.device)
+        w = _SlotFactors.apply(w, index, self.buffer.shape[1:], target, rows, *params)
         if contiguous:
             return w, None
         return w, lambda: self.buffer[list(slots)][index]

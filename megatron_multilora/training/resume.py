@@ -12,7 +12,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_multilora.atomic_files import first_free
-from megatron_multilora.layers.lifecycle import ModelOrChunks, slot_parameters
+from megatron_multilora.layers.lifecycle import ModelOrChunks
 from megatron_multilora.training.checkpoints import (
     find_resume_point,
     prepare_checkpoint_folder,
@@ -81,7 +81,7 @@ class RunCheckpoints:
             saved,
             self.model,
             lambda slot: SlotOptimizer(
-                slot_parameters(self.model, slot), by_slot[slot].spec, by_slot[slot].total_steps
+                self.model, slot, by_slot[slot].spec, by_slot[slot].total_steps
             ),
         )
         for slot, optimizer in optimizers.items():

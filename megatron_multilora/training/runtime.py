@@ -24,7 +24,6 @@ from megatron_multilora.data.tokenizer import ByteTokenizer, HFTokenizer
 from megatron_multilora.layers.lifecycle import (
     clear_adapter_slot,
     init_adapter_slot,
-    slot_parameters,
 )
 from megatron_multilora.models.gpt_config import GPTModelConfig
 from megatron_multilora.models.hf_config import read_hf_config
@@ -120,4 +119,4 @@ def start_job(
         clear_adapter_slot(model, slot, init_key=job.name)
     # An imported adapter keeps its own alpha (the config check refused a differing job alpha).
     init_adapter_slot(model, slot, job.rank, job_alpha(job), job.dropout)
-    return SlotOptimizer(slot_parameters(model, slot), job, total_steps)
+    return SlotOptimizer(model, slot, job, total_steps)

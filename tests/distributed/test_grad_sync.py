@@ -15,6 +15,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
 import megatron_multilora as mm
 from megatron_multilora.training.step.grad_sync import SlotGradSync
+from megatron_multilora.training.step.slot_adamw import SlotAdamW
 from tests.distributed.conftest import assert_all_ranks, compare
 from tests.distributed.harness import ALPHAS, DIM, RANKS, N, micro_batch, step
 
@@ -81,7 +82,7 @@ def _matches_megatron(layout, name: str) -> None:
     finalize_model_grads([ddp])
 
     model = build(cfg, sp)
-    grads = SlotGradSync(model)
+    grads = SlotGradSync(SlotAdamW.of(model).rows)
     grads.zero_grad(range(N))
     losses = [step(model, mb) for mb in mbs]
     grads.sync(range(N))
@@ -119,7 +120,7 @@ def _absent_slots_cost_nothing(layout, monkeypatch, name: str, groups: int) -> N
     cfg, tp, ep, sp = LAYOUTS[name]
     layout(tp=tp, ep=ep, sp=sp)
     model = build(cfg, sp)
-    grads = SlotGradSync(model)
+    grads = SlotGradSync(SlotAdamW.of(model).rows)
     grads.zero_grad(range(N))
     for mb in batches(cfg, [[9, 0, 7, 0], [4, 0, 12, 0]]):
         step(model, mb)
@@ -188,7 +189,7 @@ def test_bf16_grads_accumulate_in_fp32(layout):
                 p.grad = None
 
     model = build(DENSE, False, torch.bfloat16)
-    SlotGradSync(model).zero_grad(range(N))
+    SlotGradSync(SlotAdamW.of(model).rows).zero_grad(range(N))
     for mb in mbs:
         step(model, mb)
     failures: list[str] = []

@@ -20,6 +20,7 @@ from megatron_multilora.layers import expert_lora
 from megatron_multilora.training.step import evaluation, generation, schedule
 from megatron_multilora.training.step.grad_sync import SlotGradSync
 from megatron_multilora.training.step.micro_batches import MicroBatcher, agree
+from megatron_multilora.training.step.slot_adamw import SlotAdamW
 from megatron_multilora.training.step.slot_step import SlotStep, start_reducing_losses
 from tests.distributed.conftest import assert_all_ranks, compare
 from tests.distributed.harness import load_full_state
@@ -103,7 +104,7 @@ def reference(config):
 
 def train_step(model, mbs) -> torch.Tensor:
     """The recipe's step on this rank's (equalized) micro-batches; per-slot losses."""
-    sync = SlotGradSync(model)
+    sync = SlotGradSync(SlotAdamW.of(model).rows)
     sync.zero_grad(TRAINED)
     denominators = agree(mbs, N).loss_units
     losses = start_reducing_losses(schedule.per_slot_losses(model, mbs, denominators))()

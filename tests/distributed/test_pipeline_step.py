@@ -50,7 +50,7 @@ from megatron_multilora.models.gpt import build_model_chunks
 from megatron_multilora.training.config import AdapterJob
 from megatron_multilora.training.step import evaluation, generation
 from megatron_multilora.training.step.micro_batches import agree, micro_batch_multiple
-from megatron_multilora.training.step.slot_optimizer import SlotOptimizer, slot_grad_norms
+from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
 from megatron_multilora.training.step.slot_step import SlotStep, slot_work
 from tests.distributed.conftest import assert_all_ranks, compare
 from tests.unit.test_step_schedule import reference
@@ -221,7 +221,7 @@ def check_step(
             compare(failures, got.get(key), want, REL_GRAD, f"slot {s} gradient {key}")
         compare(
             failures,
-            torch.tensor(slot_grad_norms({s: mm.slot_parameters(model, s)})[s]),
+            step.grad_sync.norms()[s],
             want_norms[s],
             REL_GRAD,
             f"slot {s} gradient norm",
@@ -280,7 +280,8 @@ def test_pp2_non_finite_slot_is_skipped_on_every_stage(layout, poisoned_stage):
     before = {s: [p.detach().clone() for p in mm.slot_parameters(model, s)] for s in range(N)}
     optimizers = {
         s: SlotOptimizer(
-            mm.slot_parameters(model, s),
+            model,
+            s,
             AdapterJob(
                 name=f"job{s}",
                 dataset="-",

@@ -1,20 +1,36 @@
-"""Per-slot optimizer: schedules, fp32 masters for bf16 adapters, clipping, state round trip."""
-
-import math
+"""Per-slot optimizers stepping together: each slot as torch's AdamW on it alone, schedules,
+clipping norms, fp32 masters for bf16 adapters, state round trips (and earlier checkpoints')."""
 
 import pytest
 import torch
 
+import megatron_multilora as mm
 from megatron_multilora.training.config import AdapterJob
-from megatron_multilora.training.step.slot_optimizer import (
-    SlotOptimizer,
-    lr_factor,
-    slot_grad_norms,
+from megatron_multilora.training.step.grad_sync import SlotGradSync
+from megatron_multilora.training.step.slot_adamw import MOMENTS, SlotAdamW
+from megatron_multilora.training.step.slot_optimizer import SlotOptimizer, lr_factor
+
+CFG = mm.GPTModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=48,
+    vocab_size=64,
 )
 
 
-def slot_grad_norm(params):
-    return slot_grad_norms({0: params})[0]
+def tiny_model(slots: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = mm.build_gpt_model(CFG, params_dtype=dtype)
+    model = mm.apply_multi_lora(model, slots, 8, 16.0, row_init_method="normal")
+    for s in range(slots):
+        mm.init_adapter_slot(model, s, 8, 16.0)
+    return model
+
+
+def params(model, slot):
+    return mm.slot_parameters(model, slot)
 
 
 def job(**kw) -> AdapterJob:
@@ -32,34 +48,76 @@ def test_lr_schedules(schedule, at_half, at_end):
     assert lr_factor(12, j, 12) == pytest.approx(at_end)
 
 
-def test_bf16_slot_steps_fp32_masters_and_clips():
-    params = [torch.nn.Parameter(torch.ones(4, 3, dtype=torch.bfloat16))]
-    opt = SlotOptimizer(params, job(grad_clip=1.0, warmup_steps=0, schedule="constant"), 10)
-    assert opt.masters[0].dtype == torch.float32 and opt.masters[0] is not params[0]
-    params[0].grad = torch.full((4, 3), 3.0, dtype=torch.bfloat16)
-    norm = slot_grad_norm(params)
-    assert norm == pytest.approx(math.sqrt(12 * 9), rel=1e-3)
-    opt.step(norm)
-    # AdamW's first step moves every weight by ~lr whatever the (clipped) gradient scale
-    assert torch.allclose(params[0].float(), torch.full((4, 3), 1.0 - 0.1 - 0.1 * 0.01), atol=1e-2)
-    assert params[0].dtype == torch.bfloat16 and opt.masters[0].grad is None
-    exp_avg = opt.state_of(params[0], "exp_avg")
-    assert torch.allclose(
-        exp_avg, torch.full((4, 3), 0.1 * 3.0 / norm)
-    )  # clipped grad * (1 - beta1)
-    opt.zero_grad()
-    assert params[0].grad.abs().sum() == 0
+def test_each_slot_steps_as_torch_adamw_on_that_slot_alone():
+    """Three slots with their own lr, weight decay, clipping and cosine schedule step
+    together, one of them idle in the second step: after every step each slot's weights are
+    bit for bit those of ``torch.optim.AdamW`` run on that slot's parameters alone with its
+    clipped gradients, and the idle slot is untouched."""
+    model = tiny_model(3)
+    jobs = [
+        job(lr=1e-2, weight_decay=0.01, grad_clip=1.0, warmup_steps=1, schedule="cosine"),
+        job(lr=3e-3, weight_decay=0.0, grad_clip=None, warmup_steps=1, schedule="cosine"),
+        job(lr=1e-1, weight_decay=0.1, grad_clip=0.5, warmup_steps=1, schedule="cosine"),
+    ]
+    opts = {s: SlotOptimizer(model, s, jobs[s], 5) for s in range(3)}
+    sync = SlotGradSync(SlotAdamW.of(model).rows)
+    refs = {s: [torch.nn.Parameter(p.detach().clone()) for p in params(model, s)] for s in range(3)}
+    torch_adamw = {
+        s: torch.optim.AdamW(refs[s], lr=jobs[s].lr, weight_decay=jobs[s].weight_decay)
+        for s in range(3)
+    }
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        stepping = [0, 2] if step == 1 else [0, 1, 2]
+        for s in range(3):
+            for p in params(model, s):
+                p.main_grad.copy_(torch.randn(p.shape, generator=gen) * (10 if s == 2 else 1))
+        norms = sync.norms().tolist()
+        idle = [p.detach().clone() for p in params(model, 1)]
+        lrs = {s: opts[s].lr for s in stepping}
+        SlotAdamW.of(model).step({s: opts[s].update(norms[s]) for s in stepping})
+        if step == 1:
+            assert all(torch.equal(a, b) for a, b in zip(idle, params(model, 1)))
+        for s in stepping:
+            clip = jobs[s].grad_clip
+            coef = min(1.0, clip / (norms[s] + 1e-6)) if clip else 1.0
+            for group in torch_adamw[s].param_groups:
+                group["lr"] = lrs[s]
+            for ref, p in zip(refs[s], params(model, s)):
+                ref.grad = p.main_grad * coef
+            torch_adamw[s].step()
+        for s in range(3):
+            assert all(torch.equal(a, b) for a, b in zip(refs[s], params(model, s))), (step, s)
+    assert [opts[s].lr for s in range(3)] == [
+        jobs[s].lr * lr_factor(steps, jobs[s], 5) for s, steps in ((0, 4), (1, 3), (2, 4))
+    ]
 
-    again = SlotOptimizer(params, job(grad_clip=1.0, warmup_steps=0, schedule="constant"), 10)
-    again.load(
-        opt.scalar_state(),
-        {
-            "exp_avg": {params[0]: exp_avg},
-            "exp_avg_sq": {params[0]: opt.state_of(params[0], "exp_avg_sq")},
-        },
-    )
-    assert again.scalar_state()["adam_step"] == 1.0
-    assert torch.equal(again.state_of(params[0], "exp_avg"), exp_avg)
+
+def test_the_clipping_norm_is_each_slots_whole_gradient():
+    model = tiny_model(2)
+    sync = SlotGradSync(SlotAdamW.of(model).rows)
+    gen = torch.Generator().manual_seed(2)
+    for s in range(2):
+        for p in params(model, s):
+            p.main_grad.copy_(torch.randn(p.shape, generator=gen))
+    want = [torch.cat([p.main_grad.flatten() for p in params(model, s)]).norm() for s in range(2)]
+    assert torch.allclose(sync.norms(), torch.stack(want), rtol=1e-6)
+
+
+def test_bf16_slot_steps_fp32_masters():
+    model = tiny_model(2, torch.bfloat16)
+    opt = SlotOptimizer(model, 0, job(warmup_steps=0, schedule="constant", weight_decay=0.01), 10)
+    first = params(model, 0)[0]
+    master = opt.master_of(first)
+    assert master.dtype == torch.float32 and first.dtype == torch.bfloat16
+    before = master.clone()
+    for p in params(model, 0):
+        p.main_grad.fill_(3.0)
+    SlotAdamW.of(model).step({0: opt.update(1.0)})
+    # AdamW's first step moves every weight by ~lr (0.1) whatever the gradient's scale
+    assert torch.allclose(master, before * (1 - 0.1 * 0.01) - 0.1, atol=1e-5)
+    assert torch.equal(first, master.to(torch.bfloat16))
+    assert torch.allclose(opt.state_of(first, "exp_avg"), torch.full_like(master, 0.3))
 
 
 def test_atomic_folder_write_keeps_the_previous_folder_on_failure(tmp_path):
@@ -83,29 +141,68 @@ def test_atomic_folder_write_keeps_the_previous_folder_on_failure(tmp_path):
 @pytest.mark.parametrize("schedule", ["cosine", "linear"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_reloaded_optimizer_takes_the_same_next_step(schedule, dtype):
-    """Stepped k times, saved, loaded into a fresh optimizer: the next lr and step are identical
-    (the lr used to be the step-0 warmup value after a load; a bf16 slot's fp32 masters used
-    to come back as the bf16 weights' rounding)."""
+    """Stepped k times, saved, loaded into a fresh optimizer of another model: the next lr
+    and step are identical (the lr used to be the step-0 warmup value after a load; a bf16
+    slot's fp32 masters used to come back as the bf16 weights' rounding)."""
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(4, 3, generator=gen).to(dtype))]
     j = job(warmup_steps=3, schedule=schedule, min_lr_ratio=0.1)
-    opt = SlotOptimizer(params, j, 10)
+    model = tiny_model(1, dtype)
+    opt = SlotOptimizer(model, 0, j, 10)
+
+    def step(model, opt, grads):
+        for p, g in zip(params(model, 0), grads):
+            p.main_grad.copy_(g)
+        SlotAdamW.of(model).step({0: opt.update(1.0)})
+
+    def grads():
+        return [torch.randn(p.shape, generator=gen) for p in params(model, 0)]
+
     for _ in range(4):
-        params[0].grad = torch.randn(4, 3, generator=gen).to(dtype)
-        opt.step(slot_grad_norm(params))
-    copies = [torch.nn.Parameter(params[0].detach().clone())]
-    again = SlotOptimizer(copies, j, 10)
+        step(model, opt, grads())
+    again_model = tiny_model(1, dtype)
+    with torch.no_grad():
+        for p, q in zip(params(again_model, 0), params(model, 0)):
+            p.copy_(q)
+    again = SlotOptimizer(again_model, 0, j, 10)
+    pairs = list(zip(params(again_model, 0), params(model, 0)))
     again.load(
         opt.scalar_state(),
-        {m: {copies[0]: opt.state_of(params[0], m)} for m in ("exp_avg", "exp_avg_sq")},
-        masters={copies[0]: opt.master_of(params[0])},
+        {m: {p: opt.state_of(q, m) for p, q in pairs} for m in ("exp_avg", "exp_avg_sq")},
+        masters={p: opt.master_of(q) for p, q in pairs},
     )
     assert again.lr == opt.lr == pytest.approx(0.1 * lr_factor(4, j, 10))
-    assert torch.equal(again.master_of(copies[0]), opt.master_of(params[0]))
-    grad = torch.randn(4, 3, generator=gen).to(dtype)
-    params[0].grad, copies[0].grad = grad.clone(), grad.clone()
-    opt.step(slot_grad_norm(params))
-    again.step(slot_grad_norm(copies))
-    assert torch.equal(copies[0], params[0])
-    assert torch.equal(again.master_of(copies[0]), opt.master_of(params[0]))
+    assert all(torch.equal(again.master_of(p), opt.master_of(q)) for p, q in pairs)
+    same = grads()
+    step(model, opt, same)
+    step(again_model, again, same)
+    assert all(torch.equal(p, q) for p, q in pairs)
+    assert all(torch.equal(again.master_of(p), opt.master_of(q)) for p, q in pairs)
     assert again.lr == opt.lr
+
+
+def test_an_earlier_checkpoints_optimizer_state_loads():
+    """The scalar state of checkpoints written by torch's AdamW and LambdaLR (before the
+    slots stepped together) restores the step count and the schedule."""
+    model = tiny_model(1)
+    j = job(warmup_steps=3, schedule="linear")
+    opt = SlotOptimizer(model, 0, j, 10)
+    earlier = {
+        "adam_step": 4.0,
+        "scheduler": {
+            "base_lrs": [0.1],
+            "last_epoch": 4,
+            "verbose": False,
+            "_step_count": 5,
+            "_get_lr_called_within_step": False,
+            "_last_lr": [0.1 * lr_factor(4, j, 10)],
+            "lr_lambdas": [None],
+        },
+    }
+    zeros = {m: {p: torch.zeros_like(p) for p in params(model, 0)} for m in MOMENTS}
+    opt.load(earlier, zeros)
+    assert opt.scalar_state() == {
+        "adam_step": 4.0,
+        "scheduler": {"base_lrs": [0.1], "last_epoch": 4, "_last_lr": [0.1 * lr_factor(4, j, 10)]},
+    }
+    opt.update(1.0)
+    assert opt.lr == 0.1 * lr_factor(5, j, 10)

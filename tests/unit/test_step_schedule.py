@@ -16,7 +16,7 @@ from megatron_multilora.data.packing import pack_micro_batches
 from megatron_multilora.training import runtime
 from megatron_multilora.training.config import AdapterJob
 from megatron_multilora.training.objectives import registry
-from megatron_multilora.training.step import schedule, slot_step
+from megatron_multilora.training.step import schedule
 from megatron_multilora.training.step.micro_batches import agree
 from megatron_multilora.training.step.slot_step import SlotStep, SlotWork
 
@@ -270,14 +270,12 @@ def test_apply_steps_every_accumulated_slot_with_one_sync_and_one_norm_pass(monk
     gen = torch.Generator().manual_seed(6)
     step.train(client_work({s: client_items(gen) for s in range(N)}))
     calls = {"sync": 0, "norms": 0}
-    sync, norms = step.grad_sync.sync, slot_step.slot_grad_norms
+    sync, norms = step.grad_sync.sync, step.grad_sync.norms
     monkeypatch.setattr(
         step.grad_sync, "sync", lambda slots: (calls.update(sync=calls["sync"] + 1), sync(slots))[1]
     )
     monkeypatch.setattr(
-        slot_step,
-        "slot_grad_norms",
-        lambda params: (calls.update(norms=calls["norms"] + 1), norms(params))[1],
+        step.grad_sync, "norms", lambda: (calls.update(norms=calls["norms"] + 1), norms())[1]
     )
     optimizers = {
         s: runtime.start_job(

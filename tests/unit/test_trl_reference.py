@@ -27,6 +27,7 @@ from megatron_multilora.training.step.micro_batches import MicroBatcher
 from megatron_multilora.training.step.objective_tools import StepTools
 from megatron_multilora.training.step.reference import target_logprobs
 from megatron_multilora.training.step.schedule import per_slot_results
+from megatron_multilora.training.step.slot_adamw import SlotAdamW
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -74,7 +75,7 @@ def peft_model(base: Path, folder: Path):
 def ours(model, cfg, examples_of_slot: list, objective) -> tuple[float, dict[str, torch.Tensor]]:
     """Our loss of the slot's examples by ``objective`` and the slot's gradients, in PEFT's
     names and layout (exported the way the adapter is)."""
-    sync = SlotGradSync([model])
+    sync = SlotGradSync(SlotAdamW.of([model]).rows)
     sync.zero_grad([SLOT])
     batcher = MicroBatcher(model, 2, 4096, 1, 0)
     slot_examples = [[], examples_of_slot]

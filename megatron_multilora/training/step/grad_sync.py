@@ -11,6 +11,7 @@ span, reduced in place (separate spans are coalesced into one collective); slots
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import torch
@@ -18,71 +19,60 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from megatron_multilora.layers.lifecycle import ModelOrChunks, num_adapter_slots, slot_parameters
-
-
-def _accumulate(param: torch.Tensor) -> None:
-    # Like megatron DDP with grad_reduce_in_fp32: micro-batch grads add up in fp32.
-    param.main_grad.add_(param.grad)
-    param.grad = None
-
-
-def _is_partial(p: torch.nn.Parameter) -> bool:
-    # A partial sum over this TP rank's sequence shard (see layers/sharding.py); expert
-    # factors never are (experts are not tensor-split).
-    return getattr(p, "sequence_parallel", False)
-
-
-def _is_dense(p: torch.nn.Parameter) -> bool:
-    return getattr(p, "allreduce", True)
-
-
-class _SlotGrads:
-    """One slot's fp32 gradient ranges, as ``(start, end)`` offsets into the shared buffer:
-    ``dense`` (sequence-parallel partial sums first, ``partial``) and ``expert``."""
-
-    def __init__(
-        self, params: list[torch.nn.Parameter], buffer: torch.Tensor, dense_at: int, expert_at: int
-    ) -> None:
-        dense = sorted((p for p in params if _is_dense(p)), key=lambda p: not _is_partial(p))
-        expert = [p for p in params if not _is_dense(p)]
-        for group, offset in ((dense, dense_at), (expert, expert_at)):
-            for p in group:
-                p.main_grad = buffer[offset : offset + p.numel()].view_as(p)
-                p.register_post_accumulate_grad_hook(_accumulate)
-                offset += p.numel()
-        self.dense = (dense_at, dense_at + sum(p.numel() for p in dense))
-        self.partial = (dense_at, dense_at + sum(p.numel() for p in dense if _is_partial(p)))
-        self.expert = (expert_at, expert_at + sum(p.numel() for p in expert))
+from megatron_multilora.training.step.slot_rows import SlotRows
 
 
 class SlotGradSync:
-    """fp32 ``main_grad`` for every adapter parameter of ``model``, reduced per slot.
+    """Reduction of ``rows``' gradient matrices (every adapter parameter's ``main_grad``),
+    per slot; a parameter that gets no gradient in a step keeps a zero ``main_grad``.
 
-    Backward adds each parameter's gradient into its ``main_grad`` and frees ``.grad``; a
-    parameter that gets no gradient in a step keeps a zero ``main_grad``.
-
-    All slots share one buffer laid out ``[slot 0 dense | slot 1 dense | ... | slot 0 expert
-    | ...]``: neighbouring slots reduced together (all of them, in a full step) form one span
-    that is reduced in place, without the copies of coalescing.
+    Neighbouring slots reduced together (all of them, in a full step) form one span of the
+    buffer, reduced in place without the copies of coalescing.
     """
 
-    def __init__(self, model: ModelOrChunks) -> None:
-        params = [slot_parameters(model, s) for s in range(num_adapter_slots(model))]
-        dense = [sum(p.numel() for p in ps if _is_dense(p)) for ps in params]
-        expert = [sum(p.numel() for p in ps if not _is_dense(p)) for ps in params]
-        self._buffer = torch.zeros(
-            sum(dense) + sum(expert), dtype=torch.float32, device=params[0][0].device
-        )
-        dense_at, expert_at = 0, sum(dense)
-        self._slots = []
-        for ps, n_dense, n_expert in zip(params, dense, expert):
-            self._slots.append(_SlotGrads(ps, self._buffer, dense_at, expert_at))
-            dense_at, expert_at = dense_at + n_dense, expert_at + n_expert
+    def __init__(self, rows: SlotRows) -> None:
+        self.rows = rows
+        self._buffer = rows.grad_buffer
+        wd, we = rows.kinds["dense"].width, rows.kinds["expert"].width
+        at = rows.n * wd
+        self._slots = [
+            _SlotGrads(
+                (s * wd, (s + 1) * wd),
+                (s * wd, s * wd + rows.kinds["dense"].partial_end),
+                (at + s * we, at + (s + 1) * we),
+            )
+            for s in range(rows.n)
+        ]
+
+        # Each dense column's share of its slot's squared norm: TP-split factors add their
+        # shards over the TP group; replicated ones (identical on every TP rank) count once.
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self._norm_weights = torch.zeros(wd, dtype=torch.float32, device=self._buffer.device)
+        for i, p in enumerate(rows.params[0]):
+            start = rows.kinds["dense"].columns[i]
+            if start is not None:
+                share = 1.0 if getattr(p, "tensor_model_parallel", False) else 1.0 / tp
+                self._norm_weights[start : start + p.numel()] = share
+
+    def norms(self) -> torch.Tensor:
+        """The L2 norm of each slot's whole gradient, ``[N]`` on the gradients' device (the
+        same on every rank), over all its TP and EP shards and pipeline stages, so clipping
+        uses the adapter's global norm: a few ops for all slots, each row summed as it would
+        be alone, and no read back to the host."""
+        dense = (self.rows.grads["dense"].square() * self._norm_weights).sum(1)
+        experts = self.rows.grads["expert"].square().sum(1)
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            dist.all_reduce(dense, group=parallel_state.get_tensor_model_parallel_group())
+        if parallel_state.get_expert_model_parallel_world_size() > 1:
+            dist.all_reduce(experts, group=parallel_state.get_expert_model_parallel_group())
+        total = dense + experts
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+        return total.sqrt()
 
     def zero_grad(self, slots: Iterable[int]) -> None:
         """Zero the given slots' ``main_grad`` (before a step's first backward)."""
-        chosen = [self._slots[s] for s in slots]
+        chosen = [self._slots[s] for s in sorted(slots)]
         for ranges in ([g.dense for g in chosen], [g.expert for g in chosen]):
             for span in self._spans(ranges):
                 span.zero_()
@@ -115,7 +105,7 @@ class SlotGradSync:
         touch only the frozen base, there is no context parallelism, and the base, including
         routers and their expert bias, is frozen.
         """
-        chosen = [self._slots[s] for s in slots]
+        chosen = [self._slots[s] for s in sorted(slots)]
         _all_reduce(
             self._spans([g.dense for g in chosen]), parallel_state.get_data_parallel_group()
         )
@@ -151,3 +141,13 @@ def _all_reduce(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
     dist.all_reduce(flat, group=group)
     for t, synced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
         t.copy_(synced)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SlotGrads:
+    """One slot's ranges of the gradient buffer, as ``(start, end)`` offsets: ``dense``, its
+    sequence-parallel partial sums (``partial``, at the dense range's start) and ``expert``."""
+
+    dense: tuple[int, int]
+    partial: tuple[int, int]
+    expert: tuple[int, int]

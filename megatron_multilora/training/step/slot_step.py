@@ -35,7 +35,7 @@ from megatron.core import parallel_state
 
 from megatron_multilora.data.datasets import Packable, examples_of
 from megatron_multilora.data.packing import MicroBatch, shard_for_data_parallel
-from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks, slot_parameters
+from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
 from megatron_multilora.parallel import collective_device
 from megatron_multilora.training.objectives.objective import Objective
 from megatron_multilora.training.objectives.registry import DEFAULT
@@ -46,7 +46,8 @@ from megatron_multilora.training.step.schedule import (
     per_slot_results,
     per_slot_results_and_data,
 )
-from megatron_multilora.training.step.slot_optimizer import SlotOptimizer, slot_grad_norms
+from megatron_multilora.training.step.slot_adamw import SlotAdamW
+from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
 
 
 @dataclasses.dataclass
@@ -120,7 +121,8 @@ class SlotStep:
     ) -> None:
         self.model = model_chunks(model)
         self.n_slots = n_slots
-        self.grad_sync = SlotGradSync(self.model)
+        self.adamw = SlotAdamW.of(self.model)
+        self.grad_sync = SlotGradSync(self.adamw.rows)
         self.batcher = MicroBatcher(self.model, n_slots, token_budget, pad_multiple, pad_id)
         self._accumulated: set[int] = set()  # slots holding gradients not yet applied
 
@@ -164,20 +166,18 @@ class SlotStep:
             steps = [s for s in stepping if s not in skipped]
             self.grad_sync.sync(steps)
             table = reduced()
-            norms = slot_grad_norms({s: stepping[s].params for s in steps})
+            # Stepping slots' norms are global; kept ones' are this rank's (their gradients
+            # are reduced when applied), so their finiteness is agreed over the DP ranks.
+            all_norms = self.grad_sync.norms().tolist()
             kept_grads = [s for s in accumulating if s not in skipped]
-            finite = {**norms, **self._local_grads_finite(kept_grads)}
-            failing = {
-                s
-                for s in [*steps, *kept_grads]
-                if not (math.isfinite(finite[s]) and math.isfinite(float(table[s, 0])))
-            }
+            finite = self._finite(all_norms, table[:, 0].tolist(), kept_grads)
+            norms = {s: all_norms[s] for s in steps}
+            failing = {s for s in [*steps, *kept_grads] if not finite[s]}
             if not failing:
                 break
             skipped |= self._failing_alone(shares, units, failing, slot_order, objectives)
             micro_batches = self.batcher.ready(shares, skipped, slot_order)
-        for s in steps:
-            stepping[s].step(norms[s])
+        self.adamw.step({s: stepping[s].update(norms[s]) for s in steps})
         self._accumulated |= set(kept_grads)
         return StepResult(
             table[:, 0],
@@ -218,11 +218,10 @@ class SlotStep:
         finite). Their gradients are dropped either way."""
         slots = list(optimizers)
         self.grad_sync.sync(slots)
-        norms = slot_grad_norms({s: optimizers[s].params for s in slots})
+        all_norms = self.grad_sync.norms().tolist()
+        norms = {s: all_norms[s] for s in slots}
         skipped = {s for s in slots if not math.isfinite(norms[s])}
-        for s in slots:
-            if s not in skipped:
-                optimizers[s].step(norms[s])
+        self.adamw.step({s: optimizers[s].update(norms[s]) for s in slots if s not in skipped})
         self.drop(slots)
         return norms, skipped
 
@@ -262,19 +261,18 @@ class SlotStep:
                 units[s] = 1
         return units
 
-    def _local_grads_finite(self, slots: list[int]) -> dict[int, float]:
-        """0.0 for each slot whose gradients (not yet reduced over data-parallel ranks) are
-        finite on every rank, else inf."""
-        if not slots:
-            return {}
-        norms = slot_grad_norms({s: slot_parameters(self.model, s) for s in slots})
-        bad = torch.tensor([float(not math.isfinite(norms[s])) for s in slots])
-        if parallel_state.get_data_parallel_world_size() > 1:
-            bad = bad.to(collective_device())
+    def _finite(self, norms: list[float], losses: list[float], kept: list[int]) -> list[bool]:
+        """Per slot, whether its loss and gradient norm are finite (``kept`` slots' norms
+        are each rank's own: they must be finite on every rank)."""
+        finite = [math.isfinite(n) and math.isfinite(x) for n, x in zip(norms, losses)]
+        if kept and parallel_state.get_data_parallel_world_size() > 1:
+            bad = torch.tensor([float(not finite[s]) for s in kept], device=collective_device())
             dist.all_reduce(
                 bad, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group()
             )
-        return {s: math.inf if b else 0.0 for s, b in zip(slots, bad.tolist())}
+            for s, b in zip(kept, bad.tolist()):
+                finite[s] = not b
+        return finite
 
     def _failing_alone(
         self,

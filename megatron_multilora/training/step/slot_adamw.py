@@ -1,0 +1,135 @@
+"""AdamW for every slot at once: one update over the rows of :mod:`.slot_rows`' matrices,
+with each slot's hyperparameters (lr, betas, eps, weight decay, clipping) as a column.
+
+A step is a fixed number of tensor ops whatever the number of slots and layers, and no read
+back to the host: each slot's scalars (its bias corrections, its clipping coefficient from
+the norms the step has read anyway) are computed on the host in double precision, as
+``torch.optim.AdamW`` computes them, and the update follows its single-tensor arithmetic
+op for op. Rows of slots that do not step are written back unchanged (bit for bit).
+fp32 parameters are their own master weights; bf16 ones step fp32 copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
+from megatron_multilora.training.step.slot_rows import SlotRows
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotUpdate:
+    """One slot's settings for one AdamW step (``step``: its 1-based step count; ``clip``:
+    the factor its gradients are scaled by, 1.0 for none)."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    step: int
+    clip: float
+
+
+class SlotAdamW:
+    """The master weights and moments of every slot, in ``rows``' layout (which this makes
+    hold the parameters)."""
+
+    def __init__(self, rows: SlotRows) -> None:
+        rows.hold_parameters()
+        self.rows = rows
+        values = rows.values
+        self.masters = (
+            values
+            if all(v.dtype == torch.float32 for v in values.values())
+            else {name: v.float() for name, v in values.items()}
+        )
+        self.moments = {
+            m: {name: torch.zeros_like(v) for name, v in self.masters.items()} for m in MOMENTS
+        }
+
+    @classmethod
+    def of(cls, model: ModelOrChunks) -> SlotAdamW:
+        """The one of ``model`` (a model or its chunks), made on first use: the parameter
+        matrices belong to the model, whichever step or optimizer asks."""
+        first = model_chunks(model)[0]
+        if "_slot_adamw" not in first.__dict__:
+            first.__dict__["_slot_adamw"] = cls(SlotRows(model_chunks(model)))
+        return first.__dict__["_slot_adamw"]
+
+    def start(self, slot: int) -> None:
+        """A fresh optimizer for ``slot``: masters from its parameters, zero moments."""
+        self.ensure_held()
+        with torch.no_grad():
+            for name, values in self.rows.values.items():
+                if self.masters[name] is not values:
+                    self.masters[name][slot].copy_(values[slot])
+                for moment in MOMENTS:
+                    self.moments[moment][name][slot].zero_()
+
+    def ensure_held(self) -> None:
+        """Point the parameters at the matrices again if something re-pointed them (e.g. a
+        ``module.to()``), keeping their values."""
+        if not self.rows.holds_parameters():
+            self.rows.hold_parameters()
+            if self.masters is not self.rows.values and all(
+                v.dtype == torch.float32 for v in self.rows.values.values()
+            ):
+                self.masters = self.rows.values
+
+    def segment(self, which: str, param: torch.nn.Parameter) -> torch.Tensor:
+        """``param``'s part of the masters (``"param"``) or of a moment (a view)."""
+        slot, i = self.rows.position(param)
+        matrices = self.masters if which == "param" else self.moments[which]
+        return self.rows.segment(matrices, slot, i)
+
+    @torch.no_grad()
+    def step(self, updates: dict[int, SlotUpdate]) -> None:
+        """One AdamW step of the slots in ``updates``, all at once."""
+        if not updates:
+            return
+        self.ensure_held()
+        # Per slot, as torch.optim.AdamW computes them in Python: mask, clipping factor,
+        # decay, 1 - beta1, beta2, 1 - beta2, sqrt of the second bias correction, -step size,
+        # eps; zero (no step) for the other slots.
+        cols = [[0.0] * self.rows.n for _ in range(9)]
+        for s, u in updates.items():
+            beta1, beta2 = u.betas
+            values = (
+                1.0,
+                u.clip,
+                1 - u.lr * u.weight_decay,
+                1 - beta1,
+                beta2,
+                1 - beta2,
+                (1 - beta2**u.step) ** 0.5,
+                -u.lr / (1 - beta1**u.step),
+                u.eps,
+            )
+            for c, value in enumerate(values):
+                cols[c][s] = value
+        device = next(iter(self.masters.values())).device
+        table = torch.tensor(cols, dtype=torch.float32).to(device)[:, :, None]
+        mask, clip, decay, w1, beta2, one_minus_beta2, bc2_sqrt, neg_step_size, eps = table
+        mask = mask.bool()
+        for name, master in self.masters.items():
+            if not master.numel():
+                continue
+            exp_avg, exp_avg_sq = (self.moments[m][name] for m in MOMENTS)
+            grad = self.rows.grads[name] * clip
+            new_master = master * decay
+            new_avg = torch.lerp(exp_avg, grad, w1)
+            # addcmul/addcdiv with the scalar folded into an operand: torch's own kernels,
+            # so the same rounding as its ``value=`` forms
+            new_avg_sq = torch.addcmul(exp_avg_sq * beta2, one_minus_beta2 * grad, grad)
+            denom = new_avg_sq.sqrt() / bc2_sqrt + eps
+            new_master = torch.addcdiv(new_master, neg_step_size * new_avg, denom)
+            master.copy_(torch.where(mask, new_master, master))
+            exp_avg.copy_(torch.where(mask, new_avg, exp_avg))
+            exp_avg_sq.copy_(torch.where(mask, new_avg_sq, exp_avg_sq))
+            values = self.rows.values[name]
+            if values is not master:
+                values.copy_(torch.where(mask, master.to(values.dtype), values))
