@@ -24,7 +24,7 @@ class Row:
     what: str
     a: str
     b: str
-    unit: str  # "ms", "s" or "MiB"
+    unit: str  # "ms", "s", "MiB", or a count ("aten ops", "host reads")
     a_value: float | None = None
     b_value: float | None = None
     ratio: float | None = None
@@ -111,7 +111,9 @@ def versions() -> dict:
 def fmt(value: float | None, unit: str) -> str:
     if value is None:
         return "-"
-    return f"{value:.3f} s" if unit == "s" else f"{value:.2f} {unit}"
+    if unit == "s":
+        return f"{value:.3f} s"
+    return f"{value:.2f} {unit}" if unit in ("ms", "MiB") else f"{value:,.0f} {unit}"
 
 
 def markdown(meta: dict, rows: list[Row]) -> str:

@@ -13,6 +13,7 @@ import torch
 import megatron_multilora as mm
 from benchmarks.api_service import section_api
 from benchmarks.jobs import section_jobs
+from benchmarks.launches import section_launches
 from benchmarks.layers_and_models import section_layers_models
 from benchmarks.mainjob import section_mainjob
 from benchmarks.memory import section_memory
@@ -37,6 +38,7 @@ RUN_SECTION = {
     "width": section_width,
     "peers": section_peers,
     "post": section_post,
+    "launches": section_launches,
     "api": section_api,
     "mainjob": section_mainjob,
 }

@@ -60,7 +60,18 @@ QUICK = dict(
 )
 
 
-SECTIONS = ("layers", "models", "jobs", "memory", "tp", "pp", "scaling", "width", "post")
+SECTIONS = (
+    "layers",
+    "models",
+    "jobs",
+    "memory",
+    "tp",
+    "pp",
+    "scaling",
+    "width",
+    "post",
+    "launches",
+)
 """What a run without ``--only`` runs."""
 
 
