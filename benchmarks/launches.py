@@ -30,6 +30,7 @@ from benchmarks.workloads import (
     timed_model_step,
     training_step,
 )
+from megatron_multilora.training.step.slot_adamw import SlotAdamW
 from megatron_multilora.training.step.slot_step import slot_work
 
 HOST_READ = "aten::_local_scalar_dense"
@@ -89,7 +90,8 @@ def trainer_steps(s: Settings, slots: tuple[int, ...] = STEP_SLOTS) -> dict[int,
 
 def width_steps(s: Settings, tokens: int = 64) -> dict[str, Callable]:
     """fwd+bwd of a SmolLM2-135M-shaped GPT of ``WIDTH_LAYERS`` layers: the frozen base, and
-    ``WIDTH_SLOTS`` rank-16 slots on qkv/proj/fc1/fc2 (one example each)."""
+    ``WIDTH_SLOTS`` rank-16 slots on qkv/proj/fc1/fc2 (one example each), their parameters and
+    gradients held as the trainer's step holds them."""
     cfg = mm.GPTModelConfig(num_layers=WIDTH_LAYERS, **SMOLLM2_135M)
     sw = dataclasses.replace(s, rank=WIDTH_RANK)
     gen = torch.Generator().manual_seed(3)
@@ -98,6 +100,7 @@ def width_steps(s: Settings, tokens: int = 64) -> dict[str, Callable]:
     ]
     mb = pack_one(per_slot, torch.device("cpu"))
     base, multi = build_model(cfg, sw, None), build_model(cfg, sw, WIDTH_SLOTS)
+    SlotAdamW.of(multi)  # as the trainer's step holds it: gradients go to the slots' rows
     return {"base": timed_model_step(base, mb), "lora": timed_model_step(multi, mb)}
 
 

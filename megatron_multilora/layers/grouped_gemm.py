@@ -30,7 +30,8 @@ def grouped_linear(
     """
     if x.size(0) != seg.rows:
         raise ValueError(f"grouped_linear: {x.size(0)} rows but segments cover {seg.rows}")
-    w = w.to(x.dtype)
+    if w.dtype != x.dtype:
+        w = w.to(x.dtype)
     if rebuild_w is None:
         return grouped_mm(x, w, seg.offsets, seg.counts)
     with torch.autograd.graph.saved_tensors_hooks(*_rebuilt_in_backward(w, rebuild_w)):

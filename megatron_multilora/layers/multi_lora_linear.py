@@ -63,8 +63,17 @@ def lora_term(
     mid = grouped_linear(x, a[0], seg_in, rebuild_w=a[1])  # [T, r] = A x
     mid = reduce_mid(mid)  # the layout's one collective
     seg = seg_out(mid.size(0))
-    mid = (mid.float() * scale[seg.label_of_row].unsqueeze(1)).to(mid.dtype)  # fp32, per token
-    return grouped_linear(mid, b[0], seg, rebuild_w=b[1])  # [T, out] = B (s A x)
+    scaled = _fp32(mid) * scale[seg.label_of_row].unsqueeze(1)  # fp32, per token
+    return grouped_linear(_as(scaled, mid.dtype), b[0], seg, rebuild_w=b[1])  # B (s A x)
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return _as(t, torch.float32)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # A conversion to the same dtype is no copy, but still an op per call.
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def one_slot_term(
@@ -81,9 +90,9 @@ def one_slot_term(
     benchmarks/README.md). Each product runs the GEMMs of its group
     in the grouped call (``single_group_mm``), so a slot's rows get the same bits alone as
     beside other slots."""
-    mid = reduce_mid(single_group_mm(x, a.to(x.dtype)))  # [T, r] = A x
-    mid = (mid.float() * scale).to(mid.dtype)
-    return single_group_mm(mid, b.to(mid.dtype))  # [T, out] = B (s A x)
+    mid = reduce_mid(single_group_mm(x, _as(a, x.dtype)))  # [T, r] = A x
+    mid = _as(_fp32(mid) * scale, mid.dtype)
+    return single_group_mm(mid, _as(b, mid.dtype))  # [T, out] = B (s A x)
 
 
 def check_settings(

@@ -30,7 +30,7 @@ class _SlotFactors(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx,
-        w: torch.Tensor,
+        read: Callable[[], torch.Tensor],
         rank_index: tuple,  # type: ignore[override]
         full_shape: torch.Size,
         target: torch.Tensor | None,
@@ -39,13 +39,14 @@ class _SlotFactors(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.rank_index, ctx.full_shape, ctx.target, ctx.rows = rank_index, full_shape, target, rows
         ctx.n_params = len(params)
-        return w
+        # Read here, not passed in: an input returned as the output would cost a view op.
+        return read()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         cut = grad.shape[1:] != ctx.full_shape  # cut to a lower rank in forward
         if ctx.target is not None and ctx.rows is None:
-            ctx.target[ctx.rank_index].add_(grad)
+            (ctx.target[ctx.rank_index] if cut else ctx.target).add_(grad)
             return (None,) * (5 + ctx.n_params)
         if cut:
             full = grad.new_zeros((grad.size(0), *ctx.full_shape))
@@ -69,6 +70,7 @@ class SlotFactorBuffer:
     def __init__(self, params: Sequence[torch.nn.Parameter], factor: Factor) -> None:
         self.factor = factor
         self.main_grad: torch.Tensor | None = None  # [N, ...] fp32 rows the gradients add to
+        self._views: dict[tuple[int, int], tuple] = {}
         self.realias(params)
 
     def realias(
@@ -92,6 +94,16 @@ class SlotFactorBuffer:
             for s, p in zip(slots, params)
         )
 
+    def _rows(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Views of rows ``lo:hi`` of the buffer and of ``main_grad``, made once per span
+        (a slice is an op on every call: every layer would pay it every micro-batch)."""
+        views = self._views.get((lo, hi))
+        if views is None or views[0] is not self.buffer or views[1] is not self.main_grad:
+            grads = None if self.main_grad is None else self.main_grad[lo:hi]
+            views = (self.buffer, self.main_grad, self.buffer[lo:hi], grads)
+            self._views[(lo, hi)] = views
+        return views[2], views[3]
+
     def gather(
         self, slots: Sequence[int], params: Sequence[torch.nn.Parameter], r: int
     ) -> tuple[torch.Tensor, Callable[[], torch.Tensor] | None]:
@@ -100,21 +112,27 @@ class SlotFactorBuffer:
         ``params``; and, when it is a fresh copy rather than a view of the long-lived
         buffer, a function that rebuilds it (for :func:`.grouped_gemm.grouped_linear`)."""
         index = (slice(None), *self.factor.rank_index(r))
+        full = r == self.buffer.size(self.factor.rank_dim)  # no cut: no slicing op
+
+        def cut(w: torch.Tensor) -> torch.Tensor:
+            return w if full else w[index]
+
         if not self._aliased(slots, params):
 
             def stack() -> torch.Tensor:
-                return torch.stack(list(params))[index]
+                return cut(torch.stack(list(params)))
 
             return stack(), stack
         lo, hi = slots[0], slots[-1] + 1
         contiguous = hi - lo == len(slots)
-        with torch.no_grad():
-            w = (self.buffer[lo:hi] if contiguous else self.buffer[list(slots)])[index]
+        values, grads = self._rows(lo, hi) if contiguous else (None, None)
+
+        def read() -> torch.Tensor:
+            return cut(values if contiguous else self.buffer[list(slots)])
+
         target = rows = None
         if self.main_grad is not None:
-            target = self.main_grad[lo:hi] if contiguous else self.main_grad
-            rows = None if contiguous else torch.tensor(slots, device=w.device)
-        w = _SlotFactors.apply(w, index, self.buffer.shape[1:], target, rows, *params)
-        if contiguous:
-            return w, None
-        return w, lambda: self.buffer[list(slots)][index]
+            target = grads if contiguous else self.main_grad
+            rows = None if contiguous else torch.tensor(slots, device=self.buffer.device)
+        w = _SlotFactors.apply(read, index, self.buffer.shape[1:], target, rows, *params)
+        return w, None if contiguous else read

@@ -83,14 +83,7 @@ def grouped_mm(
     if kernel_takes(x, w):
         if _transposed_backward(x, w):
             return _NarrowInputGroupedMM.apply(kernel_layout(x), kernel_layout(w), offsets)
-        y = _GROUPED_MM(kernel_layout(x), kernel_layout(w).transpose(1, 2), offs=offsets)
-        if y.requires_grad:
-            # The backward kernels read y's gradient with the same row layout, which an
-            # expanded (stride-0, e.g. from y.sum()) or offset gradient breaks. A hook rather
-            # than an identity Function keeps y its own tensor (not a view), so a caller may
-            # still add into it in place.
-            y.register_hook(kernel_layout)
-        return y
+        return _GroupedMM.apply(kernel_layout(x), kernel_layout(w), offsets)
     parts = torch.split(x, list(counts) if counts is not None else group_sizes(offsets))
     return torch.cat([p @ w[g].t() for g, p in enumerate(parts)], dim=0)
 
@@ -117,6 +110,30 @@ def _transposed_backward(x: torch.Tensor, w: torch.Tensor) -> bool:
     return not x.is_cuda and 1 < w.size(2) < 16
 
 
+class _GroupedMM(torch.autograd.Function):
+    """``torch._grouped_mm(x, w.T)`` whose backward runs the kernel calls of torch's own
+    formula (the same operands and layouts, so the same bits) without its transposes and
+    views around them: a few ops per product instead of a dozen."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w, offsets)
+        return _GROUPED_MM(x, w.transpose(1, 2), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w, offsets = ctx.saved_tensors
+        # The kernels read the gradient with its rows aligned, which an expanded (stride-0,
+        # e.g. from y.sum()) or offset gradient breaks.
+        grad = kernel_layout(grad)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _GROUPED_MM(grad, w, offs=offsets)
+        if ctx.needs_input_grad[1]:
+            grad_w = _GROUPED_MM(grad.t(), x, offs=offsets)
+        return grad_x, grad_w, None
+
+
 class _NarrowInputGroupedMM(torch.autograd.Function):
     """``torch._grouped_mm(x, w.T)`` for a narrow ``in`` on CPU, whose backward computes both
     gradients as transposes of wide products (see the module docstring)."""
@@ -134,5 +151,5 @@ class _NarrowInputGroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = _GROUPED_MM(w.transpose(1, 2), grad.t(), offs=offsets).t().contiguous()
         if ctx.needs_input_grad[1]:
-            grad_w = _GROUPED_MM(x.t(), grad, offs=offsets).transpose(1, 2)
+            grad_w = _GROUPED_MM(grad.t(), x, offs=offsets)
         return grad_x, grad_w, None

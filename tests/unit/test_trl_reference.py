@@ -62,6 +62,7 @@ def setup(tmp_path: Path):
     export_peft(model, SLOT, tmp_path / "peft", cfg, "llama", str(base))
     yield model, cfg, base, tmp_path
     mm.destroy_parallel()
+    mm.init_parallel(seed=1234)  # the unit tests' world of one, as conftest made it
 
 
 def peft_model(base: Path, folder: Path):

@@ -15,9 +15,10 @@ An objective declares:
   its ``state`` (:meth:`Objective.new_state`), saved in checkpoints.
 
 The step's loss function (``step/schedule.objective_loss``) cuts each micro-batch into the
-slots' spans and hands each span to its job's objective with the trained log-probs of the
-span's targets, its loss mask, the per-token inputs its examples carry and which packed
-sequence each position belongs to. The objective returns the span's loss *sum* and the sums
+slots' spans and hands the spans of each objective, all at once, to it
+(:meth:`Objective.spans_loss`; by default each to :meth:`Objective.span_loss`) with the
+trained log-probs of the span's targets, its loss mask, the per-token inputs its examples
+carry and which packed sequence each position belongs to. The objective returns the span's loss *sum* and the sums
 of its metrics; the step divides both by the adapter's loss units over its global batch, so
 an adapter's loss and metrics never depend on who shares the step.
 
@@ -172,3 +173,31 @@ class Objective:
         per-token inputs ``[T]`` each, ``sequence`` ``[T]`` int64 the packed sequence of each
         position, numbered from 0 within the span."""
         raise NotImplementedError
+
+    @classmethod
+    def spans_loss(
+        cls,
+        objectives: Sequence[Objective],
+        logprobs: torch.Tensor,
+        mask: torch.Tensor,
+        values: dict[str, torch.Tensor],
+        sequence: torch.Tensor,
+        spans: Sequence[tuple[int, int]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss sums [G], metric sums [G, len(metrics)])`` of several slots' spans of one
+        micro-batch (slot g's objective ``objectives[g]``, its positions ``spans[g]``, a
+        ``(start, end)`` each, in order), each what :meth:`span_loss` gives for it. The
+        arguments cover the whole micro-batch. By default :meth:`span_loss` per span; an
+        objective whose loss is a sum over positions computes every span in one pass."""
+        import torch
+
+        out = [
+            objective.span_loss(
+                logprobs[a:b],
+                mask[a:b],
+                {k: v[a:b] for k, v in values.items()},
+                sequence[a:b] - sequence[a],
+            )
+            for objective, (a, b) in zip(objectives, spans)
+        ]
+        return torch.stack([loss for loss, _ in out]), torch.stack([m for _, m in out])

@@ -167,23 +167,38 @@ def objective_loss(
     # another call trains) still runs its backward, and with it the collectives its peers'
     # backward waits on (MoE all-to-all under EP, the pipeline's gradient sends).
     total = logprobs.sum() * 0.0
-    start = 0
-    for slot, count in enumerate(mb.counts):
-        span = slice(start, start + count)
-        start += count
-        if not count or not weights[slot] or not mb.examples_per_slot[slot]:
-            continue  # pads only (a filler's span carries no objective inputs)
-        seq = sequence[span]
-        loss, metrics = objectives[slot].span_loss(
-            logprobs[span], mask[span], {k: v[0, span] for k, v in mb.values.items()}, seq - seq[0]
+    values = {k: v[0] for k, v in mb.values.items()}
+    for kind, (slots, spans) in _spans_by_objective(objectives, weights, mb).items():
+        losses, metrics = kind.spans_loss(
+            [objectives[s] for s in slots], logprobs, mask, values, sequence, spans
         )
-        total = total + loss * weights[slot]
-        table[slot, 0] = loss.detach().double() * weights[slot]
-        table[slot, 1 : 1 + metrics.numel()] = metrics.double() * weights[slot]
+        weight = torch.tensor([weights[s] for s in slots], dtype=torch.float64).to(mask.device)
+        weighted = losses.double() * weight
+        total = total + weighted.sum().to(total.dtype)
+        rows = torch.tensor(slots, device=mask.device)
+        table[rows, 0] = weighted.detach()
+        if metrics.size(1):
+            table[rows, 1 : 1 + metrics.size(1)] = metrics.detach().double() * weight[:, None]
     data = {"per_slot": table, "logprobs": logprobs.detach()}
     if choices is not None:
         data["choices"] = choices[0]
     return total, mask.sum().to(torch.int), data
+
+
+def _spans_by_objective(
+    objectives: Sequence[Objective], weights: Sequence[float], mb: MicroBatch
+) -> dict[type[Objective], tuple[list[int], list[tuple[int, int]]]]:
+    """The slots that count in ``mb`` and their spans, by their objective's class."""
+    out: dict[type[Objective], tuple[list[int], list[tuple[int, int]]]] = {}
+    start = 0
+    for slot, count in enumerate(mb.counts):
+        start += count
+        if not count or not weights[slot] or not mb.examples_per_slot[slot]:
+            continue  # pads only (a filler's span carries no objective inputs)
+        slots, spans = out.setdefault(type(objectives[slot]), ([], []))
+        slots.append(slot)
+        spans.append((start - count, start))
+    return out
 
 
 def per_slot_results(
