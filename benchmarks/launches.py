@@ -118,7 +118,7 @@ def section_launches(s: Settings, device: torch.device, clock: Clock, out: Resul
 
 def launch_rows(c: dict[str, Count]) -> list[Row]:
     step = (
-        f"one SlotStep.train of the dense GPT of rows 8, {STEP_EXAMPLES} examples over N slots vs "
+        f"one SlotStep.train of the dense GPT of rows 8, {STEP_EXAMPLES} examples over {{}} vs "
         "all in 1 slot"
     )
     width = (
@@ -141,7 +141,7 @@ def launch_rows(c: dict[str, Count]) -> list[Row]:
     ]
     unit = {"ops": "aten ops", "host_reads": "host reads"}
     return [
-        Row(id_, title, f"{what} (counted under torch.profiler)", a, b, unit[get]).fill(
+        Row(id_, title, f"{what.format(a)} (counted under torch.profiler)", a, b, unit[get]).fill(
             getattr(c[a], get), getattr(c[b], get)
         )
         for id_, title, what, a, b, get in specs

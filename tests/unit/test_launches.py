@@ -54,6 +54,13 @@ def test_the_optimizer_step_has_the_same_ops_for_1_and_64_slots():
     assert counts[1] == counts[64] and counts[1].host_reads == 0, counts
 
 
+def test_rows_14_report_every_count(step_counts, width_counts):
+    counts = {f"{n} slots": c for n, c in step_counts.items()} | width_counts
+    rows = launches.launch_rows(counts)
+    assert [r.id for r in rows] == ["14a", "14b", "14c", "14d", "14e"]
+    assert all(r.a_value > 0 and r.b_value > 0 and r.ratio > 0 for r in rows)
+
+
 def test_adapted_fwd_bwd_reads_nothing_back(width_counts):
     assert width_counts["lora"].host_reads <= 4, width_counts
     assert width_counts["lora"].host_reads == width_counts["base"].host_reads
