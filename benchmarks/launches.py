@@ -3,7 +3,9 @@
 On a GPU each aten op that computes is a kernel launch and each host read of a tensor's value
 (``.item()``, ``.tolist()``, ``bool(t)``) an ``aten::_local_scalar_dense``, a device sync; a
 step that is bound by its host grows with them. Counting them needs no GPU and gives the same
-figures on any machine, so ``tests/unit/test_launches.py`` holds the line with them.
+figures on any machine, so ``tests/unit/test_launches.py`` holds the line with them. The
+optimizer is counted as the GPU runs it (one stacked update; the CPU, bound by memory rather
+than launches, runs torch's fused kernel per slot: ``training/step/slot_adamw.py``).
 
     python -m benchmarks --only launches
 """
@@ -80,6 +82,7 @@ def trainer_steps(s: Settings, slots: tuple[int, ...] = STEP_SLOTS) -> dict[int,
         per = STEP_EXAMPLES // n
         slot_examples = [examples[i * per : (i + 1) * per] for i in range(n)]
         model = build_model(cfg, s, n)
+        SlotAdamW.of(model).stacked = True  # the GPU's update, which the CPU can run too
         step, ((exs, mbs),) = training_step(model, n, [slot_examples], torch.device("cpu"))
         opts = start_jobs(model, s, cfg, 10**6, n)
         steps[n] = lambda step=step, exs=exs, mbs=mbs, opts=opts: step.train(

@@ -48,12 +48,15 @@ def test_lr_schedules(schedule, at_half, at_end):
     assert lr_factor(12, j, 12) == pytest.approx(at_end)
 
 
-def test_each_slot_steps_as_torch_adamw_on_that_slot_alone():
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "fused_per_slot"])
+def test_each_slot_steps_as_torch_adamw_on_that_slot_alone(stacked):
     """Three slots with their own lr, weight decay, clipping and cosine schedule step
     together, one of them idle in the second step: after every step each slot's weights are
     bit for bit those of ``torch.optim.AdamW`` run on that slot's parameters alone with its
-    clipped gradients, and the idle slot is untouched."""
+    clipped gradients (the single-tensor AdamW for the stacked update, the GPU's; the fused
+    one for the fused kernel per slot, the CPU's), and the idle slot is untouched."""
     model = tiny_model(3)
+    SlotAdamW.of(model).stacked = stacked
     jobs = [
         job(lr=1e-2, weight_decay=0.01, grad_clip=1.0, warmup_steps=1, schedule="cosine"),
         job(lr=3e-3, weight_decay=0.0, grad_clip=None, warmup_steps=1, schedule="cosine"),
@@ -63,7 +66,9 @@ def test_each_slot_steps_as_torch_adamw_on_that_slot_alone():
     sync = SlotGradSync(SlotAdamW.of(model).rows)
     refs = {s: [torch.nn.Parameter(p.detach().clone()) for p in params(model, s)] for s in range(3)}
     torch_adamw = {
-        s: torch.optim.AdamW(refs[s], lr=jobs[s].lr, weight_decay=jobs[s].weight_decay)
+        s: torch.optim.AdamW(
+            refs[s], lr=jobs[s].lr, weight_decay=jobs[s].weight_decay, fused=not stacked
+        )
         for s in range(3)
     }
     gen = torch.Generator().manual_seed(1)
@@ -73,6 +78,7 @@ def test_each_slot_steps_as_torch_adamw_on_that_slot_alone():
             for p in params(model, s):
                 p.main_grad.copy_(torch.randn(p.shape, generator=gen) * (10 if s == 2 else 1))
         norms = sync.norms().tolist()
+        grads = {s: [p.main_grad.clone() for p in params(model, s)] for s in range(3)}
         idle = [p.detach().clone() for p in params(model, 1)]
         lrs = {s: opts[s].lr for s in stepping}
         SlotAdamW.of(model).step({s: opts[s].update(norms[s]) for s in stepping})
@@ -83,8 +89,8 @@ def test_each_slot_steps_as_torch_adamw_on_that_slot_alone():
             coef = min(1.0, clip / (norms[s] + 1e-6)) if clip else 1.0
             for group in torch_adamw[s].param_groups:
                 group["lr"] = lrs[s]
-            for ref, p in zip(refs[s], params(model, s)):
-                ref.grad = p.main_grad * coef
+            for ref, g in zip(refs[s], grads[s]):
+                ref.grad = g * coef
             torch_adamw[s].step()
         for s in range(3):
             assert all(torch.equal(a, b) for a, b in zip(refs[s], params(model, s))), (step, s)

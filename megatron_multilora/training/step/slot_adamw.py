@@ -1,11 +1,17 @@
-"""AdamW for every slot at once: one update over the rows of :mod:`.slot_rows`' matrices,
-with each slot's hyperparameters (lr, betas, eps, weight decay, clipping) as a column.
+"""AdamW for the slots that step, over the rows of :mod:`.slot_rows`' matrices.
 
-A step is a fixed number of tensor ops whatever the number of slots and layers, and no read
-back to the host: each slot's scalars (its bias corrections, its clipping coefficient from
-the norms the step has read anyway) are computed on the host in double precision, as
-``torch.optim.AdamW`` computes them, and the update follows its single-tensor arithmetic
-op for op. Rows of slots that do not step are written back unchanged (bit for bit).
+On an accelerator, bound by its kernel launches (``stacked``), one update for every slot
+with each slot's hyperparameters (lr, betas, eps, weight decay, clipping) as a column: a
+fixed number of tensor ops whatever the number of slots and layers, and no read back to the
+host. Each slot's scalars (its bias corrections, its clipping factor from the norms the
+step has read anyway) are computed on the host in double precision, as
+``torch.optim.AdamW`` computes them, and the update follows its single-tensor arithmetic op
+for op; rows of slots that do not step are written back unchanged (bit for bit).
+
+On the CPU, bound by memory bandwidth, that chain of ops costs a pass over every slot's rows
+per op; there each stepping slot takes torch's fused kernel over its own rows (one pass), as
+``torch.optim.AdamW(fused=True)`` does.
+
 fp32 parameters are their own master weights; bf16 ones step fp32 copies.
 """
 
@@ -38,9 +44,13 @@ class SlotAdamW:
     """The master weights and moments of every slot, in ``rows``' layout (which this makes
     hold the parameters)."""
 
-    def __init__(self, rows: SlotRows) -> None:
+    def __init__(self, rows: SlotRows, stacked: bool | None = None) -> None:
         rows.hold_parameters()
         self.rows = rows
+        # Stacked on accelerators (bound by launches); on the CPU, bound by memory, torch's
+        # fused kernel per slot (one pass over the slot's rows instead of one per op:
+        # benchmarks/README.md, rows 14).
+        self.stacked = rows.grad_buffer.device.type != "cpu" if stacked is None else stacked
         values = rows.values
         self.masters = (
             values
@@ -88,10 +98,15 @@ class SlotAdamW:
 
     @torch.no_grad()
     def step(self, updates: dict[int, SlotUpdate]) -> None:
-        """One AdamW step of the slots in ``updates``, all at once."""
+        """One AdamW step of the slots in ``updates``: all at once (``stacked``), or each
+        slot's rows by torch's fused kernel."""
         if not updates:
             return
         self.ensure_held()
+        if not self.stacked:
+            for slot, update in updates.items():
+                self._fused_step(slot, update)
+            return
         # Per slot, as torch.optim.AdamW computes them in Python: mask, clipping factor,
         # decay, 1 - beta1, beta2, 1 - beta2, sqrt of the second bias correction, -step size,
         # eps; zero (no step) for the other slots.
@@ -133,3 +148,32 @@ class SlotAdamW:
             values = self.rows.values[name]
             if values is not master:
                 values.copy_(torch.where(mask, master.to(values.dtype), values))
+
+    def _fused_step(self, slot: int, u: SlotUpdate) -> None:
+        """``slot``'s AdamW step by ``torch._fused_adamw_`` over its rows (what
+        ``torch.optim.AdamW(fused=True)`` runs); its gradients are scaled in place to clip."""
+        names = [name for name, master in self.masters.items() if master.numel()]
+        masters = [self.masters[name][slot] for name in names]
+        grads = [self.rows.grads[name][slot] for name in names]
+        if u.clip != 1.0:
+            torch._foreach_mul_(grads, u.clip)
+        step = torch.tensor(float(u.step), device=masters[0].device)
+        torch._fused_adamw_(
+            masters,
+            grads,
+            [self.moments["exp_avg"][name][slot] for name in names],
+            [self.moments["exp_avg_sq"][name][slot] for name in names],
+            [],
+            [step] * len(names),
+            lr=u.lr,
+            beta1=u.betas[0],
+            beta2=u.betas[1],
+            weight_decay=u.weight_decay,
+            eps=u.eps,
+            amsgrad=False,
+            maximize=False,
+        )
+        for name, master in zip(names, masters):
+            values = self.rows.values[name][slot]
+            if values.data_ptr() != master.data_ptr():
+                values.copy_(master)
