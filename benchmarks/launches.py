@@ -20,20 +20,16 @@ from torch.profiler import ProfilerActivity, profile
 
 import megatron_multilora as mm
 from benchmarks.report import Results, Row
-from benchmarks.scaling import SMOLLM2_135M
+from benchmarks.scaling import SCALE_EXAMPLES, SMOLLM2_135M, scaling_variants
 from benchmarks.settings import Settings
 from benchmarks.timing import Clock
 from benchmarks.workloads import (
     build_model,
-    model_config,
     pack_one,
     random_examples,
-    start_jobs,
     timed_model_step,
-    training_step,
 )
 from megatron_multilora.training.step.slot_adamw import SlotAdamW
-from megatron_multilora.training.step.slot_step import slot_work
 
 HOST_READ = "aten::_local_scalar_dense"
 # On CPU torch's grouped GEMM is a loop of per-group GEMMs that reads each group's end to the
@@ -41,7 +37,6 @@ HOST_READ = "aten::_local_scalar_dense"
 ONE_KERNEL = "aten::_grouped_mm"
 
 STEP_SLOTS = (1, 8, 64)
-STEP_EXAMPLES = 64  # in all, whatever the slot count (as rows 8)
 WIDTH_LAYERS, WIDTH_SLOTS, WIDTH_RANK = 4, 4, 16
 
 
@@ -72,23 +67,10 @@ def _inside(event) -> bool:
 
 
 def trainer_steps(s: Settings, slots: tuple[int, ...] = STEP_SLOTS) -> dict[int, Callable]:
-    """One trainer step (SlotStep.train) of the dense GPT of rows 8, the same
-    ``STEP_EXAMPLES`` examples spread over each slot count."""
-    cfg = model_config("dense", s)
-    gen = torch.Generator().manual_seed(2)
-    examples = random_examples(STEP_EXAMPLES, s.example_tokens, cfg.vocab_size, gen)
-    steps = {}
-    for n in slots:
-        per = STEP_EXAMPLES // n
-        slot_examples = [examples[i * per : (i + 1) * per] for i in range(n)]
-        model = build_model(cfg, s, n)
-        SlotAdamW.of(model).stacked = True  # the GPU's update, which the CPU can run too
-        step, ((exs, mbs),) = training_step(model, n, [slot_examples], torch.device("cpu"))
-        opts = start_jobs(model, s, cfg, 10**6, n)
-        steps[n] = lambda step=step, exs=exs, mbs=mbs, opts=opts: step.train(
-            slot_work(exs, opts), micro_batches=mbs
-        )
-    return steps
+    """Rows 8's trainer step (the same ``SCALE_EXAMPLES`` examples over each slot count) with
+    the GPU's stacked AdamW update, which the CPU can run too."""
+    variants = scaling_variants(s, torch.device("cpu"), slots, stacked=True)
+    return {n: variants[f"{n} slots"] for n in slots}
 
 
 def width_steps(s: Settings, tokens: int = 64) -> dict[str, Callable]:
@@ -121,7 +103,7 @@ def section_launches(s: Settings, device: torch.device, clock: Clock, out: Resul
 
 def launch_rows(c: dict[str, Count]) -> list[Row]:
     step = (
-        f"one SlotStep.train of the dense GPT of rows 8, {STEP_EXAMPLES} examples over {{}} vs "
+        f"one SlotStep.train of the dense GPT of rows 8, {SCALE_EXAMPLES} examples over {{}} vs "
         "all in 1 slot"
     )
     width = (

@@ -21,6 +21,7 @@ from benchmarks.workloads import (
     timed_model_step,
     training_step,
 )
+from megatron_multilora.training.step.slot_adamw import SlotAdamW
 from megatron_multilora.training.step.slot_step import slot_work
 
 SCALE_SLOTS = (1, 8, 32, 64)
@@ -51,18 +52,26 @@ SMOLLM2_LAYERS = 30
 WIDTH_SLOTS, WIDTH_RANK = 4, 16
 
 
-def scaling_variants(s: Settings, device: torch.device) -> dict[str, Callable[[], None]]:
+def scaling_variants(
+    s: Settings,
+    device: torch.device,
+    slot_counts: tuple[int, ...] = SCALE_SLOTS,
+    stacked: bool | None = None,
+) -> dict[str, Callable[[], None]]:
     """One trainer step (SlotStep.train: forward/backward of one packed micro-batch, per-slot
     grad norms, every slot's AdamW step) of the dense GPT of rows 1c/2c, the same
-    ``SCALE_EXAMPLES`` examples spread over N slots (64 / N each)."""
+    ``SCALE_EXAMPLES`` examples spread over N slots (64 / N each), for each N of
+    ``slot_counts``; ``stacked`` picks the AdamW update (default: the device's)."""
     cfg = model_config("dense", s)
     gen = torch.Generator().manual_seed(2)
     examples = random_examples(SCALE_EXAMPLES, s.example_tokens, cfg.vocab_size, gen)
     variants = {}
-    for n in SCALE_SLOTS:
+    for n in slot_counts:
         per = SCALE_EXAMPLES // n
         slot_examples = [examples[i * per : (i + 1) * per] for i in range(n)]
         model = build_model(cfg, s, n)
+        if stacked is not None:
+            SlotAdamW.of(model).stacked = stacked
         step, ((exs, mbs),) = training_step(model, n, [slot_examples], device)
         opts = start_jobs(model, s, cfg, 10**6, n)
 

@@ -81,9 +81,8 @@ def grouped_mm(
     per-group fallback needs them, and reading them from ``offsets`` syncs on an accelerator.
     """
     if kernel_takes(x, w):
-        if _transposed_backward(x, w):
-            return _NarrowInputGroupedMM.apply(kernel_layout(x), kernel_layout(w), offsets)
-        return _GroupedMM.apply(kernel_layout(x), kernel_layout(w), offsets)
+        narrow = _transposed_backward(x, w)
+        return _GroupedMM.apply(kernel_layout(x), kernel_layout(w), offsets, narrow)
     parts = torch.split(x, list(counts) if counts is not None else group_sizes(offsets))
     return torch.cat([p @ w[g].t() for g, p in enumerate(parts)], dim=0)
 
@@ -99,7 +98,7 @@ def single_group_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     grouped call's per-group ones (``tests/unit/test_grouped_mm.py`` checks both)."""
     if kernel_takes(x, w.unsqueeze(0)) and _transposed_backward(x, w.unsqueeze(0)):
         offsets = torch.tensor([x.size(0)], dtype=torch.int32)  # on CPU, as x
-        return _NarrowInputGroupedMM.apply(kernel_layout(x), kernel_layout(w.unsqueeze(0)), offsets)
+        return _GroupedMM.apply(kernel_layout(x), kernel_layout(w.unsqueeze(0)), offsets, True)
     return x @ w.t()
 
 
@@ -113,11 +112,16 @@ def _transposed_backward(x: torch.Tensor, w: torch.Tensor) -> bool:
 class _GroupedMM(torch.autograd.Function):
     """``torch._grouped_mm(x, w.T)`` whose backward runs the kernel calls of torch's own
     formula (the same operands and layouts, so the same bits) without its transposes and
-    views around them: a few ops per product instead of a dozen."""
+    views around them: a few ops per product instead of a dozen. With ``narrow`` (a narrow
+    ``in`` on CPU) the input gradient is the transpose of a wide product instead (see the
+    module docstring)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, narrow: bool
+    ) -> torch.Tensor:
         ctx.save_for_backward(x, w, offsets)
+        ctx.narrow = narrow
         return _GROUPED_MM(x, w.transpose(1, 2), offs=offsets)
 
     @staticmethod
@@ -127,29 +131,10 @@ class _GroupedMM(torch.autograd.Function):
         # e.g. from y.sum()) or offset gradient breaks.
         grad = kernel_layout(grad)
         grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and ctx.narrow:
+            grad_x = _GROUPED_MM(w.transpose(1, 2), grad.t(), offs=offsets).t().contiguous()
+        elif ctx.needs_input_grad[0]:
             grad_x = _GROUPED_MM(grad, w, offs=offsets)
         if ctx.needs_input_grad[1]:
             grad_w = _GROUPED_MM(grad.t(), x, offs=offsets)
-        return grad_x, grad_w, None
-
-
-class _NarrowInputGroupedMM(torch.autograd.Function):
-    """``torch._grouped_mm(x, w.T)`` for a narrow ``in`` on CPU, whose backward computes both
-    gradients as transposes of wide products (see the module docstring)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, w, offsets)
-        return _GROUPED_MM(x, w.transpose(1, 2), offs=offsets)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, w, offsets = ctx.saved_tensors
-        grad = kernel_layout(grad)
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = _GROUPED_MM(w.transpose(1, 2), grad.t(), offs=offsets).t().contiguous()
-        if ctx.needs_input_grad[1]:
-            grad_w = _GROUPED_MM(grad.t(), x, offs=offsets)
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None

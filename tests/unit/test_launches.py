@@ -10,6 +10,7 @@ import torch
 
 from benchmarks import launches
 from benchmarks.settings import parse_settings
+from benchmarks.workloads import build_model, model_config, start_jobs
 from megatron_multilora.training.step.slot_adamw import SlotAdamW
 
 SETTINGS, _ = parse_settings(["--quick"])
@@ -44,10 +45,11 @@ def test_64_slot_trainer_step_costs_at_most_a_quarter_more_ops(step_counts):
 
 
 def test_the_optimizer_step_has_the_same_ops_for_1_and_64_slots():
-    model = launches.build_model(launches.model_config("dense", SETTINGS), SETTINGS, 64)
+    cfg = model_config("dense", SETTINGS)
+    model = build_model(cfg, SETTINGS, 64)
     adamw = SlotAdamW.of(model)
     adamw.stacked = True  # the GPU's update
-    opts = launches.start_jobs(model, SETTINGS, launches.model_config("dense", SETTINGS), 10, 64)
+    opts = start_jobs(model, SETTINGS, cfg, 10, 64)
     counts = {
         n: launches.count(lambda n=n: adamw.step({s: opts[s].update(1.0) for s in range(n)}))
         for n in (1, 64)

@@ -78,6 +78,9 @@ class SlotRows:
             "expert": self.grad_buffer[self.n * wd :].view(self.n, we),
         }
         self.values: dict[str, torch.Tensor] = {}
+        self._positions = {
+            id(p): (s, i) for s, params in enumerate(self.params) for i, p in enumerate(params)
+        }
         for s, params in enumerate(self.params):
             for i, p in enumerate(params):
                 p.main_grad = self.segment(self.grads, s, i)
@@ -99,10 +102,6 @@ class SlotRows:
 
     def position(self, param: torch.nn.Parameter) -> tuple[int, int]:
         """(slot, position) of one of the slots' Parameters."""
-        if not hasattr(self, "_positions"):
-            self._positions = {
-                id(p): (s, i) for s, params in enumerate(self.params) for i, p in enumerate(params)
-            }
         return self._positions[id(param)]
 
     def hold_parameters(self) -> None:
