@@ -12,6 +12,7 @@ import torch
 
 import megatron_multilora as mm
 from benchmarks.api_service import section_api
+from benchmarks.cuda_graphs import section_graphs
 from benchmarks.jobs import section_jobs
 from benchmarks.launches import section_launches
 from benchmarks.layers_and_models import section_layers_models
@@ -39,6 +40,7 @@ RUN_SECTION = {
     "peers": section_peers,
     "post": section_post,
     "launches": section_launches,
+    "graphs": section_graphs,
     "api": section_api,
     "mainjob": section_mainjob,
 }

@@ -57,11 +57,13 @@ def scaling_variants(
     device: torch.device,
     slot_counts: tuple[int, ...] = SCALE_SLOTS,
     stacked: bool | None = None,
+    cuda_graphs: bool = False,
 ) -> dict[str, Callable[[], None]]:
     """One trainer step (SlotStep.train: forward/backward of one packed micro-batch, per-slot
     grad norms, every slot's AdamW step) of the dense GPT of rows 1c/2c, the same
     ``SCALE_EXAMPLES`` examples spread over N slots (64 / N each), for each N of
-    ``slot_counts``; ``stacked`` picks the AdamW update (default: the device's)."""
+    ``slot_counts``; ``stacked`` picks the AdamW update (default: the device's);
+    ``cuda_graphs``: the pass replayed from CUDA graphs."""
     cfg = model_config("dense", s)
     gen = torch.Generator().manual_seed(2)
     examples = random_examples(SCALE_EXAMPLES, s.example_tokens, cfg.vocab_size, gen)
@@ -72,7 +74,7 @@ def scaling_variants(
         model = build_model(cfg, s, n)
         if stacked is not None:
             SlotAdamW.of(model).stacked = stacked
-        step, ((exs, mbs),) = training_step(model, n, [slot_examples], device)
+        step, ((exs, mbs),) = training_step(model, n, [slot_examples], device, cuda_graphs)
         opts = start_jobs(model, s, cfg, 10**6, n)
 
         def run(step=step, exs=exs, mbs=mbs, opts=opts) -> None:

@@ -4,6 +4,7 @@ and its training step (``SlotStep``) over jobs started by ``start_job``."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -140,14 +141,21 @@ def model_step(model: torch.nn.Module, mb: MicroBatch) -> None:
     per_slot_losses([model], [mb], mb.loss_units_per_slot())
 
 
-def timed_model_step(model: torch.nn.Module, mb: MicroBatch) -> Callable[[], None]:
-    """What a model row times: gradients reset, then :func:`model_step` on ``mb``."""
+@dataclasses.dataclass
+class TimedModelStep:
+    """What a model row times: gradients reset, then :func:`model_step` on ``mb`` (the model
+    and micro-batch kept for variants of the same work, e.g. under CUDA graphs)."""
 
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        model_step(model, mb)
+    model: torch.nn.Module
+    mb: MicroBatch
 
-    return step
+    def __call__(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        model_step(self.model, self.mb)
+
+
+def timed_model_step(model: torch.nn.Module, mb: MicroBatch) -> TimedModelStep:
+    return TimedModelStep(model, mb)
 
 
 def make_job(j: int, s: Settings) -> AdapterJob:
@@ -173,14 +181,20 @@ def start_jobs(
 
 
 def training_step(
-    model: torch.nn.Module, slots: int, batches: list[list[list[Example]]], device: torch.device
+    model: torch.nn.Module,
+    slots: int,
+    batches: list[list[list[Example]]],
+    device: torch.device,
+    cuda_graphs: bool = False,
 ) -> tuple[SlotStep, list[Packed]]:
     """The recipe's step for ``model`` and each step's (examples, micro-batches), packed
-    beforehand (as a data loader would: only training is timed)."""
+    beforehand (as a data loader would: only training is timed; on the device, or on the host
+    under CUDA graphs, which copy each micro-batch in as one tensor)."""
     budget = max(one_batch_budget(examples) for examples in batches)
-    train = SlotStep([model], slots, budget, pad_multiple=1, pad_id=0)
+    train = SlotStep([model], slots, budget, pad_multiple=1, pad_id=0, cuda_graphs=cuda_graphs)
+    place = torch.device("cpu") if cuda_graphs else device
     return train, [
-        (examples, [mb.to(device) for mb in train.batcher.ready(examples)]) for examples in batches
+        (examples, [mb.to(place) for mb in train.batcher.ready(examples)]) for examples in batches
     ]
 
 

@@ -10,14 +10,18 @@
 #   tests        tests/gpu: the bf16 grouped GEMM, a bf16 MultiLoRALinear against the fp32
 #                reference (both GEMMs on the kernel, asserted), the bf16 step against fp32
 #                (dense, MoE), the step vs a plain loop, optimizer and RNG resume on the GPU
+#                (CUDA graphs too: a replay against the eager pass and step)
 #   recipe-dense the recipe for 5 steps per job in bf16 on the tiny dense model
-#   recipe-moe   the same on the tiny MoE (built from its config)
+#   recipe-graphs the same with trainer.cuda_graphs=true
+#   bench-graphs python -m benchmarks --device cuda --only graphs: rows 1c, 8a-8c and 9 eager
+#                and with CUDA graphs, side by side (rows 15)
+#   recipe-moe   the recipe on the tiny MoE (built from its config)
 #   bench        python -m benchmarks --device cuda, every section's rows written as it completes
 #
-# Results land in ${OUT:-benchmarks/gpu}/ as each stage finishes (7 files): gpu_check.md
+# Results land in ${OUT:-benchmarks/gpu}/ as each stage finishes (10 files): gpu_check.md
 # (the report: one row per stage, and what one GPU cannot check), env.txt, tests.log,
-# recipe.log, bench.log, and the benchmark's gpu.md and gpu.json. Exit status 0 when every stage
-# that ran passed.
+# recipe.log, bench-graphs.log, gpu-only-graphs.md and .json, bench.log, and the benchmark's
+# gpu.md and gpu.json. Exit status 0 when every stage that ran passed.
 #
 #   bash scripts/gpu_wheels.sh            # here, once (needs PyPI): .whl/, a few MB
 #   bash scripts/gpu_check.sh --dry-run   # here: every stage's command; .whl/ checked
@@ -40,9 +44,10 @@ case "${1:-}" in
     *) echo "usage: bash scripts/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
 esac
 
-ALL_STAGES=(install env tests recipe-dense recipe-moe bench)
+ALL_STAGES=(install env tests recipe-dense recipe-graphs bench-graphs recipe-moe bench)
 read -r -a STAGES <<< "${GPU_CHECK_STAGES:-${ALL_STAGES[*]}}"
-declare -A LIMIT=([install]=90 [env]=60 [tests]=200 [recipe-dense]=90 [recipe-moe]=90 [bench]=0)
+declare -A LIMIT=([install]=90 [env]=60 [tests]=200 [recipe-dense]=90 [recipe-graphs]=90
+                  [bench-graphs]=150 [recipe-moe]=90 [bench]=0)
 declare -A CMD
 CMD[install]="\"$PYTHON\" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
 --upgrade --target \"$SITE\" \"$WHEELS\"/*.whl"
@@ -56,10 +61,15 @@ logging.plots=false checkpoint.resume=never ${*:2} >> \"$RESULTS/recipe.log\" 2>
 }
 CMD[recipe-dense]="\"$PYTHON\" scripts/make_demo_data.py --out-dir $WORK/data \
 >> \"$RESULTS/recipe.log\" 2>&1 && $(recipe dense)"
+CMD[recipe-graphs]="\"$PYTHON\" scripts/make_demo_data.py --out-dir $WORK/data \
+>> \"$RESULTS/recipe.log\" 2>&1 && $(recipe graphs trainer.cuda_graphs=true adapters.3.dropout=0)"
+CMD[bench-graphs]="\"$PYTHON\" -m benchmarks --device cuda --only graphs --out-dir \"$RESULTS\" \
+> \"$RESULTS/bench-graphs.log\" 2>&1"
 CMD[recipe-moe]=$(recipe moe hf_dir=null model=tiny_moe)
 CMD[bench]="\"$PYTHON\" -m benchmarks --device cuda --skip-tp --skip-pp --out-dir \"$RESULTS\" \
 > \"$RESULTS/bench.log\" 2>&1"
-declare -A LOG=([tests]=tests.log [recipe-dense]=recipe.log [recipe-moe]=recipe.log [bench]=bench.log
+declare -A LOG=([tests]=tests.log [recipe-dense]=recipe.log [recipe-graphs]=recipe.log
+                [recipe-moe]=recipe.log [bench-graphs]=bench-graphs.log [bench]=bench.log
                 [env]=env.txt)
 for stage in "${STAGES[@]}"; do
     if [ -z "${LIMIT[$stage]+x}" ]; then
@@ -136,6 +146,7 @@ for stage in "${STAGES[@]}"; do
             env) result="pass: $(head -n 3 "$RESULTS/env.txt" | tr '\n' ';')" ;;
             recipe-*) result="pass: $(new_lines | grep -c "done after 5 steps") jobs done after 5 steps" ;;
             bench) result="pass: every section (gpu.md)" ;;
+            bench-graphs) result="pass: rows 15 (gpu-only-graphs.md)" ;;
             *) result=pass ;;
         esac
     fi

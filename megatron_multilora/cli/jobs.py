@@ -155,8 +155,9 @@ def _validated_job(
             if getattr(job, field) is not None:
                 setattr(job, field, os.path.abspath(os.path.expanduser(getattr(job, field))))
         dp = int(status.get("dp_size", 1)) if status else 1
+        tr = run.trainer
         problems += job_problems(
-            job, f"{where}: ", run.lora.max_rank, dp, run.trainer.max_seq_len, check_files=True
+            job, f"{where}: ", run.lora.max_rank, dp, tr.max_seq_len, True, tr.cuda_graphs
         )
     if problems:
         raise CommandError(

@@ -79,8 +79,8 @@ def with_slot_layout(
 
 
 def _hand(linears: list[MultiLoRALinear], layout: SlotLayout) -> None:
-    if len(layout.counts) != linears[0].n_adapters:
-        check_token_counts(list(layout.counts), linears[0].n_adapters)  # raises, naming both
+    if layout.n_slots != linears[0].n_adapters:
+        check_token_counts([0] * layout.n_slots, linears[0].n_adapters)  # raises, naming both
     for linear in linears:
         linear.slot_layout = layout
 

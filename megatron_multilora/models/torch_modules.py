@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -86,8 +87,10 @@ class SDPAttention(MegatronModule):
         causal: bool,
     ) -> torch.Tensor:
         dropout_p = self.dropout_p if self.training else 0.0
-        # Heads are TP-sharded, so dropout draws from the tensor-parallel stream.
-        with tensor_parallel.get_cuda_rng_tracker().fork():
+        # Heads are TP-sharded, so dropout draws from the tensor-parallel stream; without
+        # dropout no stream is switched (on a GPU a switch reads and sets the generator's
+        # state on the host, which a CUDA graph capture refuses).
+        with tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p else nullcontext():
             # enable_gqa: query groups share their key/value heads without copying them (a
             # copy of the whole KV cache per layer and token, when generating).
             return F.scaled_dot_product_attention(
@@ -106,7 +109,13 @@ class SDPAttention(MegatronModule):
     ) -> torch.Tensor:
         """``[t, heads, head_dim]`` packed sequences: causal attention within each sequence
         only, as batches of sequences of one :func:`padded_length`, right-padded to it (a
-        causal row never reads its own sequence's padding; pad rows are dropped)."""
+        causal row never reads its own sequence's padding; pad rows are dropped). Where
+        ``params`` are marked by :func:`attend_in_one_pass`, one pass over every token with a
+        mask of same-sequence causal pairs instead."""
+        if getattr(params, "one_pass", False):
+            keep = _same_sequence_causal(params.cu_seqlens_q, query.size(0))
+            q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))  # [1,h,t,d]
+            return self._attend(q, k, v, keep, False)[0].permute(1, 0, 2).flatten(1)
         layout = _packed_layout(params, query.device)
         outs = []
         for rows in layout.buckets:  # rows: [n, padded] indices into the packed tokens
@@ -114,6 +123,27 @@ class SDPAttention(MegatronModule):
             outs.append(self._attend(q, k, v, None, True).permute(0, 2, 1, 3).flatten(0, 1))
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
         return out.index_select(0, layout.unpack).flatten(1)  # [t, heads * head_dim]
+
+
+def attend_in_one_pass(params: PackedSeqParams) -> PackedSeqParams:
+    """Mark ``params`` so that :class:`SDPAttention` attends over the packed tokens in one
+    masked pass, the mask built on the device from ``cu_seqlens_q`` (trailing zero-length
+    sequences allowed): no host read and the same ops for any sequence lengths, which a CUDA
+    graph needs to replay one capture for every micro-batch of a length. It costs the pairs
+    across sequences, and its rounding differs from the per-length batches by an ulp."""
+    params.one_pass = True
+    return params
+
+
+def _same_sequence_causal(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """``[tokens, tokens]`` bool: True where row i may attend to column j (same sequence,
+    j <= i)."""
+    lengths = cu_seqlens.diff()
+    sequence = torch.repeat_interleave(
+        torch.arange(lengths.numel(), device=lengths.device), lengths, output_size=tokens
+    )
+    same = sequence.unsqueeze(1) == sequence.unsqueeze(0)
+    return same.tril_()
 
 
 @dataclasses.dataclass(frozen=True)

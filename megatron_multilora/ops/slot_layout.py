@@ -104,6 +104,10 @@ class SlotLayout:
         )
         self._cache: dict[tuple[int, int, torch.device], Segments] = {}
 
+    @property
+    def n_slots(self) -> int:
+        return len(self.counts)
+
     def segments(self, start: int, rows: int, device: torch.device) -> Segments:
         key = (start, rows, device)
         seg = self._cache.get(key)
@@ -117,6 +121,33 @@ class SlotLayout:
                 [counts[i] for i in self.active], device, labels=self.active
             )
         return seg
+
+
+class DeviceSlotLayout(SlotLayout):
+    """A micro-batch's slot layout held on the device alone: ``offsets`` (``[n_slots]`` int32
+    cumulative ends) and ``label_of_row`` (``[rows]``). The host knows neither the counts nor
+    which slots have rows, so every slot takes part (an empty group costs the grouped kernel
+    nothing) and no layer reads anything back: what a CUDA graph replays, its tensors refilled
+    for each micro-batch. One window only, the whole micro-batch (no sequence parallelism)."""
+
+    def __init__(self, offsets: torch.Tensor, label_of_row: torch.Tensor) -> None:
+        self.counts = None  # type: ignore[assignment]
+        self.total = label_of_row.numel()
+        self.active = self.ep_slots = tuple(range(offsets.numel()))
+        self._whole = Segments(offsets=offsets, label_of_row=label_of_row, rows=self.total)
+
+    @property
+    def n_slots(self) -> int:
+        return len(self.active)
+
+    def segments(self, start: int, rows: int, device: torch.device) -> Segments:
+        if (start, rows) != (0, self.total) or device != self._whole.offsets.device:
+            raise ValueError(
+                f"a device slot layout covers the {self.total} rows of its micro-batch on "
+                f"{self._whole.offsets.device}; rows {start}..{start + rows} on {device} were "
+                "asked for (sequence parallelism needs the host layout)"
+            )
+        return self._whole
 
 
 def check_token_counts(

@@ -21,6 +21,7 @@ from megatron_multilora.checkpoint.adapter_folders import (
     declared_rank_alpha,
     folder_format,
 )
+from megatron_multilora.models.gpt_config import GPTModelConfig
 from megatron_multilora.training.config import (
     AdapterJob,
     ConfigError,
@@ -82,7 +83,13 @@ def validate(run: RunConfig, check_files: bool = True) -> None:
     for i, job in enumerate(run.adapters):
         problems += name_problems(job.name, f"adapters.{i}.")
         problems += job_problems(
-            job, f"adapters.{i}.", run.lora.max_rank, dp, tr.max_seq_len, check_files
+            job,
+            f"adapters.{i}.",
+            run.lora.max_rank,
+            dp,
+            tr.max_seq_len,
+            check_files,
+            tr.cuda_graphs,
         )
     if check_files:
         problems += _run_dir_problems(run.run_dir) + _resume_problems(run)
@@ -146,7 +153,40 @@ def _model_problems(run: RunConfig, check_files: bool) -> list[str]:
             f"trainer.max_seq_len={tr.max_seq_len} exceeds model.max_sequence_length="
             f"{model.max_sequence_length}"
         )
-    return problems
+    return problems + (_cuda_graph_problems(run, model) if tr.cuda_graphs else [])
+
+
+def _cuda_graph_problems(run: RunConfig, model: GPTModelConfig) -> list[str]:
+    """What ``trainer.cuda_graphs=true`` needs: a GPU, and a pass whose every decision the
+    host can make without reading the micro-batch's values (training/step/cuda_graphs.py)."""
+    import torch
+
+    from megatron_multilora.models.specs import transformer_engine_usable
+
+    if not torch.cuda.is_available():
+        return [
+            "trainer.cuda_graphs=true needs a CUDA GPU and this machine has none "
+            "(torch.cuda.is_available() is False): set trainer.cuda_graphs=false"
+        ]
+    par, tr, why = run.parallel, run.trainer, "trainer.cuda_graphs=true needs"
+    needs = {
+        "trainer.precision=bf16 (the grouped GEMM is one kernel in bf16; fp32 runs a per-slot "
+        "loop that reads the group sizes on the host)": tr.precision == "bf16",
+        "one GPU per model replica: parallel.tp, pp and ep of 1 (data parallelism is fine)": (
+            par.tp == par.pp == par.ep == 1
+        ),
+        "a dense model (the MoE dispatcher reads per-expert token counts on the host)": (
+            model.num_moe_experts is None
+        ),
+        "trainer.recompute=null (recompute sets the RNG state on the host)": tr.recompute is None,
+        "model.attention_dropout and hidden_dropout of 0 (a replay draws no fresh masks)": (
+            model.attention_dropout == model.hidden_dropout == 0
+        ),
+        "the torch layers (Transformer Engine's are graphed by TE, not checked here)": (
+            not transformer_engine_usable()
+        ),
+    }
+    return [f"{why} {need}" for need, met in needs.items() if not met]
 
 
 def _run_dir_problems(run_dir: str) -> list[str]:
@@ -195,13 +235,25 @@ def name_problems(name: str, where: str) -> list[str]:
 
 
 def job_problems(
-    job: AdapterJob, where: str, max_rank: int, dp: int, max_seq_len: int, check_files: bool = True
+    job: AdapterJob,
+    where: str,
+    max_rank: int,
+    dp: int,
+    max_seq_len: int,
+    check_files: bool = True,
+    cuda_graphs: bool = False,
 ) -> list[str]:
     """What is wrong with one adapter job on a run of ``max_rank`` slots, ``dp``
-    data-parallel ranks and sequences of at most ``max_seq_len`` tokens: each field's range, then what depends on the run or on several
+    data-parallel ranks and sequences of at most ``max_seq_len`` tokens (under CUDA graphs
+    with ``cuda_graphs``): each field's range, then what depends on the run or on several
     fields, then its files (config and submitted jobs). ``where`` prefixes each problem
     (``adapters.0.``, or ``<file>: ``)."""
     problems = schema_problems(job, where)
+    if cuda_graphs and job.dropout:
+        problems.append(
+            f"{where}dropout={job.dropout}: trainer.cuda_graphs=true replays captured passes, "
+            "which draw no fresh dropout masks; use dropout 0 (or run without cuda_graphs)"
+        )
     if job.rank > max_rank:
         problems.append(f"{where}rank={job.rank}: exceeds lora.max_rank={max_rank}")
     if job.global_batch_size % dp:

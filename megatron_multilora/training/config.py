@@ -156,6 +156,11 @@ class TrainerSettings:
     weights rounded to bf16, fp32 results; adapters, norms, attention, loss and optimizer stay
     fp32), or auto: bf16 where the CPU multiplies bf16 in hardware (AMX), else fp32. Ignored
     on CUDA, where precision decides."""
+    cuda_graphs: bool = MISSING
+    """On a GPU: each training micro-batch length's forward and backward captured once as
+    CUDA graphs and replayed (micro-batches padded to the token budget or its half, quarter
+    or eighth). Needs bf16, no tensor/pipeline/expert parallelism, a dense model, no dropout
+    and no recompute; refused on CPU."""
     recompute: str | None = ranged(MISSING, one_of(None, "full", "selective"))
     """Activation recompute: null, "full" (every layer) or "selective" (core attention/MoE)."""
     max_bad_steps: int = ranged(MISSING, at_least(1))

@@ -61,8 +61,14 @@ class Runtime:
         tokenizer = HFTokenizer(load_hf_tokenizer(run.hf_dir)) if run.hf_dir else ByteTokenizer()
         model = build_run_model(run, model_config)
         pad_multiple = par.tp if par.sp else 1  # sequence parallelism splits positions
+        tr = run.trainer
         step = SlotStep(
-            model, run.lora.slots, run.trainer.micro_batch_tokens, pad_multiple, tokenizer.pad_id
+            model,
+            run.lora.slots,
+            tr.micro_batch_tokens,
+            pad_multiple,
+            tokenizer.pad_id,
+            tr.cuda_graphs,
         )
         return cls(run, model_config, hf_model_type, tokenizer, model, step)
 

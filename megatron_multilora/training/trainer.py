@@ -184,8 +184,14 @@ class Trainer:
 
     def _job_problems(self, job: AdapterJob, where: str) -> list[str]:
         where = f"{where}: "
+        tr = self.run.trainer
         return name_problems(job.name, where) + job_problems(
-            job, where, self.run.lora.max_rank, self.dp_size, self.run.trainer.max_seq_len
+            job,
+            where,
+            self.run.lora.max_rank,
+            self.dp_size,
+            tr.max_seq_len,
+            cuda_graphs=tr.cuda_graphs,
         )
 
     def stopped(self, stop: RunStopped) -> str:

@@ -14,7 +14,11 @@ Skipped without CUDA (``scripts/gpu_check.sh`` runs them on a GPU machine):
 - a slot optimizer restored from its saved state on the GPU (the fused AdamW keeps ``step``
   on the device) and the CUDA generator saved and restored with a checkpoint's RNG;
 - the tables' greedy generations read off the held-out pass of a bf16 model (its 1.0
-  margin) against cached decoding on the GPU.
+  margin) against cached decoding on the GPU;
+- the training pass under CUDA graphs (``trainer.cuda_graphs``): a replay against the same
+  static pass run eagerly, and the graphed pass and the trainer's graphed step against the
+  eager ones (losses and every slot's gradients), one capture per length, again on a rank
+  change.
 """
 
 import pytest
@@ -295,3 +299,125 @@ def test_bf16_known_generations_are_the_generated_ones():
     assert next(model.parameters()).is_cuda
     failures, *_ = known_against_generated(model)
     assert not failures, failures
+
+
+def _graph_models(dim: int = 16):
+    """An fp32 reference and two bf16 models on the same (bf16-rounded) weights, slots of
+    unequal ranks and one slot without rows in the examples (``_examples``)."""
+    from megatron_multilora.training.step.slot_adamw import SlotAdamW
+
+    cfg = mm.GPTModelConfig(**DENSE_KW)
+    models = []
+    for dtype in (torch.float32, torch.bfloat16, torch.bfloat16):
+        model = mm.build_gpt_model(cfg, params_dtype=dtype, calculate_per_token_loss=True)
+        mm.apply_multi_lora(model.cuda(), N, dim, 1.0, row_init_method="normal", seed=3)
+        for s, (r, a) in enumerate(zip(RANKS, ALPHAS)):
+            mm.init_adapter_slot(model, s, r, a)
+        if models:
+            model.load_state_dict(_tensors(models[0]))
+        else:
+            model.load_state_dict(
+                {
+                    k: v.bfloat16().to(v.dtype) if v.is_floating_point() else v
+                    for k, v in _tensors(model).items()
+                }
+            )
+        SlotAdamW.of(model)
+        models.append(model)
+    return models
+
+
+def _pass(model, graphs=None):
+    """The training pass over ``_examples`` padded to the graph lengths: per-slot losses and
+    the slots' gradient rows."""
+    from megatron_multilora.training.step.cuda_graphs import graph_lengths
+    from megatron_multilora.training.step.micro_batches import MicroBatcher, agree
+    from megatron_multilora.training.step.schedule import per_slot_results_and_data
+    from megatron_multilora.training.step.slot_adamw import SlotAdamW
+
+    mbs = MicroBatcher(model, N, 64, 1, 0, graph_lengths(64)).ready(_examples())
+    rows = SlotAdamW.of(model).rows
+    rows.grad_buffer.zero_()
+    table, _ = per_slot_results_and_data(
+        model, mbs, agree(mbs, N).loss_units, keep=(), graphs=graphs
+    )
+    return table[:, 0], rows.grads["dense"].clone()
+
+
+def test_cuda_graph_pass_equals_the_eager_pass():
+    from megatron_multilora.training.step.cuda_graphs import ChunkGraphs, StaticChunk
+    from megatron_multilora.training.step.slot_adamw import SlotAdamW
+
+    needs_grouped_kernel()
+    ref, eager, graphed = _graph_models()
+    graphs = ChunkGraphs(graphed, SlotAdamW.of(graphed).rows)
+    want_losses, want_grads = _pass(ref)
+    eager_losses, eager_grads = _pass(eager)
+    losses, grads = _pass(graphs=graphs, model=graphed)
+    assert graphs.captures >= 1
+    again = _pass(graphs=graphs, model=graphed)  # replays, captures nothing new
+    captured = graphs.captures
+    torch.testing.assert_close(again[0], losses, rtol=0, atol=0)
+    torch.testing.assert_close(again[1], grads, rtol=1e-6, atol=0)
+    assert graphs.captures == captured
+    # A replay is the static pass run eagerly, kernel for kernel.
+    from megatron_multilora.data.packing import pack_micro_batches, pad_micro_batch
+
+    (mb,) = pack_micro_batches(_examples(), 64, 1, 0)
+    mb = pad_micro_batch(mb, 64, 0)
+    static = StaticChunk(graphed)(*graphs.inputs(mb))
+    torch.testing.assert_close(graphs(graphs.inputs(mb)), static, rtol=1e-3, atol=1e-3)
+    # Against fp32: no further from it than the eager bf16 pass (or 2%).
+    assert relative(losses, want_losses) <= max(2 * relative(eager_losses, want_losses), 2e-2)
+    for s in range(N):
+        if not _examples()[s]:
+            assert grads[s].abs().max() == 0  # a slot without rows gets nothing
+            continue
+        bound = max(2 * relative(eager_grads[s], want_grads[s]), 2e-2)
+        assert relative(grads[s], want_grads[s]) <= bound, s
+    # A rank change moves what every layer computes at: captured again, still right.
+    mm.init_adapter_slot(graphed, 0, 16, ALPHAS[0])
+    mm.init_adapter_slot(ref, 0, 16, ALPHAS[0])
+    losses, _ = _pass(graphs=graphs, model=graphed)
+    assert graphs.captures == captured + 1
+    want_losses, _ = _pass(ref)
+    assert relative(losses, want_losses) < 5e-2
+
+
+def test_the_trainer_step_with_cuda_graphs_equals_the_eager_step():
+    """``SlotStep(cuda_graphs=True).train``: two steps with each slot's AdamW, as the trainer
+    runs them, against the eager bf16 step on the same weights."""
+    from megatron_multilora.training.config import AdapterJob
+    from megatron_multilora.training.objectives.registry import DEFAULT
+    from megatron_multilora.training.runtime import start_job
+    from megatron_multilora.training.step.slot_step import SlotStep, SlotWork
+
+    needs_grouped_kernel()
+    _, eager, graphed = _graph_models()
+    results = []
+    for model, graphs in ((eager, False), (graphed, True)):
+        step = SlotStep(model, N, 64, 1, 0, cuda_graphs=graphs)
+        work = {}
+        for s, items in enumerate(_examples()):
+            if items:  # each job's adapter drawn from its name: the same on both models
+                job = AdapterJob(
+                    name=f"job{s}",
+                    dataset="(examples)",
+                    rank=RANKS[s],
+                    alpha=ALPHAS[s],
+                    lr=1e-3,
+                    schedule="constant",
+                    max_steps=10,
+                )
+                opt = start_job(model, s, job, 10, mm.GPTModelConfig(**DENSE_KW))
+                work[s] = SlotWork(items, DEFAULT(), opt)
+        losses = [step.train(work).losses for _ in range(2)]
+        results.append((losses, [mm.slot_parameters(model, s) for s in work]))
+        if graphs:
+            assert step.graphs.captures >= 1
+    (want, want_params), (got, got_params) = results
+    for a, b in zip(got, want):
+        assert relative(a, b) < 5e-2
+    for ps, qs in zip(got_params, want_params):
+        for p, q in zip(ps, qs):
+            assert relative(p.detach(), q.detach()) < 5e-2

@@ -414,3 +414,40 @@ def test_a_run_dir_that_is_a_file_is_refused_before_hydra_creates_it(demo_data, 
     assert proc.returncode == 2, proc.stderr
     assert f"run_dir={afile}: is a file, not a folder" in proc.stderr
     assert "Traceback" not in proc.stderr and afile.read_text() == "not a folder\n"
+
+
+def test_cuda_graphs_are_refused_on_cpu_and_name_what_they_need(demo_data, monkeypatch):
+    import torch
+
+    jobs = f"adapters=[{job('a', demo_data, 'add', 3)},{job('b', demo_data, 'sort', 3)}]"
+    run = compose_run(["hf_dir=null", jobs, "trainer.cuda_graphs=true"])
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"trainer.cuda_graphs=true needs a CUDA GPU"):
+            validate(run, check_files=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what a GPU machine checks
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    run = compose_run(
+        [
+            "hf_dir=null",
+            f"adapters=[{job('a', demo_data, 'add', 3)},{job('b', demo_data, 'sort', 3, dropout=0.1)}]",
+            "trainer.cuda_graphs=true",
+            "trainer.precision=fp32",
+            "trainer.recompute=full",
+            "parallel.tp=2",
+            "model=tiny_moe",
+        ]
+    )
+    with pytest.raises(ConfigError) as err:
+        validate(run, check_files=False)
+    msg = str(err.value)
+    for need in (
+        "trainer.precision=bf16",
+        "parallel.tp, pp and ep of 1",
+        "a dense model",
+        "trainer.recompute=null",
+        "adapters.1.dropout=0.1: trainer.cuda_graphs=true replays captured passes",
+    ):
+        assert need in msg, (need, msg)
+    assert "adapters.0.dropout" not in msg
+    run = compose_run(["hf_dir=null", jobs, "trainer.cuda_graphs=true", "trainer.precision=bf16"])
+    validate(run, check_files=False)  # what the graphs support passes

@@ -14,6 +14,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
+ALL_STAGES = (
+    "install",
+    "env",
+    "tests",
+    "recipe-dense",
+    "recipe-graphs",
+    "bench-graphs",
+    "recipe-moe",
+    "bench",
+)
 spec = importlib.util.spec_from_file_location("gpu_machine", REPO / "scripts" / "gpu_machine.py")
 gpu_machine = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_machine)
@@ -152,7 +162,7 @@ def run(args, tmp_path, **env):
 def test_dry_run_prints_every_stage_and_checks_the_wheels(wheels, tmp_path):
     done = run(["--dry-run"], tmp_path, GPU_WHEELS=str(wheels))
     assert done.returncode == 0, done.stdout + done.stderr
-    for stage in ("install", "env", "tests", "recipe-dense", "recipe-moe", "bench"):
+    for stage in ALL_STAGES:
         assert f"[{stage}, limit" in done.stdout
     assert "--no-index --no-deps" in done.stdout and "--device cuda" in done.stdout
     assert "4 wheels" in done.stdout and "complete for CPython 3.12" in done.stdout

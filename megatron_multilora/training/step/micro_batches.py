@@ -99,13 +99,21 @@ def filler_micro_batch(n_slots: int, pad_multiple: int, pad_id: int) -> MicroBat
 class MicroBatcher:
     """Packs and equalises the micro-batches of ``n_slots`` slots for one model (its chunks):
     at most ``token_budget`` positions each, padded to ``pad_multiple`` (the
-    sequence-parallel size) with ``pad_id``."""
+    sequence-parallel size) with ``pad_id``, and with ``lengths`` (CUDA graphs: shapes that
+    repeat) to the shortest of them that holds it."""
 
     def __init__(
-        self, model: ModelOrChunks, n_slots: int, token_budget: int, pad_multiple: int, pad_id: int
+        self,
+        model: ModelOrChunks,
+        n_slots: int,
+        token_budget: int,
+        pad_multiple: int,
+        pad_id: int,
+        lengths: Sequence[int] = (),
     ) -> None:
         self.n_slots, self.token_budget = n_slots, token_budget
         self.pad_multiple, self.pad_id = pad_multiple, pad_id
+        self.lengths = tuple(sorted(lengths))
         self.count_multiple = micro_batch_multiple(model)
         self.filler = filler_micro_batch(n_slots, pad_multiple, pad_id)
 
@@ -155,7 +163,19 @@ class MicroBatcher:
             # expert-parallel peers the same lengths), so all agree on this length.
             length = max(mb.tokens.size(1) for mb in padded)
             padded = [pad_micro_batch(mb, length, self.pad_id) for mb in padded]
+        if self.lengths:
+            padded = [pad_micro_batch(mb, self._fixed_length(mb), self.pad_id) for mb in padded]
         return padded
+
+    def _fixed_length(self, mb: MicroBatch) -> int:
+        size = mb.tokens.size(1)
+        for length in self.lengths:
+            if length >= size:
+                return length
+        raise ValueError(
+            f"a micro-batch of {size} positions is longer than the longest fixed length "
+            f"{self.lengths[-1]} (the token budget {self.token_budget}, rounded up)"
+        )
 
 
 def align_with_expert_peers(micro_batches: list[MicroBatch], pad_id: int) -> list[MicroBatch]:

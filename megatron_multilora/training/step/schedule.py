@@ -26,6 +26,7 @@ from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
 from megatron_multilora.models.loss_rows import selectable, token_loss_and_choices
 from megatron_multilora.training.objectives.objective import MAX_METRICS, Objective
 from megatron_multilora.training.objectives.registry import DEFAULT
+from megatron_multilora.training.step.cuda_graphs import ChunkGraphs
 from megatron_multilora.training.step.micro_batches import chunk_inputs
 
 # loss_func(micro-batch, chunk output) -> what megatron's forward_step_calc_loss takes.
@@ -52,6 +53,7 @@ def run_schedule(
     forward_only: bool,
     collect_non_loss_data: bool = False,
     choices: bool = False,
+    graphs: ChunkGraphs | None = None,
     **forward_kwargs: Any,
 ) -> list[Any]:
     """Run the micro-batches through the schedule; returns what the last stage's
@@ -62,7 +64,9 @@ def run_schedule(
     ``collect_non_loss_data``, the data alone. ``choices``: ``loss_func(mb, output,
     choices=...)`` is also given the loss rows' clear greedy choices
     (:func:`~megatron_multilora.models.loss_rows.token_loss_and_choices`; None where the model
-    runs whole). Forward-only calls run without autograd.
+    runs whole). Forward-only calls run without autograd. ``graphs``: the one chunk's
+    forward and backward replayed from CUDA graphs (``cuda_graphs.ChunkGraphs``; each
+    position's loss, the labels given).
     """
     chunks = model_chunks(model)
     if not micro_batches:
@@ -70,8 +74,9 @@ def run_schedule(
     device = next(chunks[0].parameters()).device
     # The loss's rows (found on the host: no device sync), where a chunk here projects onto
     # the vocabulary at chosen rows and the caller wants the loss, not logits.
-    pick = "labels" not in forward_kwargs and any(selectable(c) for c in chunks)
+    pick = graphs is None and "labels" not in forward_kwargs and any(selectable(c) for c in chunks)
     rows = [loss_rows(mb).to(device) if pick else None for mb in micro_batches]
+    static = [graphs.inputs(mb) if graphs else None for mb in micro_batches]  # from the host
     mbs = [mb.to(device) for mb in micro_batches]
     lengths = {mb.tokens.size(1) for mb in mbs}
     if parallel_state.get_pipeline_model_parallel_world_size() > 1 and len(lengths) > 1:
@@ -81,12 +86,16 @@ def run_schedule(
         )
 
     def forward_step(
-        data_iterator: Iterator[tuple[MicroBatch, torch.Tensor | None]], chunk: torch.nn.Module, *_
+        data_iterator: Iterator[tuple[MicroBatch, torch.Tensor | None, tuple | None]],
+        chunk: torch.nn.Module,
+        *_,
     ):
-        mb, at = next(data_iterator)
+        mb, at, inputs = next(data_iterator)
         # The packed params carry the micro-batch's slot layout to the adapted layers (also to
         # their recompute re-runs, which may run after later micro-batches' forwards).
-        if at is None:
+        if inputs is not None:
+            output, chosen = graphs(inputs), None
+        elif at is None:
             output = chunk(**chunk_inputs(chunk, mb), **{"labels": mb.labels, **forward_kwargs})
             chosen = None
         else:
@@ -109,7 +118,7 @@ def run_schedule(
             forward_step_func=forward_step,
             # One iterator per chunk, each over all the micro-batches: every virtual stage
             # runs every micro-batch.
-            data_iterator=[iter(list(zip(mbs, rows))) for _ in chunks],
+            data_iterator=[iter(list(zip(mbs, rows, static))) for _ in chunks],
             model=chunks,
             num_microbatches=len(mbs),
             seq_length=max(lengths),
@@ -233,12 +242,14 @@ def per_slot_results_and_data(
     forward_only: bool = False,
     objectives: Sequence[Objective | None] | None = None,
     keep: Sequence[str] = ("logprobs",),
+    graphs: ChunkGraphs | None = None,
 ) -> tuple[torch.Tensor, dict[str, list[list[list]]]]:
     """:func:`per_slot_results`, and for each name in ``keep``, per slot, per example, the
     value at each of its positions, on every stage: ``"logprobs"``, each target's log-prob
     where its loss mask is set (0 elsewhere); ``"choices"``, the clear greedy choice after
     each prefix where the mask is set (-1 elsewhere, and everywhere where the model's output
-    layer runs whole: :func:`~megatron_multilora.models.loss_rows.token_loss_and_choices`)."""
+    layer runs whole: :func:`~megatron_multilora.models.loss_rows.token_loss_and_choices`).
+    ``graphs``: as :func:`run_schedule`'s."""
     chunks = model_chunks(model)
     if not chunks[0].config.calculate_per_token_loss:
         raise ValueError(
@@ -255,6 +266,7 @@ def per_slot_results_and_data(
         partial(objective_loss, chosen, weights),
         forward_only=forward_only,
         choices="choices" in keep,
+        graphs=graphs,
     )
     per_slot = torch.zeros(n, 1 + MAX_METRICS, dtype=torch.float64, device=device)
     for data in store:

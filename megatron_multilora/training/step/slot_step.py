@@ -39,6 +39,7 @@ from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
 from megatron_multilora.parallel import collective_device
 from megatron_multilora.training.objectives.objective import Objective
 from megatron_multilora.training.objectives.registry import DEFAULT
+from megatron_multilora.training.step.cuda_graphs import ChunkGraphs, graph_lengths
 from megatron_multilora.training.step.grad_sync import SlotGradSync
 from megatron_multilora.training.step.micro_batches import MicroBatcher, agree
 from megatron_multilora.training.step.schedule import (
@@ -117,13 +118,24 @@ class SlotStep:
     sequence-parallel size). Owns the slots' fp32 gradient buffers (:class:`SlotGradSync`)."""
 
     def __init__(
-        self, model: ModelOrChunks, n_slots: int, token_budget: int, pad_multiple: int, pad_id: int
+        self,
+        model: ModelOrChunks,
+        n_slots: int,
+        token_budget: int,
+        pad_multiple: int,
+        pad_id: int,
+        cuda_graphs: bool = False,
     ) -> None:
         self.model = model_chunks(model)
         self.n_slots = n_slots
         self.adamw = SlotAdamW.of(self.model)
         self.grad_sync = SlotGradSync(self.adamw.rows)
-        self.batcher = MicroBatcher(self.model, n_slots, token_budget, pad_multiple, pad_id)
+        # CUDA graphs: training passes replay captures of a few padded lengths.
+        self.graphs = ChunkGraphs(self.model[0], self.adamw.rows) if cuda_graphs else None
+        lengths = graph_lengths(token_budget) if cuda_graphs else ()
+        self.batcher = MicroBatcher(
+            self.model, n_slots, token_budget, pad_multiple, pad_id, lengths
+        )
         self._accumulated: set[int] = set()  # slots holding gradients not yet applied
 
     # ----- what every front calls ---------------------------------------------------------
@@ -160,7 +172,12 @@ class SlotStep:
             self.grad_sync.zero_grad([*stepping, *accumulating])
             self.grad_sync.load(before)
             table, kept = per_slot_results_and_data(
-                self.model, micro_batches, units, objectives=objectives, keep=keep
+                self.model,
+                micro_batches,
+                units,
+                objectives=objectives,
+                keep=keep,
+                graphs=self.graphs,
             )
             reduced = start_reducing_losses(table)
             steps = [s for s in stepping if s not in skipped]

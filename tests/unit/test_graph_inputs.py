@@ -1,0 +1,144 @@
+"""What a CUDA graph of the training pass replays, checked on the CPU (``training/step/
+cuda_graphs.py``): the chunk called with static inputs (a micro-batch padded to a fixed
+length, its slot layout on the device, attention in one masked pass) gives the packed
+forward's losses and every slot's gradients, and runs the very same ops with no host read
+for any micro-batch of a length, which is what lets one capture replay for all of them.
+The capture itself needs a GPU (tests/gpu/test_cuda_paths.py)."""
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import megatron_multilora as mm
+from benchmarks import launches
+from megatron_multilora.data.datasets import Example
+from megatron_multilora.data.packing import pack_micro_batches, pad_micro_batch
+from megatron_multilora.training.step.cuda_graphs import StaticChunk, graph_lengths, static_inputs
+from megatron_multilora.training.step.micro_batches import MicroBatcher, chunk_inputs
+from megatron_multilora.training.step.slot_adamw import SlotAdamW
+
+CFG = mm.GPTModelConfig(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=96,
+    vocab_size=96,
+    gated_linear_unit=True,
+)
+N_SLOTS, LENGTH = 4, 128
+# Per slot, its examples' lengths: slot 1 has none (zero rows, still in every grouped GEMM).
+LAYOUTS = {
+    "a": [[31, 6], [], [4, 18, 9, 2], [12]],
+    "b": [[3], [], [40, 5, 5], [7, 20, 1, 9]],
+}
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    model = mm.apply_multi_lora(
+        mm.build_gpt_model(CFG, calculate_per_token_loss=True),
+        N_SLOTS,
+        16,
+        8.0,
+        row_init_method="normal",
+    )
+    for slot, rank in enumerate((8, 16, 4, 12)):
+        mm.init_adapter_slot(model, slot, rank, 2.0 * rank)
+    SlotAdamW.of(model)  # gradients go to the slots' rows, as in the trainer's step
+    return model
+
+
+def micro_batch(name: str):
+    gen = torch.Generator().manual_seed(len(name))
+    slots = [
+        [
+            Example(tuple(torch.randint(0, 96, (n + 1,), generator=gen).tolist()), (True,) * n)
+            for n in lengths
+        ]
+        for lengths in LAYOUTS[name]
+    ]
+    (mb,) = pack_micro_batches(slots, 1000)
+    return mb
+
+
+def grads(model) -> torch.Tensor:
+    rows = SlotAdamW.of(model).rows
+    out = rows.grad_buffer.clone()
+    rows.grad_buffer.zero_()
+    return out
+
+
+def test_static_inputs_give_the_packed_losses_and_every_slots_gradients(model):
+    mb = micro_batch("a")
+    size = mb.tokens.size(1)
+    weights = torch.rand(1, LENGTH, generator=torch.Generator().manual_seed(1))
+    weights[:, size:] = 0  # the pads carry no loss
+    grads(model)
+
+    eager = model(**chunk_inputs(model, mb), labels=mb.labels)
+    (eager * weights[:, :size]).sum().backward()
+    want = grads(model)
+
+    padded = pad_micro_batch(mb, LENGTH, 0)
+    static = StaticChunk(model)(*static_inputs(padded, N_SLOTS, torch.device("cpu")))
+    assert static.shape == (1, LENGTH)
+    (static * weights).sum().backward()
+    got = grads(model)
+
+    torch.testing.assert_close(static[:, :size], eager, rtol=1e-5, atol=1e-5)
+    per_slot = want.view(N_SLOTS, -1).abs().sum(1)
+    assert (per_slot[[0, 2, 3]] > 0).all() and per_slot[1] == 0  # slot 1 has no rows
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def ops_of(fn) -> list[tuple]:
+    """Each aten op of ``fn`` with its input shapes, but the insides of the grouped GEMM
+    (a loop of per-group GEMMs on the CPU, one kernel on the GPU)."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    return [
+        (e.name, tuple(tuple(s) for s in e.input_shapes if s))
+        for e in prof.events()
+        if e.name.startswith("aten::") and not launches._inside(e)
+    ]
+
+
+def test_every_micro_batch_of_a_length_runs_the_same_ops_and_reads_nothing_back(model):
+    mbs = [pad_micro_batch(micro_batch(name), LENGTH, 0) for name in LAYOUTS]
+    assert mbs[0].counts != mbs[1].counts and mbs[0].seq_lengths != mbs[1].seq_lengths
+
+    def static_pass(mb):
+        inputs = static_inputs(mb, N_SLOTS, torch.device("cpu"))  # copied in before a replay
+
+        def run():
+            StaticChunk(model)(*inputs).sum().backward()
+
+        return run
+
+    def packed_pass(mb):
+        def run():
+            model(**chunk_inputs(model, mb), labels=mb.labels).sum().backward()
+
+        return run
+
+    static = [ops_of(static_pass(mb)) for mb in mbs]
+    assert static[0] == static[1]
+    assert not [op for op in static[0] if op[0] == "aten::_local_scalar_dense"]
+    # The check can fail: the host-laid-out packed pass differs between the two.
+    packed = [ops_of(packed_pass(mb)) for mb in mbs]
+    assert packed[0] != packed[1]
+    grads(model)
+
+
+def test_graph_lengths_and_the_batcher_pads_to_the_shortest_that_holds(model):
+    assert graph_lengths(1024) == (128, 256, 512, 1024)
+    assert graph_lengths(100) == (64, 128)
+    batcher = MicroBatcher(model, N_SLOTS, 1000, 1, 0, lengths=(64, 128))
+    mbs = batcher.equalize([micro_batch("a"), micro_batch("b")], 3)
+    assert [mb.tokens.size(1) for mb in mbs] == [128, 128, 64]  # the filler too
+    assert all(mb.loss_mask[0, -mb.n_pad :].sum() == 0 for mb in mbs if mb.n_pad)
+    long = pad_micro_batch(micro_batch("a"), 129, 0)
+    with pytest.raises(ValueError, match="longer than the longest fixed length 128"):
+        batcher.equalize([long], 1)
