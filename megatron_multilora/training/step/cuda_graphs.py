@@ -41,8 +41,8 @@ LENGTH_MULTIPLE = 64
 
 def graph_lengths(token_budget: int) -> tuple[int, ...]:
     """The lengths micro-batches are padded to under CUDA graphs: the token budget and its
-    half, quarter and eighth, each rounded up to a multiple of 64 (at most 4 captures, and a
-    micro-batch pads by under half its length, or to 64)."""
+    half, quarter and eighth, each rounded up to a multiple of 64 (at most 4 captures; a
+    micro-batch padded to the shortest that holds it stays under twice its length, or 64)."""
     return tuple(
         sorted(
             {
@@ -67,7 +67,7 @@ def static_inputs(mb: MicroBatch, n_slots: int, device: torch.device) -> tuple[t
         [t.cpu().flatten() for t in (mb.tokens, mb.position_ids, mb.labels)]
         + [bounds, counts.cumsum(0), slot_of_row]
     )
-    on_device = host.to(device, non_blocking=True)
+    on_device = host.to(device)
     tokens, positions, labels, bounds, ends, slot_of_row = on_device.split(
         [size, size, size, size + 1, n_slots, size]
     )

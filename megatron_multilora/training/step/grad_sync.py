@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from megatron_multilora.training.step.slot_rows import SlotRows
+from megatron_multilora.training.step.slot_rows import SlotRows, is_tp_split
 
 
 class SlotGradSync:
@@ -44,23 +44,33 @@ class SlotGradSync:
             for s in range(rows.n)
         ]
 
-        # Each dense column's share of its slot's squared norm: TP-split factors add their
-        # shards over the TP group; replicated ones (identical on every TP rank) count once.
+        # Each dense column range's share of its slot's squared norm: TP-split factors add
+        # their shards over the TP group; replicated ones (identical on every TP rank) count
+        # once. SlotRows groups the columns by kind, so these are a few ranges.
         tp = parallel_state.get_tensor_model_parallel_world_size()
-        self._norm_weights = torch.zeros(wd, dtype=torch.float32, device=self._buffer.device)
-        for i, p in enumerate(rows.params[0]):
+        self._norm_ranges: list[tuple[int, int, float]] = []
+        for i, p in sorted(
+            ((i, p) for i, p in enumerate(rows.params[0]) if rows.kind_of(i) == "dense"),
+            key=lambda ip: rows.kinds["dense"].columns[ip[0]],
+        ):
             start = rows.kinds["dense"].columns[i]
-            if start is not None:
-                share = 1.0 if getattr(p, "tensor_model_parallel", False) else 1.0 / tp
-                self._norm_weights[start : start + p.numel()] = share
+            end, share = start + p.numel(), 1.0 if is_tp_split(p) else 1.0 / tp
+            if self._norm_ranges and self._norm_ranges[-1][2] == share:
+                start = self._norm_ranges.pop()[0]  # alignment gaps hold zeros: joined
+            self._norm_ranges.append((start, end, share))
 
     def norms(self) -> torch.Tensor:
         """The L2 norm of each slot's whole gradient, ``[N]`` on the gradients' device (the
         same on every rank), over all its TP and EP shards and pipeline stages, so clipping
-        uses the adapter's global norm: a few ops for all slots, each row summed as it would
-        be alone, and no read back to the host."""
-        dense = (self.rows.grads["dense"].square() * self._norm_weights).sum(1)
-        experts = self.rows.grads["expert"].square().sum(1)
+        uses the adapter's global norm: a few ops for all slots, each row reduced as it would
+        be alone, no temporary the size of the gradients (on the CPU a fresh one costs its
+        page faults every step) and no read back to the host."""
+        grads = self.rows.grads
+        dense = torch.zeros(self.rows.n, dtype=torch.float32, device=self._buffer.device)
+        for start, end, share in self._norm_ranges:
+            squares = torch.linalg.vector_norm(grads["dense"][:, start:end], dim=1).square()
+            dense += squares if share == 1.0 else squares * share
+        experts = torch.linalg.vector_norm(grads["expert"], dim=1).square()
         if parallel_state.get_tensor_model_parallel_world_size() > 1:
             dist.all_reduce(dense, group=parallel_state.get_tensor_model_parallel_group())
         if parallel_state.get_expert_model_parallel_world_size() > 1:

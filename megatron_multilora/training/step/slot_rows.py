@@ -37,6 +37,10 @@ def is_dense(p: torch.nn.Parameter) -> bool:
     return getattr(p, "allreduce", True)
 
 
+def is_tp_split(p: torch.nn.Parameter) -> bool:
+    return getattr(p, "tensor_model_parallel", False)
+
+
 def is_partial(p: torch.nn.Parameter) -> bool:
     # A partial sum over this TP rank's sequence shard (see layers/sharding.py); expert
     # factors never are (experts are not tensor-split).
@@ -63,8 +67,11 @@ class SlotRows:
         self.n = num_adapter_slots(model)
         self.params = [slot_parameters(model, s) for s in range(self.n)]
         first = self.params[0]
+        # Partial gradients first (the TP sync sums that range), then TP-split before
+        # replicated factors: each kind's share of the gradient norm is then one column range.
         dense = sorted(
-            (i for i, p in enumerate(first) if is_dense(p)), key=lambda i: not is_partial(first[i])
+            (i for i, p in enumerate(first) if is_dense(p)),
+            key=lambda i: (not is_partial(first[i]), not is_tp_split(first[i])),
         )
         expert = [i for i, p in enumerate(first) if not is_dense(p)]
         self.kinds = {"dense": _kind(first, dense), "expert": _kind(first, expert)}
