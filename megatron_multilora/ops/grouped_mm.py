@@ -113,8 +113,8 @@ class _GroupedMM(torch.autograd.Function):
     """``torch._grouped_mm(x, w.T)`` whose backward runs the kernel calls of torch's own
     formula (the same operands and layouts, so the same bits) without its transposes and
     views around them: a few ops per product instead of a dozen. With ``narrow`` (a narrow
-    ``in`` on CPU) the input gradient is the transpose of a wide product instead (see the
-    module docstring)."""
+    ``in`` on CPU) both gradients are transposes of wide products instead (see the module
+    docstring)."""
 
     @staticmethod
     def forward(
@@ -135,6 +135,8 @@ class _GroupedMM(torch.autograd.Function):
             grad_x = _GROUPED_MM(w.transpose(1, 2), grad.t(), offs=offsets).t().contiguous()
         elif ctx.needs_input_grad[0]:
             grad_x = _GROUPED_MM(grad, w, offs=offsets)
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and ctx.narrow:
+            grad_w = _GROUPED_MM(x.t(), grad, offs=offsets).transpose(1, 2)
+        elif ctx.needs_input_grad[1]:
             grad_w = _GROUPED_MM(grad.t(), x, offs=offsets)
         return grad_x, grad_w, None, None

@@ -61,6 +61,22 @@ def test_grouped_mm_matches_float64_loop(monkeypatch, shape, dtype, rel):
     assert w_l.grad[1].abs().max() == 0  # the empty group's weight gets a zero gradient
 
 
+def test_a_narrow_input_takes_no_kernel_call_with_a_narrow_output(monkeypatch):
+    """With a LoRA rank as the input side, both gradients are transposes of wide products:
+    no kernel call writes an output whose rows are the rank wide (MKL runs that orientation
+    several times slower)."""
+    outputs = []
+    kernel = gmm._GROUPED_MM
+    monkeypatch.setattr(
+        gmm, "_GROUPED_MM", lambda *a, **k: outputs.append(kernel(*a, **k).shape) or kernel(*a, **k)
+    )
+    x = torch.randn(sum(COUNTS), 8, requires_grad=True)
+    w = torch.randn(len(COUNTS), 40, 8, requires_grad=True)
+    y = gmm.grouped_mm(x, w, gmm.group_offsets(COUNTS, x.device), COUNTS)
+    y.sum().backward()
+    assert len(outputs) == 3 and all(shape[-1] >= 16 for shape in outputs), outputs
+
+
 def test_an_expanded_gradient_is_read_with_the_kernel_layout():
     """``y.sum()``'s gradient is a stride-0 view, which the kernel would refuse."""
     gen = torch.Generator().manual_seed(1)
