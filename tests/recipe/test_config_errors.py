@@ -345,6 +345,7 @@ def test_every_schema_field_has_a_range_rule_or_another_check():
         "fully_sharded",
         "sp",
         "queue_jobs",
+        "cuda_graphs",
         "serve",
         "wandb_project",
         "plots",
