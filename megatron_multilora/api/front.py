@@ -277,12 +277,23 @@ class Front:
         )
         # A seeded adapter starts as a recipe job named seed-<seed> does.
         init_key = f"seed-{seed}" if seed is not None else client.model_id
-        return self._submit(
-            owner,
-            "create",
-            {"slot": client.slot, "rank": rank, "init_key": init_key, "model_id": client.model_id},
-            model_id=client.model_id,
-        )
+        try:
+            return self._submit(
+                owner,
+                "create",
+                {
+                    "slot": client.slot,
+                    "rank": rank,
+                    "init_key": init_key,
+                    "model_id": client.model_id,
+                },
+                model_id=client.model_id,
+            )
+        except Refused:  # e.g. 429: a refused creation holds no slot (nothing reached the engine)
+            with self.lock:
+                del self.clients[client.model_id]
+                self.calls.forget(client.model_id)
+            raise
 
     async def get_info(self, request: Request, owner: str) -> dict:
         body = await self.parse_body(request, types.GetInfoRequest)
