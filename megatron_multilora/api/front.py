@@ -101,9 +101,11 @@ class Front:
         args: dict,
         client: Client | None = None,
         seq_id: int | None = None,
+        creates: Client | None = None,
         **answer: Any,
     ) -> dict:
-        """Queue a call; its future (a resent call gets its first one's)."""
+        """Queue a call; its future (a resent call gets its first one's). ``creates``: the
+        new client whose creation this is, which a refused call leaves holding nothing."""
         key = (client.model_id, seq_id) if client is not None and seq_id is not None else None
         with self.lock:
             if key in self.seen:
@@ -112,6 +114,9 @@ class Front:
             op = Op(kind, request_id, args)
             queued = self.calls.put(op, client.model_id, seq_id) if key else self.calls.put(op)
             if not queued:
+                if creates is not None:  # its slot is free again (nothing reached the engine)
+                    del self.clients[creates.model_id]
+                    self.calls.forget(creates.model_id)
                 raise Refused(429, "the service has too many calls waiting; retry shortly")
             if key:
                 self.seen[key] = request_id  # resends come soon: older entries go
@@ -277,23 +282,13 @@ class Front:
         )
         # A seeded adapter starts as a recipe job named seed-<seed> does.
         init_key = f"seed-{seed}" if seed is not None else client.model_id
-        try:
-            return self._submit(
-                owner,
-                "create",
-                {
-                    "slot": client.slot,
-                    "rank": rank,
-                    "init_key": init_key,
-                    "model_id": client.model_id,
-                },
-                model_id=client.model_id,
-            )
-        except Refused:  # e.g. 429: a refused creation holds no slot (nothing reached the engine)
-            with self.lock:
-                del self.clients[client.model_id]
-                self.calls.forget(client.model_id)
-            raise
+        return self._submit(
+            owner,
+            "create",
+            {"slot": client.slot, "rank": rank, "init_key": init_key, "model_id": client.model_id},
+            creates=client,
+            model_id=client.model_id,
+        )
 
     async def get_info(self, request: Request, owner: str) -> dict:
         body = await self.parse_body(request, types.GetInfoRequest)
@@ -422,6 +417,7 @@ class Front:
             owner,
             "load_state",
             {**args, "slot": client.slot, "model_id": client.model_id, "init_key": client.model_id},
+            creates=client,
             model_id=client.model_id,
         )
 

@@ -1,10 +1,10 @@
 """The service's front on its own (no engine): what a refused call leaves behind."""
 
 import asyncio
+import json
 import time
 
 import pytest
-from tinker import types
 
 from megatron_multilora.api.call_queue import CallQueue
 from megatron_multilora.api.front import Front
@@ -18,20 +18,20 @@ OWNER = "key-a"
 class Body:
     """What the front reads of an HTTP request: its body."""
 
-    def __init__(self, model) -> None:
-        self._body = model.model_dump_json().encode()
+    def __init__(self, fields: dict) -> None:
+        self._body = json.dumps(fields).encode()
 
     async def body(self) -> bytes:
         return self._body
 
 
 def create(front: Front, loop, session: str, seq: int):
-    request = types.CreateModelRequest(
-        session_id=session,
-        model_seq_id=seq,
-        base_model="tiny",
-        lora_config=types.LoraConfig(rank=4),
-    )
+    request = {  # tinker's CreateModelRequest, as the SDK sends it
+        "session_id": session,
+        "model_seq_id": seq,
+        "base_model": "tiny",
+        "lora_config": {"rank": 4},
+    }
     return loop.run_until_complete(front.create_model(Body(request), OWNER))
 
 
