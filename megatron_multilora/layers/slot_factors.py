@@ -71,6 +71,7 @@ class SlotFactorBuffer:
         self.factor = factor
         self.main_grad: torch.Tensor | None = None  # [N, ...] fp32 rows the gradients add to
         self._views: dict[tuple[int, int], tuple] = {}
+        self._indices: dict[tuple, torch.Tensor] = {}
         self.realias(params)
 
     def realias(
@@ -104,6 +105,17 @@ class SlotFactorBuffer:
             self._views[(lo, hi)] = views
         return views[2], views[3]
 
+    def _index(self, slots: Sequence[int]) -> torch.Tensor:
+        """``slots`` as an index on the buffer's device, made once per set of slots (a list
+        index is a host-to-device copy on every call)."""
+        key = (tuple(slots), self.buffer.device)
+        index = self._indices.get(key)
+        if index is None:
+            if len(self._indices) >= 64:  # a bounded cache: the sets in use come back
+                self._indices.clear()
+            index = self._indices[key] = torch.tensor(key[0], device=self.buffer.device)
+        return index
+
     def gather(
         self, slots: Sequence[int], params: Sequence[torch.nn.Parameter], r: int
     ) -> tuple[torch.Tensor, Callable[[], torch.Tensor] | None]:
@@ -126,13 +138,13 @@ class SlotFactorBuffer:
         lo, hi = slots[0], slots[-1] + 1
         contiguous = hi - lo == len(slots)
         values, grads = self._rows(lo, hi) if contiguous else (None, None)
+        picked = None if contiguous else self._index(slots)
 
         def read() -> torch.Tensor:
-            return cut(values if contiguous else self.buffer[list(slots)])
+            return cut(values if contiguous else self.buffer[picked])
 
         target = rows = None
         if self.main_grad is not None:
-            target = grads if contiguous else self.main_grad
-            rows = None if contiguous else torch.tensor(slots, device=self.buffer.device)
+            target, rows = (grads, None) if contiguous else (self.main_grad, picked)
         w = _SlotFactors.apply(read, index, self.buffer.shape[1:], target, rows, *params)
         return w, None if contiguous else read

@@ -6,6 +6,8 @@ reads whose call stack passes through the package's layers or ops, on every rank
 GEMM's insides are not counted (a loop that reads its group ends on the CPU, one kernel that
 reads them on the device on a GPU)."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -17,24 +19,11 @@ from megatron_multilora.training.step import schedule
 from megatron_multilora.training.step.micro_batches import MicroBatcher, agree
 from megatron_multilora.training.step.slot_adamw import SlotAdamW
 from tests.distributed.conftest import assert_all_ranks
+from tests.unit.test_step_schedule import DENSE, MOE
 
-N, DIM, VOCAB = 3, 8, 64
+N, DIM, VOCAB = 3, 8, DENSE.vocab_size
 OURS = ("megatron_multilora/layers/", "megatron_multilora/ops/")
 BACKWARD = "autograd::engine::evaluate_function"
-
-
-def config(moe: bool, **extra) -> mm.GPTModelConfig:
-    experts = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall")
-    return mm.GPTModelConfig(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=48,
-        vocab_size=VOCAB,
-        **(experts if moe else {}),
-        **extra,
-    )
 
 
 def slot_examples() -> list[list[Example]]:
@@ -82,7 +71,7 @@ def test_adapted_layers_read_nothing_back(layout, case):
     case = dict(case)
     moe, recompute = case.pop("moe", False), case.pop("recompute", None)
     layout(**case)
-    cfg = config(moe, **({"recompute_granularity": recompute} if recompute else {}))
+    cfg = dataclasses.replace(MOE if moe else DENSE, recompute_granularity=recompute)
     torch.manual_seed(0)
     model = mm.apply_multi_lora(
         mm.build_gpt_model(
@@ -120,7 +109,7 @@ def test_the_count_can_fail(layout, monkeypatch):
     layout()
     torch.manual_seed(0)
     model = mm.apply_multi_lora(
-        mm.build_gpt_model(config(False), calculate_per_token_loss=True), N, DIM, 1.0
+        mm.build_gpt_model(DENSE, calculate_per_token_loss=True), N, DIM, 1.0
     )
     mbs = MicroBatcher(model, N, 64, 1, 0).ready(slot_examples())
     units = agree(mbs, N).loss_units
