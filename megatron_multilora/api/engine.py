@@ -19,6 +19,7 @@ and, on a Hugging Face base, a PEFT one).
 from __future__ import annotations
 
 import math
+import shutil
 import traceback
 from collections.abc import Callable
 from functools import partial
@@ -30,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from megatron_multilora.api import wire
 from megatron_multilora.api.futures import ERROR, JSON, PROTOBUF, Result
 from megatron_multilora.api.ops import STATE_META, Op, OpError, read_state_meta
+from megatron_multilora.api.recorded_samples import RecordedSamples
 from megatron_multilora.atomic_files import write_dir_atomic, write_json_atomic
 from megatron_multilora.checkpoint.adapter_files import export_adapter, import_adapter
 from megatron_multilora.checkpoint.peft_format import export_peft
@@ -69,18 +71,19 @@ class Engine:
         runtime: Runtime,
         run_dir: Path,
         hf_dir: str | None,
-        complete: Callable[[str, Result], None],
+        complete: Callable[[str, Result], None] | None,
     ) -> None:
         self.rt, self.model, self.tokenizer = runtime, runtime.model, runtime.tokenizer
         self.run_dir, self.hf_dir = run_dir, hf_dir
         self.n_slots = runtime.run.lora.slots
         self.tools = runtime.tools(lambda job, reason: None)
-        self.complete = complete if dist.get_rank() == 0 else (lambda request_id, result: None)
+        self.complete = complete or (lambda request_id, result: None)  # rank 0's front
         self.optimizers: dict[int, SlotOptimizer] = {}  # by slot: the training clients'
         self.versions: dict[int, int] = {}  # by slot: bumped whenever its weights change
         self.steps: dict[int, int] = {}  # by slot: its client's optim_steps here
         self.losses: dict[int, float] = {}  # by slot: its last forward_backward's loss
         self.saved: dict[str, tuple[int, int]] = {}  # sampler weights -> (slot, its version)
+        self.recorded = RecordedSamples()  # samples drawn with record_stability_info
 
     # -- the batch ------------------------------------------------------------------------
 
@@ -106,11 +109,19 @@ class Engine:
         if steps:
             self._guarded(steps, partial(self._optim_steps, steps))
         for op in ops:
-            if op not in first and op.kind not in ("forward_backward", "optim_step", "sample"):
+            if op not in first and op.kind not in (
+                "forward_backward",
+                "optim_step",
+                "sample",
+                "release",
+            ):
                 self._run_one(op)
         samples = [op for op in ops if op.kind == "sample"]
         if samples:
             self._guarded(samples, lambda: self._sample(samples))
+        for op in ops:  # after the samples that may read what they free
+            if op.kind == "release":
+                self._run_one(op)
 
     def _run_one(self, op: Op) -> None:
         self._guarded(
@@ -158,17 +169,21 @@ class Engine:
         """The calls' datums in one call of the step (each client's loss a sum over its
         datums); a client whose loss or gradients are not finite is refused, its gradients of
         this call dropped, the others answered as if it were not there."""
-        work = {
-            op.args["slot"]: SlotWork(
-                [
-                    Example(tuple(d["tokens"]), (True,) * (len(d["tokens"]) - 1), d["values"], 1)
-                    for d in op.args["data"]
-                ],
-                client_objective(op.args["loss"], op.args["clip_low"], op.args["clip_high"]),
+        work = {}
+        for op in list(ops):
+            try:
+                examples = [self._example(op.args, i, d) for i, d in enumerate(op.args["data"])]
+            except OpError as err:
+                self.complete(op.request_id, Result(ERROR, (str(err), "user")))
+                ops.remove(op)
+                continue
+            work[op.args["slot"]] = SlotWork(
+                examples,
+                client_objective(op.args["loss"], op.args["config"]),
                 mean=False,  # a sum, as Tinker's: a client scales its own datums
             )
-            for op in ops
-        }
+        if not work:
+            return
         step = self.rt.step
         result = (step.forward if forward_only else step.train)(work, keep=("logprobs",))
         for op in ops:
@@ -194,6 +209,33 @@ class Engine:
                 op.request_id,
                 Result(PROTOBUF, wire.forward_backward_output(per_datum, {"loss:sum": loss})),
             )
+
+    def _example(self, args: dict, i: int, datum: dict) -> Example:
+        """A datum as the step's example; a stable_reinforce datum's sampler log-probs are
+        the recorded samples' its provenance names."""
+        tokens, targets, values = datum["tokens"], datum["targets"], dict(datum["values"])
+        if "spans" in datum:
+            values["logprobs"] = self.recorded.sampler_logprobs(
+                args["session"],
+                tokens[:-1],
+                targets or tokens[1:],
+                datum["spans"],
+                values["logprobs"],
+                f"datum {i}",
+            )
+        mask = (True,) * (len(tokens) - 1)
+        return Example(tuple(tokens), mask, values, 1, tuple(targets) if targets else None)
+
+    def release(self, folders: list[str], session: str | None) -> dict:
+        """Free sampler weights no sampler uses any more, and an ended session's recorded
+        samples."""
+        if session is not None:
+            self.recorded.forget(session)
+        for folder in folders:
+            self.saved.pop(folder, None)
+            if dist.get_rank() == 0:
+                shutil.rmtree(folder, ignore_errors=True)
+        return {}
 
     def _optim_steps(self, ops: list[Op]) -> None:
         """Every optim_step of the batch in one ``SlotStep.apply``: each client's optimizer
@@ -320,6 +362,15 @@ class Engine:
                 for out, owner in zip(outputs, owners)
                 if owner is op
             ]
+            if op.args["record"]:
+                for k, (tokens, logprobs, _) in enumerate(sequences):
+                    self.recorded.record(
+                        op.args["session"],
+                        f"{op.request_id}:{k}",
+                        op.args["prompt"],
+                        tokens,
+                        logprobs,
+                    )
             self.complete(
                 op.request_id,
                 Result(

@@ -27,18 +27,20 @@ from megatron_multilora.api import wire
 from megatron_multilora.api.call_queue import CallQueue
 from megatron_multilora.api.checkpoint_index import CheckpointIndex
 from megatron_multilora.api.futures import ERROR, KEEP_S, PROTOBUF, Futures
-from megatron_multilora.api.ops import Op, OpError, read_state_meta
+from megatron_multilora.api.ops import Op
 from megatron_multilora.api.request_checks import (
     CLIENT_CONFIG,
     Limits,
     Refused,
     datum_example,
+    loss_config,
     refusal,
-    sample_args,
 )
-from megatron_multilora.training.objectives.registry import CLIENT_LOSSES
 
 RESEND_WINDOW = 256  # a client's calls whose resend is recognised: its last ones
+MAX_BODY = 4 << 20  # a JSON request's bytes (forward_backward's protobuf is read apart)
+MAX_METADATA = 16 << 10  # the user_metadata and tags a client's session or model keeps
+MAX_SAMPLERS = 64  # sampling clients of saved weights or the base one key may hold
 
 
 @dataclasses.dataclass
@@ -49,13 +51,19 @@ class Client:
     slot: int
     rank: int
     user_metadata: dict | None = None
+    creation: str = ""  # its creation's request id (a resent creation gets it)
 
 
 @dataclasses.dataclass
 class Sampler:
-    sampler_id: str
+    sampler_id: str  # <session>:sample:<n>
     owner: str
     folder: str | None  # its sampler weights; None: the base model
+    ephemeral: bool = False  # save_weights_and_get_sampling_client's: its weights go with it
+
+    @property
+    def session_id(self) -> str:
+        return self.sampler_id.rsplit(":sample:", 1)[0]
 
 
 class Front:
@@ -79,22 +87,37 @@ class Front:
         self.samplers: dict[str, Sampler] = {}
         self.seen: dict[tuple[str, int], str] = {}  # (client, seq_id) -> request id
         self.checkpoints = CheckpointIndex(self.root)
+        self.expired_at = 0.0  # when sweep last expired checkpoints
 
     # -- plumbing -------------------------------------------------------------------------
 
     async def parse_body(self, request: Request, model: type | None = None) -> Any:
-        """The body as ``model`` (a JSON object if none)."""
+        """The body as ``model`` (a JSON object if none), within the sizes a service keeps:
+        a body of at most ``MAX_BODY`` bytes, ``user_metadata`` of at most ``MAX_METADATA``."""
+        raw = await request.body()
+        if len(raw) > MAX_BODY:
+            raise Refused(413, f"a {len(raw)}-byte body: JSON bodies of up to {MAX_BODY} bytes")
         try:
-            body = json.loads(await request.body() or b"{}")
+            body = json.loads(raw or b"{}")
         except ValueError as err:
             raise Refused(400, f"the body is not JSON: {err}") from None
         if model is None:
             if not isinstance(body, dict):
                 raise Refused(400, "the body is not a JSON object")
             return body
-        return model.model_validate(body)
+        parsed = model.model_validate(body)
+        kept = json.dumps(getattr(parsed, "user_metadata", None) or {}) + str(
+            getattr(parsed, "tags", "")
+        )
+        if len(kept) > MAX_METADATA:
+            raise Refused(
+                400,
+                f"user_metadata and tags of {len(kept)} bytes: the service keeps up to "
+                f"{MAX_METADATA} per client",
+            )
+        return parsed
 
-    def _submit(
+    def submit(
         self,
         owner: str,
         kind: str,
@@ -105,25 +128,30 @@ class Front:
         **answer: Any,
     ) -> dict:
         """Queue a call; its future (a resent call gets its first one's). ``creates``: the
-        new client whose creation this is, which a refused call leaves holding nothing."""
-        key = (client.model_id, seq_id) if client is not None and seq_id is not None else None
+        new client whose creation this is, which a refused call leaves holding nothing. A
+        ``skip`` (a refused call's place in its client's order) is refused only out of
+        order."""
+        model_id = client.model_id if client is not None and seq_id is not None else None
         with self.lock:
-            if key in self.seen:
-                return {"request_id": self.seen[key], **answer}
-            request_id = self.futures.new(owner)
-            op = Op(kind, request_id, args)
-            queued = self.calls.put(op, client.model_id, seq_id) if key else self.calls.put(op)
-            if not queued:
+            first = self.seen.get((model_id, seq_id))
+            if first is not None:
+                return {"request_id": first, **answer}
+            problem = self.calls.refusal(owner, model_id, seq_id, skip=kind == "skip")
+            if problem is not None:
                 if creates is not None:  # its slot is free again (nothing reached the engine)
                     del self.clients[creates.model_id]
                     self.calls.forget(creates.model_id)
-                raise Refused(429, "the service has too many calls waiting; retry shortly")
-            if key:
-                self.seen[key] = request_id  # resends come soon: older entries go
-                self.seen.pop((client.model_id, seq_id - RESEND_WINDOW), None)
+                raise Refused(*problem)
+            request_id = self.futures.new(owner)
+            self.calls.put(Op(kind, request_id, args), model_id, seq_id, force=True, owner=owner)
+            if creates is not None:
+                creates.creation = request_id
+            if model_id is not None:
+                self.seen[model_id, seq_id] = request_id  # resends come soon: older go
+                self.seen.pop((model_id, seq_id - RESEND_WINDOW), None)
         return {"request_id": request_id, **answer}
 
-    def _in_order(
+    def in_order(
         self,
         owner: str,
         client: Client,
@@ -131,17 +159,25 @@ class Front:
         build: Callable[[], tuple[str, dict]],
         **answer: Any,
     ) -> dict:
-        """Queue the client's call ``build()`` makes; a refused one still takes its place in
-        the client's order (as a call that does nothing), so its later calls run."""
+        """Queue the client's call ``build()`` makes (a resent call: its first one's
+        future); a refused one still takes its place in the client's order (as a call that
+        does nothing), so its later calls run."""
+        with self.lock:
+            first = self.seen.get((client.model_id, seq_id)) if seq_id is not None else None
+        if first is not None:
+            return {"request_id": first, **answer}
         try:
             kind, args = build()
         except Refused:
             if seq_id is not None:
-                self._submit(owner, "skip", {}, client, seq_id)
+                try:
+                    self.submit(owner, "skip", {}, client, seq_id)
+                except Refused:
+                    pass  # out of its order: it holds no place
             raise
-        return self._submit(owner, kind, args, client, seq_id, **answer)
+        return self.submit(owner, kind, args, client, seq_id, **answer)
 
-    def _client(self, owner: str, model_id: str) -> Client:
+    def client(self, owner: str, model_id: str) -> Client:
         client = self.clients.get(model_id)
         if client is None or client.owner != owner:
             raise Refused(404, f"no training client {model_id!r} of this API key")
@@ -209,6 +245,9 @@ class Front:
         """Free the slots of clients whose session has been silent for longer than the
         timeout (a crashed or disconnected client)."""
         now = time.monotonic()
+        if now - self.expired_at > 10.0:  # checkpoints past their ttl_seconds go
+            self.expired_at = now
+            self.checkpoints.expire()
         with self.lock:
             self._end_sessions(
                 {
@@ -222,7 +261,13 @@ class Front:
         """(Holding the lock.) The sessions' clients end; their slots are freed by the
         engine before any later creation takes them."""
         for session_id in gone:
-            del self.sessions[session_id]
+            owner = self.sessions.pop(session_id)[0]
+            samplers = [s for s in self.samplers.values() if s.session_id == session_id]
+            folders = [s.folder for s in samplers if s.ephemeral]
+            for sampler in samplers:
+                del self.samplers[sampler.sampler_id]
+            self.checkpoints.forget_ephemeral(set(folders))
+            self._release(owner, folders, session_id)
         for client in [c for c in self.clients.values() if c.session_id in gone]:
             del self.clients[client.model_id]
             self.seen = {k: v for k, v in self.seen.items() if k[0] != client.model_id}
@@ -231,9 +276,31 @@ class Front:
                 Op("free", self.futures.new(client.owner), {"slot": client.slot}), force=True
             )
 
+    def _release(self, owner: str, folders: list, session_id: str | None = None) -> None:
+        """(Holding the lock.) The engine frees these sampler weights (after the samples
+        queued before) and an ended session's recorded samples."""
+        args = {"folders": folders, "session": session_id}
+        self.calls.put(Op("release", self.futures.new(owner), args), force=True)
+
+    def add_sampler(self, sampler: Sampler, freed: list[str]) -> None:
+        """A new sampling client; the ephemeral samplers whose weights were ``freed`` go."""
+        with self.lock:
+            held = sum(1 for s in self.samplers.values() if s.owner == sampler.owner)
+            if not sampler.ephemeral and held >= MAX_SAMPLERS:
+                raise Refused(
+                    400,
+                    f"this API key holds {held} sampling clients, the most it may: end a "
+                    "session (its samplers go with it) and create it again",
+                )
+            for gone in [s for s in self.samplers.values() if s.folder in freed]:
+                del self.samplers[gone.sampler_id]
+            self.samplers[sampler.sampler_id] = sampler
+            if freed:
+                self._release(sampler.owner, freed)
+
     # -- training clients -----------------------------------------------------------------
 
-    def _new_client(
+    def new_client(
         self,
         owner: str,
         session_id: str,
@@ -268,6 +335,14 @@ class Front:
             self.calls.start(model_id)
         return client
 
+    def created(self, owner: str, session_id: str, model_seq_id: int) -> dict | None:
+        """A resent creation's answer (the SDK retries a call it heard nothing of): the
+        first one's future; None: not a resend."""
+        client = self.clients.get(f"{session_id}:train:{model_seq_id}")
+        if client is None or client.owner != owner or not client.creation:
+            return None
+        return {"request_id": client.creation, "model_id": client.model_id}
+
     async def create_model(self, request: Request, owner: str) -> dict:
         body = await self.parse_body(request, types.CreateModelRequest)
         if body.base_model != self.limits.model_name:
@@ -275,14 +350,17 @@ class Front:
                 400,
                 f"base_model {body.base_model!r}: this service trains {self.limits.model_name!r}",
             )
+        resent = self.created(owner, body.session_id, body.model_seq_id)
+        if resent is not None:
+            return resent
         rank = body.lora_config.rank if body.lora_config else 32
         seed = body.lora_config.seed if body.lora_config else None
-        client = self._new_client(
+        client = self.new_client(
             owner, body.session_id, body.model_seq_id, rank, body.user_metadata
         )
         # A seeded adapter starts as a recipe job named seed-<seed> does.
         init_key = f"seed-{seed}" if seed is not None else client.model_id
-        return self._submit(
+        return self.submit(
             owner,
             "create",
             {"slot": client.slot, "rank": rank, "init_key": init_key, "model_id": client.model_id},
@@ -292,7 +370,7 @@ class Front:
 
     async def get_info(self, request: Request, owner: str) -> dict:
         body = await self.parse_body(request, types.GetInfoRequest)
-        client = self._client(owner, body.model_id)
+        client = self.client(owner, body.model_id)
         return {
             "type": "get_info",
             "model_id": client.model_id,
@@ -308,34 +386,26 @@ class Front:
 
     async def forward_backward(self, request: Request, owner: str) -> dict:
         call = wire.read_forward_backward(await request.body())
-        client = self._client(owner, call.model_id)
+        client = self.client(owner, call.model_id)
 
         def build() -> tuple[str, dict]:
-            if call.loss_fn not in CLIENT_LOSSES:
-                raise Refused(
-                    400,
-                    f"loss_fn {call.loss_fn!r}: this service computes {', '.join(CLIENT_LOSSES)}",
-                )
-            low = float(call.loss_fn_config.get("clip_low_threshold", 0.8))
-            high = float(call.loss_fn_config.get("clip_high_threshold", 1.2))
-            data = [
-                datum_example(i, d, CLIENT_LOSSES[call.loss_fn], self.limits)
-                for i, d in enumerate(call.data)
-            ]
+            config = loss_config(call.loss_fn, call.loss_fn_config)
             return "forward_backward", {
                 "slot": client.slot,
+                "session": client.session_id,
                 "loss": call.loss_fn,
+                "config": config,
                 "forward_only": call.forward_only,
-                "clip_low": 1.0 - low,
-                "clip_high": high - 1.0,
-                "data": data,
+                "data": [
+                    datum_example(i, d, call.loss_fn, self.limits) for i, d in enumerate(call.data)
+                ],
             }
 
-        return self._in_order(owner, client, call.seq_id, build, model_id=client.model_id)
+        return self.in_order(owner, client, call.seq_id, build, model_id=client.model_id)
 
     async def optim_step(self, request: Request, owner: str) -> dict:
         body = await self.parse_body(request, types.OptimStepRequest)
-        client = self._client(owner, body.model_id)
+        client = self.client(owner, body.model_id)
 
         def build() -> tuple[str, dict]:
             adam = body.optim_params
@@ -359,149 +429,7 @@ class Front:
                 "grad_clip": adam.grad_clip_norm or None,
             }
 
-        return self._in_order(owner, client, body.seq_id, build, model_id=client.model_id)
-
-    async def save_weights(self, request: Request, owner: str) -> dict:
-        body = await self.parse_body(request, types.SaveWeightsRequest)
-        client = self._client(owner, body.model_id)
-        where: list = []
-
-        def build() -> tuple[str, dict]:
-            path, folder = self.checkpoints.place(
-                owner, client.model_id, "weights", body.path or f"seq-{body.seq_id}"
-            )
-            if path in self.checkpoints and not body.overwrite:
-                raise Refused(400, f"{path} exists; save under another name (or overwrite=True)")
-            where.extend((path, folder))
-            return "save_state", {
-                "slot": client.slot,
-                "folder": folder,
-                "path": path,
-                "meta": {"model_id": client.model_id, "model_name": self.limits.model_name},
-            }
-
-        answer = self._in_order(owner, client, body.seq_id, build, model_id=client.model_id)
-        self.checkpoints.add(
-            where[0], owner, "weights", where[1], client.rank, client.user_metadata
-        )
-        return answer
-
-    async def load_weights(self, request: Request, owner: str) -> dict:
-        body = await self.parse_body(request, types.LoadWeightsRequest)
-        if body.model_id is not None:  # into an existing client, in its order
-            client = self._client(owner, body.model_id)
-
-            def build() -> tuple[str, dict]:
-                entry = self.checkpoints.get(owner, body.path, "weights")
-                return "load_state", {
-                    "folder": entry["folder"],
-                    "optimizer": body.optimizer,
-                    "path": body.path,
-                    "slot": client.slot,
-                    "model_id": client.model_id,
-                }
-
-            return self._in_order(owner, client, body.seq_id, build, model_id=client.model_id)
-        if body.session_id is None or body.model_seq_id is None:
-            raise Refused(400, "load_weights: give model_id, or session_id and model_seq_id")
-        entry = self.checkpoints.get(owner, body.path, "weights")
-        args = {"folder": entry["folder"], "optimizer": body.optimizer, "path": body.path}
-        try:
-            rank = read_state_meta(Path(entry["folder"]))["rank"]
-        except OpError as err:
-            raise Refused(400, str(err)) from None
-        client = self._new_client(
-            owner, body.session_id, body.model_seq_id, rank, body.user_metadata
-        )
-        return self._submit(
-            owner,
-            "load_state",
-            {**args, "slot": client.slot, "model_id": client.model_id, "init_key": client.model_id},
-            creates=client,
-            model_id=client.model_id,
-        )
-
-    async def save_weights_for_sampler(self, request: Request, owner: str) -> dict:
-        body = await self.parse_body(request, types.SaveWeightsForSamplerRequest)
-        client = self._client(owner, body.model_id)
-        where: list = []
-
-        def build() -> tuple[str, dict]:
-            if body.path is not None:
-                path, folder = self.checkpoints.place(
-                    owner, client.model_id, "sampler_weights", body.path
-                )
-                answer, sampler_id = {"type": "save_weights_for_sampler", "path": path}, None
-            else:  # save_weights_and_get_sampling_client: a sampler of these weights
-                sampler_id = f"{client.session_id}:sample:{body.sampling_session_seq_id}"
-                path, folder = self.checkpoints.place(
-                    owner,
-                    client.model_id,
-                    "sampler_weights",
-                    f"sampler-{body.sampling_session_seq_id}",
-                )
-                answer = {"type": "save_weights_for_sampler", "sampling_session_id": sampler_id}
-            where.extend((path, folder, sampler_id))
-            return "save_for_sampler", {
-                "slot": client.slot,
-                "folder": folder,
-                "answer": answer,
-                "meta": {"name": client.model_id, "model_name": self.limits.model_name},
-            }
-
-        future = self._in_order(owner, client, body.seq_id, build, model_id=client.model_id)
-        path, folder, sampler_id = where
-        self.checkpoints.add(
-            path, owner, "sampler_weights", folder, client.rank, client.user_metadata
-        )
-        if sampler_id is not None:
-            self.samplers[sampler_id] = Sampler(sampler_id, owner, folder)
-        return future
-
-    # -- sampling -------------------------------------------------------------------------
-
-    async def create_sampling_session(self, request: Request, owner: str) -> dict:
-        body = await self.parse_body(request, types.CreateSamplingSessionRequest)
-        if self.sessions.get(body.session_id, (None,))[0] != owner:
-            raise Refused(404, f"no session {body.session_id!r} of this API key")
-        if body.model_path is not None:
-            folder = self.checkpoints.get(owner, body.model_path, "sampler_weights")["folder"]
-        elif body.base_model == self.limits.model_name:
-            folder = None
-        else:
-            raise Refused(
-                400,
-                f"create_sampling_session: give model_path (a sampler_weights "
-                f"checkpoint) or base_model={self.limits.model_name!r}",
-            )
-        sampler_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
-        self.samplers[sampler_id] = Sampler(sampler_id, owner, folder)
-        return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
-
-    async def get_sampler(self, request: Request, owner: str) -> dict:
-        sampler = self._sampler(owner, request.path_params["sampler_id"])
-        return {
-            "sampler_id": sampler.sampler_id,
-            "base_model": self.limits.model_name,
-            "model_path": None,
-        }
-
-    def _sampler(self, owner: str, sampler_id: str | None) -> Sampler:
-        sampler = self.samplers.get(sampler_id or "")
-        if sampler is None or sampler.owner != owner:
-            raise Refused(404, f"no sampler {sampler_id!r} of this API key")
-        return sampler
-
-    async def asample(self, request: Request, owner: str) -> dict:
-        body = await self.parse_body(request, types.SampleRequest)
-        sampler = self._sampler(owner, body.sampling_session_id)
-        args = sample_args(body, sampler.sampler_id, self.limits)
-        future = self._submit(owner, "sample", {"folder": sampler.folder, **args})
-        # The SDK stamps each sample with one of these ids.
-        return {
-            **future,
-            "sample_sequence_ids": [f"{future['request_id']}:{k}" for k in range(body.num_samples)],
-        }
+        return self.in_order(owner, client, body.seq_id, build, model_id=client.model_id)
 
     # -- futures --------------------------------------------------------------------------
 

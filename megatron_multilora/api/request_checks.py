@@ -4,13 +4,16 @@ engine's arguments it becomes; a refusal names the request's part and the limit.
 from __future__ import annotations
 
 import dataclasses
+import math
 import uuid
+from typing import Any
 
 import numpy as np
 from starlette.responses import JSONResponse
 from tinker import types
 
 from megatron_multilora.api import wire
+from megatron_multilora.training.objectives.registry import CLIENT_LOSSES
 
 # The SDK's simplest paths: plain API keys, uncompressed bodies sent one by one, a future
 # polled per call. Its default transport (pyqwest) stays on: on httpx's, tinker 0.38 left a
@@ -49,10 +52,37 @@ class Limits:
     tokenizer_id: str | None
 
 
-def datum_example(i: int, datum: wire.Datum, needed: tuple[str, ...], limits: Limits) -> dict:
-    """A datum as an example: its tokens and the loss's per-position inputs."""
-    tokens, n = datum.tokens, len(datum.tokens)
-    where = f"datum {i}"
+def loss_config(loss_fn: str, given: dict[str, Any]) -> dict[str, float]:
+    """The loss's ``loss_fn_config``: the client's keys over the loss's defaults."""
+    if loss_fn not in CLIENT_LOSSES:
+        raise Refused(400, f"loss_fn {loss_fn!r}: this service computes {', '.join(CLIENT_LOSSES)}")
+    defaults = CLIENT_LOSSES[loss_fn].config
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise Refused(
+            400,
+            f"loss_fn_config {', '.join(unknown)}: {loss_fn} takes "
+            f"{', '.join(defaults) or 'no loss_fn_config'}",
+        )
+    config = dict(defaults)
+    for key, value in given.items():
+        if isinstance(value, str) or not math.isfinite(value):
+            raise Refused(400, f"loss_fn_config {key}={value!r}: a finite number")
+        config[key] = float(value)
+    low, high = config.get("clip_low_threshold", 0.0), config.get("clip_high_threshold", 1.0)
+    if not 0.0 <= low <= 1.0 <= high or config.get("beta", 0.0) < 0:
+        raise Refused(
+            400,
+            f"loss_fn_config {config}: clip_low_threshold in [0, 1], "
+            "clip_high_threshold >= 1, beta >= 0",
+        )
+    return config
+
+
+def datum_example(i: int, datum: wire.Datum, loss_fn: str, limits: Limits) -> dict:
+    """A datum as an example: its tokens, its target tokens where they are not the next
+    ones, the loss's per-position inputs, and its provenance where the loss reads it."""
+    tokens, n, where = datum.tokens, len(datum.tokens), f"datum {i}"
     check_tokens(tokens, where, limits)
     if n + 1 > limits.max_seq_len:
         raise Refused(
@@ -65,16 +95,21 @@ def datum_example(i: int, datum: wire.Datum, needed: tuple[str, ...], limits: Li
         raise Refused(
             400, f"{where}: loss_fn_inputs.target_tokens must have one target per input token ({n})"
         )
-    if n > 1 and not np.array_equal(targets[:-1], np.asarray(tokens[1:])):
+    check_tokens(targets.tolist(), f"{where} target_tokens", limits)
+    loss = CLIENT_LOSSES[loss_fn]
+    reads = ("target_tokens", *loss.inputs, *loss.optional)
+    unknown = sorted(set(datum.inputs) - set(reads))
+    if unknown:
         raise Refused(
             400,
-            f"{where}: target_tokens must be model_input shifted by one (each "
-            "position's next token); other targets are not served",
+            f"{where}: loss_fn_inputs {', '.join(unknown)}: not served with {loss_fn} "
+            f"(it reads {', '.join(reads)})",
         )
-    check_tokens(targets[-1:].tolist(), f"{where} target_tokens", limits)
     values = {}
-    for name in needed:
+    for name in loss.inputs + loss.optional:
         value = datum.inputs.get(name)
+        if value is None and name in loss.optional:  # the positions it trains
+            value = (datum.inputs["advantages"] != 0).astype(np.float32)
         if value is None or value.shape != (n,):
             raise Refused(
                 400, f"{where}: loss_fn_inputs.{name} must have one value per input token ({n})"
@@ -82,7 +117,34 @@ def datum_example(i: int, datum: wire.Datum, needed: tuple[str, ...], limits: Li
         if not np.isfinite(value).all():
             raise Refused(400, f"{where}: loss_fn_inputs.{name} has non-finite values")
         values[name] = tuple(float(v) for v in value)
-    return {"tokens": list(tokens) + [int(targets[-1])], "values": values}
+    shifted = np.array_equal(targets[:-1], np.asarray(tokens[1:]))
+    example = {
+        "tokens": list(tokens) + [int(targets[-1])],
+        "targets": None if shifted else targets.tolist(),
+        "values": values,
+    }
+    if loss_fn == "stable_reinforce":
+        example["spans"] = provenance(datum, where)
+    return example
+
+
+def provenance(datum: wire.Datum, where: str) -> tuple[list, list]:
+    """The datum's provenance runs (of its model input, of its targets), each tiling its
+    field; stable_reinforce needs them."""
+    if datum.input_spans is None or datum.target_spans is None:
+        raise Refused(
+            400,
+            f"{where}: stable_reinforce needs provenance on every datum "
+            "(Datum.with_provenance, naming the sequence_ids of samples drawn in this "
+            "session by a sampling client made with record_stability_info=True)",
+        )
+    for field, spans in (("model_input", datum.input_spans), ("target_tokens", datum.target_spans)):
+        if sum(length for *_, length in spans) != len(datum.tokens):
+            raise Refused(
+                400,
+                f"{where}: the {field} provenance runs do not tile its {len(datum.tokens)} positions",
+            )
+    return datum.input_spans, datum.target_spans
 
 
 def check_tokens(tokens: list[int], where: str, limits: Limits) -> None:
@@ -99,6 +161,22 @@ def check_tokens(tokens: list[int], where: str, limits: Limits) -> None:
 def sample_args(body: types.SampleRequest, sampler_id: str, limits: Limits) -> dict:
     """A sample request as the engine's arguments (its prompt, limits, sampling, key)."""
     params = body.sampling_params
+    asked = [
+        name
+        for name, value in (
+            ("topk_prompt_logprobs", body.topk_prompt_logprobs),
+            ("topk_sample_logprobs", body.topk_sample_logprobs),
+            ("target_prompt_logprobs", body.target_prompt_logprobs),
+            ("prompt_alt_tokens_k", body.prompt_alt_tokens_k),
+            ("prompt_logprobs_last_n", body.prompt_logprobs_last_n),
+        )
+        if value
+    ]
+    if asked:
+        raise Refused(
+            400,
+            f"{', '.join(asked)}: not served (prompt_logprobs=True gives the prompt's log-probs)",
+        )
     prompt = body.prompt.to_ints()
     check_tokens(prompt, "prompt", limits)
     max_tokens = params.max_tokens or 16
@@ -136,6 +214,7 @@ def sample_args(body: types.SampleRequest, sampler_id: str, limits: Limits) -> d
         "stop_strings": [s for s in stop if isinstance(s, str)],
         "key": key,
         "prompt_logprobs": bool(body.prompt_logprobs),
+        "record": bool(body.record_stability_info),
     }
 
 

@@ -15,12 +15,14 @@ from megatron_multilora.api import wire
 from megatron_multilora.api.front import Front
 from megatron_multilora.api.listings import Listings
 from megatron_multilora.api.request_checks import Refused, refusal
+from megatron_multilora.api.sampling_front import SamplingEndpoints
+from megatron_multilora.api.weights_front import WeightsEndpoints
 
 
 def build_app(front: Front) -> Starlette:
     """The endpoints' routes: each checks the caller's key (but the open ones) and turns
     a refusal into its 4xx answer."""
-    listings = Listings(front)
+    listings, weights, sampling = Listings(front), WeightsEndpoints(front), SamplingEndpoints(front)
     post = {
         "client/config": front.client_config,
         "client/dynamic_config": front.dynamic_config,
@@ -32,18 +34,18 @@ def build_app(front: Front) -> Starlette:
         "get_info": front.get_info,
         "forward_backward": front.forward_backward,
         "optim_step": front.optim_step,
-        "save_weights": front.save_weights,
-        "load_weights": front.load_weights,
-        "save_weights_for_sampler": front.save_weights_for_sampler,
-        "create_sampling_session": front.create_sampling_session,
-        "asample": front.asample,
+        "save_weights": weights.save_weights,
+        "load_weights": weights.load_weights,
+        "save_weights_for_sampler": weights.save_weights_for_sampler,
+        "create_sampling_session": sampling.create_sampling_session,
+        "asample": sampling.asample,
         "retrieve_future": front.retrieve_future,
         "weights_info": listings.weights_info,
     }
     get = {
         "healthz": front.healthz,
         "get_server_capabilities": front.capabilities,
-        "samplers/{sampler_id}": front.get_sampler,
+        "samplers/{sampler_id}": sampling.get_sampler,
         "training_runs": listings.list_training_runs,
         "training_runs/{model_id}": listings.get_training_run,
         "training_runs/{model_id}/checkpoints": listings.list_checkpoints,
@@ -83,12 +85,20 @@ def _endpoint(front: Front, handler: Callable[..., Awaitable[Any]]):
                     )
             answer = await handler(request, owner)
         except Refused as refused:
-            return refusal(refused.status, str(refused))
+            status, message = refused.status, str(refused)
         except ValidationError as err:
-            return refusal(400, f"malformed request: {err}")
+            status, message = 400, f"malformed request: {err}"
         except wire.WireError as err:
-            return refusal(400, str(err))
-        return answer if isinstance(answer, Response) else JSONResponse(answer)
+            status, message = 400, str(err)
+        else:
+            return answer if isinstance(answer, Response) else JSONResponse(answer)
+        # Every refusal is in the service's log: whose, which call, why.
+        print(
+            f"api: refused {request.method} {request.url.path} of "
+            f"{owner or 'an unknown key'}: {status} {message}",
+            flush=True,
+        )
+        return refusal(status, message)
 
     endpoint.__name__ = handler.__name__
     return endpoint

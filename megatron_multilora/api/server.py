@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch.distributed as dist
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from megatron_multilora.api.call_queue import CallQueue
 from megatron_multilora.api.engine import Engine
 from megatron_multilora.api.front import Front, Limits
-from megatron_multilora.api.futures import Futures
+from megatron_multilora.api.futures import ERROR, Futures, Result
 from megatron_multilora.api.routes import build_app
 from megatron_multilora.api.status import ServiceStatus
 from megatron_multilora.errors import RunError
@@ -38,12 +39,7 @@ def serve_api(run: RunConfig, keys: dict[str, str], say: Callable[[str], None] =
     front = None
     if dist.get_rank() == 0:
         front, url = _start_front(run, keys, runtime.model_config, hf_dir, run_dir)
-    engine = Engine(
-        runtime,
-        run_dir,
-        hf_dir,
-        front.futures.complete if front else (lambda request_id, result: None),
-    )
+    engine = Engine(runtime, run_dir, hf_dir, partial(_complete, front, say) if front else None)
     status = None
     if front:
         dp = runtime.dp_size
@@ -89,6 +85,17 @@ def serve_api(run: RunConfig, keys: dict[str, str], say: Callable[[str], None] =
     destroy_parallel()
 
 
+def _complete(front: Front, say: Callable[[str], None], request_id: str, result: Result) -> None:
+    """Answer a call; a call that failed as it ran is in the service's log (whose, why)."""
+    if result.kind == ERROR:
+        say(
+            f"api: call {request_id} of {front.futures.owner(request_id)} failed: "
+            f"{result.payload[0]}"
+        )
+    front.checkpoints.settle(request_id, written=result.kind != ERROR)  # a save's: listed
+    front.futures.complete(request_id, result)
+
+
 def _start_front(
     run: RunConfig, keys: dict[str, str], model_config, hf_dir, run_dir: Path
 ) -> tuple[Front, str]:
@@ -107,9 +114,9 @@ def _start_front(
         hf_dir,
     )
     loop = asyncio.new_event_loop()
-    front = Front(
-        keys, limits, run_dir, CallQueue(api.max_pending), Futures(loop), api.session_timeout_s
-    )
+    queue = CallQueue(api.max_pending, len(keys))
+    front = Front(keys, limits, run_dir, queue, Futures(loop), api.session_timeout_s)
+    front.checkpoints.max_saves = api.max_saves
     server = uvicorn.Server(
         uvicorn.Config(
             build_app(front), host=api.host, port=api.port, log_level="warning", loop="asyncio"

@@ -20,10 +20,16 @@ class WireError(ValueError):
     """A body the service cannot read; the message says what (answered as 400)."""
 
 
+# A provenance run: ("prompt" or "sampled", the sample's sequence_id, offset, length).
+Span = tuple[str, str, int, int]
+
+
 @dataclasses.dataclass
 class Datum:
     tokens: list[int]  # the model input
     inputs: dict[str, np.ndarray]  # loss_fn_inputs by name, each [len(tokens)]
+    input_spans: list[Span] | None = None  # provenance of the model input
+    target_spans: list[Span] | None = None  # provenance of the target tokens
 
 
 @dataclasses.dataclass
@@ -69,7 +75,9 @@ def read_forward_backward(body: bytes) -> ForwardBackward:
                     "(encoded_text) are served"
                 )
             tokens += np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist()
-        data.append(Datum(tokens, {name: _tensor(t) for name, t in datum.loss_fn_inputs.items()}))
+        inputs = {name: _tensor(t) for name, t in datum.loss_fn_inputs.items()}
+        spans = [_spans(datum.model_input_spans), _spans(datum.loss_fn_input_spans)]
+        data.append(Datum(tokens, inputs, *spans))
     config = {
         k: (v.text if v.WhichOneof("value") == "text" else v.number)
         for k, v in message.loss_fn_config_v2.items()
@@ -77,6 +85,22 @@ def read_forward_backward(body: bytes) -> ForwardBackward:
     return ForwardBackward(
         message.model_id, message.seq_id, message.loss_fn, config, message.forward_only, data
     )
+
+
+def _spans(message: Any) -> list[Span] | None:
+    out = []
+    for span in message:
+        kind = span.WhichOneof("span")
+        arm = span.prompt_tokens if kind == "prompt_tokens" else span.sampled_tokens
+        out.append(
+            (
+                "prompt" if kind == "prompt_tokens" else "sampled",
+                arm.sequence_id,
+                arm.offset,
+                arm.length,
+            )
+        )
+    return out or None
 
 
 def forward_backward_output(

@@ -17,8 +17,13 @@ def api(args: argparse.Namespace) -> int:
     """The recipe with the service on: the user's arguments (Hydra's flags come first), then
     ``api.enabled=true`` and the options as overrides."""
     keys = [f"api.keys_file={os.path.abspath(args.keys_file)}"] if args.keys_file else []
+    named = any(
+        a in ("--config-name", "-cn") or a.startswith("--config-name=") for a in args.overrides
+    )
+    config = [] if named else ["--config-name", "api"]  # conf/api.yaml: a Tinker client's
     # The config's jobs are not trained (clients bring their own): adapters=[].
     args.overrides = [
+        *config,
         *args.overrides,
         "api.enabled=true",
         f"run_dir={args.run_dir}",
@@ -55,7 +60,8 @@ def add_commands(commands: Commands) -> None:
         "[OVERRIDE ...]"
     )
     sub.epilog = (
-        "OVERRIDE: the recipe's, e.g. --config-name smollm2 lora.slots=8 parallel=tp2; "
+        "OVERRIDE: the recipe's, e.g. --config-name smollm2 lora.slots=8 parallel=tp2 "
+        "(without --config-name: conf/api.yaml, ranks up to 32 and 2048-token sequences); "
         "it prints the URL once it answers: point tinker.ServiceClient(base_url=...) "
         "at it"
     )

@@ -29,12 +29,15 @@ class Example:
     per-token inputs by name (one float per loss-mask entry: e.g. sampled log-probs,
     advantages, reference log-probs). ``units``: what the example adds to its adapter's loss
     normaliser (default: its loss tokens; e.g. 1 per preference pair or per sequence).
+    ``targets``: the token each position is scored on where that is not the next token
+    (one per loss-mask entry; a service client's ``target_tokens``).
     """
 
     tokens: tuple[int, ...]
     loss_mask: tuple[bool, ...]
     values: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     units: int | None = None
+    targets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.tokens) < 2:
@@ -43,6 +46,10 @@ class Example:
             raise ValueError(
                 f"loss_mask has {len(self.loss_mask)} entries for "
                 f"{len(self.tokens)} tokens; expected {len(self.tokens) - 1}"
+            )
+        if self.targets is not None and len(self.targets) != len(self.loss_mask):
+            raise ValueError(
+                f"targets has {len(self.targets)} entries; expected {len(self.loss_mask)}"
             )
         bad = [k for k, v in self.values.items() if len(v) != len(self.loss_mask)]
         if bad:

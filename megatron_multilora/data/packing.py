@@ -153,7 +153,7 @@ def _build(
     for slot, example in items:
         n = len(example.tokens) - 1
         tokens += example.tokens[:-1]
-        labels += example.tokens[1:]
+        labels += example.tokens[1:] if example.targets is None else example.targets
         loss += example.loss_mask
         for k in names:
             values[k] += example.values.get(k, (0.0,) * n)

@@ -219,7 +219,11 @@ class APISettings:
     """A client silent this long (no heartbeat: crashed or disconnected) frees its slot; at
     least 20 s: the SDK heartbeats every 10 s."""
     max_pending: int = ranged(256, at_least(1))
-    """Calls that may wait for the engine; beyond it the service answers 429."""
+    """Calls that may wait for the engine (each API key its share); beyond it the service
+    answers 429."""
+    max_saves: int = ranged(1000, at_least(1))
+    """Checkpoints one API key may keep (save_state, save_weights_for_sampler with a path);
+    beyond it a save is refused until it deletes some or they expire (ttl_seconds)."""
 
 
 @dataclasses.dataclass

@@ -18,6 +18,7 @@ import httpx
 import psutil
 import pytest
 import tinker
+import torch
 from safetensors.torch import load_file
 from tinker import types
 
@@ -73,11 +74,12 @@ class Service:
                 str(port),
                 "--nproc",
                 str(nproc),
-                *overrides,
                 f"lora.slots={SLOTS}",
                 "api.batch_window_ms=300",
                 f"api.session_timeout_s={SESSION_TIMEOUT}",
                 "trainer.micro_batch_tokens=512",
+                "trainer.max_seq_len=128",
+                *overrides,
             ],
             cwd=REPO,
             env=env,
@@ -193,7 +195,7 @@ def test_an_sdk_training_loop_equals_the_recipe_job(service, data, tmp_path):
                 schedule="constant",
             )
         ],
-        [f"lora.slots={SLOTS}"],
+        [f"lora.slots={SLOTS}", "lora.max_rank=32"],  # the service's (conf/api.yaml)
     )
     with service.client() as sc:
         client = sc.create_lora_training_client(base_model="tiny", rank=8, seed=7).result()
@@ -233,7 +235,7 @@ def test_a_two_process_layout_serves_the_recipe_jobs_training(tmp_path, layout):
                 schedule="constant",
             )
         ],
-        [f"lora.slots={SLOTS}", *layout[1:]],
+        [f"lora.slots={SLOTS}", "lora.max_rank=32", *layout[1:]],
     )
     service = Service(
         tmp_path / "run",
@@ -404,18 +406,41 @@ def test_a_crashed_clients_slot_is_freed_after_the_session_timeout(service, tmp_
             assert time.monotonic() - crashed < SESSION_TIMEOUT + 30, "its slot was never freed"
             time.sleep(1)
     assert time.monotonic() - crashed > SESSION_TIMEOUT - 15  # not before its time
-    assert "(free)" in service.log.read_text()
+    assert re.search(r"api: ran \d+ calls \([^)]*\bfree\b", service.log.read_text())
 
 
-@pytest.mark.parametrize("loss", ["importance_sampling", "ppo"])
-def test_rl_losses_are_the_token_losses_of_the_objectives(service, data, loss):
-    """importance_sampling and ppo through the service: their losses are token_losses'
-    (the GRPO objective's) on the model's log-probs, and a step trains as the same loss
-    computed by the client (forward_backward_custom) does."""
-    import torch
+# Each RL loss by Tinker's documented formula (one datum), with a config that clips.
+RL_LOSSES = {
+    "importance_sampling": ({}, lambda lp, o, a, c: -(torch.exp(lp - o) * a).sum()),
+    "ppo": (
+        {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+        lambda lp, o, a, c: (
+            -torch.min(torch.exp(lp - o) * a, torch.clamp(torch.exp(lp - o), 0.9, 1.1) * a).sum()
+        ),
+    ),
+    "cispo": (
+        {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+        lambda lp, o, a, c: -(torch.clamp(torch.exp(lp - o), 0.9, 1.1).detach() * lp * a).sum(),
+    ),
+    "dro": ({"beta": 0.5}, lambda lp, o, a, c: -(lp * a - 0.25 * (lp - o) ** 2).sum()),
+    "gspo": (
+        {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+        lambda lp, o, a, c: (
+            -torch.min(
+                torch.exp((lp.detach() - o).mean() + lp - lp.detach()) * a,
+                torch.clamp(torch.exp((lp.detach() - o).mean() + lp - lp.detach()), 0.9, 1.1) * a,
+            ).sum()
+        ),
+    ),
+}
 
-    from megatron_multilora.training.objectives import token_losses
 
+@pytest.mark.parametrize("loss", list(RL_LOSSES))
+def test_rl_losses_are_tinkers_formulas_and_train_as_the_clients_own_loss(service, data, loss):
+    """Each RL loss through the service: its loss:sum is Tinker's formula on the model's
+    log-probs, and a step trains as the same loss computed by the client
+    (forward_backward_custom) does."""
+    config, theirs = RL_LOSSES[loss]
     gen = torch.Generator().manual_seed(3)
     plain = datums(data, "reverse")
     old = [
@@ -433,12 +458,9 @@ def test_rl_losses_are_the_token_losses_of_the_objectives(service, data, loss):
         )
         for d, o, a in zip(plain, old, adv)
     ]
-    clip = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}  # ratios in [0.9, 1.1]
 
-    def theirs(lp: torch.Tensor, o: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        if loss == "ppo":
-            return token_losses.ppo(lp, o, a, 0.1, 0.1).sum()
-        return token_losses.importance_sampling(lp, o, a).sum()
+    def client_loss(lps):
+        return sum(theirs(lp, o, a, config) for lp, o, a in zip(lps, old, adv))
 
     with service.client(KEYS[3]) as sc:
         served, custom = (
@@ -451,15 +473,10 @@ def test_rl_losses_are_the_token_losses_of_the_objectives(service, data, loss):
                 o["logprobs"].to_torch()
                 for o in served.forward(plain, "cross_entropy").result().loss_fn_outputs
             ]
-            out = served.forward_backward(
-                batch, loss, loss_fn_config=clip if loss == "ppo" else None
-            ).result()
-            want = sum(float(theirs(lp, o, a)) for lp, o, a in zip(lps, old, adv))
-            assert out.metrics["loss:sum"] == pytest.approx(want, rel=1e-5)
+            out = served.forward_backward(batch, loss, loss_fn_config=config or None).result()
+            assert out.metrics["loss:sum"] == pytest.approx(float(client_loss(lps)), rel=1e-5)
             served.optim_step(adam).result()
-            custom.forward_backward_custom(
-                plain, lambda _, lps: (sum(theirs(lp, o, a) for lp, o, a in zip(lps, old, adv)), {})
-            ).result()
+            custom.forward_backward_custom(plain, lambda _, lps: (client_loss(lps), {})).result()
             custom.optim_step(adam).result()
         after = [
             c.forward(plain, "cross_entropy").result().loss_fn_outputs for c in (served, custom)
@@ -468,11 +485,71 @@ def test_rl_losses_are_the_token_losses_of_the_objectives(service, data, loss):
             assert torch.allclose(a["logprobs"].to_torch(), b["logprobs"].to_torch(), atol=1e-5)
 
 
+def test_stable_reinforce_trains_on_recorded_samples_named_by_provenance(service, data):
+    """rl_loop.py's datums (target 0 at the prompt's positions, provenance naming each
+    sample): answered with the truncated-IS REINFORCE loss on the recorded log-probs; a datum
+    naming no recorded sample of its session, or none at all, is refused."""
+    prompt = list(b"reverse: abc\n")
+    with service.client(KEYS[3]) as sc:
+        client = sc.create_lora_training_client(base_model="tiny", rank=4).result()
+        sampler = client.save_weights_and_get_sampling_client(record_stability_info=True)
+        params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=1)
+        sequences = sampler.sample(types.ModelInput.from_ints(prompt), 3, params).result().sequences
+        batch = []
+        for k, seq in enumerate(sequences):
+            n = len(seq.tokens)
+            datum = types.Datum(
+                model_input=types.ModelInput.from_ints(prompt + seq.tokens[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": [0] * (len(prompt) - 1) + seq.tokens,
+                    "logprobs": [0.0] * (len(prompt) - 1 + n),  # the record's are used
+                    "advantages": [0.0] * (len(prompt) - 1) + [k - 1.0] * n,
+                },
+            )
+            batch.append(
+                datum.with_provenance(
+                    model_input=[
+                        types.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=len(prompt)),
+                        types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=n - 1),
+                    ],
+                    loss_fn_inputs=[
+                        types.PromptProvenanceSpan(
+                            sequence_id=seq.sequence_id, offset=1, length=len(prompt) - 1
+                        ),
+                        types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=n),
+                    ],
+                )
+            )
+        out = client.forward_backward(batch, "stable_reinforce").result()
+        want = 0.0
+        for k, (seq, o) in enumerate(zip(sequences, out.loss_fn_outputs)):
+            lp = o["logprobs"].to_torch()[len(prompt) - 1 :]
+            ratio = torch.exp(lp - torch.tensor(seq.logprobs)).clamp(max=2.0)
+            want += float(-(ratio * lp * (k - 1.0)).sum())
+        assert out.metrics["loss:sum"] == pytest.approx(want, rel=1e-5)
+        with pytest.raises(tinker.BadRequestError, match="stable_reinforce needs provenance"):
+            client.forward_backward(
+                [
+                    types.Datum(
+                        model_input=batch[0].model_input, loss_fn_inputs=batch[0].loss_fn_inputs
+                    )
+                ],
+                "stable_reinforce",
+            ).result()
+        other = sc.create_lora_training_client(base_model="tiny", rank=4).result()
+        with service.client(KEYS[3]) as sc2:  # another session: its samples are not this one's
+            stranger = sc2.create_lora_training_client(base_model="tiny", rank=4).result()
+            with pytest.raises(
+                tinker.RequestFailedError, match="names no recorded sample of this session"
+            ):
+                stranger.forward_backward(batch, "stable_reinforce").result()
+        assert other.forward_backward(batch, "stable_reinforce").result().metrics["loss:sum"]
+
+
 def test_forward_backward_custom_trains_as_its_loss_written_as_cross_entropy(service, data):
     """The SDK's forward_backward_custom (a forward, the client's loss and its gradient, then
     a weighted cross_entropy backward): a custom loss equal to the weighted negative
     log-likelihood trains a client as cross_entropy trains its twin."""
-    import torch
 
     def nll(batch, logprobs):
         loss = sum(
@@ -585,7 +662,7 @@ def test_listings_show_a_key_its_own_runs_and_checkpoints_and_only_the_owner_del
 
 
 @pytest.mark.parametrize(
-    "what", ["token outside the vocabulary", "too long", "unknown loss", "shifted targets"]
+    "what", ["token outside the vocabulary", "too long", "unknown loss", "an input not read"]
 )
 def test_bad_training_requests_are_refused_and_change_nothing(service, data, what):
     sc = service.client(KEYS[2])
@@ -615,16 +692,33 @@ def test_bad_training_requests_are_refused_and_change_nothing(service, data, wha
             )
         ]
     elif what == "unknown loss":
-        loss = "dro"
+        loss = "custom"  # computed by the SDK's forward_backward_custom, never sent
     else:
         bad = [
             types.Datum(
                 model_input=types.ModelInput.from_ints([1, 5, 6]),
-                loss_fn_inputs={"target_tokens": [7, 7, 7], "weights": [1.0] * 3},
+                loss_fn_inputs={
+                    "target_tokens": [5, 6, 7],
+                    "weights": [1.0] * 3,
+                    "mask": torch.ones(3),
+                },
             )
         ]
-    with pytest.raises(tinker.BadRequestError):
+    with pytest.raises(tinker.BadRequestError) as refused:
         client.forward_backward(bad, loss).result()
+    # Refused with its reason, and the refusal is in the service's log with its key.
+    reason = {
+        "token outside the vocabulary": "is outside the vocabulary",
+        "too long": "trainer.max_seq_len",
+        "unknown loss": "loss_fn 'custom'",
+        "an input not read": "mask: not served with cross_entropy",
+    }[what]
+    assert reason in str(refused.value)
+    refusals = re.findall(
+        r"api: refused POST /api/v1/forward_backward of tenant-\w+: 400 (.*)",
+        service.log.read_text(),
+    )
+    assert any(reason in line for line in refusals), refusals
     # Nothing accumulated: the same forward-only loss, and training goes on.
     after = client.forward(batch, "cross_entropy").result().metrics["loss:sum"]
     assert after == pytest.approx(before, rel=1e-6)
@@ -633,7 +727,7 @@ def test_bad_training_requests_are_refused_and_change_nothing(service, data, wha
 
 def test_ranks_and_slots_beyond_the_run_are_refused(service):
     with service.client(KEYS[3]) as sc:
-        with pytest.raises(tinker.BadRequestError, match="ranks 1 to 16"):
+        with pytest.raises(tinker.BadRequestError, match="ranks 1 to 32"):
             sc.create_lora_training_client(base_model="tiny", rank=64).result()
         with pytest.raises(tinker.BadRequestError, match="trains 'tiny'"):
             sc.create_lora_training_client(base_model="llama-70b", rank=4).result()

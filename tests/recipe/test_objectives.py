@@ -106,7 +106,7 @@ def grpo(data: Path, reward: str = "tests.recipe.rewards:letters", name: str = "
         eval_dataset=f"{data}/sort.prompts.eval.jsonl",
         global_batch_size=2,
         lr=1e-2,
-        grpo=f"{{group_size:4,max_new_tokens:6,kl_coef:0.05,inner_steps:2,"
+        grpo=f"{{group_size:4,max_new_tokens:6,kl_coef:0.05,inner_steps:2,loss:gspo,"
         f"temperature:1.0,top_p:0.9,reward:'{reward}'}}",
     )
 

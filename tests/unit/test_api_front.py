@@ -3,6 +3,7 @@
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -25,14 +26,14 @@ class Body:
         return self._body
 
 
-def create(front: Front, loop, session: str, seq: int):
+def create(front: Front, loop, session: str, seq: int, owner: str = OWNER):
     request = {  # tinker's CreateModelRequest, as the SDK sends it
         "session_id": session,
         "model_seq_id": seq,
         "base_model": "tiny",
         "lora_config": {"rank": 4},
     }
-    return loop.run_until_complete(front.create_model(Body(request), OWNER))
+    return loop.run_until_complete(front.create_model(Body(request), owner))
 
 
 def test_a_creation_answered_429_holds_no_slot(tmp_path):
@@ -52,3 +53,157 @@ def test_a_creation_answered_429_holds_no_slot(tmp_path):
     assert sorted(c.slot for c in front.clients.values()) == [0, 1]
     assert all(c["model_id"] in front.clients for c in created)
     loop.close()
+
+
+def serving(tmp_path, keys: int = 1, max_pending: int = 64):
+    """A front with one session per key (``key-0``, ...) and its queue, on a fresh loop."""
+    loop = asyncio.new_event_loop()
+    calls = CallQueue(max_pending=max_pending, keys=keys)
+    limits = Limits("tiny", 64, 128, slots=4, max_rank=8, tokenizer_id=None)
+    owners = {f"tml-{k}": f"key-{k}" for k in range(keys)}
+    front = Front(owners, limits, tmp_path, calls, Futures(loop), 60.0)
+    for k in range(keys):
+        front.sessions[f"s{k}"] = (f"key-{k}", time.monotonic())
+    return front, calls, loop
+
+
+def call(loop, endpoint, owner: str, **fields):
+    return loop.run_until_complete(endpoint(Body(fields), owner))
+
+
+def test_a_resent_save_or_creation_gets_the_first_ones_future(tmp_path):
+    """The SDK resends a call it heard nothing of, with the same ids: the first call's
+    future, not 400 "exists" (and nothing queued twice)."""
+    from megatron_multilora.api.weights_front import WeightsEndpoints
+
+    front, calls, loop = serving(tmp_path)
+    first = create(front, loop, "s0", 0, owner="key-0")
+    assert create(front, loop, "s0", 0, owner="key-0") == first
+    weights = WeightsEndpoints(front)
+    save = dict(model_id=first["model_id"], path="ckpt", seq_id=1)
+    answers = [call(loop, weights.save_weights, "key-0", **save) for _ in range(2)]
+    assert answers[0] == answers[1]
+    assert sorted(op.kind for op in calls.take(timeout=1.0, window=0.0)) == [
+        "create",
+        "save_state",
+    ]
+    assert calls.take(timeout=0.05, window=0.0) == []
+
+
+def test_a_checkpoint_is_listed_once_written_and_expires_with_its_ttl(tmp_path):
+    from megatron_multilora.api.weights_front import WeightsEndpoints
+
+    front, _, loop = serving(tmp_path)
+    model_id = create(front, loop, "s0", 0, owner="key-0")["model_id"]
+    weights = WeightsEndpoints(front)
+    saved = call(
+        loop, weights.save_weights, "key-0", model_id=model_id, path="a", seq_id=1, ttl_seconds=1
+    )
+    assert front.checkpoints.owned("key-0") == []  # queued, not written: not listed
+    with pytest.raises(Refused, match="still being written"):
+        front.checkpoints.get("key-0", f"tinker://{model_id}/weights/a", "weights")
+    assert not (tmp_path / "api" / "checkpoints.json").exists()
+    folder = Path(front.checkpoints.entries[f"tinker://{model_id}/weights/a"]["folder"])
+    folder.mkdir(parents=True)  # the engine writes it, then its call is answered
+    front.checkpoints.settle(saved["request_id"], written=True)
+    (listed,) = front.checkpoints.owned("key-0")
+    assert listed.expires_at is not None and listed.tinker_path.endswith("/weights/a")
+    time.sleep(1.1)
+    assert front.checkpoints.owned("key-0") == []  # expired: no longer listed
+    front.checkpoints.expire()
+    assert not folder.exists() and json.loads((tmp_path / "api/checkpoints.json").read_text()) == {}
+    failed = call(loop, weights.save_weights, "key-0", model_id=model_id, path="b", seq_id=2)
+    front.checkpoints.settle(failed["request_id"], written=False)  # its save failed: gone
+    assert f"tinker://{model_id}/weights/b" not in front.checkpoints
+
+
+def test_a_key_keeps_a_bounded_number_of_checkpoints(tmp_path):
+    from megatron_multilora.api.weights_front import WeightsEndpoints
+
+    front, _, loop = serving(tmp_path)
+    front.checkpoints.max_saves = 2
+    model_id = create(front, loop, "s0", 0, owner="key-0")["model_id"]
+    weights = WeightsEndpoints(front)
+    for seq in (1, 2):
+        call(loop, weights.save_weights, "key-0", model_id=model_id, path=f"c{seq}", seq_id=seq)
+    with pytest.raises(Refused, match="keeps 2 checkpoints, the most it may") as err:
+        call(loop, weights.save_weights, "key-0", model_id=model_id, path="c3", seq_id=3)
+    assert err.value.status == 400
+
+
+def test_samplers_and_their_weights_go_with_their_session_and_are_bounded(tmp_path):
+    from megatron_multilora.api import checkpoint_index
+    from megatron_multilora.api.weights_front import WeightsEndpoints
+
+    front, calls, loop = serving(tmp_path)
+    model_id = create(front, loop, "s0", 0, owner="key-0")["model_id"]
+    weights = WeightsEndpoints(front)
+    made = []
+    for seq in range(1, checkpoint_index.MAX_EPHEMERAL + 2):  # one more than a key keeps
+        answer = call(
+            loop,
+            weights.save_weights_for_sampler,
+            "key-0",
+            model_id=model_id,
+            sampling_session_seq_id=seq,
+            seq_id=seq,
+        )
+        front.checkpoints.settle(answer["request_id"], written=True)
+        made.append(f"s0:sample:{seq}")
+    assert sorted(front.samplers) == sorted(made[1:])  # the oldest went (its weights too)
+    ops = [op for op in calls.take(timeout=1.0, window=0.0)]
+    (release,) = [op for op in ops if op.kind == "release"]
+    assert len(release.args["folders"]) == 1 and "sampler-1" in release.args["folders"][0]
+    with front.lock:
+        front._end_sessions({"s0"})
+    assert front.samplers == {} and front.checkpoints.owned("key-0") == []
+    ops = []
+    while batch := calls.take(timeout=0.05, window=0.0):
+        ops += batch
+    (release,) = [op for op in ops if op.kind == "release"]
+    assert release.args["session"] == "s0" and len(release.args["folders"]) == 8
+
+
+def test_one_key_cannot_fill_the_queue_or_run_ahead_of_its_order(tmp_path):
+    """A flood of calls far ahead of a client's next one is refused (400), a key beyond its
+    share of the queue gets 429, and another key's calls still get in; a refused call with a
+    stale seq_id leaves nothing in the queue."""
+    from megatron_multilora.api.call_queue import MAX_AHEAD
+
+    front, calls, loop = serving(tmp_path, keys=2, max_pending=8)
+    a = front.clients[create(front, loop, "s0", 0, owner="key-0")["model_id"]]
+    b = front.clients[create(front, loop, "s1", 0, owner="key-1")["model_id"]]
+    calls.take(timeout=1.0, window=0.0)  # the creations
+    with pytest.raises(Refused, match=f"calls ahead of its next call .1.; at most {MAX_AHEAD}"):
+        front.submit("key-0", "skip", {}, a, 1 + MAX_AHEAD)
+    for seq in (1, 2, 3, 4):  # key-0's share: 8 // 2
+        front.submit("key-0", "optim_step", {}, a, seq)
+    with pytest.raises(Refused, match="its share of the queue") as err:
+        front.submit("key-0", "optim_step", {}, a, 5)
+    assert err.value.status == 429
+    front.submit("key-1", "optim_step", {}, b, 1)  # the other key gets in
+    assert len(calls.take(timeout=1.0, window=0.0)) == 2  # one call per client per batch
+
+    def bad() -> tuple:
+        raise Refused(400, "a bad datum")
+
+    with pytest.raises(Refused, match="a bad datum"):  # at a stale seq_id: no placeholder
+        front.in_order("key-0", a, 0, bad)
+    assert sorted(calls._ordered[a.model_id]) == [2, 3, 4]
+    with pytest.raises(Refused, match="has been queued already") as err:
+        front.submit("key-0", "optim_step", {}, a, 0)
+    assert err.value.status == 400
+
+
+def test_metadata_a_client_sends_is_bounded(tmp_path):
+    front, _, loop = serving(tmp_path)
+    request = {
+        "session_id": "s0",
+        "model_seq_id": 0,
+        "base_model": "tiny",
+        "lora_config": {"rank": 4},
+        "user_metadata": {"blob": "x" * 20000},
+    }
+    with pytest.raises(Refused, match="the service keeps up to"):
+        loop.run_until_complete(front.create_model(Body(request), "key-0"))
+    assert front.clients == {}

@@ -62,7 +62,7 @@ def test_tinker_named_token_losses():
     assert cross_entropy(lp, torch.tensor([1.0, 0.5])).tolist() == [1.0, 0.25]
     ratio = torch.exp(lp - old)
     assert importance_sampling(lp, old, adv).tolist() == pytest.approx((-ratio * adv).tolist())
-    clipped = ppo(lp, old, adv, 0.1, 0.1)
+    clipped = ppo(lp, old, adv, 0.9, 1.1)
     # pessimistic: ratio 1.22 clipped to 1.1 (positive advantage), ratio 0.67 to 0.9 (negative)
     assert clipped.tolist() == pytest.approx([-1.1 * 2.0, 0.9], rel=1e-6)
     assert kl_to_reference(lp, lp).tolist() == [0.0, 0.0]

@@ -231,7 +231,7 @@ def client_items(gen: torch.Generator, poisoned: bool = False) -> list[Example]:
 
 
 def client_work(slots: dict[int, list[Example]]) -> dict:
-    loss = registry.client_objective("importance_sampling", 0.2, 0.2)
+    loss = registry.client_objective("importance_sampling")
     return {s: SlotWork(items, loss, mean=False) for s, items in slots.items()}
 
 

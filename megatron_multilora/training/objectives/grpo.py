@@ -1,8 +1,9 @@
 """Group relative policy optimisation (Shao et al. 2024) with the frozen base as reference.
 
 Each step of a rollout trains on the job's sampled completions (``Rollout``): per token,
-``ppo(logprobs, sampling logprobs, advantage, clip_low, clip_high)`` plus ``kl_coef`` times
-the k3 KL to the base (the adapter off) times the importance ratio, weighted by ``weights``:
+the policy loss it names (``loss``, one of Tinker's: PPO's clipped surrogate by default) plus
+``kl_coef`` times the k3 KL to the base (the adapter off) times the importance ratio,
+weighted by ``weights``:
 1 per completion token (``token_mean``: the loss is the mean over the batch's completion
 tokens) or 1 / its length (``sequence_mean``: each completion's token mean, then the mean
 over completions).
@@ -24,8 +25,10 @@ from megatron_multilora.training.objectives.rewards import (
 )
 from megatron_multilora.training.objectives.rollouts import Rollout, reward_stats, sample_rollouts
 from megatron_multilora.training.objectives.sft import SFT
-from megatron_multilora.training.objectives.token_losses import kl_to_reference, ppo
+from megatron_multilora.training.objectives.token_losses import TOKEN_LOSSES, kl_to_reference
 from megatron_multilora.validation import Rule, at_least, one_of, positive, ranged, within
+
+POLICY_LOSSES = tuple(name for name in TOKEN_LOSSES if name != "cross_entropy")
 
 
 @dataclasses.dataclass
@@ -37,9 +40,14 @@ class GRPOSettings:
     max_new_tokens: int = ranged(16, at_least(1))
     inner_steps: int = ranged(1, at_least(1))
     """Optimizer steps on each batch of samples before sampling the next."""
+    loss: str = ranged("ppo", one_of(*POLICY_LOSSES))
+    """The policy loss, by Tinker's name (``token_losses.TOKEN_LOSSES``)."""
     clip_low: float = ranged(0.2, within(0.0, 1.0))
     clip_high: float = ranged(0.2, at_least(0.0))
-    """The importance ratio is clipped to [1 - clip_low, 1 + clip_high]."""
+    """ppo, cispo and gspo clip the importance ratio to [1 - clip_low, 1 + clip_high];
+    stable_reinforce caps it at 1 + clip_high."""
+    dro_beta: float = ranged(0.05, at_least(0.0))
+    """dro's weight of the squared log-ratio."""
     kl_coef: float = ranged(0.0, at_least(0.0))
     """Weight of the KL to the base model (the adapter off; 0: no reference pass)."""
     aggregation: str = ranged("token_mean", one_of("token_mean", "sequence_mean"))
@@ -69,12 +77,27 @@ class GRPO(Objective):
     # rollout); the base's log-probs with them where kl_coef > 0.
     inputs = ("logprobs", "advantages", "weights", "ref_logprobs")
 
-    def __init__(self, clip_low: float, clip_high: float, kl_coef: float) -> None:
+    def __init__(
+        self,
+        clip_low: float,
+        clip_high: float,
+        kl_coef: float,
+        loss: str = "ppo",
+        dro_beta: float = 0.05,
+    ) -> None:
         self.clip_low, self.clip_high, self.kl_coef = clip_low, clip_high, kl_coef
+        self.loss = TOKEN_LOSSES[loss]
+        config = {
+            "clip_low_threshold": 1.0 - clip_low,
+            "clip_high_threshold": 1.0 + clip_high,
+            "beta": dro_beta,
+        }
+        self.config = {k: config[k] for k in self.loss.config}
 
     @classmethod
     def build(cls, spec: Any) -> GRPO:
-        return cls(spec.grpo.clip_low, spec.grpo.clip_high, spec.grpo.kl_coef)
+        g = spec.grpo
+        return cls(g.clip_low, g.clip_high, g.kl_coef, g.loss, g.dro_beta)
 
     @classmethod
     def problems(cls, spec: Any, where: str, max_seq_len: int) -> list[str]:
@@ -161,7 +184,8 @@ class GRPO(Objective):
         import torch
 
         old, weights = values["logprobs"], values["weights"]
-        loss = ppo(logprobs, old, values["advantages"], self.clip_low, self.clip_high)
+        inputs = {**values, "sequence_ratio_mask": weights}  # gspo's: the completion tokens
+        loss = self.loss.per_token(logprobs, inputs, self.config, sequence)
         # The KL's samples come from the sampling policy: weighed by the importance ratio it
         # estimates the current policy's KL (TRL's use_bias_correction_kl, its default).
         kl = (

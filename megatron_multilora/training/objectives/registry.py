@@ -5,6 +5,7 @@ objective's ``settings``); a service client names a per-token loss (Tinker's).""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from megatron_multilora.training.objectives.dpo import DPO
@@ -13,6 +14,7 @@ from megatron_multilora.training.objectives.objective import Objective
 from megatron_multilora.training.objectives.per_token import PerTokenLoss
 from megatron_multilora.training.objectives.sft import SFT
 from megatron_multilora.training.objectives.simpo import SimPO
+from megatron_multilora.training.objectives.token_losses import TOKEN_LOSSES, TokenLoss
 
 JOB_OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (SFT, DPO, GRPO, SimPO)}
 """What a job's ``objective`` may name."""
@@ -20,8 +22,9 @@ JOB_OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (SFT, DPO
 DEFAULT: type[Objective] = SFT
 """A job's objective when it names none, and what a slot given none is scored with."""
 
-CLIENT_LOSSES: dict[str, tuple[str, ...]] = PerTokenLoss.LOSSES
-"""The per-token losses a service client may name, and the inputs each reads per position."""
+CLIENT_LOSSES: dict[str, TokenLoss] = TOKEN_LOSSES
+"""The per-token losses a service client may name: the inputs each reads per position and
+its ``loss_fn_config`` keys."""
 
 
 def objective_of(spec: Any) -> Objective:
@@ -29,6 +32,7 @@ def objective_of(spec: Any) -> Objective:
     return JOB_OBJECTIVES[spec.objective].build(spec)
 
 
-def client_objective(loss: str, clip_low: float, clip_high: float) -> Objective:
-    """A service client's loss by Tinker's name (a key of :data:`CLIENT_LOSSES`)."""
-    return PerTokenLoss(loss, clip_low, clip_high)
+def client_objective(loss: str, config: Mapping[str, float] | None = None) -> Objective:
+    """A service client's loss by Tinker's name (a key of :data:`CLIENT_LOSSES`) with its
+    ``loss_fn_config``."""
+    return PerTokenLoss(loss, config)

@@ -7,8 +7,9 @@ only: the module imports no torch at import time (see :mod:`.objective`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -32,14 +33,70 @@ def ppo(
     logprobs: torch.Tensor,
     sampling_logprobs: torch.Tensor,
     advantages: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
+    low: float,
+    high: float,
 ) -> torch.Tensor:
-    """The clipped surrogate: ``-min(rho * A, clip(rho, 1 - clip_low, 1 + clip_high) * A)``
-    with ``rho = exp(logprobs - sampling_logprobs)``."""
+    """The clipped surrogate: ``-min(rho * A, clip(rho, low, high) * A)`` with
+    ``rho = exp(logprobs - sampling_logprobs)`` (``low``, ``high``: Tinker's
+    ``clip_low_threshold`` and ``clip_high_threshold``, 0.8 and 1.2 by default)."""
     ratio = (logprobs - sampling_logprobs).exp()
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    return -(ratio * advantages).minimum(clipped * advantages)
+    return -(ratio * advantages).minimum(ratio.clamp(low, high) * advantages)
+
+
+def cispo(
+    logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    low: float,
+    high: float,
+) -> torch.Tensor:
+    """``-sg(clip(rho, low, high)) * logprobs * A``: the clipped ratio weighs the policy
+    gradient without stopping it (Chen et al. 2025, MiniMax-M1)."""
+    ratio = (logprobs.detach() - sampling_logprobs).exp()
+    return -ratio.clamp(low, high) * logprobs * advantages
+
+
+def dro(
+    logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, advantages: torch.Tensor, beta: float
+) -> torch.Tensor:
+    """``-(logprobs * A - beta / 2 * (logprobs - sampling_logprobs) ** 2)``: direct reward
+    optimisation's quadratic penalty on the log-ratio (Richemond et al. 2024)."""
+    return -(logprobs * advantages - 0.5 * beta * (logprobs - sampling_logprobs).square())
+
+
+def gspo(
+    logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    low: float,
+    high: float,
+    sequence: torch.Tensor,
+    ratio_mask: torch.Tensor,
+) -> torch.Tensor:
+    """GSPO-token (Zheng et al. 2025): PPO's clipped surrogate on each token's copy of its
+    sequence's ratio, the geometric mean of the token ratios over the positions
+    ``ratio_mask`` marks, which takes each token's own log-prob gradient. ``sequence``
+    ``[T]`` numbers each position's sequence (0 up); a sequence with no marked position
+    has ratio 1."""
+    log_ratio = (logprobs.detach() - sampling_logprobs) * ratio_mask
+    sums = log_ratio.new_zeros(len(sequence)).index_add(0, sequence, log_ratio)
+    counts = ratio_mask.new_zeros(len(sequence)).index_add(0, sequence, ratio_mask)
+    mean = (sums / counts.clamp(min=1.0))[sequence]
+    ratio = (mean + logprobs - logprobs.detach()).exp()
+    return -(ratio * advantages).minimum(ratio.clamp(low, high) * advantages)
+
+
+def stable_reinforce(
+    logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, advantages: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """``-sg(min(rho, cap)) * logprobs * A``: REINFORCE weighted by the truncated importance
+    ratio to the sampler (Yao et al. 2025's truncated importance sampling), which stays
+    bounded however far the sampler's numerics or weights drift. Tinker documents this
+    loss's sampling contract (recorded samples named by provenance) but not its objective;
+    this one is ours: on policy it is importance sampling's gradient, and the service takes
+    ``sampling_logprobs`` from its own record of each named sample."""
+    ratio = (logprobs.detach() - sampling_logprobs).exp()
+    return -ratio.clamp(max=cap) * logprobs * advantages
 
 
 def kl_to_reference(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -67,3 +124,80 @@ def segment_sums(per_token: torch.Tensor, spans: Sequence[tuple[int, int]]) -> t
         per_token[bounds[0] : bounds[-1]].double(), "sum", lengths=lengths, unsafe=True
     )
     return sums[keep] if len(keep) < len(sums) else sums
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLoss:
+    """A per-token loss by Tinker's name: the per-position inputs it reads besides the
+    target tokens (``logprobs``: the sampler's; of these, ``optional`` a client may omit:
+    the service then marks the positions with a non-zero advantage), its
+    ``loss_fn_config`` keys with their defaults, and the loss of each position from the
+    trained log-probs, the inputs, the config and each position's sequence number."""
+
+    inputs: tuple[str, ...]
+    config: Mapping[str, float]
+    per_token: Callable[..., torch.Tensor]
+    optional: tuple[str, ...] = ()
+
+
+def _ratio_mask(values: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    return (values["sequence_ratio_mask"] != 0).to(values["advantages"].dtype)
+
+
+_CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+
+TOKEN_LOSSES: dict[str, TokenLoss] = {
+    "cross_entropy": TokenLoss(
+        ("weights",), {}, lambda lp, v, c, s: cross_entropy(lp, v["weights"])
+    ),
+    "importance_sampling": TokenLoss(
+        ("logprobs", "advantages"),
+        {},
+        lambda lp, v, c, s: importance_sampling(lp, v["logprobs"], v["advantages"]),
+    ),
+    "ppo": TokenLoss(
+        ("logprobs", "advantages"),
+        _CLIP,
+        lambda lp, v, c, s: ppo(
+            lp, v["logprobs"], v["advantages"], c["clip_low_threshold"], c["clip_high_threshold"]
+        ),
+    ),
+    # Tinker's CISPO clips one side by default (its loss-functions tutorial).
+    "cispo": TokenLoss(
+        ("logprobs", "advantages"),
+        {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+        lambda lp, v, c, s: cispo(
+            lp, v["logprobs"], v["advantages"], c["clip_low_threshold"], c["clip_high_threshold"]
+        ),
+    ),
+    # Tinker documents no default beta; 0.05 is its documentation's example.
+    "dro": TokenLoss(
+        ("logprobs", "advantages"),
+        {"beta": 0.05},
+        lambda lp, v, c, s: dro(lp, v["logprobs"], v["advantages"], c["beta"]),
+    ),
+    # Tinker documents no default thresholds; the GSPO paper's (its section 5.1).
+    "gspo": TokenLoss(
+        ("logprobs", "advantages"),
+        {"clip_low_threshold": 1.0 - 3e-4, "clip_high_threshold": 1.0 + 4e-4},
+        lambda lp, v, c, s: gspo(
+            lp,
+            v["logprobs"],
+            v["advantages"],
+            c["clip_low_threshold"],
+            c["clip_high_threshold"],
+            s,
+            _ratio_mask(v),
+        ),
+        optional=("sequence_ratio_mask",),
+    ),
+    "stable_reinforce": TokenLoss(
+        ("logprobs", "advantages"),
+        {"clip_high_threshold": 2.0},
+        lambda lp, v, c, s: stable_reinforce(
+            lp, v["logprobs"], v["advantages"], c["clip_high_threshold"]
+        ),
+    ),
+}
+"""Every per-token loss by the name a Tinker client sends (a GRPO job may pick the policy
+losses too)."""
