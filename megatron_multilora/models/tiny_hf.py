@@ -39,10 +39,14 @@ def _byte_level_chars() -> dict[int, str]:
 
 
 def write_tiny_llama(
-    folder: str | Path, hidden_size: int = 128, num_layers: int = 2, seed: int = 0
+    folder: str | Path,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    seed: int = 0,
+    max_positions: int = 256,
 ) -> Path:
-    """Save a random Llama (4 heads, 2 KV groups, SwiGLU 2x hidden, vocab 264) and the byte
-    tokenizer to ``folder`` (atomically)."""
+    """Save a random Llama (4 heads, 2 KV groups, SwiGLU 2x hidden, vocab 264, sequences of
+    up to ``max_positions``) and the byte tokenizer to ``folder`` (atomically)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -53,7 +57,7 @@ def write_tiny_llama(
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=max_positions,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         tie_word_embeddings=False,
