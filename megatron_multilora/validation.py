@@ -21,7 +21,10 @@ from typing import Any
 INIT_METHODS = ("xavier", "kaiming", "normal", "zero")
 """How a LoRA factor is initialised."""
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-"""The linears multi-LoRA wraps by name (wildcard patterns over module paths also work)."""
+"""The linears multi-LoRA wraps by name by default (wildcard patterns over module paths also
+work)."""
+TARGET_NAMES = (*TARGETS, "output_layer")
+"""What lora.targets may name: those, and the output layer (the unembedding)."""
 SCHEDULES = ("constant", "linear", "cosine")
 """Learning-rate schedules after warmup."""
 

@@ -154,6 +154,8 @@ NOT_ON_THE_MACHINE = (
     "megatron_multilora/api/",
     "tests/recipe/test_api_service.py",
     "tests/recipe/test_api_cookbook.py",
+    "tests/recipe/test_api_rl_loop.py",
+    "tests/recipe/run_rl_loop.py",
     "benchmarks/api_service.py",
 )
 

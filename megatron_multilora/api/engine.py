@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import shutil
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -36,7 +36,7 @@ from megatron_multilora.atomic_files import write_dir_atomic, write_json_atomic
 from megatron_multilora.checkpoint.adapter_files import export_adapter, import_adapter
 from megatron_multilora.checkpoint.peft_format import export_peft
 from megatron_multilora.data.datasets import Example
-from megatron_multilora.layers.lifecycle import clear_adapter_slot
+from megatron_multilora.layers.lifecycle import TARGET_PARTS, clear_adapter_slot
 from megatron_multilora.training.checkpoints import restore_slot, slot_snapshot
 from megatron_multilora.training.config import AdapterJob
 from megatron_multilora.training.objectives.objective import SampleRequest
@@ -47,10 +47,12 @@ from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
 from megatron_multilora.training.step.slot_step import SlotWork
 
 
-def client_job(name: str, rank: int) -> AdapterJob:
+def client_job(name: str, rank: int, parts: Sequence[str] = TARGET_PARTS) -> AdapterJob:
     """The settings a training client's slot starts with (its optimizer's come with every
-    ``optim_step``): ``name`` seeds a fresh adapter as a recipe job's name does."""
+    ``optim_step``): ``name`` seeds a fresh adapter as a recipe job's name does; it trains
+    the ``parts`` of the model its LoraConfig asks for."""
     return AdapterJob(
+        **{f"train_{part}": part in parts for part in TARGET_PARTS},
         name=name,
         dataset="",
         rank=rank,
@@ -144,8 +146,10 @@ class Engine:
 
     # -- training clients -----------------------------------------------------------------
 
-    def create(self, slot: int, rank: int, init_key: str, model_id: str) -> dict:
-        self.optimizers[slot] = self.rt.start_slot(slot, client_job(init_key, rank), 1)
+    def create(self, slot: int, rank: int, init_key: str, model_id: str, parts: list[str]) -> dict:
+        """A fresh adapter in ``slot``, training the ``parts`` its client's LoraConfig asks
+        for (attn, mlp, unembed)."""
+        self.optimizers[slot] = self.rt.start_slot(slot, client_job(init_key, rank, parts), 1)
         self.rt.step.drop([slot])
         self.versions[slot] = self.versions.get(slot, 0) + 1
         self.steps[slot] = 0
@@ -289,7 +293,7 @@ class Engine:
         """A training state into the slot (``init_key``: a client created from it)."""
         meta = read_state_meta(Path(folder))
         if init_key is not None:
-            self.create(slot, meta["rank"], init_key, model_id)
+            self.create(slot, meta["rank"], init_key, model_id, TARGET_PARTS)  # its own zeros
         opt = self.optimizers[slot]
         restore_slot(
             self.model,

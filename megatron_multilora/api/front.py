@@ -33,6 +33,7 @@ from megatron_multilora.api.request_checks import (
     Limits,
     Refused,
     datum_example,
+    lora_parts,
     loss_config,
     refusal,
 )
@@ -353,17 +354,18 @@ class Front:
         resent = self.created(owner, body.session_id, body.model_seq_id)
         if resent is not None:
             return resent
-        rank = body.lora_config.rank if body.lora_config else 32
-        seed = body.lora_config.seed if body.lora_config else None
+        lora = body.lora_config or types.LoraConfig(rank=32)
+        parts = lora_parts(lora, self.limits)
         client = self.new_client(
-            owner, body.session_id, body.model_seq_id, rank, body.user_metadata
+            owner, body.session_id, body.model_seq_id, lora.rank, body.user_metadata
         )
         # A seeded adapter starts as a recipe job named seed-<seed> does.
-        init_key = f"seed-{seed}" if seed is not None else client.model_id
+        init_key = f"seed-{lora.seed}" if lora.seed is not None else client.model_id
+        args = {"slot": client.slot, "rank": lora.rank, "init_key": init_key, "parts": parts}
         return self.submit(
             owner,
             "create",
-            {"slot": client.slot, "rank": rank, "init_key": init_key, "model_id": client.model_id},
+            {**args, "model_id": client.model_id},
             creates=client,
             model_id=client.model_id,
         )

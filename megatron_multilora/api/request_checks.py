@@ -50,6 +50,21 @@ class Limits:
     slots: int
     max_rank: int
     tokenizer_id: str | None
+    unembed: bool = False  # the output layer is adapted (lora.targets has output_layer)
+
+
+def lora_parts(lora: types.LoraConfig, limits: Limits) -> list[str]:
+    """The parts of the model a client's LoRA trains (its ``LoraConfig``)."""
+    parts = [p for p in ("attn", "mlp", "unembed") if getattr(lora, f"train_{p}")]
+    if not parts:
+        raise Refused(400, "LoraConfig: train_attn, train_mlp and train_unembed are all off")
+    if "unembed" in parts and not limits.unembed:
+        raise Refused(
+            400,
+            "LoraConfig.train_unembed: this service adapts no output layer (its lora.targets "
+            "lacks output_layer): create with train_unembed=False, or serve with it",
+        )
+    return parts
 
 
 def loss_config(loss_fn: str, given: dict[str, Any]) -> dict[str, float]:

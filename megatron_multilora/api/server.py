@@ -112,6 +112,7 @@ def _start_front(
         run.lora.slots,
         run.lora.max_rank,
         hf_dir,
+        unembed="output_layer" in run.lora.targets,
     )
     loop = asyncio.new_event_loop()
     queue = CallQueue(api.max_pending, len(keys))

@@ -89,40 +89,42 @@ def _fuse_rows(name: str, parts: list[torch.Tensor], cfg: GPTModelConfig) -> tor
     return parts[0]
 
 
-def _layers(model: ModelOrChunks) -> dict[str, tuple[int, str]]:
-    out = {}
-    for path, _ in named_multi_lora_modules(model):
-        m = _LAYER.match(path)
-        if m is None:
-            raise ValueError(
-                f"{path}: not a decoder layer linear; PEFT export covers decoder layers"
-            )
-        out[path] = (int(m.group(1)), m.group(2))
-    return out
+def hf_modules(path: str, model_type: str) -> list[str] | None:
+    """The PEFT module names (``{e}``: the expert index) a wrapped linear's path splits
+    into: a decoder layer's linears, or the output layer (``lm_head``)."""
+    if path == "output_layer":
+        return ["base_model.model.lm_head"]
+    m = _LAYER.match(path)
+    parts = hf_module_names(m.group(2), model_type) if m else None
+    if parts is None:
+        return None
+    return [f"base_model.model.model.layers.{m.group(1)}.{part}" for part in parts]
 
 
 def to_peft_tensors(
     full: dict[str, torch.Tensor], cfg: GPTModelConfig, model_type: str
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Full slot tensors (``<layer path>.adapter.linear_in/out.weight``, as from
-    ``get_slot_tensors`` or an adapter folder) -> PEFT keys, and the target module names."""
+    ``get_slot_tensors`` or an adapter folder) -> PEFT keys, and the target module names.
+    A linear whose factors are both zero (one the adapter does not train: see
+    ``restrict_adapter_slot``) is left out."""
     tensors, targets = {}, set()
     paths = sorted({k.split(".adapter.")[0] for k in full})
     for path in paths:
-        m = _LAYER.match(path)
-        parts = hf_module_names(m.group(2), model_type) if m else None
-        if parts is None:
+        modules = hf_modules(path, model_type)
+        if modules is None:
             raise ValueError(f"{path}: no Hugging Face counterpart for this linear")
-        layer, rest = int(m.group(1)), m.group(2)
         a = full[f"{path}.adapter.linear_in.weight"]
         b = full[f"{path}.adapter.linear_out.weight"]
+        if not (a.any() or b.any()):
+            continue
         for e in range(a.size(0)) if a.dim() == 3 else [None]:
             a_e, b_e = (a, b) if e is None else (a[e], b[e])
-            for part, b_part in zip(parts, _split_rows(rest, b_e, cfg)):
-                module = f"base_model.model.model.layers.{layer}.{part.format(e=e)}"
+            for name, b_part in zip(modules, _split_rows(path, b_e, cfg)):
+                module = name.format(e=e)
                 tensors[f"{module}.lora_A.weight"] = a_e.clone()  # one copy per HF module
                 tensors[f"{module}.lora_B.weight"] = b_part.clone()
-                targets.add(part.rsplit(".", 1)[-1])
+                targets.add(name.rsplit(".", 1)[-1])
     return tensors, sorted(targets)
 
 
@@ -227,9 +229,10 @@ def import_peft(
     r, alpha = int(config["r"]), peft_alpha(config)
     remaining = dict(peft)
     full = {}
-    for path, (layer, rest) in _layers(model).items():
-        parts = hf_module_names(rest, model_type)
-        layer_module = next(m for p, m in named_multi_lora_modules(model) if p == path)
+    for path, layer_module in named_multi_lora_modules(model):
+        parts, rest = hf_modules(path, model_type), path
+        if parts is None:
+            raise ValueError(f"{where}: {path} has no Hugging Face counterpart")
         n_experts = (
             layer_module.num_local_experts * _ep_size()
             if hasattr(layer_module, "num_local_experts")
@@ -239,7 +242,7 @@ def import_peft(
         for e in range(n_experts) if n_experts else [None]:
             a_e, b_parts = None, []
             for part in parts:
-                module = f"base_model.model.model.layers.{layer}.{part.format(e=e)}"
+                module = part.format(e=e)
                 a_p = remaining.pop(f"{module}.lora_A.weight", None)
                 b_p = remaining.pop(f"{module}.lora_B.weight", None)
                 if (a_p is None) != (b_p is None):

@@ -7,10 +7,11 @@ model or a list of model chunks and act on every :class:`MultiLoRALinear` in it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 
 import torch
 
+from megatron_multilora.layers.factors import FACTORS
 from megatron_multilora.layers.model_paths import chunk_prefixes, global_named_modules
 from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear
 from megatron_multilora.ops.slot_layout import SlotLayout, check_ep_slots, check_token_counts
@@ -88,6 +89,30 @@ def init_adapter_slot(
     own LoRA dropout rate."""
     for layer in multi_lora_modules(model):
         layer.init_adapter_slot(idx, rank, alpha, dropout)
+
+
+TARGET_PARTS = ("attn", "mlp", "unembed")
+
+
+def target_part(path: str) -> str:
+    """The part of the model an adapted linear is in, as a Tinker ``LoraConfig`` names them
+    (``train_attn``, ``train_mlp``, ``train_unembed``): the output layer, an MLP's or
+    experts' linears, or attention's."""
+    if path.rsplit(".", 1)[-1] == "output_layer":
+        return "unembed"
+    return "mlp" if ".mlp." in f".{path}." else "attn"
+
+
+def restrict_adapter_slot(model: ModelOrChunks, idx: int, parts: Collection[str]) -> None:
+    """Slot ``idx`` adapts only the linears of ``parts`` (of :data:`TARGET_PARTS`): in the
+    others both its factors are zeroed, which keeps them zero under any optimizer step (the
+    gradient of each factor is a product with the other), so they add nothing and export
+    leaves them out."""
+    with torch.no_grad():
+        for path, layer in named_multi_lora_modules(model):
+            if target_part(path) not in parts:
+                for factor in FACTORS:
+                    factor.weight(layer.adapters[idx]).zero_()
 
 
 def clear_adapter_slot(model: ModelOrChunks, idx: int, init_key: str | None = None) -> None:

@@ -207,15 +207,15 @@ class MultiLoRALinear(torch.nn.Module):
         self._init_methods, self._dropout_position, self.seed = init_methods, dropout_position, seed
         self.slot_layout: SlotLayout | None = None
         self.returns_ln_output = False
-        weight = next(to_wrap.parameters())
+        dtype, device = _weight_dtype_device(to_wrap)
         self.adapters = SlotBank(
             n_slots,
             max_rank,
             layout.slot_shapes(to_wrap, max_rank),
             alpha,
             dropout,
-            weight.dtype,
-            weight.device,
+            dtype,
+            device,
             layout.tag,
             layout.rank_offset,
             self.where,
@@ -422,3 +422,18 @@ def _add_wrap_prefix(
     for name in module.to_wrap.state_dict().keys():
         if prefix + name in state_dict:
             state_dict[prefix + "to_wrap." + name] = state_dict.pop(prefix + name)
+
+
+def _weight_dtype_device(to_wrap: torch.nn.Module) -> tuple[torch.dtype, torch.device]:
+    """The base weight's dtype and device; an output layer tied to the embedding holds no
+    weight of its own (it is handed one at each call): its config's dtype, this rank's
+    device."""
+    weight = getattr(to_wrap, "weight", None)
+    if weight is not None:
+        return weight.dtype, weight.device
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    return to_wrap.config.params_dtype, device

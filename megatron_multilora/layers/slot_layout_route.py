@@ -111,7 +111,13 @@ def _layer_hooks(linears: list[MultiLoRALinear]):
 
 def _chunk_pre_hook(linears: list[MultiLoRALinear], signature: inspect.Signature):
     def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        layout = _carried(signature.bind_partial(*args, **kwargs).arguments if args else kwargs)
+        call = signature.bind_partial(*args, **kwargs).arguments if args else kwargs
+        layout = _carried(call)
+        context = call.get("inference_context")
+        if layout is not None and getattr(context, "materialize_only_last_token_logits", False):
+            # megatron projects only each sequence's last position: a row per sequence
+            length = call["input_ids"].size(1)
+            layout = SlotLayout([count // length for count in layout.counts])
         if layout is not None:
             _hand(linears, layout)
 

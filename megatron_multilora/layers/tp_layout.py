@@ -69,7 +69,7 @@ class TPLayout:
 
     def slot_shapes(self, base: torch.nn.Module, max_rank: int) -> dict[Factor, tuple]:
         """This rank's shape of each factor of one slot."""
-        out, inp = base.weight.shape
+        out, inp = base_shape(base)
         return {A: (max_rank, inp), B: (out, max_rank)}
 
     def rank_offset(self, local_rows: int) -> int:
@@ -196,3 +196,11 @@ class TPLayout:
         return (
             f"{type(self).__name__}(tp={self.tp_size}, sequence_parallel={self.sequence_parallel})"
         )
+
+
+def base_shape(base: torch.nn.Module) -> tuple[int, int]:
+    """This rank's ``(out, in)`` of the base's weight; an output layer tied to the embedding
+    (no weight of its own) has megatron's partition sizes."""
+    if getattr(base, "weight", None) is not None:
+        return tuple(base.weight.shape)
+    return base.output_size_per_partition, base.input_size

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_multilora.ops.slot_layout import SlotLayout
+
 CLEAR_MARGINS = {torch.float32: 1e-2, torch.bfloat16: 1.0}
 """A row's greedy choice counts as clear where its logit beats the runner-up's by more than
 this, by the precision the model computes in (:func:`compute_dtype`): far above the
@@ -56,10 +58,11 @@ def selectable(chunk: torch.nn.Module) -> bool:
     """Whether ``chunk`` (a GPTModel, or a pipeline stage of one) can run its output layer at
     chosen rows: it has one, without sequence parallelism or multi-token prediction."""
     layer = getattr(chunk, "output_layer", None)
+    base = getattr(layer, "to_wrap", layer)  # an adapted output layer: its base's settings
     return (
         getattr(chunk, "post_process", False)
         and layer is not None
-        and not getattr(layer, "sequence_parallel", False)
+        and not getattr(base, "sequence_parallel", False)
         and not getattr(chunk.config, "mtp_num_layers", None)
     )
 
@@ -80,13 +83,15 @@ def token_loss_and_choices(
     labels: torch.Tensor,
     rows: torch.Tensor | None,
     choose: bool = True,
+    rows_layout: SlotLayout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`token_loss`, and (``choose``) each row's clear greedy choice: ``[1, S]`` int64,
     the token of the highest logit where it leads by more than its :data:`CLEAR_MARGINS`,
-    -1 where it does not and at the positions that are not rows. None where the model runs whole."""
+    -1 where it does not and at the positions that are not rows. None where the model runs
+    whole. ``rows_layout``: the adapter slots of ``rows``, for an adapted output layer."""
     if rows is None or not selectable(chunk):
         return chunk(**inputs, labels=labels), None
-    with _output_rows(chunk.output_layer, rows):
+    with _output_rows(chunk.output_layer, rows, rows_layout):
         logits = chunk(**inputs, labels=None)  # [1, rows, vocab / TP]
     picked = chunk.compute_language_model_loss(labels[:, rows], logits.transpose(0, 1))
     where = (torch.zeros_like(rows), rows)
@@ -121,9 +126,13 @@ def clear_choices(logits: torch.Tensor, margin: float) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _output_rows(layer: torch.nn.Module, rows: torch.Tensor) -> Iterator[None]:
+def _output_rows(
+    layer: torch.nn.Module, rows: torch.Tensor, layout: SlotLayout | None
+) -> Iterator[None]:
     def pick(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         hidden = args[0] if args else kwargs.pop("input_")
+        if layout is not None and hasattr(module, "slot_layout"):  # an adapted output layer
+            module.slot_layout = layout
         return (hidden.index_select(0, rows), *args[1:]), kwargs  # [s, b, h]: rows of s
 
     handle = layer.register_forward_pre_hook(pick, with_kwargs=True)

@@ -32,7 +32,7 @@ from megatron_multilora.training.objectives.objective import Objective
 from megatron_multilora.training.objectives.registry import JOB_OBJECTIVES
 from megatron_multilora.validation import (
     CONFIG_NAMES,
-    TARGETS,
+    TARGET_NAMES,
     layout_problems,
     model_layout_problems,
     schema_problems,
@@ -110,13 +110,13 @@ def _target_problems(targets: list[str]) -> list[str]:
         return ["lora.targets: empty; name the linears to adapt, e.g. [linear_qkv, linear_proj]"]
     problems = []
     for i, target in enumerate(targets):
-        if any(c in target for c in "*?[") or target in TARGETS:
+        if any(c in target for c in "*?[") or target in TARGET_NAMES:
             continue
-        close = difflib.get_close_matches(target, TARGETS, n=1)
+        close = difflib.get_close_matches(target, TARGET_NAMES, n=1)
         problems.append(
             f"lora.targets.{i}={target!r}: no such linear; "
             f"{f'did you mean {close[0]!r}? ' if close else ''}use one of "
-            f"{', '.join(TARGETS)} or a wildcard pattern over module paths"
+            f"{', '.join(TARGET_NAMES)} or a wildcard pattern over module paths"
         )
     return problems
 

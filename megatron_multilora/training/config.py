@@ -86,6 +86,12 @@ class _JobFields:
     """An adapter folder to start from instead of a fresh initialisation: one this trainer
     exported, or a Hugging Face PEFT LoRA folder (rank padded up to lora.max_rank). The job's
     rank must be the adapter's; its alpha is the adapter's (see alpha)."""
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+    """Which of lora.targets a fresh adapter trains (as a Tinker LoraConfig): attention's
+    linears, the MLP's (experts' too), the output layer (where lora.targets has
+    output_layer); the others stay zero and its PEFT export leaves them out."""
 
 
 # A job's fields and one section per objective with settings (its ``settings`` dataclass,

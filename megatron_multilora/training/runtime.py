@@ -22,8 +22,10 @@ from megatron_multilora.checkpoint.adapter_folders import FolderFormat, folder_f
 from megatron_multilora.checkpoint.peft_format import import_peft
 from megatron_multilora.data.tokenizer import ByteTokenizer, HFTokenizer
 from megatron_multilora.layers.lifecycle import (
+    TARGET_PARTS,
     clear_adapter_slot,
     init_adapter_slot,
+    restrict_adapter_slot,
 )
 from megatron_multilora.models.gpt_config import GPTModelConfig
 from megatron_multilora.models.hf_config import read_hf_config
@@ -123,6 +125,8 @@ def start_job(
         import_adapter(model, slot, job.init_from)
     else:  # initialised from the job, not the slot: the same adapter in any slot
         clear_adapter_slot(model, slot, init_key=job.name)
+        parts = [p for p in TARGET_PARTS if getattr(job, f"train_{p}")]
+        restrict_adapter_slot(model, slot, parts)
     # An imported adapter keeps its own alpha (the config check refused a differing job alpha).
     init_adapter_slot(model, slot, job.rank, job_alpha(job), job.dropout)
     return SlotOptimizer(model, slot, job, total_steps)

@@ -32,6 +32,11 @@ KEYS = ["tml-alice", "tml-bob", "tml-carol", "tml-dave"]
 SLOTS = 4
 SESSION_TIMEOUT = 25  # seconds; the SDK heartbeats every 10
 ADAM = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)  # the recipe's AdamW
+# The service's adapters (conf/api.yaml), for a recipe job that trains as a client does.
+SERVICE_LORA = [
+    "lora.max_rank=32",
+    "lora.targets=[linear_qkv,linear_proj,linear_fc1,linear_fc2,output_layer]",
+]
 
 
 def free_port() -> int:
@@ -195,7 +200,7 @@ def test_an_sdk_training_loop_equals_the_recipe_job(service, data, tmp_path):
                 schedule="constant",
             )
         ],
-        [f"lora.slots={SLOTS}", "lora.max_rank=32"],  # the service's (conf/api.yaml)
+        [f"lora.slots={SLOTS}", *SERVICE_LORA],
     )
     with service.client() as sc:
         client = sc.create_lora_training_client(base_model="tiny", rank=8, seed=7).result()
@@ -235,7 +240,7 @@ def test_a_two_process_layout_serves_the_recipe_jobs_training(tmp_path, layout):
                 schedule="constant",
             )
         ],
-        [f"lora.slots={SLOTS}", "lora.max_rank=32", *layout[1:]],
+        [f"lora.slots={SLOTS}", *SERVICE_LORA, *layout[1:]],
     )
     service = Service(
         tmp_path / "run",
@@ -254,22 +259,34 @@ def test_a_two_process_layout_serves_the_recipe_jobs_training(tmp_path, layout):
     assert got == pytest.approx(want["seed-7"], rel=1e-5)
 
 
+# Each client's LoraConfig: everything (Tinker's default), no MLP, no attention, no output layer.
+PARTS = [{}, {"train_mlp": False}, {"train_attn": False}, {"train_unembed": False}]
+
+
 def test_four_clients_at_once_each_train_as_alone(service, data):
+    """Four clients, each with its own task and LoraConfig, trained at once equal each
+    trained alone; the linears a client's LoraConfig leaves out never move from zero."""
     tasks = ["add", "reverse", "sort", "uppercase"]
     alone = {}
-    for key, task in zip(KEYS, tasks):
+    for key, task, parts in zip(KEYS, tasks, PARTS):
         with service.client(key) as sc:
-            client = sc.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
+            client = sc.create_lora_training_client(
+                base_model="tiny", rank=4, seed=1, **parts
+            ).result()
             alone[key] = train(client, datums(data, task), 3, 1e-2)
     before = service.log.read_text()
     together: dict[str, list[float]] = {}
+    saved: dict[str, str] = {}
 
-    def run(key: str, task: str) -> None:
+    def run(key: str, task: str, parts: dict) -> None:
         with service.client(key) as sc:
-            client = sc.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
+            client = sc.create_lora_training_client(
+                base_model="tiny", rank=4, seed=1, **parts
+            ).result()
             together[key] = train(client, datums(data, task), 3, 1e-2)
+            saved[key] = client.save_weights_for_sampler(f"parts-{key}").result().path
 
-    threads = [threading.Thread(target=run, args=kt) for kt in zip(KEYS, tasks)]
+    threads = [threading.Thread(target=run, args=ktp) for ktp in zip(KEYS, tasks, PARTS)]
     for t in threads:
         t.start()
     for t in threads:
@@ -284,6 +301,16 @@ def test_four_clients_at_once_each_train_as_alone(service, data):
         )
     ]
     assert max(batched) >= 2, batched  # some calls of different clients shared a step
+    part_of = {"linear_qkv": "attn", "linear_proj": "attn", "linear_fc1": "mlp"}
+    part_of |= {"linear_fc2": "mlp", "output_layer": "unembed"}
+    for key, parts in zip(KEYS, PARTS):
+        tensors = sampler_tensors(saved[key], service.log.parent / "run")
+        moved = {
+            part_of[name.split(".adapter.")[0].rsplit(".", 1)[-1]]
+            for name, t in tensors.items()
+            if t.any()
+        }
+        assert moved == {"attn", "mlp", "unembed"} - {k[6:] for k in parts}, (key, moved)
 
 
 def test_a_tenants_non_finite_gradients_leave_its_neighbour_as_alone(service, data):

@@ -364,6 +364,9 @@ def test_every_schema_field_has_a_range_rule_or_another_check():
         *JOB_OBJECTIVES,  # each objective's section: its fields have their rules
         "scale_rewards",
         "reward",
+        "train_attn",
+        "train_mlp",
+        "train_unembed",
         "api",
         "enabled",
         "host",

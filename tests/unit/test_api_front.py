@@ -39,7 +39,7 @@ def create(front: Front, loop, session: str, seq: int, owner: str = OWNER):
 def test_a_creation_answered_429_holds_no_slot(tmp_path):
     loop = asyncio.new_event_loop()
     calls = CallQueue(max_pending=2)
-    limits = Limits("tiny", 64, 128, slots=2, max_rank=8, tokenizer_id=None)
+    limits = Limits("tiny", 64, 128, slots=2, max_rank=8, tokenizer_id=None, unembed=True)
     front = Front({"tml-a": OWNER}, limits, tmp_path, calls, Futures(loop), 60.0)
     front.sessions["s"] = (OWNER, time.monotonic())
     assert calls.put(Op("sample", "r0", {})) and calls.put(Op("sample", "r1", {}))  # full
@@ -59,7 +59,7 @@ def serving(tmp_path, keys: int = 1, max_pending: int = 64):
     """A front with one session per key (``key-0``, ...) and its queue, on a fresh loop."""
     loop = asyncio.new_event_loop()
     calls = CallQueue(max_pending=max_pending, keys=keys)
-    limits = Limits("tiny", 64, 128, slots=4, max_rank=8, tokenizer_id=None)
+    limits = Limits("tiny", 64, 128, slots=4, max_rank=8, tokenizer_id=None, unembed=True)
     owners = {f"tml-{k}": f"key-{k}" for k in range(keys)}
     front = Front(owners, limits, tmp_path, calls, Futures(loop), 60.0)
     for k in range(keys):

@@ -3,6 +3,9 @@ each datum's targets and inputs, stable_reinforce's provenance against the recor
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -128,3 +131,22 @@ def test_recorded_samples_go_with_their_session_and_are_bounded(monkeypatch):
     for k in range(3):
         samples.record("s1", f"q:{k}", [1], [2], [-1.0])
     assert list(samples.samples) == ["q:1", "q:2"] and samples.counts == {"s1": 2}
+
+
+def lora(rank: int = 4, **parts: bool) -> SimpleNamespace:
+    """A tinker LoraConfig's fields (its defaults: every part trained)."""
+    return SimpleNamespace(
+        rank=rank, **{"train_attn": True, "train_mlp": True, "train_unembed": True, **parts}
+    )
+
+
+def test_a_lora_config_names_the_parts_it_trains_and_only_those_served():
+    from megatron_multilora.api.request_checks import lora_parts
+
+    served = dataclasses.replace(LIMITS, unembed=True)
+    assert lora_parts(lora(), served) == ["attn", "mlp", "unembed"]
+    assert lora_parts(lora(train_mlp=False), served) == ["attn", "unembed"]
+    with pytest.raises(Refused, match="adapts no output layer"):
+        lora_parts(lora(), LIMITS)
+    with pytest.raises(Refused, match="all off"):
+        lora_parts(lora(train_attn=False, train_mlp=False, train_unembed=False), served)

@@ -77,3 +77,31 @@ def test_peft_loads_the_exported_slot_with_the_same_logits(model_type, tmp_path)
     base = hf_logits(make_hf_model(model_type), ids)
     assert (want - base).abs().max() > 1e-2  # the adapter matters
     assert (got - want).abs().max() <= TOL, f"{model_type}: {(got - want).abs().max():.2e}"
+
+
+def test_a_slot_of_some_parts_exports_only_those_and_an_adapted_output_layer(tmp_path):
+    """Output-layer LoRA (a LoraConfig's train_unembed) exports as ``lm_head``; linears a slot
+    does not train (restrict_adapter_slot: both factors zero) are left out of the export,
+    and peft gives the Megatron model's logits."""
+    import json
+
+    import peft
+
+    from megatron_multilora.layers.lifecycle import restrict_adapter_slot
+
+    hf = make_hf_model("llama")
+    hf.save_pretrained(tmp_path / "base")
+    model, cfg = load_hf_model(str(tmp_path / "base"))
+    targets = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer"]
+    mm.apply_multi_lora(model, 3, 8, 1.0, target_modules=targets)
+    trained_like_slot(model, 1)
+    restrict_adapter_slot(model, 1, ["attn", "unembed"])
+    ids = token_batch()
+    mm.set_tokens_per_adapter_slot(model, [0, ids.numel(), 0])
+    want = megatron_logits(model, ids)
+    export_peft(model, 1, tmp_path / "peft", cfg, "llama", str(tmp_path / "base"))
+    config = json.loads((tmp_path / "peft/adapter_config.json").read_text())
+    assert config["target_modules"] == ["k_proj", "lm_head", "o_proj", "q_proj", "v_proj"]
+    wrapped = peft.PeftModel.from_pretrained(make_hf_model("llama"), str(tmp_path / "peft"))
+    got = hf_logits(wrapped.eval(), ids)
+    assert (got - want).abs().max() <= TOL, f"{(got - want).abs().max():.2e}"

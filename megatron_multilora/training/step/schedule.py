@@ -11,6 +11,7 @@ length, given to the schedule as ``seq_length`` (``micro_batches.MicroBatcher.eq
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
@@ -24,6 +25,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron_multilora.data.packing import MicroBatch
 from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
 from megatron_multilora.models.loss_rows import selectable, token_loss_and_choices
+from megatron_multilora.ops.slot_layout import SlotLayout
 from megatron_multilora.training.objectives.objective import MAX_METRICS, Objective
 from megatron_multilora.training.objectives.registry import DEFAULT
 from megatron_multilora.training.step.cuda_graphs import ChunkGraphs
@@ -75,7 +77,12 @@ def run_schedule(
     # The loss's rows (found on the host: no device sync), where a chunk here projects onto
     # the vocabulary at chosen rows and the caller wants the loss, not logits.
     pick = graphs is None and "labels" not in forward_kwargs and any(selectable(c) for c in chunks)
-    rows = [loss_rows(mb).to(device) if pick else None for mb in micro_batches]
+    rows = [loss_rows(mb) if pick else None for mb in micro_batches]
+    # An adapted output layer sees only those rows: its slots' counts among them.
+    rows = [
+        (r.to(device), rows_layout(mb, r)) if pick else (None, None)
+        for mb, r in zip(micro_batches, rows)
+    ]
     static = [graphs.inputs(mb) if graphs else None for mb in micro_batches]  # from the host
     mbs = [mb.to(device) for mb in micro_batches]
     lengths = {mb.tokens.size(1) for mb in mbs}
@@ -90,7 +97,7 @@ def run_schedule(
         chunk: torch.nn.Module,
         *_,
     ):
-        mb, at, inputs = next(data_iterator)
+        mb, (at, at_layout), inputs = next(data_iterator)
         # The packed params carry the micro-batch's slot layout to the adapted layers (also to
         # their recompute re-runs, which may run after later micro-batches' forwards).
         if inputs is not None:
@@ -100,7 +107,12 @@ def run_schedule(
             chosen = None
         else:
             output, chosen = token_loss_and_choices(
-                chunk, {**chunk_inputs(chunk, mb), **forward_kwargs}, mb.labels, at, choices
+                chunk,
+                {**chunk_inputs(chunk, mb), **forward_kwargs},
+                mb.labels,
+                at,
+                choices,
+                at_layout,
             )
         if output.requires_grad:
             # A filler's (pads only) aux-loss gradient is scaled to zero: it trains nothing.
@@ -132,6 +144,15 @@ def loss_rows(mb: MicroBatch) -> torch.Tensor:
     """The positions of ``mb`` with a loss (at least one: a filler's first pad)."""
     rows = mb.loss_mask[0].nonzero().flatten()
     return rows if rows.numel() else torch.zeros(1, dtype=torch.int64)
+
+
+def rows_layout(mb: MicroBatch, rows: torch.Tensor) -> SlotLayout:
+    """The slot layout of ``rows`` (ascending positions of ``mb``, on the host): how many of
+    them fall in each slot's stretch of the packed micro-batch."""
+    starts = list(itertools.accumulate(mb.counts, initial=0))
+    ends = torch.tensor(starts[1:])
+    taken = torch.searchsorted(rows, ends).tolist()  # rows before each slot's end
+    return SlotLayout([b - a for a, b in itertools.pairwise([0, *taken])])
 
 
 def _set_aux_loss_scale(scale: float, grad: torch.Tensor) -> None:
