@@ -32,6 +32,7 @@ from megatron_multilora.api.request_checks import (
     CLIENT_CONFIG,
     Limits,
     Refused,
+    check_optimizer,
     datum_example,
     lora_parts,
     loss_config,
@@ -356,6 +357,7 @@ class Front:
             return resent
         lora = body.lora_config or types.LoraConfig(rank=32)
         parts = lora_parts(lora, self.limits)
+        check_optimizer(body.optimizer_config)
         client = self.new_client(
             owner, body.session_id, body.model_seq_id, lora.rank, body.user_metadata
         )

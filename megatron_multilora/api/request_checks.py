@@ -53,6 +53,19 @@ class Limits:
     unembed: bool = False  # the output layer is adapted (lora.targets has output_layer)
 
 
+def check_optimizer(config: Any) -> None:
+    """A client's optimizer, chosen at creation: AdamW. Tinker's Dimuon is refused here,
+    not at its first step: its documentation leaves its update undefined (the matrix-sign
+    iteration count, the normalisation epsilon and the preconditioner's form are internal)."""
+    kind = getattr(config, "type", "adamw")
+    if kind != "adamw":
+        raise Refused(
+            400,
+            f"optimizer {kind!r}: not served (Tinker does not publish its full update); "
+            "create with types.AdamOptimizerConfig() (the default)",
+        )
+
+
 def lora_parts(lora: types.LoraConfig, limits: Limits) -> list[str]:
     """The parts of the model a client's LoRA trains (its ``LoraConfig``)."""
     parts = [p for p in ("attn", "mlp", "unembed") if getattr(lora, f"train_{p}")]

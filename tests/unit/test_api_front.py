@@ -207,3 +207,20 @@ def test_metadata_a_client_sends_is_bounded(tmp_path):
     with pytest.raises(Refused, match="the service keeps up to"):
         loop.run_until_complete(front.create_model(Body(request), "key-0"))
     assert front.clients == {}
+
+
+def test_an_optimizer_the_service_does_not_run_is_refused_at_creation(tmp_path):
+    front, calls, loop = serving(tmp_path)
+    request = {
+        "session_id": "s0",
+        "model_seq_id": 0,
+        "base_model": "tiny",
+        "lora_config": {"rank": 4},
+        "optimizer_config": {"type": "dimuon", "version": 1},  # types.DimuonOptimizerConfig()
+    }
+    with pytest.raises(Refused, match="optimizer 'dimuon': not served") as err:
+        loop.run_until_complete(front.create_model(Body(request), "key-0"))
+    assert err.value.status == 400 and front.clients == {}
+    assert calls.take(timeout=0.05, window=0.0) == []
+    request["optimizer_config"] = {"type": "adamw"}
+    assert create(front, loop, "s0", 1, owner="key-0")["model_id"] in front.clients
