@@ -22,6 +22,7 @@ from benchmarks.peers.rows import section_peers
 from benchmarks.pipeline_parallel import pp_model_config, section_pp
 from benchmarks.post_training import section_post
 from benchmarks.report import Results, Row, hardware, load_average, markdown, versions
+from benchmarks.rl_tenants import section_rl
 from benchmarks.scaling import section_scaling, section_width, width_config
 from benchmarks.settings import SECTIONS, Settings
 from benchmarks.tensor_parallel import section_tp
@@ -42,6 +43,7 @@ RUN_SECTION = {
     "launches": section_launches,
     "graphs": section_graphs,
     "api": section_api,
+    "rl": section_rl,
     "mainjob": section_mainjob,
 }
 

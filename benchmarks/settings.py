@@ -74,7 +74,7 @@ SECTIONS = (
 """What a run without ``--only`` runs."""
 
 
-EXTRA_SECTIONS = ("peers", "api", "mainjob", "launches", "graphs")
+EXTRA_SECTIONS = ("peers", "api", "rl", "mainjob", "launches", "graphs")
 """Run only when named in ``--only`` (minutes of whole training launches; counts rather than
 times, which ``tests/unit/test_launches.py`` holds; CUDA graphs, GPU only)."""
 
@@ -144,7 +144,7 @@ def parse_settings(argv: list[str] | None = None) -> tuple[Settings, argparse.Na
         choices=ALL_SECTIONS,
         metavar="SECTION",
         help="run only these sections (" + ", ".join(ALL_SECTIONS) + "; peers, "
-        "api, mainjob, launches and graphs run only when named here); writes "
+        "api, rl, mainjob, launches and graphs run only when named here); writes "
         "<out-dir>/cpu-only-<sections>.md and .json instead of cpu.md",
     )
     parser.add_argument(

@@ -157,6 +157,7 @@ NOT_ON_THE_MACHINE = (
     "tests/recipe/test_api_rl_loop.py",
     "tests/recipe/run_rl_loop.py",
     "benchmarks/api_service.py",
+    "benchmarks/rl_tenants.py",
 )
 
 

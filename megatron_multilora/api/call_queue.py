@@ -33,6 +33,7 @@ class CallQueue:
         self._unordered: list[Op] = []
         self._pending = 0
         self._in_step: set[str] = set()  # the training clients of the last batch
+        self._sampled: set[str] = set()  # the keys with other calls (samples) in it
 
     def refusal(
         self, owner: str, client: str | None = None, seq_id: int | None = None, skip: bool = False
@@ -112,7 +113,8 @@ class CallQueue:
         """The calls ready to run (empty after ``timeout`` seconds without any). Once one is
         ready, up to ``window`` seconds more for the next calls of the training clients of
         the last batch to join it: clients calling at once fall into step (a batch each
-        round), while a lone client never waits."""
+        round), while a lone client never waits. Keys that sampled in the last batch are
+        waited for the same way, so tenants' samples share a generation pass."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while not self._ready():
@@ -124,6 +126,7 @@ class CallQueue:
             while self._awaited() and (left := until - time.monotonic()) > 0:
                 self._cond.wait(left)
             batch, self._in_step = self._ready(), set()
+            self._sampled = {self._owner_of.get(op.request_id) for op in self._unordered} - {None}
             for client, queue in self._ordered.items():
                 if self._expected.get(client) in queue:
                     queue.pop(self._expected[client])
@@ -134,13 +137,16 @@ class CallQueue:
         return batch
 
     def _awaited(self) -> set[str]:
-        """The last batch's training clients without a call ready now."""
-        return {
+        """The last batch's training clients without a call ready now, and the keys that
+        sampled in it without any call ready now (a tenant's next samples join the others')."""
+        waiting = {
             client
             for client in self._in_step
             if client in self._expected
             and self._expected[client] not in self._ordered.get(client, {})
         }
+        ready = {self._owner_of.get(op.request_id) for op in self._ready()}
+        return waiting | (self._sampled - ready)
 
     def _ready(self) -> list[Op]:
         ordered = [

@@ -10,6 +10,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
 import megatron_multilora as mm
+from megatron_multilora.validation import TARGETS
 
 N, DIM = 4, 8
 RANKS, ALPHAS = [8, 3, 1, 5], [16.0, 4.0, 2.0, 10.0]
@@ -21,6 +22,7 @@ def build(
     sp: bool = False,
     ddp: bool = True,
     fully_sharded: bool = False,
+    targets: tuple[str, ...] = TARGETS,
     **config_overrides: object,
 ):
     """The wrapped model (megatron DDP around it unless ``ddp=False``); same weights each call.
@@ -28,7 +30,15 @@ def build(
     torch.manual_seed(0)  # base weights are drawn as full tensors: same on every build
     model = mm.build_gpt_model(cfg, sequence_parallel=sp, **config_overrides)
     # Non-zero B so that every factor gets a gradient.
-    mm.apply_multi_lora(model, N, DIM, 1.0, row_init_method="normal", fully_sharded=fully_sharded)
+    mm.apply_multi_lora(
+        model,
+        N,
+        DIM,
+        1.0,
+        row_init_method="normal",
+        fully_sharded=fully_sharded,
+        target_modules=targets,
+    )
     for i, (r, a) in enumerate(zip(RANKS, ALPHAS)):
         mm.init_adapter_slot(model, i, r, a)
     if not ddp:

@@ -16,6 +16,7 @@ import megatron_multilora as mm
 from megatron_multilora.layers.factors import A
 from megatron_multilora.training.step.grad_sync import SlotGradSync
 from megatron_multilora.training.step.slot_adamw import SlotAdamW
+from megatron_multilora.validation import TARGET_NAMES, TARGETS
 from tests.distributed.conftest import assert_all_ranks, compare
 from tests.distributed.harness import (
     ALPHAS,
@@ -43,9 +44,9 @@ COUNTS = [5, 0, 7, 4]  # a zero-token slot; slot 2 spans the SP window boundary
 REL = 2e-5
 
 
-def reference(layout):
+def reference(layout, targets=TARGETS):
     layout(tp=1)
-    ddp = build(CFG)
+    ddp = build(CFG, targets=targets)
     state = {k: v.clone() for k, v in ddp.module.state_dict().items() if torch.is_tensor(v)}
     ddp.zero_grad_buffer()
     losses = step(ddp, micro_batch(0, COUNTS, CFG.vocab_size))
@@ -55,12 +56,27 @@ def reference(layout):
     return state, losses, grads
 
 
-@pytest.mark.parametrize("fully", [False, True], ids=["default", "fully_sharded"])
-@pytest.mark.parametrize("sp", [False, True], ids=["sp_off", "sp_on"])
-def test_tp2_gpt_matches_tp1(layout, sp, fully):
-    state, ref_losses, ref_grads = reference(layout)
+@pytest.mark.parametrize(
+    ("sp", "fully", "targets"),
+    [
+        (False, False, TARGETS),
+        (False, True, TARGETS),
+        (True, False, TARGETS),
+        (True, True, TARGETS),
+        (True, False, TARGET_NAMES),  # the output layer adapted too (vocab-parallel)
+    ],
+    ids=[
+        "sp_off-default",
+        "sp_off-fully_sharded",
+        "sp_on-default",
+        "sp_on-fully_sharded",
+        "sp_on-unembed",
+    ],
+)
+def test_tp2_gpt_matches_tp1(layout, sp, fully, targets):
+    state, ref_losses, ref_grads = reference(layout, targets)
     layout(tp=2, sp=sp)
-    ddp = build(CFG, sp, fully_sharded=fully)
+    ddp = build(CFG, sp, fully_sharded=fully, targets=targets)
     load_full_state(ddp, state, CFG)
     ddp.zero_grad_buffer()
     losses = step(ddp, micro_batch(0, COUNTS, CFG.vocab_size))

@@ -86,3 +86,53 @@ def test_the_cookbook_supervised_loop_trains_through_the_service(tmp_path):
     final = [json.loads(line) for line in open(tmp_path / "cookbook/checkpoints.jsonl")][-1]
     assert final["sampler_path"].startswith("tinker://"), final
     assert list((tmp_path / "run/api").glob("*/*/sampler_weights/final/adapter/*.safetensors"))
+
+
+def test_the_cookbooks_rl_trainer_runs_for_tenants_at_once_with_every_loss(tmp_path):
+    """examples/cookbook_rl.py, short, on a tiny Llama: tinker_cookbook.rl.train unmodified,
+    one tenant per Tinker RL loss (stable_reinforce with its recorded samples), all at once;
+    each ends with its reward line, and every step of every tenant trained."""
+    hf_dir = write_tiny_llama(tmp_path / "tiny-llama", hidden_size=64, max_positions=2048)
+    losses = ["importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"]
+    tasks = ["capitalize", "upper", "reverse", "first", "capitalize", "upper"]
+    done = subprocess.run(
+        [
+            str(REPO / ".venv/bin/python"),
+            "examples/cookbook_rl.py",
+            "--hf-dir",
+            str(hf_dir),
+            "--model-name",
+            "tiny-llama",
+            "--renderer",
+            "role_colon",
+            "--log-path",
+            str(tmp_path / "rl"),
+            "--tasks",
+            ",".join(tasks),
+            "--losses",
+            ",".join(losses),
+            "--steps",
+            "2",
+            "--groups",
+            "2",
+            "--group-size",
+            "2",
+            "--max-tokens",
+            "6",
+            "--test-problems",
+            "4",
+        ],
+        cwd=REPO,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = re.findall(r"^tml-(\w+): mean reward (-?[\d.]+) -> (-?[\d.]+)$", done.stdout, re.M)
+    names = [f"{task}{i}" if tasks.count(task) > 1 else task for i, task in enumerate(tasks)]
+    assert [name for name, *_ in lines] == names, done.stdout
+    log = (tmp_path / "rl/service.log").read_text()
+    assert "api: refused" not in log and "failed:" not in log, log[-3000:]
+    trained = sum(int(n) for n in re.findall(r"(\d+) forward_backward in one step", log))
+    assert trained == 2 * len(losses), log[-3000:]
