@@ -65,3 +65,18 @@ def test_the_window_waits_for_the_last_batchs_clients_and_never_for_a_lone_one()
     start = time.monotonic()
     assert names(calls.take(timeout=window, window=0.3)) == ["a5"]
     assert 0.25 < time.monotonic() - start < window / 2
+
+
+def test_the_window_waits_for_the_keys_that_sampled_in_the_last_batch():
+    """Tenants' samples share a generation pass: a key that sampled in the last batch is
+    waited for (within the window) when another key's call is ready."""
+    window = 6.0
+    calls = CallQueue(max_pending=16, keys=2)
+    calls.put(Op("sample", "a1", {}), owner="key-a")
+    calls.put(Op("sample", "b1", {}), owner="key-b")
+    assert names(calls.take(timeout=1.0, window=0.0)) == ["a1", "b1"]
+    calls.put(Op("sample", "a2", {}), owner="key-a")
+    threading.Timer(0.2, lambda: calls.put(Op("sample", "b2", {}), owner="key-b")).start()
+    start = time.monotonic()
+    assert names(calls.take(timeout=1.0, window=window)) == ["a2", "b2"]
+    assert time.monotonic() - start < window / 2  # b's call ended the wait, not the window
