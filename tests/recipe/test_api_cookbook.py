@@ -112,7 +112,7 @@ def test_the_cookbooks_rl_trainer_runs_for_tenants_at_once_with_every_loss(tmp_p
             "--losses",
             ",".join(losses),
             "--steps",
-            "2",
+            "1",
             "--groups",
             "2",
             "--group-size",
@@ -120,7 +120,7 @@ def test_the_cookbooks_rl_trainer_runs_for_tenants_at_once_with_every_loss(tmp_p
             "--max-tokens",
             "6",
             "--test-problems",
-            "4",
+            "2",
         ],
         cwd=REPO,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
@@ -135,4 +135,4 @@ def test_the_cookbooks_rl_trainer_runs_for_tenants_at_once_with_every_loss(tmp_p
     log = (tmp_path / "rl/service.log").read_text()
     assert "api: refused" not in log and "failed:" not in log, log[-3000:]
     trained = sum(int(n) for n in re.findall(r"(\d+) forward_backward in one step", log))
-    assert trained == 2 * len(losses), log[-3000:]
+    assert trained == len(losses), log[-3000:]  # one step each
