@@ -367,14 +367,11 @@ class Engine:
                 if owner is op
             ]
             if op.args["record"]:
-                for k, (tokens, logprobs, _) in enumerate(sequences):
-                    self.recorded.record(
-                        op.args["session"],
-                        f"{op.request_id}:{k}",
-                        op.args["prompt"],
-                        tokens,
-                        logprobs,
-                    )
+                self.recorded.record(
+                    op.args["session"],
+                    op.args["prompt"],
+                    {f"{op.request_id}:{k}": seq[:2] for k, seq in enumerate(sequences)},
+                )
             self.complete(
                 op.request_id,
                 Result(

@@ -79,6 +79,7 @@ class Front:
         calls: CallQueue,
         futures: Futures,
         session_timeout: float,
+        max_saves: int = 1000,
     ) -> None:
         self.keys, self.limits, self.calls, self.futures = keys, limits, calls, futures
         self.root = run_dir / "api"
@@ -88,7 +89,7 @@ class Front:
         self.clients: dict[str, Client] = {}
         self.samplers: dict[str, Sampler] = {}
         self.seen: dict[tuple[str, int], str] = {}  # (client, seq_id) -> request id
-        self.checkpoints = CheckpointIndex(self.root)
+        self.checkpoints = CheckpointIndex(self.root, max_saves)  # a key's at most
         self.expired_at = 0.0  # when sweep last expired checkpoints
 
     # -- plumbing -------------------------------------------------------------------------

@@ -22,7 +22,6 @@ PER_SESSION = 65536
 
 @dataclasses.dataclass
 class Recorded:
-    session: str
     prompt: list[int]
     tokens: list[int]
     logprobs: list[float]
@@ -31,28 +30,26 @@ class Recorded:
 
 class RecordedSamples:
     def __init__(self) -> None:
-        self.samples: dict[str, Recorded] = {}  # by sequence_id, oldest first
-        self.counts: dict[str, int] = {}  # by session
+        # session -> sequence_id -> sample, oldest first: a session's samples are only ever
+        # named by its own calls, and go with it.
+        self.sessions: dict[str, dict[str, Recorded]] = {}
 
     def record(
-        self,
-        session: str,
-        sequence_id: str,
-        prompt: list[int],
-        tokens: list[int],
-        logprobs: list[float],
+        self, session: str, prompt: list[int], samples: dict[str, tuple[list[int], list[float]]]
     ) -> None:
-        self._expire()
-        if self.counts.get(session, 0) >= PER_SESSION:
-            oldest = next(k for k, r in self.samples.items() if r.session == session)
-            self._drop(oldest)
-        self.samples[sequence_id] = Recorded(session, prompt, tokens, logprobs, time.monotonic())
-        self.counts[session] = self.counts.get(session, 0) + 1
+        """One sample call's samples (by sequence_id: tokens, log-probs) of ``prompt``."""
+        now = time.monotonic()
+        kept = self.sessions.setdefault(session, {})
+        for key in [k for k, r in kept.items() if now - r.used > KEEP_S]:
+            del kept[key]
+        for sequence_id, (tokens, logprobs) in samples.items():
+            kept[sequence_id] = Recorded(prompt, tokens, logprobs, now)
+        for key in list(kept)[: max(0, len(kept) - PER_SESSION)]:
+            del kept[key]
 
     def forget(self, session: str) -> None:
         """The session has ended: its samples go."""
-        for key in [k for k, r in self.samples.items() if r.session == session]:
-            self._drop(key)
+        self.sessions.pop(session, None)
 
     def sampler_logprobs(
         self,
@@ -70,8 +67,8 @@ class RecordedSamples:
         for field, runs, own in (("model_input", spans[0], tokens), ("targets", spans[1], targets)):
             position = 0
             for kind, sequence_id, offset, length in runs:
-                sample = self.samples.get(sequence_id)
-                if sample is None or sample.session != session or now - sample.used > KEEP_S:
+                sample = self.sessions.get(session, {}).get(sequence_id)
+                if sample is None or now - sample.used > KEEP_S:
                     raise OpError(
                         f"{where}: sequence_id {sequence_id!r} names no recorded sample of this "
                         "session (sample with record_stability_info=True, in this session, "
@@ -92,14 +89,3 @@ class RecordedSamples:
                     out[position : position + length] = sample.logprobs[offset : offset + length]
                 position += length
         return tuple(out)
-
-    def _drop(self, sequence_id: str) -> None:
-        sample = self.samples.pop(sequence_id)
-        self.counts[sample.session] -= 1
-        if not self.counts[sample.session]:
-            del self.counts[sample.session]
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for key in [k for k, r in self.samples.items() if now - r.used > KEEP_S]:
-            self._drop(key)

@@ -116,8 +116,7 @@ def _start_front(
     )
     loop = asyncio.new_event_loop()
     queue = CallQueue(api.max_pending, len(keys))
-    front = Front(keys, limits, run_dir, queue, Futures(loop), api.session_timeout_s)
-    front.checkpoints.max_saves = api.max_saves
+    front = Front(keys, limits, run_dir, queue, Futures(loop), api.session_timeout_s, api.max_saves)
     server = uvicorn.Server(
         uvicorn.Config(
             build_app(front), host=api.host, port=api.port, log_level="warning", loop="asyncio"

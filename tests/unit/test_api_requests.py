@@ -92,7 +92,7 @@ def test_stable_reinforce_needs_provenance_that_tiles_the_datum():
 
 def recorded() -> RecordedSamples:
     samples = RecordedSamples()
-    samples.record("s1", "r:0", [5, 6], [7, 8, 9], [-0.5, -0.25, -0.125])
+    samples.record("s1", [5, 6], {"r:0": ([7, 8, 9], [-0.5, -0.25, -0.125])})
     return samples
 
 
@@ -129,8 +129,8 @@ def test_recorded_samples_go_with_their_session_and_are_bounded(monkeypatch):
         samples.sampler_logprobs("s1", [5, 6, 7, 8], [0, 7, 8, 9], SPANS, [0.0] * 4, "d")
     monkeypatch.setattr(recorded_samples, "PER_SESSION", 2)
     for k in range(3):
-        samples.record("s1", f"q:{k}", [1], [2], [-1.0])
-    assert list(samples.samples) == ["q:1", "q:2"] and samples.counts == {"s1": 2}
+        samples.record("s1", [1], {f"q:{k}": ([2], [-1.0])})
+    assert list(samples.sessions["s1"]) == ["q:1", "q:2"]  # the newest PER_SESSION
 
 
 def lora(rank: int = 4, **parts: bool) -> SimpleNamespace:

@@ -77,10 +77,11 @@ def run_schedule(
     # The loss's rows (found on the host: no device sync), where a chunk here projects onto
     # the vocabulary at chosen rows and the caller wants the loss, not logits.
     pick = graphs is None and "labels" not in forward_kwargs and any(selectable(c) for c in chunks)
-    rows = [loss_rows(mb) if pick else None for mb in micro_batches]
     # An adapted output layer sees only those rows: its slots' counts among them.
+    adapted = any(hasattr(getattr(c, "output_layer", None), "slot_layout") for c in chunks)
+    rows = [loss_rows(mb) if pick else None for mb in micro_batches]
     rows = [
-        (r.to(device), rows_layout(mb, r)) if pick else (None, None)
+        (r.to(device), rows_layout(mb, r) if adapted else None) if pick else (None, None)
         for mb, r in zip(micro_batches, rows)
     ]
     static = [graphs.inputs(mb) if graphs else None for mb in micro_batches]  # from the host
