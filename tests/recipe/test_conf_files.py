@@ -32,7 +32,7 @@ def test_every_yaml_file_in_conf_composes_loads_and_validates(tmp_path, monkeypa
     files = sorted(p.relative_to(CONF) for p in CONF.rglob("*.yaml"))
     top = [f.stem for f in files if len(f.parts) == 1]
     options = [f"{f.parts[0]}={f.stem}" for f in files if len(f.parts) == 2]
-    assert len(files) == 18 and top == ["api", "config", "post_train", "smollm2"], files
+    assert len(files) == 19 and top == ["api", "config", "gemma3", "post_train", "smollm2"], files
     # mmlora api's config serves 2048-token sequences: the tiny GPT (the tiny Llama has 256).
     base = {name: f"hf_dir={'null' if name == 'api' else data / 'tiny-llama'}" for name in top}
     runs = [(name, [f"data_dir={data}", base[name], *PARTNERS.get(name, [])]) for name in top]
@@ -51,7 +51,7 @@ def test_every_yaml_file_in_conf_composes_loads_and_validates(tmp_path, monkeypa
                 assert (run.parallel.tp, run.parallel.sp) == (2, True)
             if chosen.get("parallel") == "pp2":
                 assert (run.parallel.pp, run.parallel.vpp) == (2, None)
-    assert len(runs) == 4 + 14
+    assert len(runs) == 5 + 14
 
 
 def test_run_wide_settings_have_their_defaults_only_in_conf():
