@@ -23,8 +23,39 @@ INIT_METHODS = ("xavier", "kaiming", "normal", "zero")
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """The linears multi-LoRA wraps by name by default (wildcard patterns over module paths also
 work)."""
-TARGET_NAMES = (*TARGETS, "output_layer")
-"""What lora.targets may name: those, and the output layer (the unembedding)."""
+PEFT_TARGETS: dict[str, tuple[tuple[str, str | None], ...]] = {
+    "q_proj": (("linear_qkv", "q"), ("linear_q_proj", None)),
+    "k_proj": (("linear_qkv", "k"),),
+    "v_proj": (("linear_qkv", "v"),),
+    "qkv_proj": (("linear_qkv", None),),
+    "o_proj": (("linear_proj", None),),
+    "gate_proj": (("linear_fc1", "gate"),),
+    "up_proj": (("linear_fc1", "up"),),
+    "gate_up_proj": (("linear_fc1", None),),
+    "down_proj": (("linear_fc2", None),),
+    "w1": (("linear_fc1", "gate"),),
+    "w3": (("linear_fc1", "up"),),
+    "w2": (("linear_fc2", None),),
+    "q_a_proj": (("linear_q_down_proj", None),),
+    "q_b_proj": (("linear_q_up_proj", None),),
+    "kv_a_proj_with_mqa": (("linear_kv_down_proj", None),),
+    "kv_b_proj": (("linear_kv_up_proj", None),),
+    "lm_head": (("output_layer", None),),
+}
+"""The module names PEFT users write, as the megatron linears they are (or are part of:
+q/k/v of the fused ``linear_qkv``, gate/up of a gated ``linear_fc1``; None: all of it). An
+MLA model's ``q_proj`` (no q down-projection) is its ``linear_q_proj``."""
+MLA_INPUT_PROJECTIONS = (
+    "linear_q_proj",
+    "linear_q_down_proj",
+    "linear_q_up_proj",
+    "linear_kv_down_proj",
+    "linear_kv_up_proj",
+)
+"""Multi-latent attention's (DeepSeek-V3) counterparts of ``linear_qkv``: what that target
+adapts in an MLA model, so the default targets fit every family."""
+TARGET_NAMES = (*TARGETS, "output_layer", *PEFT_TARGETS, *MLA_INPUT_PROJECTIONS)
+"""What lora.targets may name: those, the output layer (the unembedding), and PEFT's names."""
 SCHEDULES = ("constant", "linear", "cosine")
 """Learning-rate schedules after warmup."""
 

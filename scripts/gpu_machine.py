@@ -155,6 +155,7 @@ NOT_ON_THE_MACHINE = (
     "tests/recipe/test_api_service.py",
     "tests/recipe/test_api_cookbook.py",
     "tests/recipe/test_api_rl_loop.py",
+    "tests/recipe/test_api_model_families.py",
     "tests/recipe/run_rl_loop.py",
     "benchmarks/api_service.py",
     "benchmarks/rl_tenants.py",

@@ -24,8 +24,34 @@ COMMON = dict(
 )
 FAMILIES = {
     "llama": dict(rope_theta=50000.0),
+    # Llama 3.x RoPE scaling with bands other than megatron's defaults (1, 4, 8192), fitted to
+    # a context short enough that the test sequences' angles move.
+    "llama3": dict(
+        model_type="llama",
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=8.0,
+            low_freq_factor=2.0,
+            high_freq_factor=8.0,
+            original_max_position_embeddings=64,
+        ),
+    ),
+    "mistral": dict(sliding_window=32),  # longer than the test sequences: refused beyond it
+    # fused qkv_proj and gate_up_proj; RoPE over half of each head
+    "phi3": dict(partial_rotary_factor=0.5, sliding_window=64),
     "qwen2": {},  # q/k/v biases
     "qwen3": dict(head_dim=32),  # head_dim != hidden / heads; per-head q/k norms
+    # Post norms, (1 + w) norms, scaled embeddings, gelu-tanh, softmax scale != head_dim**-0.5;
+    # layers alternate sliding (RoPE base 500) and full (50000); window beyond the sequences.
+    "gemma3_text": dict(
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=64,
+        sliding_window_pattern=2,
+        rope_theta=50000.0,
+        rope_local_base_freq=500.0,
+    ),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen3_moe": dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
@@ -40,17 +66,40 @@ FAMILIES = {
         norm_topk_prob=False,
     ),
 }
-DENSE = ("llama", "qwen2", "qwen3")
+DENSE = ("llama", "llama3", "mistral", "phi3", "qwen2", "qwen3", "gemma3_text")
 MOE = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
+# Multi-latent attention, a dense layer then MoE layers: kept out of FAMILIES, whose tests
+# assume 2 layers and q/k/v attention (tests/*/test_deepseek_v3*.py run it).
+MLA_FAMILIES = {
+    "deepseek_v3": dict(
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_key_value_heads=4,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=24,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.7,
+        norm_topk_prob=True,
+    ),
+}
 
 
 def make_hf_model(model_type: str, seed: int = 0, **overrides):
-    """A random fp32 ``AutoModelForCausalLM`` of ``model_type`` (same weights for the same
-    seed), with norm weights and biases moved off their 1/0 init so they are tested too."""
+    """A random fp32 ``AutoModelForCausalLM`` of ``FAMILIES[model_type]`` (same weights for
+    the same seed), with norm weights and biases moved off their 1/0 init so they are tested too."""
     import transformers
 
-    kwargs = {**COMMON, **FAMILIES[model_type], **overrides}
-    cfg = transformers.AutoConfig.for_model(model_type, **kwargs)
+    family = FAMILIES[model_type] if model_type in FAMILIES else MLA_FAMILIES[model_type]
+    kwargs = {**COMMON, **family, **overrides}
+    cfg = transformers.AutoConfig.for_model(kwargs.pop("model_type", model_type), **kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
     gen = torch.Generator().manual_seed(seed + 1)
@@ -58,6 +107,9 @@ def make_hf_model(model_type: str, seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
                 p.add_(0.3 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():  # DeepSeek-V3's router bias, zero at init
+            if name.endswith("e_score_correction_bias"):
+                b.add_(0.3 * torch.randn(b.shape, generator=gen))
     return model
 
 

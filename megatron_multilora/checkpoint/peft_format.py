@@ -8,7 +8,11 @@ follow the fused output, so export splits B and repeats A:
   its k, then its v) -> ``q_proj``, ``k_proj``, ``v_proj``;
 * ``linear_fc1`` (rows ``[gate; up]``) -> ``gate_proj``, ``up_proj`` (Mixtral experts:
   ``w1``, ``w3``); ``linear_fc2`` -> ``down_proj`` (``w2``); ``linear_proj`` -> ``o_proj``;
-* expert factors ``[E, ...]`` -> one 2-D pair per expert ``experts.{e}.*``.
+* expert factors ``[E, ...]`` -> one 2-D pair per expert ``experts.{e}.*``;
+* DeepSeek-V3's MLA linears are HF's one to one (``MLA_PEFT_MODULES``; ``linear_kv_down_proj``
+  rows ``[kv_lora_rank; qk_rope_head_dim]`` as ``kv_a_proj_with_mqa``'s);
+* Phi-3 keeps them fused too, in Hugging Face's row order: ``linear_qkv`` -> ``qkv_proj``
+  (rows ``[q; k; v]``, so B's rows are regrouped), ``linear_fc1`` -> ``gate_up_proj``.
 
 Tensors are cut to the slot's rank; r and lora_alpha are uniform (one rank/alpha per slot),
 which is what vLLM needs. Import does the inverse (A of fused parts must be equal; parts an
@@ -36,16 +40,25 @@ from megatron_multilora.checkpoint.adapter_folders import (
 )
 from megatron_multilora.checkpoint.files import refuse_existing
 from megatron_multilora.layers.factors import A, B
+from megatron_multilora.layers.fused_parts import FUSED_PARTS
 from megatron_multilora.layers.lifecycle import ModelOrChunks, named_multi_lora_modules
 from megatron_multilora.layers.slot_tensors import (
     get_slot_tensors,
     set_slot_tensors,
     slot_rank_alpha,
 )
+from megatron_multilora.models.deepseek_v3 import MLA_PEFT_MODULES
 from megatron_multilora.models.gpt_config import GPTModelConfig
 from megatron_multilora.ops.fused_rows import QKVRows, fuse_gate_up, split_gate_up
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+# Phi-3 keeps the linears megatron fuses fused too, rows [q; k; v] and [gate; up].
+_PHI3_FUSED = {
+    "self_attention.linear_qkv": "self_attn.qkv_proj",
+    "mlp.linear_fc1": "mlp.gate_up_proj",
+}
 
 
 def hf_module_names(megatron_rest: str, model_type: str) -> list[str] | None:
@@ -55,6 +68,12 @@ def hf_module_names(megatron_rest: str, model_type: str) -> list[str] | None:
     gate_up_down = (
         ("w1", "w3", "w2") if model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
     )
+    if model_type == "phi3" and megatron_rest in _PHI3_FUSED:
+        return [_PHI3_FUSED[megatron_rest]]
+    if megatron_rest in MLA_PEFT_MODULES:
+        return [MLA_PEFT_MODULES[megatron_rest]]
+    # Qwen2-MoE has one shared expert, DeepSeek-V3 shared experts fused into one MLP
+    shared = "mlp.shared_experts." if model_type == "deepseek_v3" else "mlp.shared_expert."
     table = {
         "self_attention.linear_qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
         "self_attention.linear_proj": ["self_attn.o_proj"],
@@ -62,22 +81,24 @@ def hf_module_names(megatron_rest: str, model_type: str) -> list[str] | None:
         "mlp.linear_fc2": ["mlp.down_proj"],
         "mlp.experts.linear_fc1": [experts + gate_up_down[0], experts + gate_up_down[1]],
         "mlp.experts.linear_fc2": [experts + gate_up_down[2]],
-        "mlp.shared_experts.linear_fc1": [
-            "mlp.shared_expert.gate_proj",
-            "mlp.shared_expert.up_proj",
-        ],
-        "mlp.shared_experts.linear_fc2": ["mlp.shared_expert.down_proj"],
+        "mlp.shared_experts.linear_fc1": [shared + "gate_proj", shared + "up_proj"],
+        "mlp.shared_experts.linear_fc2": [shared + "down_proj"],
     }
     return table.get(megatron_rest)
 
 
-def _split_rows(name: str, b: torch.Tensor, cfg: GPTModelConfig) -> list[torch.Tensor]:
-    """Split a fused B ``[out, r]`` into the HF parts' B matrices."""
+def _split_rows(
+    name: str, b: torch.Tensor, cfg: GPTModelConfig, modules: int
+) -> list[torch.Tensor]:
+    """Split a fused B ``[out, r]`` into the B matrices of the ``modules`` HF modules: its
+    parts (q, k, v or gate, up), or one matrix of the parts one after the other."""
     if name.endswith("linear_qkv"):
-        return list(QKVRows.of(cfg).split(b))
-    if name.endswith("linear_fc1"):
-        return list(split_gate_up(b))
-    return [b]
+        parts = list(QKVRows.of(cfg).split(b))
+    elif name.endswith("linear_fc1"):
+        parts = list(split_gate_up(b))
+    else:
+        parts = [b]
+    return [torch.cat(parts)] if modules == 1 else parts
 
 
 def _fuse_rows(name: str, parts: list[torch.Tensor], cfg: GPTModelConfig) -> torch.Tensor:
@@ -107,7 +128,8 @@ def to_peft_tensors(
     """Full slot tensors (``<layer path>.adapter.linear_in/out.weight``, as from
     ``get_slot_tensors`` or an adapter folder) -> PEFT keys, and the target module names.
     A linear whose factors are both zero (one the adapter does not train: see
-    ``restrict_adapter_slot``) is left out."""
+    ``restrict_adapter_slot``) is left out, as is a part of a fused linear it does not
+    adapt."""
     tensors, targets = {}, set()
     paths = sorted({k.split(".adapter.")[0] for k in full})
     for path in paths:
@@ -120,12 +142,22 @@ def to_peft_tensors(
             continue
         for e in range(a.size(0)) if a.dim() == 3 else [None]:
             a_e, b_e = (a, b) if e is None else (a[e], b[e])
-            for name, b_part in zip(modules, _split_rows(path, b_e, cfg)):
+            b_parts = _split_rows(path, b_e, cfg, len(modules))
+            for name, b_part in zip(modules, b_parts):
+                if _left_out(b_part, b_parts, b_e):
+                    continue
                 module = name.format(e=e)
                 tensors[f"{module}.lora_A.weight"] = a_e.clone()  # one copy per HF module
                 tensors[f"{module}.lora_B.weight"] = b_part.clone()
                 targets.add(name.rsplit(".", 1)[-1])
     return tensors, sorted(targets)
+
+
+def _left_out(b_part: torch.Tensor, b_parts: list[torch.Tensor], b: torch.Tensor) -> bool:
+    """A part of a fused linear the adapter does not adapt (PEFT targets naming some of its
+    parts: :mod:`~megatron_multilora.layers.fused_parts`): its B is zero while the rest of
+    the linear's (the expert's) B is not."""
+    return len(b_parts) > 1 and not b_part.any() and bool(b.any())
 
 
 def peft_config(
@@ -230,7 +262,7 @@ def import_peft(
     remaining = dict(peft)
     full = {}
     for path, layer_module in named_multi_lora_modules(model):
-        parts, rest = hf_modules(path, model_type), path
+        parts = hf_modules(path, model_type)
         if parts is None:
             raise ValueError(f"{where}: {path} has no Hugging Face counterpart")
         n_experts = (
@@ -240,28 +272,9 @@ def import_peft(
         )
         a_list, b_list = [], []
         for e in range(n_experts) if n_experts else [None]:
-            a_e, b_parts = None, []
-            for part in parts:
-                module = part.format(e=e)
-                a_p = remaining.pop(f"{module}.lora_A.weight", None)
-                b_p = remaining.pop(f"{module}.lora_B.weight", None)
-                if (a_p is None) != (b_p is None):
-                    raise ValueError(f"{where}: {module} has only one of lora_A/lora_B")
-                if a_p is not None and a_e is not None and not torch.equal(a_p, a_e):
-                    raise ValueError(
-                        f"{where}: {module}.lora_A differs from the other parts of "
-                        f"fused {path} ({', '.join(parts)}): cannot fuse"
-                    )
-                a_e = a_p if a_p is not None else a_e
-                b_parts.append(b_p)
-            if a_e is None:  # the adapter leaves this linear alone
-                a_e = torch.zeros(r, _in_features(layer_module, path))
-            out_rows = _out_rows(rest, cfg, layer_module)
-            b_parts = [
-                b if b is not None else torch.zeros(rows, r) for b, rows in zip(b_parts, out_rows)
-            ]
-            a_list.append(a_e.float())
-            b_list.append(_fuse_rows(rest, [b.float() for b in b_parts], cfg))
+            a_e, b_e = _one_linear(where, path, parts, e, remaining, r, cfg, layer_module)
+            a_list.append(a_e)
+            b_list.append(b_e)
         stacked = n_experts is not None
         full[f"{path}.adapter.linear_in.weight"] = torch.stack(a_list) if stacked else a_list[0]
         full[f"{path}.adapter.linear_out.weight"] = torch.stack(b_list) if stacked else b_list[0]
@@ -275,6 +288,60 @@ def import_peft(
     except (KeyError, ValueError) as err:
         raise ValueError(f"{where}: cannot load into slot {idx}: {err}") from None
     return config
+
+
+def _one_linear(
+    where: str,
+    path: str,
+    parts: list[str],
+    e: int | None,
+    remaining: dict[str, torch.Tensor],
+    r: int,
+    cfg: GPTModelConfig,
+    layer: torch.nn.Module,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full fp32 A and fused B of one wrapped linear (of expert ``e``) from its HF
+    modules' tensors, taken out of ``remaining``; the parts the adapter lacks are zero."""
+    a_e, b_parts = None, []
+    for part in parts:
+        module = part.format(e=e)
+        a_p = remaining.pop(f"{module}.lora_A.weight", None)
+        b_p = remaining.pop(f"{module}.lora_B.weight", None)
+        if (a_p is None) != (b_p is None):
+            raise ValueError(f"{where}: {module} has only one of lora_A/lora_B")
+        if a_p is not None and a_e is not None and not torch.equal(a_p, a_e):
+            raise ValueError(
+                f"{where}: {module}.lora_A differs from the other parts of "
+                f"fused {path} ({', '.join(parts)}): cannot fuse"
+            )
+        a_e = a_p if a_p is not None else a_e
+        b_parts.append(b_p)
+    _check_adapted(where, path, parts, b_parts, layer)
+    if a_e is None:  # the adapter leaves this linear alone
+        a_e = torch.zeros(r, _in_features(layer, path))
+    out_rows = _out_rows(path, cfg, layer)
+    if len(parts) == 1 and len(out_rows) > 1:  # one HF module holds every part
+        whole = b_parts[0]
+        b_parts = [None] * len(out_rows) if whole is None else list(whole.split(out_rows))
+    b_parts = [b if b is not None else torch.zeros(rows, r) for b, rows in zip(b_parts, out_rows)]
+    return a_e.float(), _fuse_rows(path, [b.float() for b in b_parts], cfg)
+
+
+def _check_adapted(
+    where: str, path: str, modules: list[str], b_parts: list, layer: torch.nn.Module
+) -> None:
+    """Refuse an adapter that changes a part of a fused linear this model does not adapt
+    (lora.targets naming only some of its parts): it would be dropped, not loaded."""
+    adapted = getattr(layer, "adapted_parts", None)
+    linear = path.rsplit(".", 1)[-1]
+    if adapted is None or len(modules) != len(FUSED_PARTS[linear]):
+        return
+    for module, part, b in zip(modules, FUSED_PARTS[linear], b_parts):
+        if part not in adapted and b is not None and b.any():
+            raise ValueError(
+                f"{where}: the adapter changes {module.rsplit('.', 1)[-1]}, which this "
+                f"model's lora.targets leave out of {path}; add it to lora.targets"
+            )
 
 
 def _ep_size() -> int:

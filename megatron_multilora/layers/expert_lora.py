@@ -114,6 +114,7 @@ class MultiLoRAGroupedExpertLinear(MultiLoRALinear):
         )
         if self.dropout_position == "post":
             lora = dropout_by_row(lora, rate_of_row, self.training, any_rate, True)
+        lora = self.masked(lora)
         if owns_output(out):  # scatter back in place: no unpermuted copy of the LoRA term
             return out.index_add_(0, routing.sort_idx, lora), bias
         return out + lora.index_select(0, routing.inverse_idx), bias

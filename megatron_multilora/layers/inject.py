@@ -12,6 +12,8 @@ from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_multilora.layers.expert_lora import MultiLoRAGroupedExpertLinear
+from megatron_multilora.layers.factors import B
+from megatron_multilora.layers.fused_parts import Targets, kept_rows
 from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
 from megatron_multilora.layers.model_paths import global_named_modules
 from megatron_multilora.layers.multi_lora_linear import MultiLoRALinear
@@ -70,9 +72,11 @@ def apply_multi_lora(
     :class:`MultiLoRAGroupedExpertLinear` and their MoE layers the slot-routing hook; shared
     experts and other dense linears a :class:`MultiLoRALinear`; routers are left alone.
     Transformer layers get the hooks that take each micro-batch's slot layout from its
-    ``packed_seq_params`` (:mod:`.slot_layout_route`). Targets are module names (``"linear_qkv"`` matches every ``...linear_qkv``) or
-    wildcard patterns over the full path (``"*.layers.0.*.linear_qkv"``), with global layer
-    numbers under pipeline parallelism (:mod:`.model_paths`). ``seed`` (default: the first
+    ``packed_seq_params`` (:mod:`.slot_layout_route`). Targets are module names (``"linear_qkv"``
+    matches every ``...linear_qkv``), the names PEFT users write (``"q_proj"``: the q rows of
+    every ``linear_qkv``; :mod:`.fused_parts`) or wildcard patterns over the full path
+    (``"*.layers.0.*.linear_qkv"``), with global layer numbers under pipeline parallelism
+    (:mod:`.model_paths`). ``seed`` (default: the first
     pipeline stage's torch seed, which stages may seed differently) and the global path seed
     each slot's initialisation, so it does not depend on the layout. The base is frozen;
     only adapter parameters stay trainable. ``fully_sharded`` selects the S-LoRA layout for
@@ -97,9 +101,10 @@ def apply_multi_lora(
     # leaves it exactly as it was (not half-wrapped, its base not frozen).
     planned: list[tuple[torch.nn.Module, str, MultiLoRALinear]] = []  # (parent, child, wrapper)
     matched: set[str] = set()
+    targets = Targets(target_modules)
     for chunk in model_chunks(model):
-        planned += _plan(chunk, target_modules, settings, fully_sharded, matched)
-    unmatched = _everywhere_unmatched(set(target_modules) - matched)
+        planned += _plan(chunk, targets.names, settings, fully_sharded, matched)
+    unmatched = _everywhere_unmatched(targets.unmatched(matched))
     if unmatched:
         raise ValueError(
             f"apply_multi_lora: target_modules {sorted(unmatched)} matched no "
@@ -114,6 +119,11 @@ def apply_multi_lora(
                 check_moe_config(layer)
     for parent, child, wrapper in planned:
         setattr(parent, child, wrapper)
+        parts = targets.parts.get(child)
+        if parts is not None and (child == "linear_qkv" or _is_gated_fc1(parent, child)):
+            rows = B.weight(wrapper.adapters[0]).size(-2)
+            kept = kept_rows(child, parts, rows, wrapper.to_wrap.config)
+            wrapper.adapt_only_rows(kept, parts)
     install_moe_slot_routing(model)
     install_slot_layout_route(model)
     for chunk in model_chunks(model):

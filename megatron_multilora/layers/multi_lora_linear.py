@@ -133,8 +133,9 @@ class MultiLoRALinear(torch.nn.Module):
         dropout / dropout_position: dropout on the LoRA input ("pre") or output ("post");
             ``dropout`` is every slot's initial rate (per-slot via ``init_adapter_slot``).
         a2a_experimental: accepted for API compatibility; only False is supported.
-        sequence_parallel: for bases that do not carry the flag themselves (plain
-            replicated linears); megatron and TE bases use their own.
+        sequence_parallel: the model's flag, for TP-replicated bases (plain linears, TE's
+            duplicated ones) and bases that do not carry it; TP-split megatron and TE
+            bases use their own.
         gated_output: the base is a gated MLP's fc1, whose output is ``[gate; up]`` within
             each TP rank's shard; B's rows follow that layout in checkpoints.
         seed: base seed of the deterministic, layout-independent slot initialisation.
@@ -207,6 +208,7 @@ class MultiLoRALinear(torch.nn.Module):
         self._init_methods, self._dropout_position, self.seed = init_methods, dropout_position, seed
         self.slot_layout: SlotLayout | None = None
         self.returns_ln_output = False
+        self.register_buffer("row_mask", None, persistent=False)
         dtype, device = _weight_dtype_device(to_wrap)
         self.adapters = SlotBank(
             n_slots,
@@ -282,6 +284,21 @@ class MultiLoRALinear(torch.nn.Module):
         """Free slot ``idx``: zero alpha, restore max rank, re-initialise its weights."""
         self.adapters.release(idx)
         self.reset_adapter(idx, init_key)
+
+    def adapt_only_rows(self, kept: torch.Tensor, parts: frozenset[str]) -> None:
+        """Adapt only the output rows ``kept`` (bool, this rank's rows: those of the fused
+        ``parts``) in every slot: B is zero elsewhere and the LoRA term masked there, so
+        those rows get no gradient (:mod:`.fused_parts`)."""
+        self.adapted_parts = parts
+        b = B.weight(self.adapters[0])
+        self.row_mask = kept.to(device=b.device, dtype=b.dtype)
+        self.adapters.kept_rows = kept.to(b.device)
+        for idx in range(self.n_adapters):
+            self.adapters.mask_rank(idx)
+
+    def masked(self, lora: torch.Tensor) -> torch.Tensor:
+        """The LoRA term with the rows outside :meth:`adapt_only_rows` zeroed."""
+        return lora if self.row_mask is None else lora * _as(self.row_mask, lora.dtype)
 
     def full_shape(self, factor: Factor) -> tuple[int, ...]:
         """The unsharded shape of ``factor`` (slot 0's; all slots agree)."""
@@ -362,7 +379,7 @@ class MultiLoRALinear(torch.nn.Module):
                 self.training,
                 tp_layout.varies("output"),
             )
-        return lora
+        return self.masked(lora)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         return self.tp_layout.forward(self, x, self._active_slots(), args, kwargs)

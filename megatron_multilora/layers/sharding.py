@@ -249,6 +249,11 @@ def dense_layout(
     """The layout of a wrapped dense base under the current TP group (checked)."""
     kind = base_kind(to_wrap)
     sp = getattr(to_wrap, "sequence_parallel", None)
+    if kind is BaseKind.REPLICATED and sequence_parallel is not None:
+        # A replicated base's own flag misleads: TE runs a duplicated TELinear (MLA's
+        # down-projections) at TP 1, so it says False, yet under SP it reads this rank's
+        # sequence shard. The model's flag says where its input lives.
+        sp = sequence_parallel
     sp = bool(sequence_parallel) if sp is None else sp
     group = getattr(to_wrap, "tp_group", None)
     if group is None and parallel_state.model_parallel_is_initialized():

@@ -78,6 +78,7 @@ class SlotBank(torch.nn.ModuleList):
         )
         self.max_rank, self.default_dropout, self.where = max_rank, dropout, where
         self._rank_offset = rank_offset
+        self.kept_rows: torch.Tensor | None = None  # B's rows an adapter may use (None: all)
         for slot in self:
             for factor in FACTORS:
                 tag(factor.weight(slot), factor)
@@ -145,13 +146,16 @@ class SlotBank(torch.nn.ModuleList):
 
     def mask_rank(self, idx: int) -> None:
         """Zero A's rank rows and B's rank columns beyond the slot's rank (B's rank dim is
-        never split; A's is in the fully sharded column layout)."""
+        never split; A's is in the fully sharded column layout), and B's rows outside
+        ``kept_rows``."""
         slot, r = self[idx], int(self[idx].rank)
         a, b = A.weight(slot), B.weight(slot)
         first = self._rank_offset(a.size(-2))
         with torch.no_grad():
             a[..., max(0, min(a.size(-2), r - first)) :, :].zero_()
             b[..., r:].zero_()
+            if self.kept_rows is not None:
+                b.masked_fill_(~self.kept_rows.unsqueeze(-1), 0.0)
 
     def refresh(self) -> None:
         """Per-slot alpha/rank and dropout for forward, read once here so forward needs no

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from megatron_multilora.models.gemma3 import gemma3_block_spec, scale_input_embeddings
 from megatron_multilora.models.gpt_config import GPTModelConfig
+from megatron_multilora.models.mla_spec import mla_layout_problems
 from megatron_multilora.models.specs import gpt_block_spec
 from megatron_multilora.ops.packed_linear import use_packed_frozen_weights
 from megatron_multilora.platform.missing_te import rope_fusion_available
@@ -41,6 +47,10 @@ _MOE_SAME_NAMED = (
     "moe_token_dispatcher_type",
     "moe_shared_expert_gate",
     "moe_router_dtype",
+    "moe_router_enable_expert_bias",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_topk_scaling_factor",
 )
 
 
@@ -56,6 +66,8 @@ def transformer_config(
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     problems = schema_problems(cfg) or model_layout_problems(cfg, tp, pp, vpp, ep)
+    if cfg.mla is not None:
+        problems += mla_layout_problems(tp, sequence_parallel)
     if problems:
         raise ValueError("invalid model config:\n  " + "\n  ".join(problems))
     if cfg.num_moe_experts is not None:
@@ -75,11 +87,17 @@ def transformer_config(
         }
     # One RoPE op per call (TE's, or ops/rope.py where TE is absent) instead of megatron's
     # unfused packed path, which splits the micro-batch into its sequences in every layer.
+    config_type = TransformerConfig
+    if cfg.mla is not None:
+        config_type = MLATransformerConfig
+        overrides = {**cfg.mla.megatron_fields(cfg.rotary_base), **overrides}
     overrides = {"apply_rope_fusion": rope_fusion_available(), **overrides}
-    config = TransformerConfig(
+    # None: megatron's 1/sqrt(head dim); Gemma 3: query_pre_attn_scalar ** -0.5.
+    overrides = {"softmax_scale": cfg.softmax_scale, **overrides}
+    config = config_type(
         **{field: getattr(cfg, field) for field in _SAME_NAMED},
         layernorm_epsilon=cfg.norm_epsilon,
-        activation_func=getattr(F, cfg.activation),
+        activation_func=_activation(cfg.activation),
         tensor_model_parallel_size=tp,
         sequence_parallel=sequence_parallel,
         params_dtype=params_dtype,
@@ -111,6 +129,13 @@ def transformer_config(
     return config
 
 
+def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The MLP activation named in gpt_config.ACTIVATIONS."""
+    if name == "gelu_tanh":
+        return functools.partial(F.gelu, approximate="tanh")
+    return getattr(F, name)
+
+
 def _renormalised_top1(cfg: GPTModelConfig) -> bool:
     return (
         cfg.num_moe_experts is not None
@@ -120,16 +145,44 @@ def _renormalised_top1(cfg: GPTModelConfig) -> bool:
     )
 
 
+def _moe_layers(cfg: GPTModelConfig, offset: int, num_layers: int) -> list[bool] | None:
+    """Which of a chunk's layers (global ``offset`` on) have an MoE MLP; None: all alike."""
+    if cfg.moe_layer_freq is None:
+        return None
+    return [bool(x) for x in cfg.moe_layer_freq[offset : offset + num_layers]]
+
+
 def _moe_settings(cfg: GPTModelConfig, ep: int) -> dict:
     return dict(
         **{field: getattr(cfg, field) for field in _MOE_SAME_NAMED},
         moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
         moe_router_pre_softmax=cfg.moe_router_pre_softmax or _renormalised_top1(cfg),
         moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none",
+        moe_layer_freq=cfg.moe_layer_freq or 1,
+        # The base (router included) is frozen here: an expert bias stays as loaded.
+        moe_router_bias_update_rate=0.0,
         moe_grouped_gemm=True,
         moe_permute_fusion=False,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=1,
+    )
+
+
+def _llama3_rope_bands(chunk: GPTModel, cfg: GPTModelConfig) -> None:
+    """megatron's RoPE passes only the Llama 3 scaling factor on to its ``_apply_scaling``
+    and keeps that function's defaults for the frequency bands (1, 4, 8192); recompute the
+    angles with the checkpoint's."""
+    rope = getattr(chunk, "rotary_pos_emb", None)
+    if cfg.rope_scaling_factor is None or rope is None:
+        return
+    dim = rope.inv_freq.numel() * 2
+    unscaled = 1.0 / (cfg.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    rope.inv_freq = rope._apply_scaling(
+        unscaled.to(rope.inv_freq.device),
+        factor=cfg.rope_scaling_factor,
+        low_freq_factor=cfg.rope_low_freq_factor,
+        high_freq_factor=cfg.rope_high_freq_factor,
+        original_max_position_embeddings=cfg.rope_original_max_positions,
     )
 
 
@@ -183,15 +236,23 @@ def build_model_chunks(
     torch.manual_seed(init_seed)
     chunks = []
     for vp_stage in range(vpp) if vpp is not None else (None,):
+        num_layers = get_num_layers_to_build(config, vp_stage)
+        offset = get_transformer_layer_offset(config, vp_stage)
         chunks.append(
             GPTModel(
                 config=config,
-                transformer_layer_spec=gpt_block_spec(
-                    get_num_layers_to_build(config, vp_stage),
-                    cfg.qk_layernorm,
-                    cfg.num_moe_experts,
-                    cfg.qk_layernorm_across_heads,
-                    init_seed,
+                transformer_layer_spec=gemma3_block_spec(
+                    gpt_block_spec(
+                        num_layers,
+                        cfg.qk_layernorm,
+                        cfg.num_moe_experts,
+                        cfg.qk_layernorm_across_heads,
+                        init_seed,
+                        multi_latent_attention=cfg.mla is not None,
+                        moe_layers=_moe_layers(cfg, offset, num_layers),
+                    ),
+                    config,
+                    cfg,
                 ),
                 vocab_size=cfg.vocab_size,
                 max_sequence_length=cfg.max_sequence_length,
@@ -204,10 +265,16 @@ def build_model_chunks(
                 share_embeddings_and_output_weights=cfg.tie_word_embeddings,
                 position_embedding_type=cfg.position_embedding_type,
                 rotary_base=cfg.rotary_base,
+                rotary_percent=cfg.rotary_percent,
+                rope_scaling=cfg.rope_scaling_factor is not None,
+                rope_scaling_factor=cfg.rope_scaling_factor or 8.0,
+                seq_len_interpolation_factor=cfg.seq_len_interpolation_factor,
                 vp_stage=vp_stage,
             )
         )
     for chunk in chunks:
+        _llama3_rope_bands(chunk, cfg)
+        scale_input_embeddings(chunk, cfg)
         if torch.cuda.is_available():
             chunk.cuda()
         else:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_multilora.validation import at_least, positive, ranged, within
+from megatron_multilora.models.mla_config import MLAConfig
+from megatron_multilora.validation import Rule, at_least, positive, ranged, within
 
-ACTIVATIONS = ("silu", "gelu", "relu")
-"""The MLP activations: names of ``torch.nn.functional`` functions."""
+ACTIVATIONS = ("silu", "gelu", "relu", "gelu_tanh")
+"""The MLP activations: names of ``torch.nn.functional`` functions; gelu_tanh is GELU's tanh
+approximation (Hugging Face's gelu_pytorch_tanh)."""
 
 
 @dataclasses.dataclass
@@ -26,6 +28,9 @@ class GPTModelConfig:
     ffn_hidden_size: int = ranged(128, at_least(1))
     vocab_size: int = ranged(256, at_least(1))
     max_sequence_length: int = ranged(512, at_least(1))
+    sliding_window: int | None = ranged(None, at_least(1, optional=True))
+    """Layers of the source model attend over this many positions at most; window attention
+    is not computed here, so sequences longer than it are refused (None: no window)."""
     normalization: str = "RMSNorm"
     """RMSNorm or LayerNorm."""
     norm_epsilon: float = ranged(1e-5, positive())
@@ -36,6 +41,31 @@ class GPTModelConfig:
     position_embedding_type: str = "rope"
     """rope, learned_absolute or none."""
     rotary_base: int = ranged(10000, positive())
+    rotary_percent: float = ranged(1.0, Rule("in (0, 1]", lambda v: 0 < v <= 1))
+    """The share of each head's channels that RoPE rotates (the first ones; Phi-4-mini: 0.75)."""
+    rope_scaling_factor: float | None = ranged(None, at_least(1.0, optional=True))
+    """Llama 3.x RoPE scaling (megatron's ``rope_scaling``): low frequencies slowed by this
+    factor, high ones kept, the band between interpolated; None: unscaled RoPE."""
+    rope_low_freq_factor: float = ranged(1.0, positive())
+    rope_high_freq_factor: float = ranged(4.0, positive())
+    rope_original_max_positions: int = ranged(8192, at_least(1))
+    """The context the Llama 3 scaling was fitted to (its wavelength bands are fractions of it)."""
+    seq_len_interpolation_factor: float | None = ranged(None, at_least(1.0, optional=True))
+    """Linear RoPE scaling (megatron's name): positions divided by it in the layers that
+    rotate with rotary_base (Gemma 3: the global layers); None: unscaled."""
+    layer_types: list[str] | None = None
+    """Per layer, "full_attention" or "sliding_attention" (Hugging Face's names; None: all
+    full). Only RoPE tells them apart here (local_rotary_base); see sliding_window."""
+    local_rotary_base: float | None = ranged(None, positive(optional=True))
+    """Unscaled RoPE base of the sliding_attention layers (Gemma 3); None: rotary_base."""
+    softmax_scale: float | None = ranged(None, positive(optional=True))
+    """Scale of the attention logits (megatron's name); None: 1/sqrt(head dim)."""
+    post_norms: bool = False
+    """Normalise each attention and MLP output before its residual add (Gemma's
+    post_attention_layernorm and post_feedforward_layernorm)."""
+    scale_embeddings: bool = False
+    """Multiply the input embeddings by sqrt(hidden_size), rounded to the weight dtype (Gemma;
+    tied output weights stay unscaled)."""
     add_bias_linear: bool = False
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
@@ -67,6 +97,20 @@ class GPTModelConfig:
     """Scale the shared experts' output by sigmoid(x @ gate_weight.T) (Qwen2-MoE)."""
     moe_router_dtype: str | None = None
     """None (the model dtype), "fp32" or "fp64": precision of the router logits and softmax."""
+    moe_layer_freq: list[int] | None = None
+    """Per layer, 1 for an MoE MLP and 0 for a dense one (DeepSeek-V3's first dense layers);
+    None: every layer MoE."""
+    moe_router_enable_expert_bias: bool = False
+    """A per-expert bias added to the sigmoid scores for choosing experts only (DeepSeek-V3's
+    e_score_correction_bias); loaded from the checkpoint and never updated here."""
+    moe_router_num_groups: int | None = ranged(None, at_least(1, optional=True))
+    """Group-limited routing: experts in this many groups, ..."""
+    moe_router_group_topk: int | None = ranged(None, at_least(1, optional=True))
+    """... of which each token picks this many (by their top scores) before its top-k."""
+    moe_router_topk_scaling_factor: float | None = ranged(None, positive(optional=True))
+    """Routing weights are multiplied by it (DeepSeek-V3's routed_scaling_factor)."""
+    mla: MLAConfig | None = None
+    """Multi-latent attention instead of megatron's fused q/k/v attention; None: the latter."""
     # Activation recompute.
     recompute_granularity: str | None = None
     """"full" recomputes each transformer layer; "selective" the modules listed below."""
@@ -143,6 +187,23 @@ class GPTModelConfig:
             problems.append(
                 f"moe_router_dtype={self.moe_router_dtype!r}: choose one of (None, 'fp32', 'fp64')"
             )
+        if self.mla is not None:
+            problems += self.mla.check()
+        if self.moe_layer_freq is not None and len(self.moe_layer_freq) != self.num_layers:
+            problems.append(
+                f"moe_layer_freq has {len(self.moe_layer_freq)} entries for "
+                f"num_layers={self.num_layers}"
+            )
         if self.activation not in ACTIVATIONS:
             problems.append(f"activation={self.activation!r}: choose one of {sorted(ACTIVATIONS)}")
-        return problems
+        return problems + _layer_type_problems(self)
+
+
+def _layer_type_problems(cfg: GPTModelConfig) -> list[str]:
+    types = cfg.layer_types
+    if types is None:
+        return ["local_rotary_base needs layer_types"] if cfg.local_rotary_base else []
+    kinds = ("full_attention", "sliding_attention")
+    if len(types) != cfg.num_layers or not set(types) <= set(kinds):
+        return [f"layer_types={types}: one of {kinds} per layer ({cfg.num_layers})"]
+    return []

@@ -12,14 +12,19 @@ import json
 import os
 from typing import Any
 
+from megatron_multilora.models.deepseek_v3 import deepseek_v3_config
 from megatron_multilora.models.gpt_config import GPTModelConfig
+from megatron_multilora.models.hf_gemma3 import GEMMA3_TYPES, gemma3_rope, set_gemma3_fields
 
-DENSE_TYPES = ("llama", "qwen2", "qwen3")
+DENSE_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
 MOE_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
-SUPPORTED_TYPES = DENSE_TYPES + MOE_TYPES
+MLA_TYPES = ("deepseek_v3",)  # mapped in models/deepseek_v3.py
+SUPPORTED_TYPES = DENSE_TYPES + MOE_TYPES + MLA_TYPES + GEMMA3_TYPES
 # Families whose q_norm/k_norm exist: per head (Qwen3) or over the whole projection (OLMoE).
 _QK_NORM_PER_HEAD = ("qwen3", "qwen3_moe")
 _QK_NORM_ACROSS_HEADS = ("olmoe",)
+# Families whose attention rotates only the first partial_rotary_factor of each head.
+_PARTIAL_ROTARY = ("phi3",)
 
 
 def read_hf_config(folder: str | os.PathLike) -> dict:
@@ -41,8 +46,12 @@ def read_hf_config(folder: str | os.PathLike) -> dict:
 def hf_to_model_config(hf_config: dict) -> GPTModelConfig:
     """The Megatron :class:`GPTModelConfig` of a Hugging Face causal LM config.
 
-    Supports model_type llama, qwen2, qwen3 (dense) and mixtral, qwen3_moe, olmoe, qwen2_moe
-    (every layer MoE). Mapping: num_hidden_layers -> num_layers, hidden_size,
+    Supports model_type llama (also Llama 3.x RoPE scaling), mistral, phi3 (also partial
+    rotary), qwen2, qwen3 (dense) and mixtral, qwen3_moe, olmoe, qwen2_moe (every layer MoE);
+    deepseek_v3 (MLA, dense then MoE layers) by :mod:`.deepseek_v3`; gemma3_text (post norms,
+    per-layer-type RoPE, ...: :mod:`.hf_gemma3`).
+    A sliding window shorter than max_position_embeddings becomes ``sliding_window`` (longer
+    sequences are refused). Mapping: num_hidden_layers -> num_layers, hidden_size,
     num_attention_heads, num_key_value_heads -> num_query_groups, head_dim -> kv_channels,
     intermediate_size -> ffn_hidden_size (and the expert width for mixtral/olmoe),
     moe_intermediate_size -> moe_ffn_hidden_size, shared_expert_intermediate_size (+ its
@@ -53,6 +62,8 @@ def hf_to_model_config(hf_config: dict) -> GPTModelConfig:
     unsupported model types and for fields that would change the computation.
     """
     hf = _Fields(hf_config)
+    if hf.model_type in MLA_TYPES:
+        return deepseek_v3_config(hf)
     heads = hf.require("num_attention_heads")
     hidden = hf.require("hidden_size")
     head_dim = hf.get("head_dim") or hidden // heads
@@ -64,12 +75,13 @@ def hf_to_model_config(hf_config: dict) -> GPTModelConfig:
         ffn_hidden_size=hf.require("intermediate_size"),
         vocab_size=hf.require("vocab_size"),
         max_sequence_length=hf.get("max_position_embeddings", 4096),
+        sliding_window=_sliding_window(hf),
         normalization="RMSNorm",
         norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
         activation="silu",
         gated_linear_unit=True,
         position_embedding_type="rope",
-        rotary_base=_rope_theta(hf),
+        **(gemma3_rope(hf) if hf.model_type in GEMMA3_TYPES else _rope(hf)),
         add_bias_linear=False,
         add_qkv_bias=_qkv_bias(hf),
         qk_layernorm=hf.model_type in _QK_NORM_PER_HEAD + _QK_NORM_ACROSS_HEADS,
@@ -81,6 +93,8 @@ def hf_to_model_config(hf_config: dict) -> GPTModelConfig:
         hidden_dropout=0.0,
     )
     _check_math(hf)
+    if hf.model_type in GEMMA3_TYPES:
+        set_gemma3_fields(hf, cfg)
     if hf.model_type in MOE_TYPES:
         _add_moe(hf, cfg)
     return cfg
@@ -111,23 +125,32 @@ class _Fields:
         raise ValueError(f"{self.model_type}: {name}={value!r} is not supported ({why})")
 
 
-def _rope_theta(hf: _Fields) -> float | int:
-    """rope_theta from the old top-level fields or transformers 5's ``rope_parameters``;
-    only plain RoPE over the whole head is reproduced."""
-    scaling = hf.d.get("rope_scaling")
-    if scaling is not None and _rope_type(scaling) != "default":
-        hf.reject("rope_scaling", scaling, "only unscaled RoPE is implemented")
+def _rope(hf: _Fields) -> dict[str, Any]:
+    """RoPE fields from the old top-level ``rope_theta``/``rope_scaling`` or transformers 5's
+    ``rope_parameters``: plain RoPE, or Llama 3.x scaling (``rope_type: llama3``)."""
     params = hf.d.get("rope_parameters") or {}
     if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
         hf.reject("rope_parameters", params, "per-layer-type RoPE parameters")
-    if params and _rope_type(params) != "default":
-        hf.reject("rope_parameters", params, "only unscaled RoPE is implemented")
+    scaling = hf.d.get("rope_scaling") or params
+    field = "rope_scaling" if hf.d.get("rope_scaling") else "rope_parameters"
+    fields: dict[str, Any] = {}
+    kind = _rope_type(scaling)
+    if kind == "llama3":
+        fields = dict(
+            rope_scaling_factor=float(scaling["factor"]),
+            rope_low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+            rope_high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+            rope_original_max_positions=int(scaling["original_max_position_embeddings"]),
+        )
+    elif kind != "default":
+        hf.reject(field, scaling, "only unscaled RoPE and Llama 3 (rope_type llama3) scaling")
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
+    if partial != 1.0 and hf.model_type not in _PARTIAL_ROTARY:
         hf.reject("partial_rotary_factor", partial, "RoPE must cover the whole head")
     theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
     # GPTModelConfig.rotary_base is an int field; keep ints where the value is integral.
-    return int(theta) if float(theta).is_integer() else float(theta)
+    fields["rotary_base"] = int(theta) if float(theta).is_integer() else float(theta)
+    return {**fields, "rotary_percent": float(partial)}
 
 
 def _rope_type(d: dict) -> str | None:
@@ -147,7 +170,7 @@ def _check_math(hf: _Fields) -> None:
     """Reject fields that would make the Hugging Face model compute something else."""
     mt = hf.model_type
     act = hf.get("hidden_act", "silu")
-    if act != "silu":
+    if act != "silu" and mt not in GEMMA3_TYPES:  # Gemma's: hf_gemma3
         hf.reject("hidden_act", act, "only SwiGLU (silu) MLPs are implemented")
     for flag in ("attention_bias", "mlp_bias"):
         # Would add biases to o_proj / the MLP as well, which add_qkv_bias does not cover.
@@ -157,7 +180,6 @@ def _check_math(hf: _Fields) -> None:
         hf.reject("pretraining_tp", hf.d["pretraining_tp"], "must be 1")
     if hf.get("clip_qkv") is not None:
         hf.reject("clip_qkv", hf.d["clip_qkv"], "q/k/v clamping is not implemented")
-    _check_sliding_window(hf)
     if mt == "mixtral" and hf.get("router_jitter_noise", 0.0):
         hf.reject(
             "router_jitter_noise",
@@ -179,21 +201,25 @@ def _check_math(hf: _Fields) -> None:
             )
 
 
-def _check_sliding_window(hf: _Fields) -> None:
+def _sliding_window(hf: _Fields) -> int | None:
+    """The attention window of the layers that have one (None: none, or one covering every
+    position). Window attention is not computed here: up to the window it equals full
+    attention, so the config check refuses longer sequences."""
     layer_types = hf.get("layer_types", [])
-    if any(t != "full_attention" for t in layer_types):
-        hf.reject("layer_types", sorted(set(layer_types)), "only full attention is implemented")
-    if hf.get("use_sliding_window", False):
-        hf.reject("use_sliding_window", True, "sliding-window attention is not implemented")
-    window = hf.get("sliding_window")
-    # Mixtral applies sliding_window whenever it is set; the Qwen families only with
-    # use_sliding_window (checked above). A window covering every position changes nothing.
-    if (
-        hf.model_type == "mixtral"
-        and window
-        and window < hf.get("max_position_embeddings", window + 1)
-    ):
-        hf.reject("sliding_window", window, "sliding-window attention is not implemented")
+    other = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if other:
+        hf.reject("layer_types", other, "only full and sliding-window attention layers")
+    # The Qwen families use their window only with use_sliding_window; Mistral, Mixtral and
+    # Phi-3 whenever it is set; transformers 5 also names the windowed layers in layer_types.
+    windowed = (
+        "sliding_attention" in layer_types
+        or hf.get("use_sliding_window", False)
+        or hf.model_type in ("mistral", "mixtral", "phi3")
+    )
+    window = hf.get("sliding_window") if windowed else None
+    if window is None or window >= hf.get("max_position_embeddings", 4096):
+        return None
+    return int(window)
 
 
 def _add_moe(hf: _Fields, cfg: GPTModelConfig) -> None:

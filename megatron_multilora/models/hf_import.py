@@ -17,16 +17,19 @@ output_layer.weight [V/tp, H] (tied: only at PP>1) lm_head.weight (tied: model.e
 decoder.final_layernorm.weight [H]                 model.norm.weight
 layers.i.input_layernorm.weight [H]                L.input_layernorm.weight
 layers.i.pre_mlp_layernorm.weight [H]              L.post_attention_layernorm.weight
-self_attention.linear_qkv.weight/.bias             L.self_attn.{q,k,v}_proj.weight/.bias, fused
-  [g/tp * (q_per_group + 2) * d, H]                per query group: its q heads, k_g, v_g;
-                                                   TP ranks hold whole groups
+self_attention.linear_qkv.weight/.bias             L.self_attn.{q,k,v}_proj.weight/.bias (Phi-3:
+  [g/tp * (q_per_group + 2) * d, H]                row blocks of qkv_proj), fused per query
+                                                   group: its q heads, k_g, v_g; TP ranks
+                                                   hold whole groups
 self_attention.linear_proj.weight [H, heads*d/tp]  L.self_attn.o_proj.weight, columns
 self_attention.q_layernorm/k_layernorm.weight      L.self_attn.q_norm/k_norm.weight: [d] per
                                                    head (Qwen3), or [heads*d] across heads
                                                    (OLMoE; TP-split by heads)
-mlp.linear_fc1.weight [2F/tp, H]                   [gate_proj shard; up_proj shard]
+mlp.linear_fc1.weight [2F/tp, H]                   [gate_proj shard; up_proj shard] (Phi-3:
+                                                   halves of gate_up_proj)
 mlp.linear_fc2.weight [H, F/tp]                    L.mlp.down_proj.weight, columns
 mlp.router.weight [E, H]                           M.gate.weight
+mlp.router.expert_bias [E] (a buffer)              M.gate.e_score_correction_bias
 mlp.experts.linear_fc1.weight{j} [2I, H]           expert e = ep_rank * E/ep + j:
                                                    [M.experts.e.gate_proj; .up_proj]
                                                    (Mixtral: [w1; w3]), or the fused
@@ -37,9 +40,21 @@ mlp.shared_experts.linear_fc1/.linear_fc2.weight   M.shared_expert(s).gate_proj/
 mlp.shared_experts.gate_weight [1, H]              M.shared_expert_gate.weight
 =================================================  ============================================
 
+DeepSeek-V3's multi-latent attention tensors are named in
+:data:`~megatron_multilora.models.deepseek_v3.MLA_TENSORS` (each split like its parameter).
 TE layer specs name the norms ``linear_qkv.layer_norm_weight`` and
 ``mlp.linear_fc1.layer_norm_weight``; both are mapped too. Megatron's SequentialMLP names
 (``mlp.experts.local_experts.{j}.linear_fc1.weight``) are accepted as well.
+
+Gemma 3 (:mod:`~megatron_multilora.models.hf_gemma3`) differs in its norms:
+
+=================================================  ============================================
+layers.i.pre_mlp_layernorm.weight [H]              L.pre_feedforward_layernorm.weight
+layers.i.self_attn_bda.norm.weight [H] (post norm) L.post_attention_layernorm.weight
+layers.i.mlp_bda.norm.weight [H] (post norm)       L.post_feedforward_layernorm.weight
+every norm weight (q/k and final norms too)        1 + the tensor: Gemma's RMSNorms scale by
+                                                   (1 + w); folded here, in fp32, then cast
+=================================================  ============================================
 """
 
 from __future__ import annotations
@@ -55,9 +70,12 @@ from megatron.core.models.gpt import GPTModel
 
 from megatron_multilora.errors import RunError
 from megatron_multilora.layers.lifecycle import hide_adapters, named_multi_lora_modules
+from megatron_multilora.models.deepseek_v3 import MLA_TENSORS, prediction_module_tensor
 from megatron_multilora.models.gpt import build_gpt_model
 from megatron_multilora.models.gpt_config import GPTModelConfig
 from megatron_multilora.models.hf_config import hf_to_model_config, read_hf_config
+from megatron_multilora.models.hf_gemma3 import GEMMA3_TYPES, UNIT_OFFSET_NORMS
+from megatron_multilora.models.hf_gemma3 import LAYER_NAMES as GEMMA3_LAYER_NAMES
 from megatron_multilora.models.hf_safetensors import SafetensorsFolder
 from megatron_multilora.ops.fused_rows import QKVRows, fuse_gate_up
 
@@ -101,8 +119,12 @@ _WHOLE = _Shard()
 class _Loader:
     """Builds each Megatron parameter's local tensor from the checkpoint."""
 
-    def __init__(self, ckpt: SafetensorsFolder, cfg: GPTModelConfig) -> None:
+    def __init__(self, ckpt: SafetensorsFolder, cfg: GPTModelConfig, model_type: str) -> None:
         self.ckpt, self.cfg = ckpt, cfg
+        gemma3 = model_type in GEMMA3_TYPES
+        self.layer_names = {**_LAYER_DIRECT, **GEMMA3_LAYER_NAMES} if gemma3 else _LAYER_DIRECT
+        # Megatron keys whose checkpoint tensor w stands for a (1 + w) norm weight (Gemma).
+        self.unit_offset_norms = UNIT_OFFSET_NORMS if gemma3 else ()
         self.global_layer: list[int] = []  # the current chunk's local -> global layer index
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -151,18 +173,38 @@ class _Loader:
 
     def qkv(self, prefix: str, suffix: str, shard: _Shard) -> torch.Tensor:
         """Fused q/k/v rows (weight or bias) in megatron's per-group layout; this rank's
-        groups only."""
+        groups only, from q_proj/k_proj/v_proj or Phi-3's one ``qkv_proj`` ([q; k; v])."""
         layout = QKVRows.of(self.cfg)
         local = layout.groups // shard.size  # TP holds whole groups (an unsplit param: size 1)
         first = shard.rank * local
+        fused = f"{prefix}.qkv_proj.{suffix}"
+        q_rows, kv_rows, _ = layout.part_rows()
+        offset = {"q_proj": 0, "k_proj": q_rows, "v_proj": q_rows + kv_rows}
 
         def rows(name: str, per_group: int) -> torch.Tensor:
-            span = slice(first * per_group, (first + local) * per_group)
-            return self.ckpt.read(self.require(f"{prefix}.{name}.{suffix}"), (span,))
+            start, end = first * per_group, (first + local) * per_group
+            if fused in self.ckpt:
+                span = slice(offset[name] + start, offset[name] + end)
+                return self.ckpt.read(fused, (span,))
+            return self.ckpt.read(self.require(f"{prefix}.{name}.{suffix}"), (slice(start, end),))
 
         d = layout.head_dim
         return layout.fuse(
             rows("q_proj", layout.q_per_group * d), rows("k_proj", d), rows("v_proj", d)
+        )
+
+    def gate_up(self, mlp: str, shard: _Shard) -> torch.Tensor:
+        """A dense MLP's fc1 from gate_proj and up_proj, or from Phi-3's ``gate_up_proj``
+        ([gate; up]): this rank's ``[gate_r; up_r]``."""
+        fused = f"{mlp}.gate_up_proj.weight"
+        if fused not in self.ckpt:
+            return self.gated(f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight", shard)
+        half = self.ckpt.shape(fused)[0] // 2
+        n = half // shard.size
+        start = shard.rank * n
+        return fuse_gate_up(
+            self.ckpt.read(fused, (slice(start, start + n),)),
+            self.ckpt.read(fused, (slice(half + start, half + start + n),)),
         )
 
     # --- mapping -----------------------------------------------------------------------
@@ -182,15 +224,19 @@ class _Loader:
 
     def layer_tensor(self, hf: str, rest: str, param: torch.Tensor) -> torch.Tensor:
         shard = self.shard(param)
-        if rest in _LAYER_DIRECT:
-            return self.read(f"{hf}.{_LAYER_DIRECT[rest]}", shard)
+        if self.cfg.mla is not None and rest in MLA_TENSORS:
+            return self.read(f"{hf}.{MLA_TENSORS[rest]}", shard)
+        if rest in self.layer_names:
+            return self.read(f"{hf}.{self.layer_names[rest]}", shard)
         if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
             return self.qkv(f"{hf}.self_attn", rest.rsplit(".", 1)[1], shard)
         if rest == "mlp.linear_fc1.weight":
-            return self.gated(f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight", shard)
+            return self.gate_up(f"{hf}.mlp", shard)
         moe = self.moe_prefix(hf)
         if rest == "mlp.router.weight":
             return self.read(f"{moe}.gate.weight")
+        if rest == "mlp.router.expert_bias":  # a buffer (DeepSeek-V3)
+            return self.read(f"{moe}.gate.e_score_correction_bias")
         m = _EXPERT.fullmatch(rest)
         if m:
             fc, local = (m[1], m[2]) if m[1] else (m[4], m[3])
@@ -249,14 +295,16 @@ class _Loader:
 
 def base_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """The base model's parameters by state-dict key (a wrapped linear's base under its
-    unwrapped key, thanks to the wrapper's state-dict hook); adapter slots excluded."""
+    unwrapped key, thanks to the wrapper's state-dict hook); adapter slots excluded. Routers'
+    expert-bias buffers count too: checkpoints hold them like weights."""
     wrapped = next(named_multi_lora_modules(model), None) is not None
     with hide_adapters(model) if wrapped else contextlib.nullcontext():
         state = model.state_dict(keep_vars=True)
     out: dict[str, torch.nn.Parameter] = {}
     seen: set[int] = set()
     for key, value in state.items():
-        if isinstance(value, torch.nn.Parameter) and id(value) not in seen:
+        weight = isinstance(value, torch.nn.Parameter) or key.endswith(".router.expert_bias")
+        if weight and id(value) not in seen:
             seen.add(id(value))  # a shared parameter is filled once, under its first key
             out[key] = value
     return out
@@ -278,7 +326,7 @@ def load_hf_checkpoint(
     """
     chunks = [_unwrap(m) for m in (model if isinstance(model, Sequence) else [model])]
     with SafetensorsFolder(folder) as ckpt, torch.no_grad():
-        loader = _Loader(ckpt, model_config)
+        loader = _Loader(ckpt, model_config, read_hf_config(folder).get("model_type"))
         for chunk in chunks:
             loader.global_layer = [layer.layer_number - 1 for layer in chunk.decoder.layers]
             for key, param in base_parameters(chunk).items():
@@ -296,6 +344,8 @@ def load_hf_checkpoint(
                         f"holds {tuple(param.shape)} (config.json and weights "
                         "disagree?)"
                     )
+                if key.endswith(loader.unit_offset_norms):
+                    tensor = 1 + tensor.float()  # folded in fp32, as transformers adds it
                 param.copy_(tensor.to(param.dtype))
         _check_all_used(ckpt, model_config, _Stage.of(chunks))
 
@@ -357,6 +407,7 @@ def _check_all_used(ckpt: SafetensorsFolder, cfg: GPTModelConfig, stage: _Stage)
         and not _IGNORED.fullmatch(n)
         and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
         and not stage.elsewhere(n, cfg)
+        and not (cfg.mla is not None and prediction_module_tensor(n, cfg.num_layers))
     ]
     if unused:
         more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""

@@ -15,6 +15,7 @@ from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_ba
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.experts import TEGroupedMLP
+from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -24,6 +25,7 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
+from megatron_multilora.models.mla_spec import mla_cpu_submodules
 from megatron_multilora.models.torch_modules import (
     AcrossHeadsRMSNorm,
     SDPAttention,
@@ -87,31 +89,62 @@ def gpt_block_spec(
     num_experts: int | None = None,
     qk_layernorm_across_heads: bool = False,
     init_seed: int = 0,
+    multi_latent_attention: bool = False,
+    moe_layers: list[bool] | None = None,
 ) -> TransformerBlockSubmodules:
     """The decoder-block spec for ``num_layers`` layers of a GPT (one pipeline chunk's
     layers; MoE MLPs with experts), each a :class:`SeededTransformerLayer` for ``init_seed``.
 
     ``qk_layernorm_across_heads`` swaps the per-head q/k norms for :class:`AcrossHeadsRMSNorm`
-    (one RMSNorm over the whole q or k projection, as OLMoE has)."""
+    (one RMSNorm over the whole q or k projection, as OLMoE has). ``multi_latent_attention``
+    builds megatron's MLA (its q/kv latent norms are the q/k norms). ``moe_layers``: per layer
+    of this chunk, whether its MLP is the MoE one (None: all, when there are experts)."""
+    if moe_layers is None:
+        moe_layers = [num_experts is not None] * num_layers
+    specs = {
+        moe: _layer_spec(
+            qk_layernorm,
+            num_experts if moe else None,
+            qk_layernorm_across_heads,
+            init_seed,
+            multi_latent_attention,
+        )
+        for moe in set(moe_layers)
+    }
     if transformer_engine_usable():
-        from megatron.core.extensions.transformer_engine import TENorm
+        from megatron.core.extensions.transformer_engine import TENorm as final_norm
+    else:
+        final_norm = TorchNorm
+    return TransformerBlockSubmodules(
+        layer_specs=[specs[moe] for moe in moe_layers], layer_norm=final_norm
+    )
 
+
+def _layer_spec(
+    qk_layernorm: bool,
+    num_experts: int | None,
+    qk_layernorm_across_heads: bool,
+    init_seed: int,
+    multi_latent_attention: bool,
+) -> ModuleSpec:
+    """One layer's spec (see :func:`gpt_block_spec`); a dense MLP without experts."""
+    if transformer_engine_usable():
         layer = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts,
             moe_grouped_gemm=num_experts is not None,
             qk_layernorm=qk_layernorm,
+            multi_latent_attention=multi_latent_attention,
         )
-        final_norm = TENorm
     else:
-        layer = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
+        layer = gpt_layer_specs.get_gpt_layer_local_spec(
+            qk_layernorm=qk_layernorm, multi_latent_attention=multi_latent_attention
+        )
         layer = torch_layer_spec(layer, qk_layernorm, num_experts)
-        final_norm = TorchNorm
     if qk_layernorm_across_heads:
         layer = across_heads_qk_norm_spec(layer)
-    layer = dataclasses.replace(
+    return dataclasses.replace(
         layer, module=SeededTransformerLayer, params={**layer.params, "init_seed": init_seed}
     )
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm)
 
 
 def across_heads_qk_norm_spec(layer: ModuleSpec) -> ModuleSpec:
@@ -136,7 +169,9 @@ def torch_layer_spec(
     """Swap the CUDA-only/non-SP submodules of a local layer spec for pure-torch ones."""
     attn = layer.submodules.self_attention
     attn_sub = dataclasses.replace(attn.submodules, core_attention=SDPAttention)
-    if qk_layernorm:
+    if isinstance(attn_sub, MLASelfAttentionSubmodules):
+        attn_sub = mla_cpu_submodules(attn_sub, qk_layernorm)
+    elif qk_layernorm:
         attn_sub = dataclasses.replace(attn_sub, q_layernorm=TorchNorm, k_layernorm=TorchNorm)
     layer_sub = dataclasses.replace(
         layer.submodules,

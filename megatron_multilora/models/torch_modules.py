@@ -42,7 +42,11 @@ class SDPAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ) -> None:
+        # k_channels/v_channels (MLA: v heads narrower than q/k heads) need nothing here:
+        # SDPA takes each from its input's shape.
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise ValueError("SDPAttention does not support context parallelism")

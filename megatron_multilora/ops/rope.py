@@ -88,10 +88,12 @@ def _packed_cos_sin(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of each packed token's angles, ``[tokens, 1, rot_dim]``. Every layer of a
     micro-batch passes the same ``cu_seqlens`` and ``freqs`` objects, so they are computed
-    by the first and kept on ``cu_seqlens`` (a micro-batch's own tensor) for the rest."""
-    cached = getattr(cu_seqlens, "_rope_cos_sin", None)
-    if cached is not None and cached[0] is freqs and cached[1].dtype == dtype:
-        return cached[1], cached[2]
+    by the first and kept on ``cu_seqlens`` (a micro-batch's own tensor) for the rest, one
+    entry per table (Gemma 3's local and global layers have one each)."""
+    cached = getattr(cu_seqlens, "_rope_cos_sin", ())
+    for table, cos, sin in cached:
+        if table is freqs and cos.dtype == dtype:
+            return cos, sin
     starts, lengths = cu_seqlens[:-1].long(), cu_seqlens.diff().long()
     # Each token's position in its sequence, without reading the lengths on the host.
     positions = torch.arange(tokens, device=cu_seqlens.device) - starts.repeat_interleave(
@@ -99,5 +101,5 @@ def _packed_cos_sin(
     )
     angles = freqs.flatten(1)  # [max_seqlen, rot_dim]: cos/sin of the table, then each token's row
     cos, sin = (f(angles)[positions].unsqueeze(1).to(dtype) for f in (torch.cos, torch.sin))
-    cu_seqlens._rope_cos_sin = (freqs, cos, sin)
+    cu_seqlens._rope_cos_sin = (*cached, (freqs, cos, sin))
     return cos, sin

@@ -9,6 +9,10 @@ rope_utils takes its fused RoPE (``apply_rope_fusion``) from TE too; without it,
 unfused packed path splits every micro-batch into its sequences on each call, in every layer
 (a host read and many small ops). :mod:`megatron_multilora.ops.rope` stands in for TE's two
 functions, so the fused path runs, one op per call, wherever TE is absent.
+
+multi_latent_attention.py sets ``HAVE_TE`` when megatron's TE extension module imports, which
+it does without TE too, with mock stand-ins for TE's classes: MLA's constructor then calls
+``isinstance`` on a mock and raises. Where those names are not classes, ``HAVE_TE`` is False.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ def define_missing_te_names() -> None:
         rope_utils.fused_apply_rotary_pos_emb = apply_rope
     if rope_utils.fused_apply_rotary_pos_emb_thd is None:
         rope_utils.fused_apply_rotary_pos_emb_thd = apply_rope_packed
+    mla = importlib.import_module("megatron.core.transformer.multi_latent_attention")
+    if not isinstance(mla.TELinear, type):
+        mla.HAVE_TE = False
 
 
 def rope_fusion_available() -> bool:

@@ -64,7 +64,7 @@ def test_tp2_logits_match_transformers(layout, model_type):
     check_logits(layout, model_type, tp=2)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2_moe"])
+@pytest.mark.parametrize("model_type", ["llama", "llama3", "phi3", "qwen2_moe"])
 def test_tp2_sp_logits_match_transformers(layout, model_type):
     check_logits(layout, model_type, tp=2, sp=True)
 
@@ -82,6 +82,29 @@ def test_tp2_sharded_checkpoint(layout):
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "olmoe"])
 def test_tp2_ep2_logits_match_transformers(layout, model_type):
     check_logits(layout, model_type, tp=2, ep=2)
+
+
+def test_phi3_ranks_read_only_their_rows_of_the_fused_tensors(layout, monkeypatch):
+    """Phi-3's qkv_proj ([q; k; v], 128 rows) and gate_up_proj ([gate; up], 192 rows): under
+    TP=2 a rank reads its groups' q, k and v rows and its half of gate and of up, no more."""
+    layout(tp=2)
+    reads: list[tuple[str, tuple[int, ...]]] = []
+    real_read = hf_safetensors.SafetensorsFolder.read
+
+    def recording_read(self, name, index=()):
+        out = real_read(self, name, index)
+        reads.append((name, tuple(out.shape)))
+        return out
+
+    monkeypatch.setattr(hf_safetensors.SafetensorsFolder, "read", recording_read)
+    with saved_checkpoint(make_hf_model("phi3", seed=4)) as folder:
+        load_hf_model(folder)
+    failures = []
+    for module, want in (("self_attn.qkv_proj", [32, 16, 16]), ("mlp.gate_up_proj", [48, 48])):
+        got = [shape[0] for name, shape in reads if name == f"model.layers.0.{module}.weight"]
+        if got != want:
+            failures.append(f"{module}: read rows {got}, want this rank's {want}")
+    assert_all_ranks(failures)
 
 
 @pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)])
@@ -156,7 +179,9 @@ def test_olmoe_tp2_gradients_match_transformers(layout):
     assert_all_ranks(failures)
 
 
-@pytest.mark.parametrize("model_type,vpp", [("qwen2", None), ("qwen3_moe", 2), ("llama", 2)])
+@pytest.mark.parametrize(
+    "model_type,vpp", [("qwen2", None), ("qwen3_moe", 2), ("llama", 2), ("phi3", None)]
+)
 def test_pp2_stages_load_pp1_tensors_per_global_layer(layout, monkeypatch, model_type, vpp):
     """Each stage's parameters (by global layer) equal PP=1's import; a rank reads only its
     stage's tensors. 4 layers: 2 per stage, or 1 per virtual stage. llama with tied

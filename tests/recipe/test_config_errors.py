@@ -455,3 +455,24 @@ def test_cuda_graphs_are_refused_on_cpu_and_name_what_they_need(demo_data, monke
     assert "adapters.0.dropout" not in msg
     run = compose_run(["hf_dir=null", jobs, "trainer.cuda_graphs=true", "trainer.precision=bf16"])
     validate(run, check_files=False)  # what the graphs support passes
+
+
+def test_sequences_longer_than_the_models_sliding_window_are_refused(demo_data):
+    """Window attention is not computed: up to the window it is full attention, beyond it
+    the model would compute something else, so longer sequences are refused by name."""
+    jobs = f"adapters=[{job('a', demo_data, 'add', 3)}]"
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer.max_seq_len=32 exceeds the model's "
+        r"sliding_window=16",
+    ):
+        validate(
+            compose_run(
+                ["hf_dir=null", jobs, "+model.sliding_window=16", "trainer.max_seq_len=32"]
+            ),
+            check_files=False,
+        )
+    validate(
+        compose_run(["hf_dir=null", jobs, "+model.sliding_window=32", "trainer.max_seq_len=32"]),
+        check_files=False,
+    )

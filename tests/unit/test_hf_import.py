@@ -50,7 +50,7 @@ def test_logits_match_transformers(tmp_path, model_type):
     assert diff <= TOL
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3", "phi3", "mixtral", "qwen2_moe"])
 def test_sharded_checkpoint(tmp_path, model_type):
     hf_model = make_hf_model(model_type, seed=3)
     folder = save(hf_model, tmp_path, max_shard_size="40KB")
@@ -199,9 +199,8 @@ def _minimal(model_type: str) -> dict:
         ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ("llama", {"attention_bias": True}, "attention_bias=True"),
         ("llama", {"mlp_bias": True}, "mlp_bias=True"),
-        ("qwen2", {"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window"),
-        ("qwen3", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
-        ("mixtral", {"sliding_window": 64, "max_position_embeddings": 4096}, "sliding_window=64"),
+        ("qwen3", {"layer_types": ["chunked_attention", "full_attention"]}, "layer_types"),
+        ("phi3", {"rope_scaling": {"type": "longrope", "short_factor": [1.0]}}, "rope_scaling"),
         ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
         ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
         ("qwen2_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
@@ -214,11 +213,71 @@ def test_unsupported_config_raises(model_type, fields, named):
     assert model_type in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "model_type,fields,window",
+    [
+        ("mistral", {"sliding_window": 64, "max_position_embeddings": 4096}, 64),
+        ("mistral", {"sliding_window": None}, None),
+        ("phi3", {"sliding_window": 2047, "max_position_embeddings": 4096}, 2047),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 64}, 64),
+        ("qwen2", {"use_sliding_window": False, "sliding_window": 64}, None),
+        ("qwen3", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}, 8),
+    ],
+)
+def test_a_window_shorter_than_the_context_is_kept_to_refuse_longer_sequences(
+    model_type, fields, window
+):
+    assert hf_to_model_config({**_minimal(model_type), **fields}).sliding_window == window
+
+
+def test_llama3_rope_scaling_maps_every_band_setting():
+    cfg = hf_to_model_config(
+        {
+            **_minimal("llama"),
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            "rope_theta": 500000.0,
+        }
+    )
+    assert (cfg.rope_scaling_factor, cfg.rope_original_max_positions) == (32.0, 8192)
+    assert (cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rotary_base) == (
+        1.0,
+        4.0,
+        500000,
+    )
+
+
+@pytest.mark.parametrize(
+    "model_type,field,value",
+    [
+        ("llama3", "rope_scaling_factor", None),
+        ("llama3", "rope_low_freq_factor", 1.0),  # megatron's default band, not the checkpoint's
+        ("phi3", "rotary_percent", 1.0),
+    ],
+)
+def test_each_rope_setting_changes_the_logits(tmp_path, model_type, field, value):
+    """The settings the families above differ by are not idle: built without one, the
+    model is far from transformers' logits (so the equality tests check them)."""
+    import dataclasses
+
+    hf_model = make_hf_model(model_type)
+    folder = save(hf_model, tmp_path)
+    cfg = dataclasses.replace(hf_to_model_config(read_hf_config(folder)), **{field: value})
+    model = mm.build_gpt_model(cfg)
+    load_hf_checkpoint(model, folder, cfg)
+    assert max_logit_diff(hf_model, model.eval()) > 1e-2
+
+
 def test_mixtral_window_covering_every_position_is_accepted():
     cfg = hf_to_model_config(
         {**_minimal("mixtral"), "sliding_window": 4096, "max_position_embeddings": 4096}
     )
-    assert cfg.num_moe_experts == 4
+    assert cfg.num_moe_experts == 4 and cfg.sliding_window is None
 
 
 def test_missing_tensor_raises_naming_it(tmp_path):

@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 import megatron_multilora as mm
 from megatron_multilora.checkpoint.peft_format import export_peft, import_peft
 from megatron_multilora.layers.slot_tensors import get_slot_tensors
+from megatron_multilora.ops.fused_rows import QKVRows
 
 DENSE = mm.GPTModelConfig(
     num_layers=2,
@@ -36,7 +37,10 @@ def wrapped(cfg):
     return model
 
 
-@pytest.mark.parametrize("cfg,model_type", [(DENSE, "llama"), (MOE, "qwen2_moe"), (MOE, "mixtral")])
+@pytest.mark.parametrize(
+    "cfg,model_type",
+    [(DENSE, "llama"), (DENSE, "phi3"), (MOE, "qwen2_moe"), (MOE, "mixtral")],
+)
 def test_round_trip_is_exact(cfg, model_type, tmp_path):
     model = wrapped(cfg)
     export_peft(model, 0, tmp_path / "a", cfg, model_type, base_model_name_or_path="tiny")
@@ -71,6 +75,15 @@ def test_round_trip_is_exact(cfg, model_type, tmp_path):
             "up_proj",
             "down_proj",
         }
+    elif model_type == "phi3":
+        # Phi-3's fused modules: B's rows in Hugging Face's [q; k; v] and [gate; up] order
+        qkv = tensors["base_model.model.model.layers.1.self_attn.qkv_proj.lora_B.weight"]
+        fused = get_slot_tensors(model, 0)[
+            "decoder.layers.1.self_attention.linear_qkv.adapter.linear_out.weight"
+        ][:, :4]
+        q, k, v = QKVRows.of(cfg).split(fused)
+        assert torch.equal(qkv, torch.cat([q, k, v])) and not torch.equal(qkv, fused)
+        assert set(config["target_modules"]) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
     else:
         expert = (
             "block_sparse_moe.experts.3.w3" if model_type == "mixtral" else "mlp.experts.3.up_proj"

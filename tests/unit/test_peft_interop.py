@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 import megatron_multilora as mm
 from megatron_multilora.checkpoint.peft_format import export_peft
 from megatron_multilora.models.hf_import import load_hf_model
+from megatron_multilora.ops.fused_rows import QKVRows
 from tests.hf_models import DENSE, MOE, hf_logits, make_hf_model, megatron_logits, token_batch
 
 TOL = 1e-4  # max |logit difference|, logits of size ~6
@@ -104,4 +105,44 @@ def test_a_slot_of_some_parts_exports_only_those_and_an_adapted_output_layer(tmp
     assert config["target_modules"] == ["k_proj", "lm_head", "o_proj", "q_proj", "v_proj"]
     wrapped = peft.PeftModel.from_pretrained(make_hf_model("llama"), str(tmp_path / "peft"))
     got = hf_logits(wrapped.eval(), ids)
+    assert (got - want).abs().max() <= TOL, f"{(got - want).abs().max():.2e}"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "phi3", "qwen3_moe"])
+def test_peft_target_names_adapt_only_those_parts_of_fused_linears(model_type, tmp_path):
+    """``target_modules`` as PEFT users write them: q_proj and v_proj adapt only those rows
+    of megatron's fused linear_qkv, gate_proj only the gate half of fc1 (experts' too).
+    The other rows get no gradient and stay zero, the export names exactly those modules
+    (Phi-3: its fused qkv_proj / gate_up_proj with zero rows), and peft gives the logits.
+    Without down_proj, linear_fc2 is not wrapped."""
+    import json
+
+    import peft
+
+    hf = make_hf_model(model_type)
+    hf.save_pretrained(tmp_path / "base")
+    model, cfg = load_hf_model(str(tmp_path / "base"))
+    # peft 0.21 loads transformers 5's fused experts only with all of gate, up and down
+    moe = ["up_proj", "down_proj"] if model_type in MOE else []
+    targets = ["q_proj", "v_proj", "gate_proj", *moe]
+    mm.apply_multi_lora(model, 3, 8, 1.0, target_modules=targets, row_init_method="normal")
+    trained_like_slot(model, 1)
+    ids = token_batch()
+    mm.set_tokens_per_adapter_slot(model, [0, ids.numel(), 0])
+    positions = torch.arange(ids.size(1))[None].expand_as(ids)
+    want = model(ids, positions, None)
+    want.square().mean().backward()
+    qkv = model.decoder.layers[0].self_attention.linear_qkv
+    b, grad = qkv.adapters[1].linear_out.weight, qkv.adapters[1].linear_out.weight.grad
+    q, k, v = QKVRows.of(cfg).split(torch.stack([b.detach(), grad]).transpose(0, 1))
+    assert not k.any() and q[:, 1].any() and v[:, 1].any()  # k: no weights, no gradient
+    fc2 = [m for n, m in model.named_modules() if n.endswith("linear_fc2")]
+    assert all(isinstance(m, mm.MultiLoRALinear) == bool(moe) for m in fc2)
+    export_peft(model, 1, tmp_path / "peft", cfg, model_type, str(tmp_path / "base"))
+    config = json.loads((tmp_path / "peft/adapter_config.json").read_text())
+    expected = {"phi3": ["gate_up_proj", "qkv_proj"]}.get(model_type, sorted(targets))
+    assert config["target_modules"] == expected
+    wrapped = peft.PeftModel.from_pretrained(make_hf_model(model_type), str(tmp_path / "peft"))
+    got = hf_logits(wrapped.eval(), ids)
+    want = want.detach()
     assert (got - want).abs().max() <= TOL, f"{(got - want).abs().max():.2e}"

@@ -212,15 +212,24 @@ def chunk_inputs(chunk: torch.nn.Module, mb: MicroBatch) -> dict[str, Any]:
     """What ``chunk`` is called with for ``mb`` (already on its device), but the labels."""
     only_pads = mb.n_pad == mb.tokens.size(1)
     # Pads carry no loss, and megatron's padding mask keeps them out of MoE routers'
-    # auxiliary losses. A micro-batch of pads only (a filler) cannot be masked (its aux loss
+    # auxiliary losses, the only thing routers read it for (but counting tokens for an
+    # expert-bias update, which this frozen base never makes and megatron 0.16.1 breaks on
+    # with a mask). A micro-batch of pads only (a filler) cannot be masked (its aux loss
     # would be 0/0): the schedule scales its aux-loss gradient to zero instead.
+    masked = not only_pads and _has_aux_loss(chunk.config)
     return {
         "input_ids": mb.tokens,
         "position_ids": mb.position_ids,
         "attention_mask": None,
         "packed_seq_params": with_slot_layout(mb.packed_seq_params(), mb.slot_layout()),
-        "padding_mask": None if only_pads else _padding_mask(chunk, mb),
+        "padding_mask": _padding_mask(chunk, mb) if masked else None,
     }
+
+
+def _has_aux_loss(config: Any) -> bool:
+    return bool(config.num_moe_experts) and bool(
+        config.moe_aux_loss_coeff or config.moe_z_loss_coeff
+    )
 
 
 def _padding_mask(chunk: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
