@@ -17,11 +17,10 @@ from safetensors.torch import load_file
 import megatron_multilora as mm
 from megatron_multilora.checkpoint.peft_format import export_peft
 from megatron_multilora.layers.slot_tensors import get_slot_tensors, set_slot_tensors
-from megatron_multilora.models import hf_safetensors
 from megatron_multilora.models.hf_config import hf_to_model_config
 from megatron_multilora.models.hf_import import load_hf_model
 from tests.distributed.conftest import assert_all_ranks, compare
-from tests.distributed.test_hf_import_parallel import REL, saved_checkpoint
+from tests.distributed.test_hf_import_parallel import REL, recorded_reads, saved_checkpoint
 from tests.hf_models import hf_logits, make_hf_model, megatron_logits, token_batch
 from tests.unit.test_deepseek_v3 import (
     LINEARS,
@@ -33,19 +32,6 @@ from tests.unit.test_deepseek_v3 import (
 pytest.importorskip("transformers")
 
 TARGETS = ["linear_q_down_proj", "linear_q_up_proj", *LINEARS]
-
-
-def recorded_reads(monkeypatch) -> list[tuple[str, tuple[int, ...]]]:
-    reads: list[tuple[str, tuple[int, ...]]] = []
-    real_read = hf_safetensors.SafetensorsFolder.read
-
-    def recording_read(self, name, index=()):
-        out = real_read(self, name, index)
-        reads.append((name, tuple(out.shape)))
-        return out
-
-    monkeypatch.setattr(hf_safetensors.SafetensorsFolder, "read", recording_read)
-    return reads
 
 
 @pytest.mark.parametrize(

@@ -41,6 +41,20 @@ def saved_checkpoint(hf_model, **save_kwargs):
             shutil.rmtree(path[0], ignore_errors=True)
 
 
+def recorded_reads(monkeypatch) -> list[tuple[str, tuple[int, ...]]]:
+    """Every checkpoint read from now on: (tensor name, shape read)."""
+    reads: list[tuple[str, tuple[int, ...]]] = []
+    real_read = hf_safetensors.SafetensorsFolder.read
+
+    def recording_read(self, name, index=()):
+        out = real_read(self, name, index)
+        reads.append((name, tuple(out.shape)))
+        return out
+
+    monkeypatch.setattr(hf_safetensors.SafetensorsFolder, "read", recording_read)
+    return reads
+
+
 def check_logits(layout, model_type, tp=1, ep=1, sp=False, **save_kwargs):
     layout(tp=tp, ep=ep, sp=sp)
     hf_model = make_hf_model(model_type, seed=11)
@@ -88,15 +102,7 @@ def test_phi3_ranks_read_only_their_rows_of_the_fused_tensors(layout, monkeypatc
     """Phi-3's qkv_proj ([q; k; v], 128 rows) and gate_up_proj ([gate; up], 192 rows): under
     TP=2 a rank reads its groups' q, k and v rows and its half of gate and of up, no more."""
     layout(tp=2)
-    reads: list[tuple[str, tuple[int, ...]]] = []
-    real_read = hf_safetensors.SafetensorsFolder.read
-
-    def recording_read(self, name, index=()):
-        out = real_read(self, name, index)
-        reads.append((name, tuple(out.shape)))
-        return out
-
-    monkeypatch.setattr(hf_safetensors.SafetensorsFolder, "read", recording_read)
+    reads = recorded_reads(monkeypatch)
     with saved_checkpoint(make_hf_model("phi3", seed=4)) as folder:
         load_hf_model(folder)
     failures = []
@@ -113,15 +119,7 @@ def test_each_rank_reads_only_its_slices(layout, monkeypatch, tp, ep):
     own experts' tensors."""
     layout(tp=tp, ep=ep)
     hf_model = make_hf_model("mixtral", seed=4)
-    reads: list[tuple[str, tuple[int, ...]]] = []
-    real_read = hf_safetensors.SafetensorsFolder.read
-
-    def recording_read(self, name, index=()):
-        out = real_read(self, name, index)
-        reads.append((name, tuple(out.shape)))
-        return out
-
-    monkeypatch.setattr(hf_safetensors.SafetensorsFolder, "read", recording_read)
+    reads = recorded_reads(monkeypatch)
     with saved_checkpoint(hf_model) as folder:
         load_hf_model(folder)
     failures = []
