@@ -78,7 +78,7 @@ def test_tp2_logits_match_transformers(layout, model_type):
     check_logits(layout, model_type, tp=2)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "llama3", "phi3", "qwen2_moe"])
+@pytest.mark.parametrize("model_type", ["llama", "llama3", "mistral", "phi3", "qwen2_moe"])
 def test_tp2_sp_logits_match_transformers(layout, model_type):
     check_logits(layout, model_type, tp=2, sp=True)
 
@@ -178,7 +178,15 @@ def test_olmoe_tp2_gradients_match_transformers(layout):
 
 
 @pytest.mark.parametrize(
-    "model_type,vpp", [("qwen2", None), ("qwen3_moe", 2), ("llama", 2), ("phi3", None)]
+    "model_type,vpp",
+    [
+        ("qwen2", None),
+        ("qwen3_moe", 2),
+        ("llama", 2),
+        ("llama3", None),
+        ("mistral", 2),
+        ("phi3", None),
+    ],
 )
 def test_pp2_stages_load_pp1_tensors_per_global_layer(layout, monkeypatch, model_type, vpp):
     """Each stage's parameters (by global layer) equal PP=1's import; a rank reads only its
