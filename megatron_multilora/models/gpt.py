@@ -186,6 +186,45 @@ def _llama3_rope_bands(chunk: GPTModel, cfg: GPTModelConfig) -> None:
     )
 
 
+class _WindowCheck:
+    """Refuses a forward over sequences longer than the model's sliding window, which is not
+    computed (up to it, window attention is full attention). Reads host values only: an
+    unpacked input's length, a packed micro-batch's longest sequence, a KV cache's capacity."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        named = dict(
+            zip(
+                (
+                    "input_ids",
+                    "position_ids",
+                    "attention_mask",
+                    "decoder_input",
+                    "labels",
+                    "inference_context",
+                    "packed_seq_params",
+                ),
+                args,
+            )
+        )
+        named.update(kwargs)
+        ids, packed = named.get("input_ids"), named.get("packed_seq_params")
+        context = named.get("inference_context")
+        lengths = [
+            ids.size(1) if ids is not None and packed is None else 0,
+            (packed.max_seqlen_q or 0) if packed is not None else 0,
+            context.max_sequence_length if context is not None else 0,
+        ]
+        if max(lengths) > self.window:
+            raise ValueError(
+                f"a sequence of {max(lengths)} tokens is longer than the model's sliding "
+                f"window of {self.window}: window attention is not implemented (up to the "
+                "window it is full attention); use sequences of at most the window"
+            )
+
+
 def build_gpt_model(
     cfg: GPTModelConfig,
     sequence_parallel: bool = False,
@@ -275,6 +314,8 @@ def build_model_chunks(
     for chunk in chunks:
         _llama3_rope_bands(chunk, cfg)
         scale_input_embeddings(chunk, cfg)
+        if cfg.sliding_window is not None:
+            chunk.register_forward_pre_hook(_WindowCheck(cfg.sliding_window), with_kwargs=True)
         if torch.cuda.is_available():
             chunk.cuda()
         else:

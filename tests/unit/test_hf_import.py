@@ -359,3 +359,27 @@ def test_a_weights_file_damaged_after_the_check_is_named(tmp_path):
     weights.write_bytes(weights.read_bytes()[:-4096])
     with pytest.raises(RunError, match=f"{weights} cannot be read .*damaged or incomplete"):
         load_hf_model(folder)
+
+
+def test_a_forward_longer_than_the_sliding_window_is_refused(tmp_path):
+    """Window attention is not computed, so the model refuses what would need it: an input,
+    a packed sequence or a KV cache longer than the window (32 here); up to it, it runs."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    model, cfg = load_hf_model(save(make_hf_model("mistral"), tmp_path))
+    assert cfg.sliding_window == 32
+    megatron_logits(model, token_batch(seq=32))
+    with pytest.raises(ValueError, match="33 tokens is longer than the model's sliding window"):
+        megatron_logits(model, token_batch(seq=33))
+    ends = torch.tensor([0, 40], dtype=torch.int32)
+    packed = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=ends, cu_seqlens_kv=ends, max_seqlen_q=40, max_seqlen_kv=40
+    )
+    ids = token_batch(batch=1, seq=40)
+    with pytest.raises(ValueError, match="40 tokens"), torch.no_grad():
+        model(ids, torch.arange(40)[None], None, packed_seq_params=packed)
+    with pytest.raises(ValueError, match="64 tokens"), torch.no_grad():
+        model(
+            ids[:, :4], torch.arange(4)[None], None, inference_context=StaticInferenceContext(1, 64)
+        )
