@@ -15,7 +15,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from megatron_multilora.models.gemma3 import gemma3_block_spec, scale_input_embeddings
 from megatron_multilora.models.gpt_config import GPTModelConfig
-from megatron_multilora.models.mla_spec import mla_layout_problems
+from megatron_multilora.models.mla_config import mla_layout_problems
 from megatron_multilora.models.specs import gpt_block_spec
 from megatron_multilora.ops.packed_linear import use_packed_frozen_weights
 from megatron_multilora.platform.missing_te import rope_fusion_available

@@ -54,3 +54,14 @@ class MLAConfig:
             # MLA's de-interleaving of the rotated channels: the unfused path does both.
             apply_rope_fusion=False,
         )
+
+
+def mla_layout_problems(tp: int, sequence_parallel: bool) -> list[str]:
+    """What keeps megatron's MLA from training correctly on the layout."""
+    if tp > 1 and not sequence_parallel:
+        return [
+            f"multi-latent attention at tensor parallel size {tp} needs sequence parallelism: "
+            "without it megatron-core 0.16.1 does not sum the shared RoPE key's gradient over "
+            "the TP ranks' heads (wrong gradients); set sequence parallelism (parallel.sp=true)"
+        ]
+    return []

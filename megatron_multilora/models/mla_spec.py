@@ -8,7 +8,7 @@ backward (a split) never sums over TP: input and adapter gradients come out wron
 takes the path TE's duplicated linears take, which under sequence parallelism gathers the
 RoPE key over the sequence and so sums its gradient in the backward's reduce-scatter.
 Without sequence parallelism that path leaves the same gradient partial, so MLA at TP > 1
-needs sequence parallelism (:func:`mla_layout_problems`).
+needs sequence parallelism (:func:`.mla_config.mla_layout_problems`).
 """
 
 from __future__ import annotations
@@ -33,14 +33,3 @@ def mla_cpu_submodules(
     if qk_layernorm:
         attn = dataclasses.replace(attn, q_layernorm=TorchNorm, kv_layernorm=TorchNorm)
     return attn
-
-
-def mla_layout_problems(tp: int, sequence_parallel: bool) -> list[str]:
-    """What keeps megatron's MLA from training correctly on the layout."""
-    if tp > 1 and not sequence_parallel:
-        return [
-            f"multi-latent attention at tensor parallel size {tp} needs sequence parallelism: "
-            "without it megatron-core 0.16.1 does not sum the shared RoPE key's gradient over "
-            "the TP ranks' heads (wrong gradients); set sequence_parallel=True"
-        ]
-    return []

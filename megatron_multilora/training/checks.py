@@ -22,6 +22,7 @@ from megatron_multilora.checkpoint.adapter_folders import (
     folder_format,
 )
 from megatron_multilora.models.gpt_config import GPTModelConfig
+from megatron_multilora.models.mla_config import mla_layout_problems
 from megatron_multilora.training.config import (
     AdapterJob,
     ConfigError,
@@ -141,6 +142,8 @@ def _model_problems(run: RunConfig, check_files: bool) -> list[str]:
     problems = [
         f"model: {p}" for p in model_layout_problems(model, par.tp, par.pp, par.vpp, par.ep)
     ]
+    if model.mla is not None:
+        problems += [f"model: {p}" for p in mla_layout_problems(par.tp, par.sp)]
     if model.num_moe_experts is None and par.ep > 1:
         problems.append("parallel.ep > 1 needs a MoE model (model.num_moe_experts)")
     if tr.max_seq_len > tr.micro_batch_tokens:

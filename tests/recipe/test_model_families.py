@@ -138,3 +138,24 @@ def assert_peft_loads_quietly(base: Path, folder: Path) -> None:
     assert not noisy, noisy
     with torch.no_grad():
         assert (wrapped(ids).logits - before).abs().max() > 1e-3
+
+
+def test_deepseek_at_tp2_without_sequence_parallelism_is_refused_before_the_launch(
+    demo_data, tmp_path, monkeypatch
+):
+    """megatron-core 0.16.1's MLA leaves the shared RoPE key's gradient partial over TP ranks
+    without SP: the config check refuses the layout, naming the fix."""
+    from megatron_multilora.training.checks import validate
+    from megatron_multilora.training.config import ConfigError
+    from tests.recipe.conftest import compose_run
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    base = write_base(tmp_path / "base", "deepseek_v3")
+    run = [
+        f"hf_dir={base}",
+        f"adapters=[{job('a', demo_data, 'add', 3)}]",
+        "trainer.max_seq_len=32",
+    ]
+    with pytest.raises(ConfigError, match=r"needs sequence parallelism.*parallel.sp=true"):
+        validate(compose_run([*run, "parallel.tp=2", "parallel.sp=false"]))
+    validate(compose_run([*run, "parallel=tp2"]))
