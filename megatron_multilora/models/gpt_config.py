@@ -97,7 +97,9 @@ class GPTModelConfig:
     """Scale the shared experts' output by sigmoid(x @ gate_weight.T) (Qwen2-MoE)."""
     moe_router_dtype: str | None = None
     """None (the model dtype), "fp32" or "fp64": precision of the router logits and softmax."""
-    moe_layer_freq: list[int] | None = None
+    moe_layer_freq: list[int] | None = ranged(
+        None, Rule("a list of 0 (dense) and 1 (MoE)", lambda v: set(v) <= {0, 1}, optional=True)
+    )
     """Per layer, 1 for an MoE MLP and 0 for a dense one (DeepSeek-V3's first dense layers);
     None: every layer MoE."""
     moe_router_enable_expert_bias: bool = False

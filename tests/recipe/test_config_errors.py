@@ -334,6 +334,7 @@ def test_every_schema_field_has_a_range_rule_or_another_check():
     import dataclasses
 
     from megatron_multilora.models.gpt_config import GPTModelConfig
+    from megatron_multilora.models.mla_config import MLAConfig
     from megatron_multilora.training import config as schema
 
     elsewhere = {
@@ -372,10 +373,12 @@ def test_every_schema_field_has_a_range_rule_or_another_check():
         "host",
         "keys_file",
         "model_name",
+        "mla",  # multi-latent attention's section: its fields have their rules
     }
     checked_by_model = {
         f.name
-        for f in dataclasses.fields(GPTModelConfig)
+        for model in (GPTModelConfig, MLAConfig)
+        for f in dataclasses.fields(model)
         if f.type in ("str", "bool", "str | None", "list[str] | None")
     }
     for cls in (
@@ -389,10 +392,11 @@ def test_every_schema_field_has_a_range_rule_or_another_check():
         schema.RunConfig,
         schema.APISettings,
         GPTModelConfig,
+        MLAConfig,
     ):
         for field in dataclasses.fields(cls):
             if field.name in elsewhere or (
-                cls is GPTModelConfig and field.name in checked_by_model
+                cls in (GPTModelConfig, MLAConfig) and field.name in checked_by_model
             ):
                 continue
             assert "rule" in field.metadata, f"{cls.__name__}.{field.name} has no range rule"

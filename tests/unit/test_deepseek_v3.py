@@ -163,7 +163,7 @@ def test_config_mapping():
 def test_layout_checks():
     """MLA at TP > 1 needs sequence parallelism (megatron leaves the RoPE key's gradient
     partial without it); the dense/MoE pattern names every layer."""
-    from megatron_multilora.models.mla_spec import mla_layout_problems
+    from megatron_multilora.models.mla_config import mla_layout_problems
 
     cfg = hf_to_model_config(make_hf_model("deepseek_v3").config.to_dict())
     assert cfg.check(2) == []
