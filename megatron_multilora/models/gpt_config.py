@@ -16,6 +16,9 @@ ACTIVATIONS = ("silu", "gelu", "relu", "gelu_tanh")
 approximation (Hugging Face's gelu_pytorch_tanh)."""
 
 
+_FRACTION = Rule("in (0, 1]", lambda v: 0 < v <= 1)
+
+
 @dataclasses.dataclass
 class GPTModelConfig:
     """Architecture of a decoder-only GPT; every field maps onto megatron's config."""
@@ -41,7 +44,7 @@ class GPTModelConfig:
     position_embedding_type: str = "rope"
     """rope, learned_absolute or none."""
     rotary_base: int = ranged(10000, positive())
-    rotary_percent: float = ranged(1.0, Rule("in (0, 1]", lambda v: 0 < v <= 1))
+    rotary_percent: float = ranged(1.0, _FRACTION)
     """The share of each head's channels that RoPE rotates (the first ones; Phi-4-mini: 0.75)."""
     rope_scaling_factor: float | None = ranged(None, at_least(1.0, optional=True))
     """Llama 3.x RoPE scaling (megatron's ``rope_scaling``): low frequencies slowed by this
@@ -97,9 +100,7 @@ class GPTModelConfig:
     """Scale the shared experts' output by sigmoid(x @ gate_weight.T) (Qwen2-MoE)."""
     moe_router_dtype: str | None = None
     """None (the model dtype), "fp32" or "fp64": precision of the router logits and softmax."""
-    moe_layer_freq: list[int] | None = ranged(
-        None, Rule("a list of 0 (dense) and 1 (MoE)", lambda v: set(v) <= {0, 1}, optional=True)
-    )
+    moe_layer_freq: list[int] | None = None
     """Per layer, 1 for an MoE MLP and 0 for a dense one (DeepSeek-V3's first dense layers);
     None: every layer MoE."""
     moe_router_enable_expert_bias: bool = False
@@ -191,10 +192,11 @@ class GPTModelConfig:
             )
         if self.mla is not None:
             problems += self.mla.check()
-        if self.moe_layer_freq is not None and len(self.moe_layer_freq) != self.num_layers:
+        freq = self.moe_layer_freq
+        if freq is not None and (len(freq) != self.num_layers or not set(freq) <= {0, 1}):
             problems.append(
-                f"moe_layer_freq has {len(self.moe_layer_freq)} entries for "
-                f"num_layers={self.num_layers}"
+                f"moe_layer_freq={list(freq)}: give each of the num_layers={self.num_layers} "
+                "layers 0 (dense MLP) or 1 (MoE)"
             )
         if self.activation not in ACTIVATIONS:
             problems.append(f"activation={self.activation!r}: choose one of {sorted(ACTIVATIONS)}")

@@ -379,7 +379,7 @@ def test_every_schema_field_has_a_range_rule_or_another_check():
         f.name
         for model in (GPTModelConfig, MLAConfig)
         for f in dataclasses.fields(model)
-        if f.type in ("str", "bool", "str | None", "list[str] | None")
+        if f.type in ("str", "bool", "str | None", "list[str] | None", "list[int] | None")
     }
     for cls in (
         schema.AdapterJob,

@@ -172,7 +172,9 @@ def test_layout_checks():
     cfg.moe_layer_freq = [0, 1]
     cfg.mla = dataclasses.replace(cfg.mla, qk_pos_emb_head_dim=7)
     problems = "\n".join(cfg.check(2))
-    assert "moe_layer_freq has 2 entries for num_layers=3" in problems
+    assert "moe_layer_freq=[0, 1]: give each of the num_layers=3 layers 0" in problems
+    cfg.moe_layer_freq = [0, 2, 1]
+    assert "moe_layer_freq=[0, 2, 1]" in "\n".join(cfg.check(2))
     assert "mla.qk_pos_emb_head_dim=7 must be even" in problems
 
 
