@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 import megatron_multilora as mm
 from megatron_multilora.checkpoint.peft_format import export_peft, import_peft
+from megatron_multilora.layers.lifecycle import named_multi_lora_modules
 from megatron_multilora.layers.slot_tensors import get_slot_tensors
 from megatron_multilora.models.hf_config import hf_to_model_config
 from megatron_multilora.models.hf_import import load_hf_model
@@ -272,3 +273,18 @@ def test_peft_export_loads_in_peft_and_round_trips(tmp_path, q_lora_rank):
     assert one.keys() == two.keys()
     for key in one:
         assert torch.equal(one[key], two[key]), key
+
+
+def test_peft_target_names_wrap_the_mla_linears_they_name(tmp_path):
+    """lora.targets as DeepSeek-V3's PEFT users write them: q_a_proj, kv_b_proj and o_proj
+    wrap megatron's q down-, kv up- and output projections only, and export as those."""
+    hf = make_hf_model("deepseek_v3")
+    hf.save_pretrained(tmp_path / "base")
+    model, cfg = load_hf_model(str(tmp_path / "base"))
+    mm.apply_multi_lora(model, 2, 4, 1.0, target_modules=["q_a_proj", "kv_b_proj", "o_proj"])
+    wrapped = {name.rsplit(".", 1)[-1] for name, _ in named_multi_lora_modules(model)}
+    assert wrapped == {"linear_q_down_proj", "linear_kv_up_proj", "linear_proj"}
+    trained_like_slot(model, 1)
+    export_peft(model, 1, tmp_path / "peft", cfg, "deepseek_v3", str(tmp_path / "base"))
+    config = json.loads((tmp_path / "peft/adapter_config.json").read_text())
+    assert config["target_modules"] == ["kv_b_proj", "o_proj", "q_a_proj"]
