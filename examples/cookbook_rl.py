@@ -1,8 +1,9 @@
 """tinker-cookbook's RL trainer (``tinker_cookbook.rl.train``, unmodified) for several tenants
 at once against one local `mmlora api`, offline: each tenant its own API key, adapter, word
 task and process; environments written with the cookbook's own types (``ProblemEnv``,
-``RLDatasetBuilder``); the cookbook's default loss. The service runs their calls together
-(its log: ``N forward_backward in one step``).
+``RLDatasetBuilder``); the cookbook's default loss. The tenants' processes are forked from
+this one after its imports (made once). The service runs their calls together (its log:
+``N forward_backward in one step``).
 
     python examples/cookbook_rl.py --hf-dir data/smollm2-135m-instruct --log-path runs/cookbook-rl
 
@@ -23,11 +24,13 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
 import chz
+import huggingface_hub.constants
 from tinker_cookbook import renderers
 from tinker_cookbook.rl import train
 from tinker_cookbook.rl.problem_env import ProblemEnv, ProblemGroupBuilder
@@ -142,6 +145,35 @@ def tenant(args: argparse.Namespace) -> None:
     asyncio.run(train.main(config))
 
 
+def start_tenant(args: argparse.Namespace, name: str, key: str, job: tuple[str, str, str]) -> int:
+    """Fork one tenant's process (the imports above are made once, not once per tenant):
+    ``job`` is its (task, loss, service URL); its key is its TINKER_API_KEY, it runs offline
+    and its output goes to ``<log-path>/<tenant>.out``. Returns its pid."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    fd = os.open(args.log_path / f"{name}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(TINKER_API_KEY=key, HF_HUB_OFFLINE="1")
+    huggingface_hub.constants.HF_HUB_OFFLINE = True  # the Hub reads it once, at import
+    task, loss, url = job
+    code = 1
+    try:
+        tenant(argparse.Namespace(**vars(args), tenant=name, task=task, loss=loss, url=url))
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def held_out_rewards(log_dir: Path) -> tuple[float, float]:
     """The test-set mean reward at the first and the last evaluation."""
     rows = [json.loads(line) for line in open(log_dir / "metrics.jsonl")]
@@ -208,13 +240,7 @@ def main() -> None:
     parser.add_argument(
         "--service-override", action="append", default=[], help="e.g. lora.max_rank=8"
     )
-    parser.add_argument("--tenant", help=argparse.SUPPRESS)  # internal: run one tenant
-    parser.add_argument("--task", help=argparse.SUPPRESS)
-    parser.add_argument("--loss", help=argparse.SUPPRESS)
-    parser.add_argument("--url", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.tenant:
-        return tenant(args)
     tasks = args.tasks.split(",")
     losses = args.losses.split(",") if args.losses else [""] * len(tasks)
     # A tenant by its task (and its place, where tasks repeat)
@@ -223,17 +249,13 @@ def main() -> None:
     args.log_path.mkdir(parents=True, exist_ok=True)
     service, url = serve(args, keys)
     try:
-        runs = [
-            subprocess.Popen(
-                [sys.executable, __file__, *sys.argv[1:], "--url", url, "--tenant", name]
-                + ["--task", task, "--loss", loss],
-                env={**os.environ, "TINKER_API_KEY": key, "HF_HUB_OFFLINE": "1"},
-                stdout=open(args.log_path / f"{name}.out", "w"),
-                stderr=subprocess.STDOUT,
-            )
+        pids = {
+            start_tenant(args, name, key, (task, loss, url)): name
             for name, key, task, loss in zip(tenants, keys, tasks, losses)
+        }
+        failed = [
+            name for pid, name in pids.items() if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
         ]
-        failed = [name for name, run in zip(tenants, runs) if run.wait() != 0]
     finally:
         service.terminate()
         service.wait(60)

@@ -74,9 +74,11 @@ else
 fi
 
 # Two files at a time: the launches wait on start-ups, kills and timeouts as much as they
-# compute, and a file's module fixtures (a running service) are made once.
+# compute, and a file's module fixtures (a running service) are made once. The longest files
+# first (tests/recipe/conftest.py orders them; xdist's own reorder, most tests first, would
+# leave the long few-test files for the end and one worker idle while the other runs them).
 tier "recipe, in process and from the CLI" \
-    "$PY" -m pytest -n 2 --dist loadfile tests/recipe "${ARGS[@]}"
+    "$PY" -m pytest -n 2 --dist loadfile --no-loadscope-reorder tests/recipe "${ARGS[@]}"
 for world in 2 4; do
     tier "multi-process, torchrun x $world (gloo)" env OMP_NUM_THREADS=1 \
         .venv/bin/torchrun --standalone --nproc-per-node "$world" --local-ranks-filter 0 \

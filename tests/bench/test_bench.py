@@ -41,6 +41,21 @@ def benchmark(*args: str, out_dir: Path) -> None:
     )
 
 
+@pytest.fixture(scope="module")
+def demo_data(tmp_path_factory) -> Path:
+    """The main job's data (scripts/make_demo_data.py: the demo tasks and the tiny Llama),
+    written once for the tests that read it."""
+    data = tmp_path_factory.mktemp("demo")
+    subprocess.run(
+        [sys.executable, "scripts/make_demo_data.py", "--out-dir", str(data)],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    return data
+
+
 def assert_measured(row: dict, markdown: str) -> None:
     for key in ("a_value", "b_value", "ratio"):
         assert math.isfinite(row[key]) and row[key] > 0, (row["id"], key, row[key])
@@ -111,23 +126,15 @@ sys.exit(1 if run.run_benchmark(settings, Path({str(tmp_path)!r}), ("layers", "j
     assert "- sections: layers (FAILED), jobs (done)" in markdown
 
 
-def test_our_step_costs_build_the_recipes_run(tmp_path):
+def test_our_step_costs_build_the_recipes_run(demo_data, tmp_path):
     """Rows 10i-10k, our side: the recipe's default run composed from conf/ on the demo data,
     its model built and its jobs started as the trainer does; every part timed."""
-    data = tmp_path / "demo"
-    subprocess.run(
-        [sys.executable, "scripts/make_demo_data.py", "--out-dir", str(data)],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
     code = f"""
 import json, sys
 from pathlib import Path
 from benchmarks.peers.spec import job_spec
 from benchmarks.peers.step_costs import step_cost_worker
-spec = job_spec(Path({str(data)!r}), 5)
+spec = job_spec(Path({str(demo_data)!r}), 5)
 step_cost_worker(spec, "ours", {str(tmp_path / "ours.json")!r}, reps=1, warmup=0)
 print(json.dumps(spec))
 """
@@ -150,17 +157,9 @@ print(json.dumps(spec))
     assert all(costs[part] > 0 for part in ("frozen", "lora", "step")), costs
 
 
-def test_step_floor_splits_each_phase_into_fixed_and_per_position_cost(tmp_path):
+def test_step_floor_splits_each_phase_into_fixed_and_per_position_cost(demo_data):
     """benchmarks.step_floor on the default run (tiny Llama, demo data): both phases timed at
     every share of their global batch, a line fitted through them, the limit per position."""
-    data = tmp_path / "demo"
-    subprocess.run(
-        [sys.executable, "scripts/make_demo_data.py", "--out-dir", str(data)],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
     done = subprocess.run(
         [
             sys.executable,
@@ -170,7 +169,7 @@ def test_step_floor_splits_each_phase_into_fixed_and_per_position_cost(tmp_path)
             "config",
             "--reps",
             "1",
-            f"data_dir={data}",
+            f"data_dir={demo_data}",
         ],
         cwd=REPO,
         timeout=240,
@@ -190,23 +189,15 @@ def test_step_floor_splits_each_phase_into_fixed_and_per_position_cost(tmp_path)
     assert out["matmul_parameters"] > 0 and out["limit_ms_per_position"] > 0
 
 
-def test_the_peft_worker_trains_its_jobs_in_the_recipes_order(tmp_path):
+def test_the_peft_worker_trains_its_jobs_in_the_recipes_order(demo_data, tmp_path):
     """Rows 10 and 13, the peft side: one worker trains two of the demo jobs one after
     another and writes their step times, positions and held-out losses; a job may be named
     like a torch module attribute (the main job's ``double``)."""
-    data = tmp_path / "demo"
-    subprocess.run(
-        [sys.executable, "scripts/make_demo_data.py", "--out-dir", str(data)],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
     code = f"""
 from pathlib import Path
 from benchmarks.peers.spec import job_spec
 from benchmarks.peers.peft_loop import peft_worker
-spec = job_spec(Path({str(data)!r}), 3)
+spec = job_spec(Path({str(demo_data)!r}), 3)
 spec["jobs"][3]["name"] = "double"
 peft_worker(spec, [0, 3], 1, {str(tmp_path / "peft.json")!r})
 """

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 
 from megatron_multilora.models.tiny_hf import write_tiny_llama
@@ -35,36 +36,40 @@ def test_the_cookbooks_rl_loop_runs_unmodified_with_each_loss(tmp_path):
             "trainer.micro_batch_tokens=2048",
         ],
     )
-    runs = {}
+    tenants = {  # forked from one process, all at once (see run_rl_loop.py)
+        key: [
+            f"base_url=http://127.0.0.1:{port}",
+            f"log_path={tmp_path / loss}",
+            f"loss_fn={loss}",
+            "batch_size=2",
+            "group_size=4",
+            "max_tokens=8",
+            "max_steps=2",
+            "save_every=1",
+        ]
+        for key, loss in zip(keys, LOSSES)
+    }
+    run = subprocess.Popen(
+        [
+            str(REPO / ".venv/bin/python"),
+            "tests/recipe/run_rl_loop.py",
+            str(hf_dir),
+            MODEL,
+            json.dumps(tenants),
+        ],
+        cwd=REPO,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its tenants too: killed together below
+    )
     try:
-        for key, loss in zip(keys, LOSSES):
-            runs[loss] = subprocess.Popen(
-                [
-                    str(REPO / ".venv/bin/python"),
-                    "tests/recipe/run_rl_loop.py",
-                    str(hf_dir),
-                    MODEL,
-                    f"base_url=http://127.0.0.1:{port}",
-                    f"log_path={tmp_path / loss}",
-                    f"loss_fn={loss}",
-                    "batch_size=2",
-                    "group_size=4",
-                    "max_tokens=8",
-                    "max_steps=2",
-                    "save_every=1",
-                ],
-                cwd=REPO,
-                env={**os.environ, "TINKER_API_KEY": key, "HF_HUB_OFFLINE": "1"},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        for loss, run in runs.items():
-            out, _ = run.communicate(timeout=400)
-            assert run.returncode == 0, f"{loss}:\n{out[-4000:]}"
+        out, _ = run.communicate(timeout=400)
+        assert run.returncode == 0, out[-8000:]
     finally:
-        for run in runs.values():
-            run.kill()
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
         service.stop()
     log = service.log.read_text()
     assert "api: refused" not in log and "failed:" not in log, log[-3000:]

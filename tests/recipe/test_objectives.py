@@ -238,40 +238,50 @@ def torchrun(
     ]
 
 
+@pytest.fixture(scope="module")
+def dp_run(data, tmp_path_factory) -> Path:
+    """The three jobs together in a 2-process data-parallel launch, uninterrupted: the layout
+    test below compares it with one process, the SIGKILL test's resumed run must repeat it."""
+    tmp = tmp_path_factory.mktemp("dp")
+    finish(launch(torchrun(tmp / "run", data, "dp"), tmp / "log"), tmp / "log")
+    return tmp / "run"
+
+
 @pytest.mark.parametrize(
     "layout,reference", [("dp", "mixed"), ("tp2", "mixed"), ("pp2", "mixed"), ("ep2", "moe")]
 )
-def test_every_layout_trains_each_objective_as_one_process(runs, data, tmp_path, layout, reference):
+def test_every_layout_trains_each_objective_as_one_process(
+    runs, data, tmp_path, request, layout, reference
+):
     """Two processes (data, tensor, pipeline or expert parallel): the same samples, losses,
     metrics and exports as one process; under data parallelism each job as if alone."""
-    extra = ["model=tiny_moe"] if layout == "ep2" else []
-    finish(
-        launch(torchrun(tmp_path / "run", data, layout, extra), tmp_path / "log"), tmp_path / "log"
-    )
-    got, want = train_records(tmp_path / "run"), train_records(runs[reference])
+    run_dir = tmp_path / "run"
+    if layout == "dp":
+        run_dir = request.getfixturevalue("dp_run")  # shared with the SIGKILL test
+    else:
+        extra = ["model=tiny_moe"] if layout == "ep2" else []
+        finish(launch(torchrun(run_dir, data, layout, extra), tmp_path / "log"), tmp_path / "log")
+    got, want = train_records(run_dir), train_records(runs[reference])
     for name in ("sft", "dpo", "grpo"):
         assert_same_records(want[name], got[name], f"{layout} {name}")
         if layout == "dp":
             assert_same_records(train_records(runs[name])[name], got[name], f"dp alone {name}")
-    saved = rollout(tmp_path / "run", 4, "grpo")
+    saved = rollout(run_dir, 4, "grpo")
     assert [e["tokens"] for e in saved["examples"]] == [
         e["tokens"] for e in rollout(runs[reference], 4, "grpo")["examples"]
     ]
 
 
-def test_sigkill_of_every_worker_then_resume_repeats_the_trajectories(data, tmp_path):
+def test_sigkill_of_every_worker_then_resume_repeats_the_trajectories(data, dp_run, tmp_path):
     """Every process SIGKILLed after the step-3 checkpoint (between a GRPO rollout's two
     inner steps: the resumed run must train step 4 on the saved samples), then resumed:
-    each job's records equal an uninterrupted run's."""
+    each job's records equal the uninterrupted run's (``dp_run``: the same launch but for its
+    checkpoint interval and its reward's speed, neither of which changes a record)."""
     import signal
 
     import psutil
 
     slow, every3 = "tests.recipe.rewards:slow_letters", ["checkpoint.save_interval=3"]
-    finish(
-        launch(torchrun(tmp_path / "whole", data, "dp", every3, slow), tmp_path / "whole.log"),
-        tmp_path / "whole.log",
-    )
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     proc = launch(torchrun(run_dir, data, "dp", every3, slow), log)
     processes = [psutil.Process(proc.pid), *wait_for_step(proc, run_dir, 4, log)]
@@ -286,7 +296,7 @@ def test_sigkill_of_every_worker_then_resume_repeats_the_trajectories(data, tmp_
         launch(torchrun(run_dir, data, "dp", [*every3, "checkpoint.resume=auto"], slow), log), log
     )
     assert "starting at step 3" in out
-    want, got = train_records(tmp_path / "whole"), train_records(run_dir)
+    want, got = train_records(dp_run), train_records(run_dir)
     for name in ("sft", "dpo", "grpo"):
         # steps the killed run logged after 3 may be there twice: the resumed run's are last
         assert_same_records(want[name], got[name][:3] + got[name][-(STEPS - 3) :], name)

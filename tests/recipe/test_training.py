@@ -79,6 +79,13 @@ def test_queue_hands_a_finished_slot_to_the_next_job(demo_data, tmp_path):
         )
 
 
+@pytest.fixture(scope="module")
+def reference(demo_data, tmp_path_factory) -> dict[str, list[float]]:
+    """Two jobs of 4 steps with the default settings: each adapter's losses by step."""
+    jobs = [job("rev", demo_data, "reverse", 4), job("add", demo_data, "add", 4)]
+    return run_in_process(tmp_path_factory.mktemp("reference") / "run", jobs)[0]
+
+
 @pytest.mark.parametrize(
     "setting,rel",
     [
@@ -88,9 +95,12 @@ def test_queue_hands_a_finished_slot_to_the_next_job(demo_data, tmp_path):
         pytest.param("trainer.cpu_base_gemms=bf16", 3e-2, marks=needs_bf16_gemms),
     ],
 )
-def test_precision_and_recompute_keep_per_adapter_results(demo_data, tmp_path, setting, rel):
+def test_precision_and_recompute_keep_per_adapter_results(
+    demo_data, reference, tmp_path, setting, rel
+):
+    """Each setting against the same run with the defaults (fp32, no recompute)."""
     jobs = [job("rev", demo_data, "reverse", 4), job("add", demo_data, "add", 4)]
-    ref, _ = run_in_process(tmp_path / "ref", jobs)
+    ref = reference
     got, recipe = run_in_process(tmp_path / "alt", jobs, [setting])
     for name in ("rev", "add"):
         assert_same_curve(got[name], ref[name], rel, f"{name} loss with {setting}")
