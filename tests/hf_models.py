@@ -118,6 +118,22 @@ def token_batch(seed: int = 0, batch: int = 3, seq: int = SEQ) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seq), generator=gen)
 
 
+def packed(lengths: list[int]):
+    """megatron's thd parameters and the position ids of sequences of ``lengths`` packed
+    into one row (each from position 0)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    ends = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=ends,
+        cu_seqlens_kv=ends,
+        max_seqlen_q=max(lengths),
+        max_seqlen_kv=max(lengths),
+    )
+    return params, torch.cat([torch.arange(n) for n in lengths])[None]
+
+
 @torch.no_grad()
 def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
     return model(ids).logits

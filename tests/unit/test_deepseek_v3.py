@@ -17,7 +17,8 @@ from megatron_multilora.layers.lifecycle import named_multi_lora_modules
 from megatron_multilora.layers.slot_tensors import get_slot_tensors
 from megatron_multilora.models.hf_config import hf_to_model_config
 from megatron_multilora.models.hf_import import load_hf_model
-from tests.hf_models import hf_logits, make_hf_model, megatron_logits, token_batch
+from tests.hf_models import hf_logits, make_hf_model, megatron_logits, packed, token_batch
+from tests.unit.test_peft_interop import trained_like_slot
 
 pytest.importorskip("transformers")
 
@@ -72,20 +73,14 @@ def test_logits_match_transformers(tmp_path, variant, overrides):
 def test_packed_sequences_match_transformers(tmp_path):
     """The trainer packs sequences (megatron's thd format): MLA's RoPE restarts per sequence
     (YaRN here) and attention stays within each."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     hf_model = make_hf_model("deepseek_v3", seed=2, rope_parameters=YARN)
     hf_model.save_pretrained(tmp_path)
     model, _ = load_hf_model(str(tmp_path))
     lengths = [40, 17, 7]
     seqs = [token_batch(i, batch=1, seq=n)[0] for i, n in enumerate(lengths)]
-    ends = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    packed = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=ends, cu_seqlens_kv=ends, max_seqlen_q=40, max_seqlen_kv=40
-    )
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    params, positions = packed(lengths)
     with torch.no_grad():
-        got = model(torch.cat(seqs)[None], positions, None, packed_seq_params=packed)[0]
+        got = model(torch.cat(seqs)[None], positions, None, packed_seq_params=params)[0]
     want = torch.cat([hf_logits(hf_model, s[None])[0] for s in seqs])
     assert (got - want).abs().max() <= TOL
 
@@ -202,17 +197,6 @@ def test_refused(fields, named):
     with pytest.raises(ValueError, match="deepseek_v3") as err:
         hf_to_model_config(config)
     assert named in str(err.value)
-
-
-def trained_like_slot(model, slot: int) -> None:
-    """Slot ``slot`` of rank 4 with random factors in every wrapped linear."""
-    gen = torch.Generator().manual_seed(slot)
-    mm.init_adapter_slot(model, slot, 4, 6.0)
-    with torch.no_grad():
-        for layer in mm.multi_lora_modules(model):
-            for factor in (layer.adapters[slot].linear_in, layer.adapters[slot].linear_out):
-                factor.weight.copy_(0.2 * torch.randn(factor.weight.shape, generator=gen))
-            layer.adapters.mask_rank(slot)
 
 
 def add_skipped_mlp_deltas(wrapped, folder) -> None:

@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-from megatron.core.packed_seq_params import PackedSeqParams
 
 import megatron_multilora as mm
 from megatron_multilora.checkpoint.peft_format import export_peft, import_peft
@@ -20,7 +19,7 @@ from megatron_multilora.models.hf_import import (
     load_hf_model,
 )
 from megatron_multilora.training.step import generation
-from tests.hf_models import hf_logits, make_hf_model, token_batch
+from tests.hf_models import hf_logits, make_hf_model, packed, token_batch
 from tests.unit.test_hf_import import TOL, max_logit_diff, save
 
 pytest.importorskip("transformers")
@@ -148,16 +147,9 @@ def test_packed_sequences_match_transformers_per_sequence(gemma):
     hf, folder = gemma
     model, _ = load_hf_model(folder)
     lengths = [5, 7, 4]
-    ends = torch.tensor([0, 5, 12, 16], dtype=torch.int32)
-    params = PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=ends,
-        cu_seqlens_kv=ends,
-        max_seqlen_q=max(lengths),
-        max_seqlen_kv=max(lengths),
-    )
+    params, positions = packed(lengths)
+    ends = params.cu_seqlens_q
     ids = token_batch(4, batch=1)
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
     with torch.no_grad():
         got = model(ids, positions, None, packed_seq_params=params, runtime_gather_output=True)
     for a, b in zip(ends[:-1].tolist(), ends[1:].tolist()):

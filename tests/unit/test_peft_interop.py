@@ -13,7 +13,15 @@ import megatron_multilora as mm
 from megatron_multilora.checkpoint.peft_format import export_peft
 from megatron_multilora.models.hf_import import load_hf_model
 from megatron_multilora.ops.fused_rows import QKVRows
-from tests.hf_models import DENSE, MOE, hf_logits, make_hf_model, megatron_logits, token_batch
+from tests.hf_models import (
+    DENSE,
+    MOE,
+    hf_logits,
+    make_hf_model,
+    megatron_logits,
+    packed,
+    token_batch,
+)
 
 TOL = 1e-4  # max |logit difference|, logits of size ~6
 
@@ -154,7 +162,6 @@ def test_two_slots_in_one_packed_micro_batch_each_give_their_peft_logits(model_t
     equal transformers + peft with that slot's exported adapter (and differ between the
     two slots' adapters)."""
     import peft
-    from megatron.core.packed_seq_params import PackedSeqParams
 
     from megatron_multilora.layers.slot_layout_route import with_slot_layout
     from tests.unit.test_deepseek_v3 import add_skipped_mlp_deltas
@@ -165,17 +172,9 @@ def test_two_slots_in_one_packed_micro_batch_each_give_their_peft_logits(model_t
     mm.apply_multi_lora(
         model, 3, 8, 1.0, target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
     )
-    lengths = (9, 7)
-    ends = torch.tensor([0, 9, 16], dtype=torch.int32)
-    params = PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=ends,
-        cu_seqlens_kv=ends,
-        max_seqlen_q=max(lengths),
-        max_seqlen_kv=max(lengths),
-    )
+    lengths = [9, 7]
+    params, positions = packed(lengths)
     ids = token_batch(5, batch=1)
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
     for slot in (1, 2):
         trained_like_slot(model, slot)
     with torch.no_grad():
