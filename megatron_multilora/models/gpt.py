@@ -85,12 +85,12 @@ def transformer_config(
             "recompute_modules": cfg.recompute_modules or ["core_attn"],
             **overrides,
         }
-    # One RoPE op per call (TE's, or ops/rope.py where TE is absent) instead of megatron's
-    # unfused packed path, which splits the micro-batch into its sequences in every layer.
     config_type = TransformerConfig
     if cfg.mla is not None:
         config_type = MLATransformerConfig
         overrides = {**cfg.mla.megatron_fields(cfg.rotary_base), **overrides}
+    # One RoPE op per call (TE's, or ops/rope.py where TE is absent) instead of megatron's
+    # unfused packed path, which splits the micro-batch into its sequences in every layer.
     overrides = {"apply_rope_fusion": rope_fusion_available(), **overrides}
     # None: megatron's 1/sqrt(head dim); Gemma 3: query_pre_attn_scalar ** -0.5.
     overrides = {"softmax_scale": cfg.softmax_scale, **overrides}
