@@ -19,7 +19,8 @@ NUMERICS=(tests/unit/test_grouped_mm.py tests/unit/test_multi_lora_linear.py
           tests/unit/test_step_schedule.py tests/unit/test_less_work.py
           tests/unit/test_slot_optimizer.py tests/unit/test_packed_linear.py
           tests/unit/test_packed_attention.py tests/unit/test_loss_rows.py
-          tests/unit/test_fused_rows.py tests/unit/test_objectives.py)
+          tests/unit/test_fused_rows.py tests/unit/test_objectives.py
+          tests/unit/test_mixed_alone_main_widths.py)
 n=0
 
 record() {  # record NAME EXIT_STATUS SECONDS REPORT NOTE: one row of the final table

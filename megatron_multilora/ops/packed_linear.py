@@ -27,11 +27,24 @@ optimizer) stays fp32; with AMX or AVX-512 BF16 these GEMMs run much faster than
 ones, casts included. The output layer stays fp32: its outputs are the logits, read by
 the loss and the evaluation tables with no later layer to absorb the rounding of its
 operands.
+
+The bf16 GEMMs run in calls of exactly :data:`ROW_BLOCK` rows (the last block zero-padded):
+oneDNN picks its blocking, and with it the order of each row's sums, by the number of rows
+(its AMX kernel at 2, 7, 16, 32, 64, 68, 128 and 180 rows of SmolLM2's widths), and a
+last-bit difference of the fp32 sum becomes a whole bf16 step once rounded. In fixed-shape
+calls a row's result is a function of the row and the weight alone, whatever runs beside
+it, on every CPU (the one kernel property kept, that a call treats each of its rows alike,
+is tested at every offset of a block by ``tests/unit/test_packed_linear.py``). The fp32
+GEMMs run whole: their kernels' choices by row count (MKL's at 1, 2 and 7 rows, on an Intel
+CPU also at 64 to 180; oneDNN's pack at 1 row there) move a row's result in its last fp32
+bits, within the tolerances mixed == alone is stated with, and blocking them cost the main
+job's step 1.18x to 1.58x on a 2-core AMD EPYC (benchmarks/README.md).
 """
 
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import psutil
@@ -43,6 +56,36 @@ from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
 def _onednn_linear(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed, None, "none", [], "")
+
+
+ROW_BLOCK = 64
+"""Rows of every bf16 frozen GEMM call (see the module docstring): four of AMX's 16-row
+tiles, the block measured to keep every row's bits on an AMX Xeon at SmolLM2's widths."""
+
+
+def in_row_blocks(
+    gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+) -> torch.Tensor:
+    """``gemm(rows, weight)`` for 2-D ``rows``, run as calls of exactly :data:`ROW_BLOCK`
+    rows each, the last block padded with zero rows."""
+    n = rows.size(0)
+    full = n - n % ROW_BLOCK
+    outs = [gemm(rows[i : i + ROW_BLOCK], weight) for i in range(0, full, ROW_BLOCK)]
+    if full < n:
+        tail = rows.new_zeros(ROW_BLOCK, rows.size(1))
+        tail[: n - full] = rows[full:]
+        outs.append(gemm(tail, weight)[: n - full])
+    # A fresh tensor, never a view: megatron's losses write into the logits in place.
+    return torch.cat(outs) if len(outs) > 1 else outs[0] if full else outs[0].clone()
+
+
+def _gemm(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``rows`` times a packed weight on oneDNN: bf16 in fixed row blocks, fp32 whole."""
+    if packed.dtype == torch.float32:
+        return _onednn_linear(rows, packed)
+    return in_row_blocks(_onednn_linear, rows, packed)
 
 
 _FREE_FRACTION = 0.25
@@ -137,7 +180,7 @@ class _PackedFrozenLinear(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.save_for_backward(weight)
         ctx.packs, ctx.allreduce_dgrad, ctx.tp_group = packs, allreduce_dgrad, tp_group
-        output = _onednn_linear(input.to(packs.forward.dtype), packs.forward).to(input.dtype)
+        output = _gemm(input.to(packs.forward.dtype), packs.forward).to(input.dtype)
         return output if bias is None else output + bias
 
     @staticmethod
@@ -149,7 +192,7 @@ class _PackedFrozenLinear(torch.autograd.Function):
         grad_input = (
             grad_output.matmul(weight)
             if pack is None
-            else _onednn_linear(grad_output.to(pack.dtype), pack).to(grad_output.dtype)
+            else _gemm(grad_output.to(pack.dtype), pack).to(grad_output.dtype)
         )
         if ctx.allreduce_dgrad:
             torch.distributed.all_reduce(grad_input, group=ctx.tp_group)

@@ -19,6 +19,7 @@ from megatron_multilora.training.objectives import registry
 from megatron_multilora.training.step import schedule
 from megatron_multilora.training.step.micro_batches import agree
 from megatron_multilora.training.step.slot_step import SlotStep, SlotWork
+from tests.tolerances import chain_atol
 
 N, DIM, VOCAB, PAD = 3, 8, 64, 0
 RANKS, ALPHAS = [8, 4, 2], [16.0, 4.0, 8.0]
@@ -242,8 +243,9 @@ def main_grads(model, slot: int) -> list[torch.Tensor]:
 def test_a_clients_non_finite_call_is_left_out_and_its_neighbours_are_as_alone():
     """The service's use of the step: gradients accumulate over calls until ``apply``; a
     slot whose loss and gradients turn non-finite in a call beside another is skipped, its
-    earlier gradients kept, and the other's gradients, loss and log-probs are exactly those
-    of the same calls alone."""
+    earlier gradients kept, and the other's gradients, loss and log-probs are those of the
+    same calls alone: beside the other slot its frozen GEMMs (fp32, run whole) have more rows,
+    so within the rounding of their sums (exact with bf16 GEMMs: test_mixed_alone_main_widths)."""
     gen = torch.Generator().manual_seed(5)
     first, second, bad = client_items(gen), client_items(gen), client_items(gen, poisoned=True)
     state = {k: v for k, v in build(DENSE).state_dict().items() if torch.is_tensor(v)}
@@ -256,10 +258,16 @@ def test_a_clients_non_finite_call_is_left_out_and_its_neighbours_are_as_alone()
     got = mixed_step.train(client_work({0: second, 2: bad}), keep=("logprobs",))
     want = alone_step.train(client_work({0: second}), keep=("logprobs",))
     assert got.skipped == {2} and want.skipped == set()
-    assert float(got.losses[0]) == float(want.losses[0])
-    assert got.kept["logprobs"][0] == want.kept["logprobs"][0]
+    sums, longest = 2 * (4 * DENSE.num_layers + 1), max(DENSE.ffn_hidden_size, VOCAB, 32)
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> None:
+        torch.testing.assert_close(a, b, rtol=0, atol=chain_atol(b, sums, longest))
+
+    close(got.losses[0], want.losses[0])
+    for a, b in zip(got.kept["logprobs"][0], want.kept["logprobs"][0], strict=True):
+        close(torch.tensor(a), torch.tensor(b))
     for g, w in zip(main_grads(mixed, 0), main_grads(alone, 0)):
-        assert torch.equal(g, w)
+        close(g, w)
     for g, w in zip(main_grads(mixed, 2), earlier):  # the poisoned call added nothing
         assert torch.equal(g, w)
 
