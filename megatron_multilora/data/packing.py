@@ -11,6 +11,7 @@ instead of a ``[S, S]`` mask, and attention runs per example.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -20,6 +21,7 @@ from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_multilora.data.datasets import Example, Packable, examples_of
+from megatron_multilora.ops.host_values import on_device
 from megatron_multilora.ops.slot_layout import SlotLayout
 
 T = TypeVar("T")
@@ -64,10 +66,10 @@ class MicroBatch:
     def packed_seq_params(self) -> PackedSeqParams:
         """The ``thd`` packing description megatron's attention and RoPE take (one sequence
         per example, and one for the trailing pads)."""
-        ends = torch.tensor([0] + self.seq_lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        ends = ends.to(self.tokens.device)
+        host_ends = list(itertools.accumulate(self.seq_lengths, initial=0))
+        ends = on_device(host_ends, torch.int32, self.tokens.device)
         longest = max(self.seq_lengths)
-        return PackedSeqParams(
+        params = PackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=ends,
             cu_seqlens_kv=ends,
@@ -75,6 +77,10 @@ class MicroBatch:
             max_seqlen_kv=longest,
             cp_group=parallel_state.get_context_parallel_group(check_initialized=False),
         )
+        # The bounds as the host knows them, for the CPU attention's buckets (a read of
+        # ``cu_seqlens_q`` would wait for the device).
+        params.host_cu_seqlens = host_ends
+        return params
 
     def slot_layout(self) -> SlotLayout:
         """Which slot owns which positions (``counts``, ``ep_slots``), for the adapted layers."""
@@ -96,7 +102,7 @@ class MicroBatch:
 
     def sequence_ids(self) -> torch.Tensor:
         """``[S]`` int64: the index of the packed sequence each position belongs to."""
-        lengths = torch.tensor(self.seq_lengths, device=self.tokens.device)
+        lengths = on_device(self.seq_lengths, torch.int64, self.tokens.device)
         return torch.repeat_interleave(
             torch.arange(len(self.seq_lengths), device=lengths.device),
             lengths,

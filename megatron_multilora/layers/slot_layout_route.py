@@ -75,7 +75,10 @@ def with_slot_layout(
         check_ep_slots(ep_slots, counts)
         layout = SlotLayout(counts, ep_slots)
     fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(PackedSeqParams)}
-    return SlotPackedSeqParams(**fields, slot_layout=layout)
+    out = SlotPackedSeqParams(**fields, slot_layout=layout)
+    if hasattr(params, "host_cu_seqlens"):  # the bounds as the host knows them (packing.py)
+        out.host_cu_seqlens = params.host_cu_seqlens
+    return out
 
 
 def _hand(linears: list[MultiLoRALinear], layout: SlotLayout) -> None:

@@ -117,6 +117,8 @@ class SDPAttention(MegatronModule):
         ``params`` are marked by :func:`attend_in_one_pass`, one pass over every token with a
         mask of same-sequence causal pairs instead."""
         if getattr(params, "one_pass", False):
+            if query.is_cuda:
+                return self._varlen(query, key, value, params)
             keep = _same_sequence_causal(params.cu_seqlens_q, query.size(0))
             q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))  # [1,h,t,d]
             return self._attend(q, k, v, keep, False)[0].permute(1, 0, 2).flatten(1)
@@ -128,13 +130,41 @@ class SDPAttention(MegatronModule):
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
         return out.index_select(0, layout.unpack).flatten(1)  # [t, heads * head_dim]
 
+    def _varlen(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: PackedSeqParams
+    ) -> torch.Tensor:
+        """Flash attention over the packed sequences (``torch.nn.attention.varlen``): each
+        sequence causal within itself, the query groups sharing their key/value heads, at
+        about the sum of the sequences' squares; ``max_seqlen_q`` (a host int fixed for the
+        run) bounds every sequence. Trailing zero-length sequences are skipped."""
+        from torch.nn.attention.varlen import varlen_attn
+
+        bounds = params.cu_seqlens_q.int()
+        longest = params.max_seqlen_q
+        out = varlen_attn(
+            query,
+            key,
+            value,
+            bounds,
+            bounds,
+            longest,
+            longest,
+            scale=self.softmax_scale,
+            window_size=(-1, 0),  # causal
+            enable_gqa=key.size(1) != query.size(1),
+        )
+        return out.flatten(1)
+
 
 def attend_in_one_pass(params: PackedSeqParams) -> PackedSeqParams:
     """Mark ``params`` so that :class:`SDPAttention` attends over the packed tokens in one
-    masked pass, the mask built on the device from ``cu_seqlens_q`` (trailing zero-length
-    sequences allowed): no host read and the same ops for any sequence lengths, which a CUDA
-    graph needs to replay one capture for every micro-batch of a length. It costs the pairs
-    across sequences, and its rounding differs from the per-length batches by an ulp."""
+    call whose ops do not depend on the sequence lengths (trailing zero-length sequences
+    allowed), with no host read: what a CUDA graph needs to replay one capture for every
+    micro-batch of a length. On a GPU it is flash attention's varlen kernel (memory and time
+    of about the sum of the sequences' squares; ``max_seqlen_q`` must bound every sequence);
+    on the CPU, where that kernel does not exist and graphs do not run (the tests), one
+    masked pass over all the pairs, built on the device from ``cu_seqlens_q``, whose rounding
+    differs from the per-length batches by an ulp."""
     params.one_pass = True
     return params
 
@@ -173,7 +203,7 @@ def _packed_layout(params: PackedSeqParams, device: torch.device) -> _AttentionB
     cached = getattr(params, "_sdpa_layout", None)
     if cached is not None:
         return cached
-    ends = params.cu_seqlens_q.tolist()
+    ends = getattr(params, "host_cu_seqlens", None) or params.cu_seqlens_q.tolist()
     starts, lengths = ends[:-1], [b - a for a, b in itertools.pairwise(ends)]
     by_length: dict[int, list[int]] = {}
     for i, length in enumerate(lengths):

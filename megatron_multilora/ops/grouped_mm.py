@@ -25,6 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron_multilora.ops.host_values import on_device
+
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)  # absent in older torch (2.6)
 
 
@@ -63,7 +65,7 @@ def kernel_layout(t: torch.Tensor) -> torch.Tensor:
 
 def group_offsets(counts: Sequence[int], device: torch.device) -> torch.Tensor:
     """Cumulative group ends of host-known group sizes, as ``torch._grouped_mm`` takes them."""
-    return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(dtype=torch.int32, device=device)
+    return on_device(list(itertools.accumulate(counts)), torch.int32, device)
 
 
 def group_sizes(offsets: torch.Tensor) -> tuple[int, ...]:

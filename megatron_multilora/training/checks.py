@@ -194,8 +194,21 @@ def _cuda_graph_problems(run: RunConfig, model: GPTModelConfig) -> list[str]:
         "the torch layers (Transformer Engine's are graphed by TE, not checked here)": (
             not transformer_engine_usable()
         ),
+        # The bf16 grouped kernel takes widths in multiples of 16 bytes; off them the
+        # per-group fallback reads the group sizes on the host, which a capture refuses.
+        f"lora.max_rank a multiple of 8 (it is {run.lora.max_rank}: a slot's GEMMs run at "
+        "the largest active rank rounded up to 8, at most max_rank)": run.lora.max_rank % 8 == 0,
+        "the model's widths in multiples of 8 (hidden_size, ffn_hidden_size, attention heads x "
+        "kv_channels) for the bf16 grouped GEMM kernel": _widths_take_the_kernel(model),
     }
     return [f"{why} {need}" for need, met in needs.items() if not met]
+
+
+def _widths_take_the_kernel(model: GPTModelConfig) -> bool:
+    heads, groups = model.num_attention_heads, model.num_query_groups or model.num_attention_heads
+    head = model.kv_channels or model.hidden_size // heads
+    widths = (model.hidden_size, model.ffn_hidden_size, heads * head, groups * head)
+    return all(w % 8 == 0 for w in widths)
 
 
 def _run_dir_problems(run_dir: str) -> list[str]:

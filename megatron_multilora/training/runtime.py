@@ -71,6 +71,7 @@ class Runtime:
             pad_multiple,
             tokenizer.pad_id,
             tr.cuda_graphs,
+            tr.max_seq_len,
         )
         return cls(run, model_config, hf_model_type, tokenizer, model, step)
 

@@ -443,6 +443,7 @@ def test_cuda_graphs_are_refused_on_cpu_and_name_what_they_need(demo_data, monke
             "trainer.recompute=full",
             "parallel.tp=2",
             "model=tiny_moe",
+            "lora.max_rank=12",
         ]
     )
     with pytest.raises(ConfigError) as err:
@@ -454,6 +455,7 @@ def test_cuda_graphs_are_refused_on_cpu_and_name_what_they_need(demo_data, monke
         "a dense model",
         "trainer.recompute=null",
         "adapters.1.dropout=0.1: trainer.cuda_graphs=true replays captured passes",
+        "lora.max_rank a multiple of 8 (it is 12",
     ):
         assert need in msg, (need, msg)
     assert "adapters.0.dropout" not in msg

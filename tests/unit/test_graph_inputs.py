@@ -5,6 +5,9 @@ forward's losses and every slot's gradients, and runs the very same ops with no 
 for any micro-batch of a length, which is what lets one capture replay for all of them.
 The capture itself needs a GPU (tests/gpu/test_cuda_paths.py)."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -13,9 +16,11 @@ import megatron_multilora as mm
 from benchmarks import launches
 from megatron_multilora.data.datasets import Example
 from megatron_multilora.data.packing import pack_micro_batches, pad_micro_batch
+from megatron_multilora.layers.inject import TARGETS
 from megatron_multilora.training.step.cuda_graphs import StaticChunk, graph_lengths, static_inputs
 from megatron_multilora.training.step.micro_batches import MicroBatcher, chunk_inputs
 from megatron_multilora.training.step.slot_adamw import SlotAdamW
+from tests.host_reads import HostRead, refuse_host_reads
 
 CFG = mm.GPTModelConfig(
     num_layers=2,
@@ -142,3 +147,127 @@ def test_graph_lengths_and_the_batcher_pads_to_the_shortest_that_holds(model):
     long = pad_micro_batch(micro_batch("a"), 129, 0)
     with pytest.raises(ValueError, match="longer than the longest fixed length 128"):
         batcher.equalize([long], 1)
+
+
+def _bf16_model(
+    max_rank: int, ranks: tuple[int, ...], targets: tuple[str, ...] = TARGETS, **cfg: object
+) -> torch.nn.Module:
+    """A bf16 model (what graphs run: the grouped kernel's rule for bf16 on the CPU is the
+    GPU's, widths in multiples of 16 bytes) with slots of ``ranks``."""
+    torch.manual_seed(0)
+    model = mm.apply_multi_lora(
+        mm.build_gpt_model(
+            mm.GPTModelConfig(**{**vars(CFG), **cfg}),
+            params_dtype=torch.bfloat16,
+            calculate_per_token_loss=True,
+        ),
+        N_SLOTS,
+        max_rank,
+        8.0,
+        targets,
+        row_init_method="normal",
+    )
+    for slot, rank in enumerate(ranks):
+        mm.init_adapter_slot(model, slot, rank, 2.0 * rank)
+    SlotAdamW.of(model)
+    return model
+
+
+def _graphed_pass(model: torch.nn.Module) -> None:
+    mb = pad_micro_batch(micro_batch("a"), LENGTH, 0)
+    longest = 64  # trainer.max_seq_len
+    inputs = static_inputs(mb, N_SLOTS, torch.device("cpu"), longest)  # copied in before a replay
+    with refuse_host_reads():
+        StaticChunk(model, longest)(*inputs).float().sum().backward()
+
+
+@pytest.mark.parametrize(
+    "max_rank,ranks",
+    [(8, (4, 8, 1, 8)), (16, (12, 16, 4, 9)), (64, (64, 4, 20, 33))],
+    ids=["max_rank_8", "max_rank_16", "max_rank_64"],
+)
+def test_the_graphed_pass_reads_nothing_back_for_every_rank_graphs_admit(max_rank, ranks):
+    _graphed_pass(_bf16_model(max_rank, ranks))
+
+
+@pytest.mark.parametrize(
+    "targets,cfg",
+    [
+        ((*TARGETS, "output_layer"), {"tie_word_embeddings": True}),
+        (("q_proj", "v_proj", "down_proj"), {"qk_layernorm": True}),
+        (TARGETS, {"sliding_window": 64, "normalization": "LayerNorm"}),
+    ],
+    ids=["output_layer_tied", "fused_parts_qk_norm", "window_layernorm"],
+)
+def test_the_graphed_pass_reads_nothing_back_for_the_settings_graphs_admit(targets, cfg):
+    """Other targets (the output layer, parts of a fused linear) and model settings."""
+    _graphed_pass(_bf16_model(16, (12, 16, 4, 9), targets, **cfg))
+
+
+def test_a_max_rank_off_a_multiple_of_8_would_read_the_host_in_a_capture():
+    """The defect the host-read check exists for: at ``lora.max_rank=12`` a slot of rank 9-12
+    makes the GEMMs run at rank 12, off the grouped kernel's 16-byte rule, and the fallback
+    reads the group sizes back (refused before anything runs: ``training/checks.py``)."""
+    with pytest.raises(HostRead, match="tolist"):
+        _graphed_pass(_bf16_model(12, (4, 12, 9, 1)))
+
+
+def test_a_sliding_window_model_runs_graphed_past_its_window():
+    """The graphed pass bounds its sequences by the run's longest (``trainer.max_seq_len``,
+    within the window), not by the padded length, and cuts the pads into sequences of that
+    length: a sliding-window model (Mistral, Gemma 3) runs a length past its window, with the
+    packed forward's losses; bounded by the padded length its window check refuses it."""
+    window = 32
+    torch.manual_seed(0)
+    model = mm.apply_multi_lora(
+        mm.build_gpt_model(
+            mm.GPTModelConfig(**{**vars(CFG), "sliding_window": window}),
+            calculate_per_token_loss=True,
+        ),
+        N_SLOTS,
+        16,
+        8.0,
+        row_init_method="normal",
+    )
+    mb = micro_batch("a")
+    assert max(mb.seq_lengths) <= window and LENGTH - mb.tokens.size(1) > window
+    eager = model(**chunk_inputs(model, mb), labels=mb.labels)
+    padded = pad_micro_batch(mb, LENGTH, 0)
+    static = StaticChunk(model, window)(
+        *static_inputs(padded, N_SLOTS, torch.device("cpu"), window)
+    )
+    torch.testing.assert_close(static[:, : mb.tokens.size(1)], eager, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="sliding window"):
+        StaticChunk(model)(*static_inputs(padded, N_SLOTS, torch.device("cpu")))
+
+
+def test_a_capture_holds_the_rope_tables_it_reads(model, monkeypatch):
+    """megatron caches RoPE tables in an ``lru_cache`` of 32 keys; a capture reads its table
+    on every replay, so the graph holds the tensor itself: evicted from the cache, it stays
+    alive and unchanged (the capture is stood in for by one eager call on the CPU)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron_multilora.training.step.cuda_graphs import ChunkGraphs
+
+    def eager_capture(module, args, allow_unused_input, pool):
+        module(*args)
+        return module
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", eager_capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "one pool")
+    graphs = ChunkGraphs(model, SlotAdamW.of(model).rows, longest=LENGTH)
+    graphs(graphs.inputs(pad_micro_batch(micro_batch("a"), LENGTH, 0)))
+    ((_, _, tables),) = graphs._graphed.values()
+    assert tables and all(isinstance(t, torch.Tensor) for t in tables)
+    held = [weakref.ref(t) for t in tables]
+    del tables
+    RotaryEmbedding.forward.cache_clear()
+    rope = next(m for m in model.modules() if isinstance(m, RotaryEmbedding))
+    for length in range(1, 40):  # other keys, as evaluation and generation add
+        rope(length)
+    assert all(ref() is not None for ref in held)  # the graph holds them
+    graphs._graphed.clear()
+    gc.collect()
+    assert all(ref() is None for ref in held)  # and nothing else: without it, freed
+    assert "forward" not in vars(rope)  # megatron's own forward back in place
+    grads(model)

@@ -48,6 +48,17 @@ def test_lr_schedules(schedule, at_half, at_end):
     assert lr_factor(12, j, 12) == pytest.approx(at_end)
 
 
+def _assert_adamw_equal(got: torch.Tensor, want: torch.Tensor, steps: int) -> None:
+    """Bit for bit on the CPU. On a GPU torch's AdamW kernels compute ``a + alpha * (b * c)``
+    where the stacked update folds the scalar first, an ulp apart per op: within 4 ulps of
+    each weight per step taken."""
+    if not got.is_cuda:
+        assert torch.equal(got, want)
+        return
+    bound = 4 * steps * torch.finfo(want.dtype).eps
+    torch.testing.assert_close(got, want, rtol=bound, atol=bound * float(want.abs().max()))
+
+
 @pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "fused_per_slot"])
 def test_each_slot_steps_as_torch_adamw_on_that_slot_alone(stacked):
     """Three slots with their own lr, weight decay, clipping and cosine schedule step
@@ -93,7 +104,8 @@ def test_each_slot_steps_as_torch_adamw_on_that_slot_alone(stacked):
                 ref.grad = g * coef
             torch_adamw[s].step()
         for s in range(3):
-            assert all(torch.equal(a, b) for a, b in zip(refs[s], params(model, s))), (step, s)
+            for ref, p in zip(refs[s], params(model, s)):
+                _assert_adamw_equal(p.detach(), ref.detach(), step + 1)
     assert [opts[s].lr for s in range(3)] == [
         jobs[s].lr * lr_factor(steps, jobs[s], 5) for s, steps in ((0, 4), (1, 3), (2, 4))
     ]

@@ -113,17 +113,23 @@ def segment_sums(per_token: torch.Tensor, spans: Sequence[tuple[int, int]]) -> t
     too, so its sum never depends on the other spans."""
     import torch
 
+    from megatron_multilora.ops.host_values import on_device
+
     bounds, keep = [spans[0][0]], []
     for start, end in spans:
         if start != bounds[-1]:
             bounds.append(start)  # a gap: its own segment
         keep.append(len(bounds) - 1)
         bounds.append(end)
-    lengths = torch.tensor([b - a for a, b in itertools.pairwise(bounds)], device=per_token.device)
+    lengths = on_device(
+        [b - a for a, b in itertools.pairwise(bounds)], torch.int64, per_token.device
+    )
     sums = torch.segment_reduce(
         per_token[bounds[0] : bounds[-1]].double(), "sum", lengths=lengths, unsafe=True
     )
-    return sums[keep] if len(keep) < len(sums) else sums
+    if len(keep) == len(sums):
+        return sums
+    return sums.index_select(0, on_device(keep, torch.int64, per_token.device))
 
 
 @dataclasses.dataclass(frozen=True)

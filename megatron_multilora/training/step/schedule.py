@@ -25,6 +25,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron_multilora.data.packing import MicroBatch
 from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
 from megatron_multilora.models.loss_rows import selectable, token_loss_and_choices
+from megatron_multilora.ops.host_values import on_device
 from megatron_multilora.ops.slot_layout import SlotLayout
 from megatron_multilora.training.objectives.objective import MAX_METRICS, Objective
 from megatron_multilora.training.objectives.registry import DEFAULT
@@ -158,7 +159,7 @@ def rows_layout(mb: MicroBatch, rows: torch.Tensor) -> SlotLayout:
 
 def _set_aux_loss_scale(scale: float, grad: torch.Tensor) -> None:
     # A fresh tensor (shape [1], as megatron's): set_loss_scale copies into the current one.
-    MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor([scale], device=grad.device)
+    MoEAuxLossAutoScaler.main_loss_backward_scale = on_device([scale], torch.float32, grad.device)
 
 
 @contextlib.contextmanager
@@ -203,10 +204,10 @@ def objective_loss(
         losses, metrics = kind.spans_loss(
             [objectives[s] for s in slots], logprobs, mask, values, sequence, spans
         )
-        weight = torch.tensor([weights[s] for s in slots], dtype=torch.float64).to(mask.device)
+        weight = on_device([weights[s] for s in slots], torch.float64, mask.device)
         weighted = losses.double() * weight
         total = total + weighted.sum().to(total.dtype)
-        rows = torch.tensor(slots, device=mask.device)
+        rows = on_device(slots, torch.int64, mask.device)
         table[rows, 0] = weighted.detach()
         if metrics.size(1):
             table[rows, 1 : 1 + metrics.size(1)] = metrics.detach().double() * weight[:, None]

@@ -22,6 +22,7 @@ import dataclasses
 import torch
 
 from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
+from megatron_multilora.ops.host_values import on_device
 from megatron_multilora.training.step.slot_rows import SlotRows
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -107,14 +108,16 @@ class SlotAdamW:
             for slot, update in updates.items():
                 self._fused_step(slot, update)
             return
-        # Per slot, as torch.optim.AdamW computes them in Python: mask, clipping factor,
-        # decay, 1 - beta1, beta2, 1 - beta2, sqrt of the second bias correction, -step size,
-        # eps; zero (no step) for the other slots.
-        cols = [[0.0] * self.rows.n for _ in range(9)]
-        for s, u in updates.items():
+        # Per stepping slot, as torch.optim.AdamW computes them in Python: clipping factor,
+        # decay, 1 - beta1, beta2, 1 - beta2, sqrt of the second bias correction, -step
+        # size, eps. Only those slots' rows are read and written: the temporaries are sized
+        # by the slots that step, not by every slot.
+        slots = sorted(updates)
+        cols: list[list[float]] = [[] for _ in range(8)]
+        for s in slots:
+            u = updates[s]
             beta1, beta2 = u.betas
             values = (
-                1.0,
                 u.clip,
                 1 - u.lr * u.weight_decay,
                 1 - beta1,
@@ -125,29 +128,39 @@ class SlotAdamW:
                 u.eps,
             )
             for c, value in enumerate(values):
-                cols[c][s] = value
+                cols[c].append(value)
         device = next(iter(self.masters.values())).device
-        table = torch.tensor(cols, dtype=torch.float32).to(device)[:, :, None]
-        mask, clip, decay, w1, beta2, one_minus_beta2, bc2_sqrt, neg_step_size, eps = table
-        mask = mask.bool()
+        table = on_device([v for col in cols for v in col], torch.float32, device)
+        clip, decay, w1, beta2, one_minus_beta2, bc2_sqrt, neg_step_size, eps = table.view(
+            8, len(slots), 1
+        )
+        # The same ops whether one slot steps or all of them.
+        index = on_device(slots, torch.int64, device)
+
+        def rows(matrix: torch.Tensor) -> torch.Tensor:
+            return matrix.index_select(0, index)
+
+        def write(matrix: torch.Tensor, new: torch.Tensor) -> None:
+            matrix.index_copy_(0, index, new.to(matrix.dtype))
+
         for name, master in self.masters.items():
             if not master.numel():
                 continue
             exp_avg, exp_avg_sq = (self.moments[m][name] for m in MOMENTS)
-            grad = self.rows.grads[name] * clip
-            new_master = master * decay
-            new_avg = torch.lerp(exp_avg, grad, w1)
+            grad = rows(self.rows.grads[name]) * clip
+            new_master = rows(master) * decay
+            new_avg = torch.lerp(rows(exp_avg), grad, w1)
             # addcmul/addcdiv with the scalar folded into an operand: torch's own kernels,
             # so the same rounding as its ``value=`` forms
-            new_avg_sq = torch.addcmul(exp_avg_sq * beta2, one_minus_beta2 * grad, grad)
+            new_avg_sq = torch.addcmul(rows(exp_avg_sq) * beta2, one_minus_beta2 * grad, grad)
             denom = new_avg_sq.sqrt() / bc2_sqrt + eps
             new_master = torch.addcdiv(new_master, neg_step_size * new_avg, denom)
-            master.copy_(torch.where(mask, new_master, master))
-            exp_avg.copy_(torch.where(mask, new_avg, exp_avg))
-            exp_avg_sq.copy_(torch.where(mask, new_avg_sq, exp_avg_sq))
+            write(master, new_master)
+            write(exp_avg, new_avg)
+            write(exp_avg_sq, new_avg_sq)
             values = self.rows.values[name]
             if values is not master:
-                values.copy_(torch.where(mask, master.to(values.dtype), values))
+                write(values, new_master.to(values.dtype))
 
     def _fused_step(self, slot: int, u: SlotUpdate) -> None:
         """``slot``'s AdamW step by ``torch._fused_adamw_`` over its rows (what

@@ -115,7 +115,9 @@ def start_reducing_losses(per_slot: torch.Tensor) -> Callable[[], torch.Tensor]:
 class SlotStep:
     """The step of every adapter slot of ``model`` (a model or its chunks): micro-batches of
     at most ``token_budget`` positions, padded to a multiple of ``pad_multiple`` (the
-    sequence-parallel size). Owns the slots' fp32 gradient buffers (:class:`SlotGradSync`)."""
+    sequence-parallel size). Owns the slots' fp32 gradient buffers (:class:`SlotGradSync`).
+    ``cuda_graphs``: training passes replay captures (``cuda_graphs.ChunkGraphs``), whose
+    attention takes sequences of at most ``max_seq_len`` positions."""
 
     def __init__(
         self,
@@ -125,13 +127,16 @@ class SlotStep:
         pad_multiple: int,
         pad_id: int,
         cuda_graphs: bool = False,
+        max_seq_len: int | None = None,
     ) -> None:
         self.model = model_chunks(model)
         self.n_slots = n_slots
         self.adamw = SlotAdamW.of(self.model)
         self.grad_sync = SlotGradSync(self.adamw.rows)
         # CUDA graphs: training passes replay captures of a few padded lengths.
-        self.graphs = ChunkGraphs(self.model[0], self.adamw.rows) if cuda_graphs else None
+        self.graphs = (
+            ChunkGraphs(self.model[0], self.adamw.rows, max_seq_len) if cuda_graphs else None
+        )
         lengths = graph_lengths(token_budget) if cuda_graphs else ()
         self.batcher = MicroBatcher(
             self.model, n_slots, token_budget, pad_multiple, pad_id, lengths
