@@ -224,8 +224,10 @@ def sample_args(body: types.SampleRequest, sampler_id: str, limits: Limits) -> d
         )
     if not 1 <= body.num_samples <= 256:
         raise Refused(400, f"num_samples={body.num_samples}: 1 to 256")
-    if not (params.temperature > 0 and 0 < params.top_p <= 1):
-        raise Refused(400, "sampling_params: temperature must be > 0 and top_p in (0, 1]")
+    if not (params.temperature >= 0 and 0 < params.top_p <= 1):
+        raise Refused(
+            400, "sampling_params: temperature must be >= 0 (0: greedy) and top_p in (0, 1]"
+        )
     # Draws keyed by the seed (the same seed: the same samples) or by the request.
     key = (
         f"seed:{params.seed}"

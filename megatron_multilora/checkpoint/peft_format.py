@@ -39,6 +39,7 @@ from megatron_multilora.checkpoint.adapter_folders import (
     peft_alpha,
 )
 from megatron_multilora.checkpoint.files import refuse_existing
+from megatron_multilora.checkpoint.prompt_format import CARD_FILE, model_card
 from megatron_multilora.layers.factors import A, B
 from megatron_multilora.layers.fused_parts import FUSED_PARTS
 from megatron_multilora.layers.lifecycle import ModelOrChunks, named_multi_lora_modules
@@ -186,12 +187,23 @@ def write_peft(
     tensors: dict[str, torch.Tensor],
     config: dict[str, Any],
     overwrite: bool = False,
+    name: str | None = None,
 ) -> Path:
-    """Write a PEFT folder atomically (call on one process)."""
+    """Write a PEFT folder atomically (call on one process), with a model card saying the
+    prompt format the adapter trained on (``prompt_format.py``; ``name``: its title, default
+    the folder's name)."""
 
     def fill(tmp: Path) -> None:
         save_file(tensors, str(tmp / PEFT_TENSORS))
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+        card = model_card(
+            name or Path(out_dir).name,
+            config["base_model_name_or_path"],
+            config["target_modules"],
+            config["r"],
+            config["lora_alpha"],
+        )
+        (tmp / CARD_FILE).write_text(card)
 
     return write_dir_atomic(out_dir, fill, overwrite=overwrite)
 

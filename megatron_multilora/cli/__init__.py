@@ -3,6 +3,7 @@
     mmlora train [--nproc N] [OVERRIDE ...]   # the recipe under torchrun
     mmlora api --run-dir R --port P [...]     # the Tinker-compatible training service
     mmlora export SOURCE OUT [--job NAME]     # an adapter as a Hugging Face PEFT folder
+    mmlora generate --adapter DIR "PROMPT"    # a PEFT export's greedy generations
     mmlora submit --run-dir R job.yaml        # validate a job completely, then hand it over
     mmlora status --run-dir R [--json]        # the trainer's state and a row per job
     mmlora cancel --run-dir R NAME            # stop one job at the next step boundary
@@ -15,10 +16,11 @@ Every refusal exits with code 2 and writes nothing.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib import metadata
 
-from megatron_multilora.cli import api, export, jobs, train
+from megatron_multilora.cli import api, export, generate, jobs, train
 from megatron_multilora.cli.command import EXIT_REFUSED, CommandError, Commands
 
 
@@ -37,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
         version=f"mmlora (megatron-multilora) {metadata.version('megatron-multilora')}",
     )
     commands = Commands(parser)
-    for module in (train, api, export, jobs):
+    for module in (train, api, export, generate, jobs):
         module.add_commands(commands)
     return parser
 
@@ -57,3 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     except CommandError as err:
         print(f"mmlora {args.command_name}: error: {err}", file=sys.stderr)
         return EXIT_REFUSED
+    except BrokenPipeError:  # the reader went away (`mmlora status --json | head`): not an error
+        # Python would report the pipe again while flushing stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from megatron_multilora.checkpoint.prompt_format import load_hint
 from megatron_multilora.cli.command import CommandError, Commands
 
 
@@ -57,10 +58,7 @@ def export(args: argparse.Namespace) -> int:
         f"wrote {args.out}: r={rank}, lora_alpha={alpha}, {len(peft)} tensors, targets "
         f"{', '.join(targets)}"
     )
-    print(
-        f"load it with: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), "
-        f"'{args.out}')"
-    )
+    print(load_hint(base or "BASE", str(args.out)))
     return 0
 
 

@@ -10,6 +10,7 @@ are in :mod:`.record_forms`; only what the model should produce is trained.
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -88,11 +89,28 @@ def rename_columns(record: dict, columns: Mapping[str, str] | None) -> dict:
     return out
 
 
+def _where_to_look(path: Path) -> str:
+    """For a missing file: the absolute path it was looked for at, the nearest names beside
+    it, and for what looks like a Hub id, that only local files are read."""
+    folder = path.absolute().parent
+    notes = [f"looked for {path.absolute()}"]
+    if folder.is_dir():
+        near = difflib.get_close_matches(path.name, [p.name for p in folder.iterdir()], n=3)
+        if near:
+            notes.append("did you mean " + " or ".join(str(folder / n) for n in near) + "?")
+    elif not path.is_absolute() and len(path.parts) == 2:
+        notes.append(
+            "datasets are read from local files only, not the Hugging Face Hub: download it "
+            "first (e.g. datasets.load_dataset(...).to_json(...)) and give that file"
+        )
+    return " (" + "; ".join(notes) + ")"
+
+
 def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
     try:
         handle = open(path, "rb")
     except FileNotFoundError:
-        raise DatasetError(f"{path}: file not found") from None
+        raise DatasetError(f"{path}: file not found{_where_to_look(path)}") from None
     except OSError as e:
         raise DatasetError(f"{path}: cannot open ({e.strerror})") from None
     with handle:
@@ -105,7 +123,9 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
             if not line.strip():
                 continue
             try:
-                yield f"{path}:{number}", json.loads(line)
+                # Without its line break: an unclosed record is then reported at the line's
+                # end, not at column 1 of a line after it.
+                yield f"{path}:{number}", json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as e:
                 raise DatasetError(
                     f"{path}:{number}: malformed JSON ({e.msg} at column "
@@ -149,7 +169,7 @@ def _numbered_records(
     """Yield ``(where, record)`` for each record (columns renamed), validated for ``form``."""
     path = Path(path)
     if not path.exists():
-        raise DatasetError(f"{path}: file not found")
+        raise DatasetError(f"{path}: file not found{_where_to_look(path)}")
     reader = (
         _jsonl_records
         if path.is_file() and path.suffix not in (".parquet", ".json")

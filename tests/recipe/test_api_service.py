@@ -404,6 +404,17 @@ def test_sampling_and_logprobs_from_a_saved_adapter(service, data):
         assert stopped.tokens == free.tokens[:cut], (stop, stopped.tokens, free.tokens)
         assert stopped.stop_reason == "stop"
         assert stopped.logprobs == pytest.approx(free.logprobs[:cut], rel=1e-5)  # 1 row, not 3
+    # Temperature 0: greedy decoding, whatever the seed, every sample the same.
+    greedy = [
+        sampler.sample(
+            prompt=prompt,
+            num_samples=2,
+            sampling_params=types.SamplingParams(max_tokens=5, temperature=0.0, seed=seed),
+        ).result()
+        for seed in (1, 2)
+    ]
+    tokens = {tuple(s.tokens) for g in greedy for s in g.sequences}
+    assert len(tokens) == 1 and len(next(iter(tokens))) == 5
     sc.close("success").result()
 
 

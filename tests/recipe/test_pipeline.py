@@ -171,7 +171,7 @@ def test_pp2_run_splits_the_model_and_hands_a_slot_on(runs):
     assert 2 * int(pp2[3].replace(",", "")) == int(pp1[3].replace(",", ""))
     for _, out in runs.values():
         assert "step 4: job rev done (4 steps); slot 0 is free" in out
-        assert "step 4: job srt starts on slot 0 (4 steps)" in out
+        assert "step 4: job srt starts on slot 0 (4 steps, rank" in out
         for name, steps in STEPS.items():
             assert f"job {name}: done after {steps} steps" in out
         assert logged_steps(out) == sorted(2 * list(range(1, TOTAL - 1)) + [TOTAL - 1, TOTAL])

@@ -337,3 +337,37 @@ def test_export_peft_from_a_checkpoint_of_an_hf_run_uses_the_hf_architecture(dem
     # The run's own PEFT export records the job's exact dropout too.
     run_config = json.loads((tmp_path / "run" / "peft" / "add" / "adapter_config.json").read_text())
     assert run_config["lora_dropout"] == 0.05
+
+
+def test_a_peft_export_says_its_prompt_format_and_generates_in_it(demo_data, tmp_path, capsys):
+    """Each PEFT export carries a model card with the prompt format it trained on; its
+    Python snippet and ``mmlora generate`` build the prompt exactly as training did
+    (``record_forms.prompt_ids``: BOS, then the prompt) and generate the same text."""
+    from transformers import AutoTokenizer
+
+    from megatron_multilora.checkpoint.prompt_format import python_snippet
+    from megatron_multilora.data.record_forms import prompt_ids
+    from megatron_multilora.data.tokenizer import HFTokenizer
+    from megatron_multilora.models.tiny_hf import write_tiny_llama
+
+    base = write_tiny_llama(tmp_path / "tiny-llama", hidden_size=64)
+    run_in_process(tmp_path / "run", [job("rev", demo_data, "reverse", 2)], [f"hf_dir={base}"])
+    out = capsys.readouterr().out
+    folder = tmp_path / "run" / "peft" / "rev"
+    assert f"mmlora generate --adapter {folder}" in out and "[bos] + tok.encode(prompt" in out
+    card = (folder / "README.md").read_text()
+    assert "## Prompt format" in card and f"base_model: {base.resolve()}" in card
+
+    prompt = "abc ="
+    assert cli.main(["generate", "--adapter", str(folder), "--max-new-tokens", "6", prompt]) == 0
+    generated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert generated["prompt"] == prompt
+
+    snippet = python_snippet(str(base), str(folder)).replace("apple river stone =", prompt)
+    snippet = snippet.replace("max_new_tokens=32", "max_new_tokens=6")
+    scope: dict = {}
+    exec(snippet, scope)  # the card's own snippet, as a user runs it
+    printed = capsys.readouterr().out.strip()
+    want = prompt_ids(prompt, HFTokenizer(AutoTokenizer.from_pretrained(base)))
+    assert scope["ids"] == want and want[0] == 1  # the byte tokenizer's BOS, then the prompt
+    assert printed == generated["completion"]

@@ -514,3 +514,35 @@ def test_version_and_the_verbs_a_user_looks_for():
     assert code == 2 and "--nproc 0: give at least 1 process" in err
     code, _, err = run_cli("export", "only-one-argument")
     assert code == 2 and "out" in err
+
+
+def test_status_into_a_pipe_that_closes_early_is_no_error(run_dir):
+    """`mmlora status --json | head -1`: the reader goes away before the output is written;
+    the command ends quietly (no BrokenPipeError traceback), as a Unix tool does. Here the
+    pipe's reading end is closed before the command starts, so every write fails."""
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "megatron_multilora.cli",
+                "status",
+                "--run-dir",
+                str(run_dir),
+                "--json",
+            ],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,7 +100,7 @@ def test_read_records_accepts_both_forms_and_skips_blank_lines(tmp_path):
 @pytest.mark.parametrize(
     "bad_line, needle",
     [
-        ('{"prompt": "p", "completion": ', "malformed JSON"),
+        ('{"prompt": "p", "completion": ', "malformed JSON (Expecting value at column 31)"),
         ('["prompt", "completion"]', "expected a JSON object"),
         ('{"prompt": "p", "answer": "c"}', "unexpected keys"),
         ('{"prompt": "p", "completion": 3}', '"completion" must be a string'),
@@ -122,6 +123,13 @@ def test_read_records_file_level_errors(tmp_path):
     with pytest.raises(DatasetError, match=r"file not found") as info:
         read_records(missing)
     assert str(info.value).startswith(f"{missing}: ")
+    (tmp_path / "reverse.train.jsonl").write_text("")
+    with pytest.raises(DatasetError, match=r"did you mean .*reverse\.train\.jsonl\?"):
+        read_records(tmp_path / "reverse.trian.jsonl")
+    with pytest.raises(DatasetError, match=rf"looked for {tmp_path / 'missing.jsonl'}"):
+        read_records(missing)
+    with pytest.raises(DatasetError, match=r"local files only, not the Hugging Face Hub"):
+        read_records(Path("HuggingFaceH4/no_robots"))
     empty = write_lines(tmp_path, ["", "   "])
     with pytest.raises(DatasetError, match=r"no records") as info:
         read_records(empty)

@@ -56,7 +56,7 @@ def test_admission_respects_slots_and_start_steps(tmp_path):
     b = board(tmp_path)
     assert [j.total_steps for j in b.jobs] == [3, 5, 2]
     assert [j.name for j in b.admit(0)] == ["a", "b"] and b.admit(0) == []
-    assert b.said[0] == "step 0: job a starts on slot 0 (3 steps)"
+    assert b.said[0] == "step 0: job a starts on slot 0 (3 steps, rank 4, alpha 8, lr 0.001 cosine)"
     a = b.named("a")
     a.steps_done = 3
     assert b.retire(3) == [a] and a.status == DONE and a.slot is None and a.optimizer is None

@@ -113,6 +113,15 @@ def test_keyed_sampler_draws_per_row_not_per_batch():
         int(KeyedSampler([RowSampling("x", 1e-4, 1.0)])(logits[:1], [0], [t])) for t in range(5)
     ]
     assert cold == [int(logits[0].argmax())] * 5
+    # Temperature 0 is greedy, beside sampled rows and with a nucleus too; a tie goes to the
+    # first token.
+    tied = logits.clone()
+    tied[2, 7] = tied[2, 9] = tied[2].max() + 1
+    greedy = [RowSampling("g", 0.0), RowSampling("h", 1.0), RowSampling("n", 0.0, 0.5)]
+    for t in range(5):
+        got = KeyedSampler(greedy)(tied, [0, 1, 2], [t] * 3)
+        assert int(got[0]) == int(tied[0].argmax()) and int(got[2]) == 7
+        assert got[1] == KeyedSampler(greedy)(tied[1:2], [1], [t])[0]
 
 
 def test_a_pair_stays_in_one_micro_batch():

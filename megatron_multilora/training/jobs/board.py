@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from megatron_multilora.data.datasets import examples_of
-from megatron_multilora.training.config import AdapterJob, TrainerSettings
+from megatron_multilora.training.config import AdapterJob, TrainerSettings, job_alpha
 from megatron_multilora.training.jobs.exporter import JobExporter
 from megatron_multilora.training.jobs.job import Job, planned_steps, total_steps
 from megatron_multilora.training.jobs.states import ACTIVE, CANCELLED, DONE, ENDED, FAILED, QUEUED
@@ -82,9 +82,11 @@ class JobBoard:
             if free and job.status == QUEUED and job.spec.start_step <= step:
                 job.status, job.slot = ACTIVE, free.pop(0)
                 job.optimizer = self.rt.start_slot(job.slot, job.spec, job.total_steps)
+                spec = job.spec
                 self.say(
                     f"step {step}: job {job.name} starts on slot {job.slot} "
-                    f"({job.total_steps} steps)"
+                    f"({job.total_steps} steps, rank {spec.rank}, alpha {job_alpha(spec):g}, "
+                    f"lr {spec.lr:g} {spec.schedule})"
                 )
                 started.append(job)
         return started

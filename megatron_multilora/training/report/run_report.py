@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megatron_multilora.checkpoint.prompt_format import load_hint
 from megatron_multilora.training.config import RunConfig
 from megatron_multilora.training.jobs.board import JobBoard
 from megatron_multilora.training.jobs.states import ACTIVE, CANCELLED, DONE, FAILED, QUEUED
@@ -217,10 +218,10 @@ class RunReport:
             }[job.status]
             print(f"job {job.name}: {how} -> {where}", flush=True)
         if self.run.hf_dir and exported:
+            adapter = self.run_dir / "peft" / exported[0]
             print(
-                f"PEFT adapters in {self.run_dir / 'peft'}; load one with:\n"
-                f"  PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("
-                f"'{self.run.hf_dir}'), '{self.run_dir / 'peft' / exported[0]}')",
+                f"PEFT adapters in {self.run_dir / 'peft'}; "
+                + load_hint(str(self.run.hf_dir), str(adapter)),
                 flush=True,
             )
         if not board.finished():

@@ -5,7 +5,8 @@ every layout and after a resume.
 A row's next token is drawn from its softmax at its ``temperature``, restricted to the
 smallest set of most likely tokens whose probability reaches its ``top_p`` (nucleus), by
 inverting its CDF (in vocabulary order; with a nucleus, most likely first) at one uniform
-number drawn from a generator seeded with the row's key and the token's index.
+number drawn from a generator seeded with the row's key and the token's index. Temperature 0
+is greedy decoding (vLLM's and SGLang's meaning): the most likely token, the first on a tie.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 
 @dataclasses.dataclass(frozen=True)
 class RowSampling:
-    """How one row samples: its key (e.g. ``seed:job:rollout:row``), temperature, top-p."""
+    """How one row samples: its key (e.g. ``seed:job:rollout:row``), temperature (0: greedy),
+    top-p."""
 
     key: str
     temperature: float = 1.0
@@ -43,20 +45,24 @@ class KeyedSampler:
         temperature = torch.tensor([s.temperature for s in spec], dtype=torch.float64)
         top_p = torch.tensor([s.top_p for s in spec], dtype=torch.float64)
         u = torch.tensor([uniform(s.key, t) for s, t in zip(spec, generated)], dtype=torch.float64)
-        probs = torch.softmax(logits.cpu().double() / temperature[:, None], dim=-1)
+        greedy = temperature == 0
+        scaled = logits.cpu().double() / torch.where(greedy, 1.0, temperature)[:, None]
+        probs = torch.softmax(scaled, dim=-1)
         tokens = torch.empty(len(spec), dtype=torch.int64)
-        full = top_p >= 1.0  # rows without a nucleus: their CDF in vocabulary order, no sort
+        tokens[greedy] = scaled[greedy].argmax(-1)
+        full = (top_p >= 1.0) & ~greedy  # rows without a nucleus: CDF in vocabulary order
         if full.any():
             tokens[full] = _invert(probs[full], u[full])
-        if not full.all():
-            ordered, index = probs[~full].sort(dim=-1, descending=True, stable=True)
+        nucleus = ~full & ~greedy
+        if nucleus.any():
+            ordered, index = probs[nucleus].sort(dim=-1, descending=True, stable=True)
             # Keep a token while the more likely ones do not yet reach top_p (the first always).
             kept = torch.where(
-                ordered.cumsum(-1) - ordered < top_p[~full, None],
+                ordered.cumsum(-1) - ordered < top_p[nucleus, None],
                 ordered,
                 torch.zeros((), dtype=torch.float64),
             )
-            tokens[~full] = index.gather(1, _invert(kept, u[~full])[:, None]).flatten()
+            tokens[nucleus] = index.gather(1, _invert(kept, u[nucleus])[:, None]).flatten()
         return tokens
 
 
