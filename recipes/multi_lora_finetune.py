@@ -30,6 +30,7 @@ import megatron_multilora as mm  # light: its names load megatron on first use
 from megatron_multilora.errors import RunError
 from megatron_multilora.training.checks import validate
 from megatron_multilora.training.config import ConfigError, RunConfig, load_run_config
+from megatron_multilora.training.overrides import checked_overrides
 from megatron_multilora.training.stop import (
     RunStopped,
     die_with_launcher,
@@ -169,5 +170,9 @@ def _serve_api(run: RunConfig) -> None:
 
 
 if __name__ == "__main__":
+    try:  # before Hydra, which would refuse a job field its YAML lacks, or a misspelt key
+        sys.argv[1:] = checked_overrides(sys.argv[1:])
+    except ConfigError as err:
+        _report_and_exit(str(err), 2)
     main()  # a failure exits inside (with its status)
     exit_without_teardown()

@@ -48,6 +48,13 @@ def train(args: argparse.Namespace) -> int:
         )
     if args.nproc < 1:
         raise CommandError(f"--nproc {args.nproc}: give at least 1 process")
+    from megatron_multilora.training.config import ConfigError
+    from megatron_multilora.training.overrides import checked_overrides
+
+    try:  # refused here, before torchrun starts (no launcher's failure block)
+        args.overrides = checked_overrides(args.overrides)
+    except ConfigError as err:
+        raise CommandError(str(err)) from None
     # Imported here: the serve commands stay torch-free.
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

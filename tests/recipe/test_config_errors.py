@@ -482,3 +482,60 @@ def test_sequences_longer_than_the_models_sliding_window_are_refused(demo_data):
         compose_run(["hf_dir=null", jobs, "+model.sliding_window=32", "trainer.max_seq_len=32"]),
         check_files=False,
     )
+
+
+def test_a_job_entrys_field_its_yaml_lacks_is_overridden_from_the_command_line(demo_data):
+    """``adapters.0.dropout=0.1`` with a jobs file that sets no ``dropout`` (words4), and
+    ``adapters.1.dpo.beta`` inside an objective's section: every documented field can be
+    overridden, a list entry's too (checked_overrides hands them to Hydra as add-or-replace)."""
+    from megatron_multilora.training.overrides import checked_overrides
+
+    overrides = ["jobs=words4", f"data_dir={demo_data}", "adapters.0.dropout=0.1"]
+    overrides += ["+adapters.1.dpo.beta=0.3", "adapters.2.lr=5e-4"]
+    run = compose_run(checked_overrides(overrides))
+    assert run.adapters[0].dropout == 0.1 and run.adapters[1].dpo.beta == 0.3
+    assert run.adapters[2].lr == 5e-4 and run.adapters[2].dropout == 0.0
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (
+            "trainer.step_per_job=5",
+            "trainer.step_per_job: no such field; did you mean trainer.steps_per_job?",
+        ),
+        (
+            "+trainer.step_per_job=5",
+            "trainer.step_per_job: no such field; did you mean trainer.steps_per_job?",
+        ),
+        ("adapters.0.lrr=1e-3", "adapters.0.lrr: no such field; did you mean adapters.0.lr?"),
+        ("adapters.first.lr=1e-3", "adapters.first: a job is named by its index in the list"),
+    ],
+)
+def test_a_misspelt_override_is_refused_before_torchrun_starts(
+    demo_data, tmp_path, override, message
+):
+    """The project's own message (full key, did-you-mean, the fields there), exit 2, from
+    `mmlora train` itself: no launcher's warning or failure lines, nothing written."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "mmlora"),
+            "train",
+            "--nproc",
+            "2",
+            f"run_dir={run_dir}",
+            "hf_dir=null",
+            f"data_dir={demo_data}",
+            override,
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "mmlora train: error: the run cannot start" in proc.stderr
+    assert "torchrun" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+    assert not run_dir.exists()
