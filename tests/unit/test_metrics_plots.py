@@ -121,6 +121,18 @@ def test_wandb_offline_run_is_written_under_run_dir(tmp_path, monkeypatch):
     assert len(run_files) == 1 and run_files[0].stat().st_size > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing outside run_dir
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2]
+    # A resumed run continues that wandb run: the same id, so its offline folders sync as one.
+    first_id = (run / "wandb" / "run_id").read_text().strip()
+    assert run_files[0].name == f"run-{first_id}.wandb"
+    again = MetricsLogger(run, enabled=True, wandb_mode="offline", wandb_run_name="unit")
+    again.log(3, "train", {"a": {"loss": 1.0}})
+    again.close()
+    ids = {p.name for p in (run / "wandb").glob("offline-run-*/run-*.wandb")}
+    assert ids == {f"run-{first_id}.wandb"}
+    # A fresh run directory starts a run of its own.
+    other = MetricsLogger(tmp_path / "other", enabled=True, wandb_mode="offline")
+    other.close()
+    assert (tmp_path / "other" / "wandb" / "run_id").read_text().strip() != first_id
 
 
 def test_format_adapter_line_fields_and_alignment():

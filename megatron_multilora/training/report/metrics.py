@@ -19,6 +19,7 @@ import numbers
 import os
 import sys
 import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,9 @@ class MetricsLogger:
 
     With ``enabled=False`` (non-main ranks) nothing is created and every call does nothing.
     ``wandb_mode`` is ``"offline"`` (files under ``run_dir/wandb``, no account or network),
-    ``"online"`` or ``"disabled"`` (JSONL only).
+    ``"online"`` or ``"disabled"`` (JSONL only). The wandb run's id is kept in
+    ``run_dir/wandb/run_id``, so a resumed run continues the same wandb run (offline: its
+    folders sync into one run).
     """
 
     def __init__(
@@ -96,12 +99,21 @@ class MetricsLogger:
 
             # setdefault: a user who exported WANDB_SILENT=false still gets wandb's output.
             os.environ.setdefault("WANDB_SILENT", "true")
+            id_file = self.run_dir / "wandb" / "run_id"
+            if id_file.is_file():
+                run_id = id_file.read_text().strip()
+            else:
+                run_id = uuid.uuid4().hex[:8]  # wandb's ids: 8 lowercase letters and digits
+                id_file.parent.mkdir(parents=True, exist_ok=True)
+                id_file.write_text(run_id + "\n")
             self._run = wandb.init(
                 dir=str(self.run_dir),
                 mode=wandb_mode,
                 project=wandb_project,
                 name=wandb_run_name,
                 config=config,
+                id=run_id,
+                resume="allow",
             )
         except BaseException:
             self._file.close()
