@@ -96,6 +96,17 @@ def _complete(front: Front, say: Callable[[str], None], request_id: str, result:
     front.futures.complete(request_id, result)
 
 
+def _byte_tokenizer_folder(run_dir: Path) -> str:
+    """The built-in byte tokenizer (a model built from its config) as a Hugging Face folder,
+    whose path ``get_info`` hands the SDK as the tokenizer id: ``get_tokenizer()`` then loads
+    it offline instead of looking the model's name up on the Hub."""
+    from megatron_multilora.models.tiny_hf import byte_level_tokenizer
+
+    folder = run_dir / "api" / "tokenizer"
+    byte_level_tokenizer().save_pretrained(folder)
+    return str(folder.resolve())
+
+
 def _start_front(
     run: RunConfig, keys: dict[str, str], model_config, hf_dir, run_dir: Path
 ) -> tuple[Front, str]:
@@ -111,7 +122,7 @@ def _start_front(
         run.trainer.max_seq_len,
         run.lora.slots,
         run.lora.max_rank,
-        hf_dir,
+        hf_dir or _byte_tokenizer_folder(run_dir),
         unembed="output_layer" in run.lora.targets,
     )
     loop = asyncio.new_event_loop()

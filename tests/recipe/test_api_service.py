@@ -418,6 +418,21 @@ def test_sampling_and_logprobs_from_a_saved_adapter(service, data):
     sc.close("success").result()
 
 
+def test_get_tokenizer_works_offline_on_the_tiny_base(service):
+    """The tiny base has no Hugging Face folder: the service hands the SDK its byte
+    tokenizer as a local folder, so ``get_tokenizer()`` needs no Hub (before: 5 retries of
+    huggingface.co/tiny and an OSError); its ids are the service's (bytes + 3, BOS 1)."""
+    sc = service.client(KEYS[0])
+    training = sc.create_lora_training_client(base_model="tiny", rank=4).result()
+    start = time.monotonic()
+    tok = training.get_tokenizer()
+    assert time.monotonic() - start < 20
+    assert tok.encode("abc", add_special_tokens=False) == [100, 101, 102]
+    assert tok.bos_token_id == ByteTokenizer.bos_id and tok.eos_token_id == ByteTokenizer.eos_id
+    assert tok.decode([100, 101, 102]) == "abc"
+    sc.close("success").result()
+
+
 def test_a_crashed_clients_slot_is_freed_after_the_session_timeout(service, tmp_path):
     script = tmp_path / "crash.py"
     script.write_text(
