@@ -18,7 +18,7 @@ from megatron_multilora.data.tokenizer import HFTokenizer
 from megatron_multilora.layers.lifecycle import slot_parameters
 from megatron_multilora.models.hf_import import load_hf_model
 from megatron_multilora.models.tiny_hf import byte_level_tokenizer, write_tiny_llama
-from megatron_multilora.training.objectives.dpo import DPO, with_references
+from megatron_multilora.training.objectives.dpo import DPO, with_nll_scale, with_references
 from megatron_multilora.training.objectives.grpo import GRPO
 from megatron_multilora.training.objectives.rollouts import advantages
 from megatron_multilora.training.objectives.simpo import SimPO, marked
@@ -136,15 +136,21 @@ def padded(rows: list[list[int]], left: bool = False) -> tuple[torch.Tensor, tor
 
 
 # TRL 1.16's sigmoid loss has no label smoothing (test_objectives.py checks ours by hand).
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
-def test_dpo_matches_trl(setup, loss_type):
+@pytest.mark.parametrize(
+    "loss_type,rpo_alpha",
+    [("sigmoid", 0.0), ("ipo", 0.0), ("sigmoid", 0.7)],
+    ids=["sigmoid", "ipo", "rpo"],
+)
+def test_dpo_matches_trl(setup, loss_type, rpo_alpha):
+    """``rpo``: DPO plus the chosen answers' NLL (TRL's ``loss_type=["sigmoid", "sft"]``
+    with ``loss_weights=[1, rpo_alpha]``, the token mean over the batch's chosen answers)."""
     model, cfg, base, tmp = setup
     beta = 0.5
     tok = HFTokenizer(byte_level_tokenizer())
     pairs = [tokenize_pair(r, tok, 64) for r in PAIRS]
     tools = StepTools(model, MicroBatcher(model, 2, 4096, 1, 0), tok, 0, 64, lambda *a: None)
-    pairs = with_references(pairs, SLOT, tools)
-    loss, grads = ours(model, cfg, pairs, DPO(beta, loss_type, 0.0))
+    pairs = with_nll_scale(with_references(pairs, SLOT, tools), rpo_alpha)
+    loss, grads = ours(model, cfg, pairs, DPO(beta, loss_type, 0.0, rpo_alpha))
 
     from trl import DPOConfig, DPOTrainer
 
@@ -154,7 +160,8 @@ def test_dpo_matches_trl(setup, loss_type):
         args=DPOConfig(
             output_dir=str(tmp / "trl"),
             beta=beta,
-            loss_type=[loss_type],
+            loss_type=[loss_type, "sft"] if rpo_alpha else [loss_type],
+            loss_weights=[1.0, rpo_alpha] if rpo_alpha else None,
             report_to=[],
             use_cpu=True,
             bf16=False,

@@ -11,6 +11,14 @@ log-probs of their targets (the adapter off), computed once when the job starts.
 
 A pair is one loss unit: the loss is the mean over the global batch's pairs, as are the
 rewards ``beta (logp - ref)`` of each answer, their margin and the preference accuracy.
+
+``rpo_alpha`` > 0 adds that weight times the negative log-likelihood of the chosen answers,
+its mean over every chosen token of the job's global batch (RPO, Pang et al. 2024; TRL's
+``loss_type=["sigmoid", "sft"], loss_weights=[1, rpo_alpha]``): it keeps DPO from lowering
+the chosen answers' own likelihood along with the rejected ones' (likelihood displacement,
+which left the demo's DPO job worse at the behaviour it prefers). Each chosen token carries
+``nll_scale = rpo_alpha * pairs / chosen tokens`` of its global batch, so that divided by the
+pairs, as every span is, the term is the token mean. The held-out loss stays the DPO loss.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from typing import Any
 
 from megatron_multilora.data.datasets import Example, load_pairs, read_records
 from megatron_multilora.training.objectives.objective import JobData, Objective, RunTools
-from megatron_multilora.validation import one_of, positive, ranged, within
+from megatron_multilora.validation import at_least, one_of, positive, ranged, within
 
 
 @dataclasses.dataclass
@@ -32,6 +40,9 @@ class DPOSettings:
     """sigmoid (Rafailov et al.) or ipo (squared, on length-averaged log-probs)."""
     label_smoothing: float = ranged(0.0, within(0.0, 0.5))
     """Assumed probability that a pair's preference is flipped (sigmoid loss only)."""
+    rpo_alpha: float = ranged(0.0, at_least(0.0))
+    """Weight of the chosen answers' mean negative log-likelihood added to the loss (RPO;
+    TRL's loss_type [sigmoid, sft] with loss_weights [1, rpo_alpha]); 0: plain DPO."""
 
 
 class DPO(Objective):
@@ -40,14 +51,22 @@ class DPO(Objective):
     settings = DPOSettings
     metrics = ("chosen_reward", "rejected_reward", "margin", "preference_accuracy")
     table_metrics = ("preference_accuracy",)
-    inputs = ("ref_logprobs", "chosen")  # the base's log-probs, computed when the job starts
+    # the base's log-probs, computed when the job starts; the chosen tokens' NLL weight
+    inputs = ("ref_logprobs", "chosen", "nll_scale")
 
-    def __init__(self, beta: float, loss_type: str, label_smoothing: float) -> None:
+    def __init__(
+        self, beta: float, loss_type: str, label_smoothing: float, rpo_alpha: float = 0.0
+    ) -> None:
         self.beta, self.loss_type, self.label_smoothing = beta, loss_type, label_smoothing
+        self.rpo_alpha = rpo_alpha
 
     @classmethod
     def build(cls, spec: Any) -> DPO:
-        return cls(spec.dpo.beta, spec.dpo.loss_type, spec.dpo.label_smoothing)
+        dpo = spec.dpo
+        return cls(dpo.beta, dpo.loss_type, dpo.label_smoothing, dpo.rpo_alpha)
+
+    def batch(self, job: Any, seed: int) -> list:
+        return with_nll_scale(super().batch(job, seed), self.rpo_alpha)
 
     def load(self, spec: Any, tokenizer, max_seq_len: int, eval_samples: int) -> JobData:
         """Train and held-out pairs (the eval loss is the DPO loss on held-out pairs); string
@@ -102,7 +121,30 @@ class DPO(Objective):
             loss = -(1.0 - e) * F.logsigmoid(self.beta * h) - e * F.logsigmoid(-self.beta * h)
         cr, rr = self.beta * c.detach(), self.beta * r.detach()
         metrics = torch.stack([cr.sum(), rr.sum(), (cr - rr).sum(), (cr > rr).float().sum()])
+        scale = values.get("nll_scale")
+        if scale is not None:  # RPO: the chosen answers' NLL, weighed per token
+            return loss.sum() - (logprobs * mask * scale).sum(), metrics
         return loss.sum(), metrics
+
+
+def with_nll_scale(
+    pairs: list[tuple[Example, Example]], rpo_alpha: float
+) -> list[tuple[Example, Example]]:
+    """A global batch of pairs with each chosen token's ``nll_scale``: ``rpo_alpha`` x the
+    pairs / the chosen tokens of the batch (the module docstring); unchanged at 0."""
+    if not rpo_alpha or not pairs:
+        return pairs
+    tokens = sum(sum(chosen.loss_mask) for chosen, _ in pairs)
+    scale = rpo_alpha * len(pairs) / max(tokens, 1)
+    return [
+        (
+            dataclasses.replace(
+                chosen, values={**chosen.values, "nll_scale": (scale,) * len(chosen.loss_mask)}
+            ),
+            rejected,
+        )
+        for chosen, rejected in pairs
+    ]
 
 
 def with_references(
