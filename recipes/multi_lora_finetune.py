@@ -78,6 +78,14 @@ def _report_and_exit(message: str, code: int, printed: bool = False) -> None:
     sys.exit(code)
 
 
+def _remove_if_empty(folder: Path) -> None:
+    """A refused launch writes nothing: Hydra made its output folder before the checks ran."""
+    try:
+        folder.rmdir()  # only an empty one
+    except OSError:
+        pass
+
+
 def _checked_run_dir(path: str) -> str:
     """``run_dir`` as Hydra's run folder, refused here when it is a file: Hydra creates the
     folder before the recipe's own check runs, and would end in a FileExistsError traceback."""
@@ -109,6 +117,7 @@ def main(cfg: DictConfig) -> None:
         # Hydra's output folder is run_dir for a single run and run_dir-multirun/<n> per sweep job.
         run = checked_run(cfg, HydraConfig.get().runtime.output_dir)
     except ConfigError as err:
+        _remove_if_empty(Path(HydraConfig.get().runtime.output_dir))
         _report_and_exit(str(err), 2)
     if int(os.environ.get("RANK", "0")) == 0:
         _record_config(cfg, Path(run.run_dir))

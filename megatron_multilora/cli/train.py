@@ -40,6 +40,44 @@ def _failure_line(rank: int, code: int, message: object, shown: bool) -> str:
     return f"{line}; only rank 0's output is shown: rerun with --all-ranks to see rank {rank}'s"
 
 
+def _check_config(nproc: int, overrides: list[str]) -> None:
+    """The recipe's own config checks (``training/checks.validate``) for ``nproc`` processes,
+    run here first; ConfigError lists every problem. A launch with flags other than
+    ``--config-name`` (a sweep, Hydra's own) is left to the recipe, as is anything that
+    fails here for another reason."""
+    from hydra import compose, initialize_config_dir
+
+    from megatron_multilora.training.checks import validate
+    from megatron_multilora.training.config import ConfigError, load_run_config
+
+    name, rest = "config", []
+    given = iter(overrides)
+    for argument in given:
+        if argument in ("--config-name", "-cn"):
+            name = next(given, name)
+        elif argument.startswith("--config-name="):
+            name = argument.split("=", 1)[1]
+        elif argument.startswith("-") or argument.lstrip("+~").startswith("hydra"):
+            return
+        else:
+            rest.append(argument)
+    world = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(nproc)  # what the checks read under torchrun
+    try:
+        with initialize_config_dir(str(RECIPE.parents[1] / "conf"), version_base="1.3"):
+            run = load_run_config(compose(name, overrides=rest))
+        validate(run)
+    except ConfigError:
+        raise
+    except Exception:  # the recipe reports it in full
+        return
+    finally:
+        if world is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = world
+
+
 def train(args: argparse.Namespace) -> int:
     if not RECIPE.is_file():
         raise CommandError(
@@ -51,8 +89,9 @@ def train(args: argparse.Namespace) -> int:
     from megatron_multilora.training.config import ConfigError
     from megatron_multilora.training.overrides import checked_overrides
 
-    try:  # refused here, before torchrun starts (no launcher's failure block)
+    try:  # refused here, before torchrun starts (no launcher's warning and failure lines)
         args.overrides = checked_overrides(args.overrides)
+        _check_config(args.nproc, args.overrides)
     except ConfigError as err:
         raise CommandError(str(err)) from None
     # Imported here: the serve commands stay torch-free.

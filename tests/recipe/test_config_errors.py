@@ -510,13 +510,16 @@ def test_a_job_entrys_field_its_yaml_lacks_is_overridden_from_the_command_line(d
         ),
         ("adapters.0.lrr=1e-3", "adapters.0.lrr: no such field; did you mean adapters.0.lr?"),
         ("adapters.first.lr=1e-3", "adapters.first: a job is named by its index in the list"),
+        ("adapters.0.lr=-1", "adapters.0.lr=-1.0: must be > 0"),
+        ("parallel.tp=3", "parallel.tp=3"),
     ],
 )
 def test_a_misspelt_override_is_refused_before_torchrun_starts(
     demo_data, tmp_path, override, message
 ):
-    """The project's own message (full key, did-you-mean, the fields there), exit 2, from
-    `mmlora train` itself: no launcher's warning or failure lines, nothing written."""
+    """The project's own message (full key, did-you-mean, the fields there; the run's checks
+    for 2 processes), exit 2, from `mmlora train` itself: no launcher's warning or failure
+    lines, nothing written."""
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [
@@ -538,4 +541,27 @@ def test_a_misspelt_override_is_refused_before_torchrun_starts(
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "mmlora train: error: the run cannot start" in proc.stderr
     assert "torchrun" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+    assert not run_dir.exists()
+
+
+def test_a_refused_launch_leaves_no_run_dir_behind(demo_data, tmp_path):
+    """Hydra makes the run's folder before the checks run: a refused config removes it
+    again (it is empty), so a failed launch writes nothing."""
+    run_dir = tmp_path / "fresh" / "run"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "recipes/multi_lora_finetune.py",
+            f"run_dir={run_dir}",
+            "hf_dir=null",
+            f"data_dir={demo_data}",
+            "adapters.0.lr=-1",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "adapters.0.lr=-1.0: must be > 0" in proc.stderr
     assert not run_dir.exists()
