@@ -136,6 +136,7 @@ def main(cfg: DictConfig) -> None:
             trainer.setup()
             trainer.train()
     except RunStopped as stop:
+        trainer.final_on_stop(stop)
         message = trainer.stopped(stop)
         mm.destroy_parallel(destroy_process_group=True)
         if stop.exit_code:  # a signal: schedulers see it, and torchrun's summary says why

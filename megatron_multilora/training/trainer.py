@@ -206,6 +206,15 @@ class Trainer:
         destroy_parallel()
         return line
 
+    def final_on_stop(self, stop: RunStopped) -> None:
+        """A serving run ended by ``mmlora stop`` ends as a training run does: every exported
+        adapter (the jobs that ran) on every task, the tables and plots; its unfinished jobs
+        resume from the stop's checkpoint. A signal's stop (Ctrl-C, SIGTERM) stays quick:
+        the launcher kills the workers 30 s after it."""
+        if self.run.trainer.serve and stop.signum == STOP_REQUESTED:
+            self.report.final(self.step, self.board, self.tasks, stopped=True)
+            dist.barrier()
+
     def finish(self) -> list[str]:
         """Evaluate every exported adapter on every task, print the tables and how each job
         ended; returns the names of the jobs that failed."""

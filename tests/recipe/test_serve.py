@@ -223,6 +223,10 @@ def test_cancel_hands_the_slot_on_stop_checkpoints_and_a_job_submitted_while_dow
     out = finish(proc, log)  # exit status 0: a requested stop is not an error
     s = latest_step(run)
     assert "stopped on request (mmlora stop)" in out and s == last_train_step(run) > c + 1
+    # It ends as a training run does: the tables of the exported adapters (add, cancelled)
+    # beside the base, a line per job; rev and up resume from the checkpoint.
+    assert "held-out loss of each adapter (row) on each job's data (column)" in out
+    assert "job rev: UNFINISHED" in out and "(mmlora stop), resumes from the checkpoint" in out
     assert status(run)["state"] == "stopped" and not (run / "serve" / "stop").exists()
 
     # Submitted while the trainer is down: listed as waiting, added when the run resumes.

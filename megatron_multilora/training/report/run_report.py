@@ -113,10 +113,14 @@ class RunReport:
         if self.progress is not None:
             self.progress.close()
 
-    def final(self, step: int, board: JobBoard, tasks: AdapterTaskEval) -> None:
+    def final(
+        self, step: int, board: JobBoard, tasks: AdapterTaskEval, stopped: bool = False
+    ) -> None:
         """Every exported adapter (and the base model alone: the row to beat) on every task,
-        the plots, and how each job ended."""
-        exported = board.exported()
+        the plots, and how each job ended (``stopped``: a serving run ended by ``mmlora
+        stop``, whose unfinished jobs resume from its checkpoint)."""
+        # Stopped: the jobs still training were not exported (they resume instead).
+        exported = [j for j in board.exported() if not (stopped and j.status == ACTIVE)]
         rows = [None] + exported if exported else []
         tables = tasks.tables(
             [board.exporter.folder(job) if job else None for job in rows], board.jobs
@@ -125,7 +129,7 @@ class RunReport:
             names = [job.name if job else "base" for job in rows]
             self._print_tables(step, names, [t.name for t in tables.tasks], tables)
             self._plot(names, [t.name for t in tables.tasks], tables)
-            self._print_outcome(board, [job.name for job in exported])
+            self._print_outcome(board, [job.name for job in exported], stopped)
         self.logger.close()
 
     def _print_tables(self, step: int, names: list[str], tasks: list[str], tables) -> None:
@@ -203,17 +207,19 @@ class RunReport:
             plots.append(self.run_dir / "adapter_task_loss.png")
         print(f"plots: {', '.join(map(str, plots))}")
 
-    def _print_outcome(self, board: JobBoard, exported: list[str]) -> None:
+    def _print_outcome(self, board: JobBoard, exported: list[str], stopped: bool = False) -> None:
         """The last lines of a run: how each job ended and where its adapter is."""
         limit = f"trainer.max_steps={self.run.trainer.max_steps} reached"
+        cut = "exported as is"
+        if stopped:
+            limit, cut = "mmlora stop", "resumes from the checkpoint"
         for job in board.jobs:
             where = board.exporter.folder(job) if job.name in exported else "-"
             how = {
                 DONE: f"done after {job.steps_done} steps",
                 FAILED: f"FAILED after {job.steps_done} steps ({job.reason}), not exported",
                 CANCELLED: job.reason,
-                ACTIVE: f"UNFINISHED: {job.steps_done} of {job.total_steps} steps ({limit}), "
-                "exported as is",
+                ACTIVE: f"UNFINISHED: {job.steps_done} of {job.total_steps} steps ({limit}), {cut}",
                 QUEUED: f"not started ({limit})",
             }[job.status]
             print(f"job {job.name}: {how} -> {where}", flush=True)
@@ -224,7 +230,7 @@ class RunReport:
                 + load_hint(str(self.run.hf_dir), str(adapter)),
                 flush=True,
             )
-        if not board.finished():
+        if not board.finished() and not stopped:
             print(
                 f"the run stopped at {limit} before every job finished: unfinished adapters "
                 'are marked "finished": false in their adapter_config.json; to shorten '
