@@ -53,6 +53,7 @@ class DPO(Objective):
     table_metrics = ("preference_accuracy",)
     # the base's log-probs, computed when the job starts; the chosen tokens' NLL weight
     inputs = ("ref_logprobs", "chosen", "nll_scale")
+    rpo_alpha = 0.0  # what a subclass without the NLL term (SimPO) draws its batches with
 
     def __init__(
         self, beta: float, loss_type: str, label_smoothing: float, rpo_alpha: float = 0.0
