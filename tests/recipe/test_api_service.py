@@ -414,7 +414,7 @@ def test_sampling_and_logprobs_from_a_saved_adapter(service, data):
         for seed in (1, 2)
     ]
     tokens = {tuple(s.tokens) for g in greedy for s in g.sequences}
-    assert len(tokens) == 1 and len(next(iter(tokens))) == 5
+    assert len(tokens) == 1 and 1 <= len(next(iter(tokens))) <= 5  # it may end at eos
     sc.close("success").result()
 
 
@@ -423,14 +423,17 @@ def test_get_tokenizer_works_offline_on_the_tiny_base(service):
     tokenizer as a local folder, so ``get_tokenizer()`` needs no Hub (before: 5 retries of
     huggingface.co/tiny and an OSError); its ids are the service's (bytes + 3, BOS 1)."""
     sc = service.client(KEYS[0])
-    training = sc.create_lora_training_client(base_model="tiny", rank=4).result()
-    start = time.monotonic()
-    tok = training.get_tokenizer()
-    assert time.monotonic() - start < 20
-    assert tok.encode("abc", add_special_tokens=False) == [100, 101, 102]
-    assert tok.bos_token_id == ByteTokenizer.bos_id and tok.eos_token_id == ByteTokenizer.eos_id
-    assert tok.decode([100, 101, 102]) == "abc"
-    sc.close("success").result()
+    try:
+        training = sc.create_lora_training_client(base_model="tiny", rank=4).result()
+        start = time.monotonic()
+        tok = training.get_tokenizer()
+        assert time.monotonic() - start < 20
+        assert tok.encode("abc", add_special_tokens=False) == [100, 101, 102]
+        assert tok.bos_token_id == ByteTokenizer.bos_id
+        assert tok.eos_token_id == ByteTokenizer.eos_id
+        assert tok.decode([100, 101, 102]) == "abc"
+    finally:
+        sc.close("success").result()  # the client's slot goes back for the tests after
 
 
 def test_a_crashed_clients_slot_is_freed_after_the_session_timeout(service, tmp_path):
