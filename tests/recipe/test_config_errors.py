@@ -484,6 +484,14 @@ def test_sequences_longer_than_the_models_sliding_window_are_refused(demo_data):
     )
 
 
+def _refused(
+    launch: list[str], run_dir: Path, demo_data: Path, override: str
+) -> subprocess.CompletedProcess:
+    """``launch`` (the CLI or the recipe) on the tiny base with one override, output kept."""
+    args = [*launch, f"run_dir={run_dir}", "hf_dir=null", f"data_dir={demo_data}", override]
+    return subprocess.run(args, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+
+
 def test_a_job_entrys_field_its_yaml_lacks_is_overridden_from_the_command_line(demo_data):
     """``adapters.0.dropout=0.1`` with a jobs file that sets no ``dropout`` (words4), and
     ``adapters.1.dpo.beta`` inside an objective's section: every documented field can be
@@ -521,23 +529,8 @@ def test_a_misspelt_override_is_refused_before_torchrun_starts(
     for 2 processes), exit 2, from `mmlora train` itself: no launcher's warning or failure
     lines, nothing written."""
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            str(Path(sys.executable).parent / "mmlora"),
-            "train",
-            "--nproc",
-            "2",
-            f"run_dir={run_dir}",
-            "hf_dir=null",
-            f"data_dir={demo_data}",
-            override,
-        ],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    mmlora = [str(Path(sys.executable).parent / "mmlora"), "train", "--nproc", "2"]
+    proc = _refused(mmlora, run_dir, demo_data, override)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "mmlora train: error: the run cannot start" in proc.stderr
     assert "torchrun" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
@@ -548,20 +541,7 @@ def test_a_refused_launch_leaves_no_run_dir_behind(demo_data, tmp_path):
     """Hydra makes the run's folder before the checks run: a refused config removes it
     again (it is empty), so a failed launch writes nothing."""
     run_dir = tmp_path / "fresh" / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "recipes/multi_lora_finetune.py",
-            f"run_dir={run_dir}",
-            "hf_dir=null",
-            f"data_dir={demo_data}",
-            "adapters.0.lr=-1",
-        ],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    recipe = [sys.executable, "recipes/multi_lora_finetune.py"]
+    proc = _refused(recipe, run_dir, demo_data, "adapters.0.lr=-1")
     assert proc.returncode == 2 and "adapters.0.lr=-1.0: must be > 0" in proc.stderr
     assert not run_dir.exists()
