@@ -44,7 +44,6 @@ job's step 1.18x to 1.58x on a 2-core AMD EPYC (benchmarks/README.md).
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import psutil
@@ -63,29 +62,20 @@ ROW_BLOCK = 64
 tiles, the block measured to keep every row's bits on an AMX Xeon at SmolLM2's widths."""
 
 
-def in_row_blocks(
-    gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    rows: torch.Tensor,
-    weight: torch.Tensor,
-) -> torch.Tensor:
-    """``gemm(rows, weight)`` for 2-D ``rows``, run as calls of exactly :data:`ROW_BLOCK`
-    rows each, the last block padded with zero rows."""
+def _gemm(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``rows`` times a packed weight on oneDNN: fp32 whole, bf16 in calls of exactly
+    :data:`ROW_BLOCK` rows, the last block padded with zero rows (the caller's cast back to
+    fp32 makes a fresh tensor of the sliced result)."""
     n = rows.size(0)
+    if packed.dtype == torch.float32 or n == 0:
+        return _onednn_linear(rows, packed)
     full = n - n % ROW_BLOCK
-    outs = [gemm(rows[i : i + ROW_BLOCK], weight) for i in range(0, full, ROW_BLOCK)]
+    outs = [_onednn_linear(rows[i : i + ROW_BLOCK], packed) for i in range(0, full, ROW_BLOCK)]
     if full < n:
         tail = rows.new_zeros(ROW_BLOCK, rows.size(1))
         tail[: n - full] = rows[full:]
-        outs.append(gemm(tail, weight)[: n - full])
-    # A fresh tensor, never a view: megatron's losses write into the logits in place.
-    return torch.cat(outs) if len(outs) > 1 else outs[0] if full else outs[0].clone()
-
-
-def _gemm(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """``rows`` times a packed weight on oneDNN: bf16 in fixed row blocks, fp32 whole."""
-    if packed.dtype == torch.float32:
-        return _onednn_linear(rows, packed)
-    return in_row_blocks(_onednn_linear, rows, packed)
+        outs.append(_onednn_linear(tail, packed)[: n - full])
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 _FREE_FRACTION = 0.25
