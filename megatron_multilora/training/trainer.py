@@ -63,7 +63,7 @@ class Trainer:
         exporter = JobExporter(
             Path(run.run_dir), rt.model, rt.model_config, run.lora, run.hf_dir, rt.hf_model_type
         )
-        self.board = JobBoard(rt, tr, exporter, self.say)
+        self.board = JobBoard(rt, tr, exporter, self.say, on_end=self._job_ended)
         for spec in run.adapters:
             self.board.add(spec)
         self.mailbox = TrainerMailbox(
@@ -101,9 +101,9 @@ class Trainer:
                 continue
             stats = self.train_one_step(active)
             self.step += 1
+            self.report.stepped(self.step, stats)
             if board.retire(self.step):
                 self._status(TRAINING)
-            self.report.stepped(self.step, stats)
             self._on_schedule()
         self.report.end_training()
         self._save()
@@ -151,6 +151,9 @@ class Trainer:
             self._status(TRAINING)
         if requests:  # jobs added or cancelled: the plan changed
             self.report.progress.set_total(self.board.planned(self.step), self.step)
+
+    def _job_ended(self, job: Job, step: int) -> None:
+        self.report.job_ended(step, job.name, self.board)
 
     def _local_extras(self) -> tuple[int, int]:
         """What this rank brings to the step's agreement: the stop signal it got (or

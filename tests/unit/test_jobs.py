@@ -65,6 +65,8 @@ def test_admission_respects_slots_and_start_steps(tmp_path):
     (c,) = b.admit(4)
     assert c.name == "c" and c.slot == 0 and c.status == ACTIVE and c.optimizer is not None
     assert planned_steps([job(s) for s in specs()], 2) == 6
+    # Planned from step 4, c's start step has come: a, b, then c on a's slot at 7.
+    assert planned_steps([job(s) for s in specs()], 2, now=4) == 5
 
 
 def test_sample_order_is_reproducible_per_job_and_wraps_epochs():
@@ -117,3 +119,43 @@ def test_too_many_bad_steps_fail_a_job_and_cancel_ends_or_dequeues(tmp_path):
         (CANCELLED, "cancelled before it started"),
     ]
     assert [j.name for j in b.exported()] == ["b"] and b.finished()
+
+
+def test_an_ending_job_logs_its_last_window_before_its_end_line_and_none_after(tmp_path):
+    from megatron_multilora.training.report.metrics import read_metrics
+    from megatron_multilora.training.report.run_report import RunReport
+
+    b = board(tmp_path)
+    run = types.SimpleNamespace(
+        run_dir=str(tmp_path / "run"),
+        logging=types.SimpleNamespace(wandb_mode="disabled", wandb_project="p"),
+    )
+    report = RunReport(run, True, {})
+    printed = []
+    b.say = printed.append
+    b.jobs = b.jobs[:2]  # a (3 steps) and b (5 steps) on the 2 slots
+    b.on_end = lambda job, step: report.job_ended(step, job.name, b)
+    b.admit(0)
+    report.begin(0, b.planned(0))
+    report.progress.write = printed.append
+    printed.clear()
+    assert report.progress.total == 5
+    stats = {"loss": 1.0, "lr": 1e-3, "grad_norm": 0.5, "tokens": 8, "loss_tokens": 4}
+    for step in (1, 2, 3):
+        report.stepped(step, {"a": stats, "b": stats})
+        b.named("a").steps_done = b.named("b").steps_done = step
+    b.retire(3)  # a's budget is spent: the window closes (one record), then a's end line
+    assert printed[0].startswith("step    3 | a loss  1.000")
+    assert printed[1].startswith("step    3 | b loss  1.000")
+    assert printed[2].startswith("step 3: job a done") and len(printed) == 3
+    printed.clear()
+    report.stepped(4, {"b": stats})
+    b.named("b").steps_done = 4
+    b.cancel("b", 4)  # one step short: the total follows the jobs left
+    assert printed[0].startswith("step    4 | b loss  1.000")
+    assert printed[1].startswith("step 4: job b cancelled") and len(printed) == 2
+    assert report.progress.total == 4
+    report.log_train(4, b)  # the scheduled log at the same step: nothing left, no record
+    assert len(printed) == 2
+    steps = [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    assert steps == [3, 4]

@@ -24,7 +24,8 @@ from megatron_multilora.training.step.slot_step import SlotWork, StepResult
 
 class JobBoard:
     """Every job of the run (config jobs first, then submitted ones) and the slots of the
-    runtime's model they train in. ``say`` prints a line on the main process."""
+    runtime's model they train in. ``say`` prints a line on the main process; ``on_end``
+    hears of a training job that ends (its status set, before its end line is said)."""
 
     def __init__(
         self,
@@ -32,8 +33,10 @@ class JobBoard:
         settings: TrainerSettings,
         exporter: JobExporter,
         say: Callable[[str], None],
+        on_end: Callable[[Job, int], None] = lambda job, step: None,
     ) -> None:
         self.rt, self.settings, self.exporter, self.say = runtime, settings, exporter, say
+        self.on_end = on_end
         self.n_slots, self.seed = runtime.run.lora.slots, runtime.run.seed
         self.jobs: list[Job] = []
         self.tools = runtime.tools(self._fail)
@@ -70,7 +73,7 @@ class JobBoard:
     def planned(self, step: int) -> int:
         """The step at which every job will have finished if none fails (the progress
         bar's total), capped by ``trainer.max_steps``."""
-        budget = step + planned_steps(self.jobs, self.n_slots)
+        budget = step + planned_steps(self.jobs, self.n_slots, step)
         return min(budget, self.settings.max_steps or budget)
 
     def admit(self, step: int) -> list[Job]:
@@ -174,6 +177,7 @@ class JobBoard:
         job.status, job.reason, job.slot = status, reason, None
         job.optimizer = None
         self.rt.free_slot(slot)  # weights, rank, alpha, gradients back to a fresh slot
+        self.on_end(job, step)
         self.say(f"step {step}: job {job.name} {status} ({reason}); slot {slot} is free")
 
     def cancel(self, name: str, step: int) -> None:

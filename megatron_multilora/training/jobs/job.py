@@ -108,13 +108,14 @@ class Job:
         self.state = self.objective.state_from_plain(self.state, progress)
 
 
-def planned_steps(jobs: list[Job], slots: int) -> int:
-    """Trainer steps until every job finishes if none fails: the queue, simulated."""
+def planned_steps(jobs: list[Job], slots: int, now: int = 0) -> int:
+    """Trainer steps from step ``now`` until every job finishes if none fails: the queue,
+    simulated (a job's ``start_step`` is a trainer step, as ``now`` is)."""
     remaining = {
         i: j.total_steps - j.steps_done for i, j in enumerate(jobs) if j.status in (QUEUED, ACTIVE)
     }
     running = {i for i, j in enumerate(jobs) if j.status == ACTIVE}
-    step = 0
+    step = now
     while remaining:
         for i in sorted(remaining):
             if len(running) < slots and i not in running and jobs[i].spec.start_step <= step:
@@ -125,4 +126,4 @@ def planned_steps(jobs: list[Job], slots: int) -> int:
                 running.discard(i)
                 del remaining[i]
         step += 1
-    return step
+    return step - now

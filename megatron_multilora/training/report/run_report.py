@@ -66,6 +66,18 @@ class RunReport:
         and loss tokens only) per job; the window restarts."""
         seconds = time.perf_counter() - self._window_start
         self.seconds_per_step = seconds / max(1, step - self._window_step)
+        self._log_window(step, board, seconds)
+        self.restart_window(step)
+
+    def job_ended(self, step: int, name: str, board: JobBoard) -> None:
+        """A job ended at ``step``: the window closes now for every job (one record at this
+        step), so the ended job's last loss line comes before its end line and none after;
+        the progress total follows the jobs left."""
+        if name in self._window:
+            self.log_train(step, board)
+        self.progress.set_total(board.planned(step), step)
+
+    def _log_window(self, step: int, board: JobBoard, seconds: float) -> None:
         adapters = {}
         for name, items in self._window.items():
             adapters[name] = {
@@ -82,7 +94,6 @@ class RunReport:
                     if key not in _PER_STEP
                 },
             }
-        self.restart_window(step)
         if not adapters:
             return
         for name, metrics in adapters.items():
