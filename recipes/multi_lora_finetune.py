@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -34,6 +35,7 @@ from megatron_multilora.training.overrides import checked_overrides
 from megatron_multilora.training.stop import (
     RunStopped,
     die_with_launcher,
+    end_at_once_on_signals,
     exit_without_teardown,
     stop_on_signals,
 )
@@ -48,11 +50,11 @@ def checked_run(cfg: DictConfig, run_dir: str) -> RunConfig:
     return run
 
 
-def _report_and_exit(message: str, code: int, printed: bool = False) -> None:
+def _report_and_exit(message: str, code: int, printed: bool = False, now: bool = False) -> None:
     """End this process with ``message`` as the launch's one visible error: printed once (by
     the first process; ``printed``: already) and, under torchrun, written to the error file
     its failure summary shows as the root cause, so the message is also the last thing a user
-    reads."""
+    reads. ``now``: from a signal handler, which may interrupt any code (no cleanup runs)."""
     if int(os.environ.get("RANK", "0")) == 0:
         if not printed:
             print(message, file=sys.stderr, flush=True)
@@ -75,7 +77,35 @@ def _report_and_exit(message: str, code: int, printed: bool = False) -> None:
         # torchrun names the first failure it observes as the root cause: the other ranks
         # leave after rank 0 (which carries the message); torchrun ends them once it exits.
         time.sleep(5)
+    if now:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)
+
+
+def _stopped_at_once(during: str):
+    """A stop signal's end where nothing is left to save: its line, then the exit status of
+    a process ended by that signal."""
+
+    def end(signum: int) -> None:
+        _report_and_exit(
+            f"stopped by {signal.Signals(signum).name} {during}", 128 + signum, now=True
+        )
+
+    return end
+
+
+# Starting, setting up, or a second signal while a step runs.
+_UNSAVED = (
+    "before it could save: run the same command to resume from the latest checkpoint "
+    "(checkpoint.resume=auto), or to start again where there is none"
+)
+# The final evaluation, or a stopped run's.
+_SAVED = (
+    "after saving: nothing is lost (the run is saved and every ended job's adapter "
+    "exported); only the final report was cut short"
+)
 
 
 def _remove_if_empty(folder: Path) -> None:
@@ -131,21 +161,23 @@ def main(cfg: DictConfig) -> None:
 
     trainer = Trainer(run)
     try:
+        trainer.setup()
         # SIGTERM / Ctrl-C / `mmlora stop`: finish the step, save, stop (training/stop.py)
         with stop_on_signals():
-            trainer.setup()
             trainer.train()
     except RunStopped as stop:
-        trainer.final_on_stop(stop)
-        message = trainer.stopped(stop)
-        mm.destroy_parallel(destroy_process_group=True)
+        with end_at_once_on_signals(_stopped_at_once(_SAVED)):
+            trainer.final_on_stop(stop)
+            message = trainer.stopped(stop)
+            mm.destroy_parallel(destroy_process_group=True)
         if stop.exit_code:  # a signal: schedulers see it, and torchrun's summary says why
             _report_and_exit(message, stop.exit_code, printed=True)
         sys.exit(0)
     except RunError as err:  # a damaged file, a full disk: one clear message
         _report_and_exit(str(err), 1)
-    failed = trainer.finish()
-    mm.destroy_parallel(destroy_process_group=True)  # NCCL warns of a leak at exit otherwise
+    with end_at_once_on_signals(_stopped_at_once(_SAVED)):
+        failed = trainer.finish()
+        mm.destroy_parallel(destroy_process_group=True)  # NCCL warns of a leak at exit otherwise
     if failed:
         _report_and_exit(
             f"{len(failed)} of {len(run.adapters)} adapter jobs FAILED: "
@@ -180,9 +212,11 @@ def _serve_api(run: RunConfig) -> None:
 
 
 if __name__ == "__main__":
-    try:  # before Hydra, which would refuse a job field its YAML lacks, or a misspelt key
-        sys.argv[1:] = checked_overrides(sys.argv[1:])
-    except ConfigError as err:
-        _report_and_exit(str(err), 2)
-    main()  # a failure exits inside (with its status)
+    # From the first moment a stop signal is said (training records it instead: see main).
+    with end_at_once_on_signals(_stopped_at_once(_UNSAVED)):
+        try:  # before Hydra, which would refuse a job field its YAML lacks, or a misspelt key
+            sys.argv[1:] = checked_overrides(sys.argv[1:])
+        except ConfigError as err:
+            _report_and_exit(str(err), 2)
+        main()  # a failure exits inside (with its status)
     exit_without_teardown()

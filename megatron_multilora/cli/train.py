@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from megatron_multilora.cli.command import CommandError, Commands
+from megatron_multilora.training.stop import STOP_SIGNALS
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "multi_lora_finetune.py"
 
@@ -78,7 +79,34 @@ def _check_config(nproc: int, overrides: list[str]) -> None:
             os.environ["WORLD_SIZE"] = world
 
 
+class _StoppedBeforeLaunch(Exception):
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+
+def _stop_before_launch(signum: int, frame: object) -> None:
+    raise _StoppedBeforeLaunch(signum)
+
+
 def train(args: argparse.Namespace) -> int:
+    """Checks, then torchrun; a stop signal before torchrun takes over (it passes later ones
+    on to the workers) ends here, with its line."""
+    previous = {sig: signal.signal(sig, _stop_before_launch) for sig in STOP_SIGNALS}
+    try:
+        return _launch(args)
+    except _StoppedBeforeLaunch as stop:
+        print(
+            f"mmlora {args.command_name}: stopped by {signal.Signals(stop.signum).name} "
+            "before the workers started; nothing ran",
+            file=sys.stderr,
+        )
+        return 128 + stop.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _launch(args: argparse.Namespace) -> int:
     if not RECIPE.is_file():
         raise CommandError(
             f"the recipe {RECIPE} is not here: mmlora train runs from a checkout "

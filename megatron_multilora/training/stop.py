@@ -9,6 +9,10 @@ step the agreement rode in the step's first collective (``step.agree_step``: a s
 arrives later in the step is acted on one step later); otherwise ``step.agree_boundary`` runs
 one all-reduce. A stop requested with ``mmlora stop`` travels the same way as the pseudo-signal
 :data:`STOP_REQUESTED`.
+
+Where nothing is left to save (the process starting, setup, the final evaluation: minutes on
+a real model, past torchrun's 30 s), :func:`end_at_once_on_signals` ends the process at once
+with its line instead, so a stop is always said.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn
 
@@ -51,9 +55,12 @@ class RunStopped(Exception):
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[None]:
     """Within the block, the first SIGTERM/SIGINT is only recorded (see :func:`received`);
-    a second one acts as it would without this (Ctrl-C twice interrupts at once)."""
+    a second one acts as it would without this (Ctrl-C twice interrupts at once). A signal
+    the block ends without honouring (no :class:`RunStopped`) stays recorded for what
+    follows (:func:`end_at_once_on_signals`)."""
     global _received
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    _received = 0
 
     def record(signum: int, frame) -> None:
         global _received
@@ -65,10 +72,28 @@ def stop_on_signals() -> Iterator[None]:
         signal.signal(sig, record)
     try:
         yield
+    except RunStopped:
+        _received = 0  # honoured
+        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        _received = 0
+
+
+@contextlib.contextmanager
+def end_at_once_on_signals(end: Callable[[int], NoReturn]) -> Iterator[None]:
+    """Within the block, SIGTERM/SIGINT call ``end(signum)``, which says so and exits; so does
+    a signal recorded before it (by :func:`stop_on_signals`)."""
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    if _received:
+        end(_received)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, frame: end(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def received() -> int:

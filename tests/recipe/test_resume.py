@@ -231,7 +231,7 @@ def test_stop_signal_saves_at_the_step_boundary_and_resumes_identically(
     recipe.train_one_step = signalled_during_step_3
     handler = signal.getsignal(signum)
     try:
-        with stop_on_signals(), pytest.raises(RunStopped) as stop:
+        with pytest.raises(RunStopped) as stop, stop_on_signals():
             recipe.setup()
             recipe.train()
     finally:
