@@ -8,9 +8,11 @@ import math
 import pytest
 import torch
 
+import megatron_multilora as mm
 from megatron_multilora import cli
+from megatron_multilora.training.checks import validate
 from megatron_multilora.training.config import ConfigError
-from tests.recipe.conftest import compose_run, job, losses_by_adapter, run_in_process
+from tests.recipe.conftest import QUIET, compose_run, job, losses_by_adapter, run_in_process
 from tests.unit.test_packed_linear import needs_bf16_gemms
 
 REL = 1e-5
@@ -371,3 +373,46 @@ def test_a_peft_export_says_its_prompt_format_and_generates_in_it(demo_data, tmp
     want = prompt_ids(prompt, HFTokenizer(AutoTokenizer.from_pretrained(base)))
     assert scope["ids"] == want and want[0] == 1  # the byte tokenizer's BOS, then the prompt
     assert printed == generated["completion"]
+
+
+def test_the_card_snippet_reproduces_the_held_out_tables_exact_matches(demo_data, tmp_path):
+    """The held-out table's exact matches are what a user gets with the PEFT export and the
+    card's snippet: held-out records whose answers are the snippet's own generations (every
+    other one spoiled) score exactly half in the run's table (a snippet that generated from
+    another prompt, or a table that did, would score less)."""
+    from megatron_multilora.checkpoint.prompt_format import python_snippet
+    from megatron_multilora.models.tiny_hf import write_tiny_llama
+    from megatron_multilora.training.trainer import Trainer
+
+    base = write_tiny_llama(tmp_path / "tiny-llama", hidden_size=64)
+    run_in_process(tmp_path / "run", [job("rev", demo_data, "reverse", 4)], [f"hf_dir={base}"])
+    records = [json.loads(line) for line in (demo_data / "reverse.eval.jsonl").open()]
+    answers = []
+    for record in records:
+        snippet = python_snippet(str(base), str(tmp_path / "run" / "peft" / "rev"))
+        snippet = snippet.replace('"apple river stone ="', json.dumps(record["prompt"]))
+        snippet = snippet.replace("max_new_tokens=32", "max_new_tokens=12")  # the trainer's
+        snippet = snippet.replace("print(", "answer = (")
+        scope: dict = {}
+        exec(snippet, scope)
+        answers.append(scope["answer"])
+    assert len(set(answers)) > 1  # generations that depend on the prompt
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text(
+        "".join(
+            json.dumps({"prompt": r["prompt"], "completion": a if i % 2 == 0 else a + " x"}) + "\n"
+            for i, (r, a) in enumerate(zip(records, answers))
+        )
+    )
+    check = job("check", demo_data, "reverse", 1, eval_dataset=str(held_out))
+    run = compose_run(
+        [*QUIET, f"run_dir={tmp_path / 'check'}", f"adapters=[{check}]", f"hf_dir={base}"]
+    )
+    validate(run)
+    trainer = Trainer(run)
+    trainer.setup()
+    try:
+        tables = trainer.tasks.tables([tmp_path / "run" / "adapters" / "rev"], trainer.board.jobs)
+    finally:
+        mm.destroy_parallel()
+    assert tables.accuracy == [[0.5]], tables.accuracy
