@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 
-from megatron_multilora.api.ops import Op
+from megatron_multilora.api.calls import Op
 
 MAX_AHEAD = 64  # how far past its next call a client's call may be queued
 

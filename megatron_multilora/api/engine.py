@@ -18,6 +18,7 @@ and, on a Hugging Face base, a PEFT one).
 
 from __future__ import annotations
 
+import itertools
 import math
 import shutil
 import traceback
@@ -29,8 +30,23 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from megatron_multilora.api import wire
+from megatron_multilora.api.calls import (
+    CREATE,
+    FORWARD_BACKWARD,
+    FREE,
+    LOAD_STATE,
+    OPTIM_STEP,
+    RELEASE,
+    SAMPLE,
+    SAVE_FOR_SAMPLER,
+    SAVE_STATE,
+    SKIP,
+    STATE_META,
+    Op,
+    OpError,
+    read_state_meta,
+)
 from megatron_multilora.api.futures import ERROR, JSON, PROTOBUF, Result
-from megatron_multilora.api.ops import STATE_META, Op, OpError, read_state_meta
 from megatron_multilora.api.recorded_samples import RecordedSamples
 from megatron_multilora.atomic_files import write_dir_atomic, write_json_atomic
 from megatron_multilora.checkpoint.adapter_files import export_adapter, import_adapter
@@ -86,50 +102,66 @@ class Engine:
         self.losses: dict[int, float] = {}  # by slot: its last forward_backward's loss
         self.saved: dict[str, tuple[int, int]] = {}  # sampler weights -> (slot, its version)
         self.recorded = RecordedSamples()  # samples drawn with record_stability_info
+        self.calls = self._call_table()
 
     # -- the batch ------------------------------------------------------------------------
 
+    def _call_table(self) -> dict[str, tuple[int, Callable[[list[Op]], None]]]:
+        """Each call kind's phase of a batch and its handler, which takes the batch's calls
+        of that kind (in batch order). Phases run in order: ended clients' slots freed and
+        new clients created first (a client's first call may share its creation's batch),
+        every forward_backward together, every optim_step together, the calls that run one
+        by one (in batch order, whatever their kind), every sample in one pass, and last the
+        releases of sampler weights the samples may read."""
+        each = self._each
+        return {
+            FREE: (0, each(self.free)),
+            CREATE: (1, each(self.create)),
+            FORWARD_BACKWARD: (2, self._forward_backwards),
+            OPTIM_STEP: (3, partial(self._together, self._optim_steps)),
+            SKIP: (4, each(self.skip)),
+            SAVE_STATE: (4, each(self.save_state)),
+            LOAD_STATE: (4, each(self.load_state)),
+            SAVE_FOR_SAMPLER: (4, each(self.save_for_sampler)),
+            SAMPLE: (5, partial(self._together, self._sample)),
+            RELEASE: (6, each(self.release)),
+        }
+
     def run(self, ops: list[Op]) -> None:
-        """Every op of the batch (a client has at most one in it): ended clients' slots
-        freed and new clients created first (a client's first call may share its creation's
-        batch), then every forward_backward together, every optim_step together, the other
-        calls in order, and every sample in one pass."""
-        first = [op for op in ops if op.kind == "free"] + [
-            op for op in ops if op.kind == "create" or op.args.get("init_key")
-        ]
-        for op in first:
-            self._run_one(op)
+        """Every op of the batch (a client has at most one in it), phase by phase
+        (:meth:`_call_table`; a client created from a training state is created with the new
+        ones), each phase's calls in batch order: a run of calls of one kind to its handler
+        at once."""
+        calls = self.calls
+        by_phase: dict[int, list[Op]] = {}
+        for op in ops:
+            phase = calls[CREATE][0] if op.args.get("init_key") else calls[op.kind][0]
+            by_phase.setdefault(phase, []).append(op)
+        for phase in sorted(by_phase):
+            for kind, run in itertools.groupby(by_phase[phase], key=lambda op: op.kind):
+                calls[kind][1](list(run))
+
+    def _each(self, handler: Callable[..., dict]) -> Callable[[list[Op]], None]:
+        """A handler of one call (its arguments as keywords, its answer JSON) as a phase's."""
+
+        def answer(op: Op) -> None:
+            self.complete(op.request_id, Result(JSON, handler(**op.args)))
+
+        def run_each(ops: list[Op]) -> None:
+            for op in ops:
+                self._guarded([op], partial(answer, op))
+
+        return run_each
+
+    def _together(self, handler: Callable[[list[Op]], None], ops: list[Op]) -> None:
+        self._guarded(ops, partial(handler, ops))
+
+    def _forward_backwards(self, ops: list[Op]) -> None:
+        """The training passes first, then the forward-only ones: one step call each."""
         for forward_only in (False, True):
-            batch = [
-                op
-                for op in ops
-                if op.kind == "forward_backward" and op.args["forward_only"] == forward_only
-            ]
+            batch = [op for op in ops if op.args["forward_only"] == forward_only]
             if batch:
                 self._guarded(batch, partial(self._forward_backward, batch, forward_only))
-        steps = [op for op in ops if op.kind == "optim_step"]
-        if steps:
-            self._guarded(steps, partial(self._optim_steps, steps))
-        for op in ops:
-            if op not in first and op.kind not in (
-                "forward_backward",
-                "optim_step",
-                "sample",
-                "release",
-            ):
-                self._run_one(op)
-        samples = [op for op in ops if op.kind == "sample"]
-        if samples:
-            self._guarded(samples, lambda: self._sample(samples))
-        for op in ops:  # after the samples that may read what they free
-            if op.kind == "release":
-                self._run_one(op)
-
-    def _run_one(self, op: Op) -> None:
-        self._guarded(
-            [op],
-            lambda: self.complete(op.request_id, Result(JSON, getattr(self, op.kind)(**op.args))),
-        )
 
     def _guarded(self, ops: list[Op], work: Callable[[], None]) -> None:
         try:

@@ -25,9 +25,17 @@ from tinker import types
 
 from megatron_multilora.api import wire
 from megatron_multilora.api.call_queue import CallQueue
+from megatron_multilora.api.calls import (
+    CREATE,
+    FORWARD_BACKWARD,
+    FREE,
+    OPTIM_STEP,
+    RELEASE,
+    SKIP,
+    Op,
+)
 from megatron_multilora.api.checkpoint_index import CheckpointIndex
 from megatron_multilora.api.futures import ERROR, KEEP_S, PROTOBUF, Futures
-from megatron_multilora.api.ops import Op
 from megatron_multilora.api.request_checks import (
     CLIENT_CONFIG,
     Limits,
@@ -139,7 +147,7 @@ class Front:
             first = self.seen.get((model_id, seq_id))
             if first is not None:
                 return {"request_id": first, **answer}
-            problem = self.calls.refusal(owner, model_id, seq_id, skip=kind == "skip")
+            problem = self.calls.refusal(owner, model_id, seq_id, skip=kind == SKIP)
             if problem is not None:
                 if creates is not None:  # its slot is free again (nothing reached the engine)
                     del self.clients[creates.model_id]
@@ -174,7 +182,7 @@ class Front:
         except Refused:
             if seq_id is not None:
                 try:
-                    self.submit(owner, "skip", {}, client, seq_id)
+                    self.submit(owner, SKIP, {}, client, seq_id)
                 except Refused:
                     pass  # out of its order: it holds no place
             raise
@@ -276,14 +284,14 @@ class Front:
             self.seen = {k: v for k, v in self.seen.items() if k[0] != client.model_id}
             self.calls.forget(client.model_id)
             self.calls.put(
-                Op("free", self.futures.new(client.owner), {"slot": client.slot}), force=True
+                Op(FREE, self.futures.new(client.owner), {"slot": client.slot}), force=True
             )
 
     def _release(self, owner: str, folders: list, session_id: str | None = None) -> None:
         """(Holding the lock.) The engine frees these sampler weights (after the samples
         queued before) and an ended session's recorded samples."""
         args = {"folders": folders, "session": session_id}
-        self.calls.put(Op("release", self.futures.new(owner), args), force=True)
+        self.calls.put(Op(RELEASE, self.futures.new(owner), args), force=True)
 
     def add_sampler(self, sampler: Sampler, freed: list[str]) -> None:
         """A new sampling client; the ephemeral samplers whose weights were ``freed`` go."""
@@ -367,7 +375,7 @@ class Front:
         args = {"slot": client.slot, "rank": lora.rank, "init_key": init_key, "parts": parts}
         return self.submit(
             owner,
-            "create",
+            CREATE,
             {**args, "model_id": client.model_id},
             creates=client,
             model_id=client.model_id,
@@ -395,7 +403,7 @@ class Front:
 
         def build() -> tuple[str, dict]:
             config = loss_config(call.loss_fn, call.loss_fn_config)
-            return "forward_backward", {
+            return FORWARD_BACKWARD, {
                 "slot": client.slot,
                 "session": client.session_id,
                 "loss": call.loss_fn,
@@ -425,7 +433,7 @@ class Front:
                 and adam.grad_clip_norm >= 0
             ):
                 raise Refused(400, f"optim_step: AdamParams out of range: {adam.model_dump()}")
-            return "optim_step", {
+            return OPTIM_STEP, {
                 "slot": client.slot,
                 "lr": adam.learning_rate,
                 "betas": (adam.beta1, adam.beta2),

@@ -13,7 +13,7 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-from megatron_multilora.api.ops import OpError
+from megatron_multilora.api.calls import OpError
 from megatron_multilora.api.wire import Span
 
 KEEP_S = 24 * 3600.0

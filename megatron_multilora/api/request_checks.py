@@ -97,13 +97,9 @@ def loss_config(loss_fn: str, given: dict[str, Any]) -> dict[str, float]:
         if isinstance(value, str) or not math.isfinite(value):
             raise Refused(400, f"loss_fn_config {key}={value!r}: a finite number")
         config[key] = float(value)
-    low, high = config.get("clip_low_threshold", 0.0), config.get("clip_high_threshold", 1.0)
-    if not 0.0 <= low <= 1.0 <= high or config.get("beta", 0.0) < 0:
-        raise Refused(
-            400,
-            f"loss_fn_config {config}: clip_low_threshold in [0, 1], "
-            "clip_high_threshold >= 1, beta >= 0",
-        )
+    problems = CLIENT_LOSSES[loss_fn].config_problems(config)
+    if problems:
+        raise Refused(400, f"loss_fn_config of {loss_fn}: {'; '.join(problems)}")
     return config
 
 
@@ -151,18 +147,18 @@ def datum_example(i: int, datum: wire.Datum, loss_fn: str, limits: Limits) -> di
         "targets": None if shifted else targets.tolist(),
         "values": values,
     }
-    if loss_fn == "stable_reinforce":
-        example["spans"] = provenance(datum, where)
+    if loss.provenance:
+        example["spans"] = provenance(datum, loss_fn, where)
     return example
 
 
-def provenance(datum: wire.Datum, where: str) -> tuple[list, list]:
+def provenance(datum: wire.Datum, loss_fn: str, where: str) -> tuple[list, list]:
     """The datum's provenance runs (of its model input, of its targets), each tiling its
-    field; stable_reinforce needs them."""
+    field; a loss that reads the recorded samples needs them."""
     if datum.input_spans is None or datum.target_spans is None:
         raise Refused(
             400,
-            f"{where}: stable_reinforce needs provenance on every datum "
+            f"{where}: {loss_fn} needs provenance on every datum "
             "(Datum.with_provenance, naming the sequence_ids of samples drawn in this "
             "session by a sampling client made with record_stability_info=True)",
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from tinker import types
 
+from megatron_multilora.api.calls import SAMPLE
 from megatron_multilora.api.front import Front, Sampler
 from megatron_multilora.api.request_checks import Refused, sample_args
 
@@ -56,7 +57,7 @@ class SamplingEndpoints:
         sampler = self._sampler(owner, body.sampling_session_id)
         args = sample_args(body, sampler.sampler_id, self.front.limits)
         args = {"folder": sampler.folder, "session": sampler.session_id, **args}
-        future = self.front.submit(owner, "sample", args)
+        future = self.front.submit(owner, SAMPLE, args)
         # The SDK stamps each sample with one of these ids.
         return {
             **future,

@@ -10,8 +10,14 @@ from pathlib import Path
 from starlette.requests import Request
 from tinker import types
 
+from megatron_multilora.api.calls import (
+    LOAD_STATE,
+    SAVE_FOR_SAMPLER,
+    SAVE_STATE,
+    OpError,
+    read_state_meta,
+)
 from megatron_multilora.api.front import Front, Sampler
-from megatron_multilora.api.ops import OpError, read_state_meta
 from megatron_multilora.api.request_checks import Refused
 
 
@@ -33,7 +39,7 @@ class WeightsEndpoints:
             if path in self.front.checkpoints and not body.overwrite:
                 raise Refused(400, f"{path} exists; save under another name (or overwrite=True)")
             where.extend((path, folder))
-            return "save_state", {
+            return SAVE_STATE, {
                 "slot": client.slot,
                 "folder": folder,
                 "path": path,
@@ -60,7 +66,7 @@ class WeightsEndpoints:
 
             def build() -> tuple[str, dict]:  # after the client's earlier calls: its saves
                 entry = self.front.checkpoints.get(owner, body.path, "weights", pending=True)
-                return "load_state", {
+                return LOAD_STATE, {
                     "folder": entry["folder"],
                     "optimizer": body.optimizer,
                     "path": body.path,
@@ -85,7 +91,7 @@ class WeightsEndpoints:
         )
         return self.front.submit(
             owner,
-            "load_state",
+            LOAD_STATE,
             {**args, "slot": client.slot, "model_id": client.model_id, "init_key": client.model_id},
             creates=client,
             model_id=client.model_id,
@@ -112,7 +118,7 @@ class WeightsEndpoints:
                 {"path": path} if sampler_id is None else {"sampling_session_id": sampler_id}
             )
             where.extend((path, folder, sampler_id))
-            return "save_for_sampler", {
+            return SAVE_FOR_SAMPLER, {
                 "slot": client.slot,
                 "folder": folder,
                 "answer": answer,

@@ -6,7 +6,7 @@ import threading
 import time
 
 from megatron_multilora.api.call_queue import CallQueue
-from megatron_multilora.api.ops import Op
+from megatron_multilora.api.calls import Op
 
 
 def call(name: str) -> Op:

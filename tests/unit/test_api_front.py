@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from megatron_multilora.api.call_queue import CallQueue
+from megatron_multilora.api.calls import Op
 from megatron_multilora.api.front import Front
 from megatron_multilora.api.futures import Futures
-from megatron_multilora.api.ops import Op
 from megatron_multilora.api.request_checks import Limits, Refused
 
 OWNER = "key-a"

@@ -123,7 +123,7 @@ HTTP_SIDE = [
     "wire",
     "checkpoint_index",
     "api_keys",
-    "ops",
+    "calls",
 ]
 
 
@@ -193,10 +193,19 @@ def _circles(edges: dict[str, set[str]]) -> list[str]:
 
 def test_no_two_modules_share_a_name():
     """A module's name says what it does, so two modules of one name in different folders
-    (the service's inbox beside the trainer's) would be two things under one word."""
+    (the service's inbox beside the trainer's), or a module named as a folder (the
+    service's calls as ``api/ops.py`` beside the ``ops/`` kernels), would be two things
+    under one word. (``cli/`` names its modules for the commands they add: ``mmlora api``.)"""
     by_name: dict[str, list[str]] = {}
     for module, path in MODULES.items():
-        if path.name != "__init__.py" and part(module) != "benchmarks":
+        if part(module) in ("benchmarks", "__init__"):
+            continue
+        if path.name != "__init__.py":
             by_name.setdefault(path.stem, []).append(module)
+        if path.name == "__init__.py" or part(module) == "cli":
+            continue
+        folder = PACKAGE / path.stem
+        if folder.is_dir() and folder != path.parent:
+            by_name.setdefault(path.stem, []).append(f"{module} beside the folder {path.stem}/")
     shared = {name: mods for name, mods in by_name.items() if len(mods) > 1}
     assert not shared, f"rename one of each: {shared}"
