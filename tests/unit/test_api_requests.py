@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from megatron_multilora.api import recorded_samples
-from megatron_multilora.api.ops import OpError
+from megatron_multilora.api.calls import OpError
 from megatron_multilora.api.recorded_samples import RecordedSamples
 from megatron_multilora.api.request_checks import Limits, Refused, datum_example, loss_config
 from megatron_multilora.api.wire import Datum
@@ -34,7 +34,9 @@ def rl_datum(tokens, targets, **more) -> Datum:
     [
         ("dro", {"clip_low_threshold": 0.8}, "clip_low_threshold: dro takes beta"),
         ("importance_sampling", {"beta": 1.0}, "takes no loss_fn_config"),
-        ("ppo", {"clip_low_threshold": 1.2}, "clip_low_threshold in"),
+        ("ppo", {"clip_low_threshold": 1.2}, r"of ppo: clip_low_threshold=1.2: in \[0, 1\]"),
+        ("gspo", {"clip_high_threshold": 0.9}, "clip_high_threshold=0.9: >= 1"),
+        ("dro", {"beta": -1}, "beta=-1: >= 0"),
         ("cispo", {"clip_high_threshold": float("nan")}, "a finite number"),
         ("custom", {}, "this service computes"),
     ],
@@ -150,3 +152,17 @@ def test_a_lora_config_names_the_parts_it_trains_and_only_those_served():
         lora_parts(lora(), LIMITS)
     with pytest.raises(Refused, match="all off"):
         lora_parts(lora(train_attn=False, train_mlp=False, train_unembed=False), served)
+
+
+def test_every_loss_config_key_has_its_range_and_a_provenance_loss_needs_provenance():
+    """A loss's rules are its TokenLoss entry: its keys' ranges (one table for every key)
+    and whether it reads recorded samples, which the request checks follow by flag."""
+    from megatron_multilora.training.objectives.token_losses import CONFIG_RANGES, TOKEN_LOSSES
+
+    for name, loss in TOKEN_LOSSES.items():
+        assert set(loss.config) <= set(CONFIG_RANGES), name
+        assert not loss.config_problems(loss.config), name  # the defaults are in range
+    readers = [name for name, loss in TOKEN_LOSSES.items() if loss.provenance]
+    assert readers == ["stable_reinforce"]
+    with pytest.raises(Refused, match="stable_reinforce needs provenance on every datum"):
+        datum_example(0, rl_datum([5, 6, 7], [6, 7, 8]), "stable_reinforce", LIMITS)

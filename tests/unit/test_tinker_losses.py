@@ -132,3 +132,16 @@ def test_a_grpo_job_picks_its_loss(loss):
     per_token_values = {**values, "sequence_ratio_mask": weights}
     want, _ = client.span_loss(b["lp"], weights, per_token_values, b["sequence"])
     assert float(got) == pytest.approx(float(want), rel=1e-6)
+
+
+def test_a_loss_with_a_key_grpo_does_not_set_takes_its_default(monkeypatch):
+    """A new loss is its TokenLoss entry: a GRPO job that picks it gets the loss's own
+    default for a key GRPO's settings do not map (no KeyError)."""
+    import megatron_multilora.training.objectives.grpo as grpo_module
+    from megatron_multilora.training.objectives.token_losses import CONFIG_RANGES, TokenLoss
+
+    capped = TokenLoss(("logprobs", "advantages"), {"cap": 3.0}, TOKEN_LOSSES["ppo"].per_token)
+    monkeypatch.setitem(grpo_module.TOKEN_LOSSES, "capped", capped)
+    monkeypatch.setitem(CONFIG_RANGES, "cap", (">= 1", lambda v: v >= 1.0))
+    assert GRPO(0.25, 0.3, 0.0, "capped").config == {"cap": 3.0}
+    assert capped.config_problems({"cap": 0.5}) == ["cap=0.5: >= 1"]

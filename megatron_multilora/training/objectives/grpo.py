@@ -92,7 +92,8 @@ class GRPO(Objective):
             "clip_high_threshold": 1.0 + clip_high,
             "beta": dro_beta,
         }
-        self.config = {k: config[k] for k in self.loss.config}
+        # The job's settings where they set one of the loss's keys, else its defaults.
+        self.config = {k: config.get(k, default) for k, default in self.loss.config.items()}
 
     @classmethod
     def build(cls, spec: Any) -> GRPO:

@@ -137,13 +137,32 @@ class TokenLoss:
     """A per-token loss by Tinker's name: the per-position inputs it reads besides the
     target tokens (``logprobs``: the sampler's; of these, ``optional`` a client may omit:
     the service then marks the positions with a non-zero advantage), its
-    ``loss_fn_config`` keys with their defaults, and the loss of each position from the
-    trained log-probs, the inputs, the config and each position's sequence number."""
+    ``loss_fn_config`` keys with their defaults (each key's range: :data:`CONFIG_RANGES`),
+    and the loss of each position from the trained log-probs, the inputs, the config and
+    each position's sequence number. ``provenance``: it reads the sampler's log-probs from
+    the service's record of the samples each datum names, not from the client."""
 
     inputs: tuple[str, ...]
     config: Mapping[str, float]
     per_token: Callable[..., torch.Tensor]
     optional: tuple[str, ...] = ()
+    provenance: bool = False
+
+    def config_problems(self, config: Mapping[str, float]) -> list[str]:
+        """Each of ``config``'s values outside its key's range (its keys are this loss's)."""
+        return [
+            f"{key}={config[key]:g}: {rule}"
+            for key, (rule, holds) in CONFIG_RANGES.items()
+            if key in config and not holds(config[key])
+        ]
+
+
+# Every loss_fn_config key's range, whichever loss reads it.
+CONFIG_RANGES: dict[str, tuple[str, Callable[[float], bool]]] = {
+    "clip_low_threshold": ("in [0, 1]", lambda v: 0.0 <= v <= 1.0),
+    "clip_high_threshold": (">= 1", lambda v: v >= 1.0),
+    "beta": (">= 0", lambda v: v >= 0.0),
+}
 
 
 def _ratio_mask(values: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -203,6 +222,7 @@ TOKEN_LOSSES: dict[str, TokenLoss] = {
         lambda lp, v, c, s: stable_reinforce(
             lp, v["logprobs"], v["advantages"], c["clip_high_threshold"]
         ),
+        provenance=True,
     ),
 }
 """Every per-token loss by the name a Tinker client sends (a GRPO job may pick the policy
