@@ -11,6 +11,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 
 import megatron_multilora as mm
 from megatron_multilora.validation import TARGETS
+from tests.models import with_slots
 
 N, DIM = 4, 8
 RANKS, ALPHAS = [8, 3, 1, 5], [16.0, 4.0, 2.0, 10.0]
@@ -29,18 +30,7 @@ def build(
     ``config_overrides``: further megatron TransformerConfig fields."""
     torch.manual_seed(0)  # base weights are drawn as full tensors: same on every build
     model = mm.build_gpt_model(cfg, sequence_parallel=sp, **config_overrides)
-    # Non-zero B so that every factor gets a gradient.
-    mm.apply_multi_lora(
-        model,
-        N,
-        DIM,
-        1.0,
-        row_init_method="normal",
-        fully_sharded=fully_sharded,
-        target_modules=targets,
-    )
-    for i, (r, a) in enumerate(zip(RANKS, ALPHAS)):
-        mm.init_adapter_slot(model, i, r, a)
+    with_slots(model, DIM, RANKS, ALPHAS, fully_sharded=fully_sharded, target_modules=targets)
     if not ddp:
         return model
     return DistributedDataParallel(

@@ -18,6 +18,7 @@ from megatron_multilora.training.step.grad_sync import SlotGradSync
 from megatron_multilora.training.step.slot_adamw import SlotAdamW
 from tests.distributed.conftest import assert_all_ranks, compare
 from tests.distributed.harness import ALPHAS, DIM, RANKS, N, micro_batch, step
+from tests.models import with_slots
 
 DENSE = mm.GPTModelConfig(
     num_layers=2,
@@ -50,10 +51,7 @@ def build(cfg: mm.GPTModelConfig, sp: bool, dtype: torch.dtype = torch.float32):
     model = mm.build_gpt_model(
         cfg, sequence_parallel=sp, params_dtype=dtype, calculate_per_token_loss=True
     )
-    mm.apply_multi_lora(model, N, DIM, 1.0, row_init_method="normal")  # non-zero B: A gets grads
-    for i, (r, a) in enumerate(zip(RANKS, ALPHAS)):
-        mm.init_adapter_slot(model, i, r, a)
-    return model
+    return with_slots(model, DIM, RANKS, ALPHAS)
 
 
 def batches(cfg: mm.GPTModelConfig, counts: list[list[int]]):

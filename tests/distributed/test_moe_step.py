@@ -24,6 +24,7 @@ from megatron_multilora.training.step.slot_adamw import SlotAdamW
 from megatron_multilora.training.step.slot_step import SlotStep, start_reducing_losses
 from tests.distributed.conftest import assert_all_ranks, compare
 from tests.distributed.harness import load_full_state
+from tests.models import random_example, with_slots
 
 N, DIM, VOCAB, E = 4, 16, 64, 4
 # Slot 0 (rank 4) trains on both ranks, slot 1 (rank 8) on DP rank 0 only; slot 2 is
@@ -52,26 +53,13 @@ def cfg(dispatcher: str, aux_loss: float) -> mm.GPTModelConfig:
 
 def build(config: mm.GPTModelConfig, sp: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = mm.apply_multi_lora(
-        mm.build_gpt_model(config, sequence_parallel=sp, calculate_per_token_loss=True),
-        N,
-        DIM,
-        1.0,
-        row_init_method="normal",
-    )
-    for i, (r, a) in enumerate(zip(RANKS, ALPHAS)):
-        if a:
-            mm.init_adapter_slot(model, i, r, a)
-    return model
+    model = mm.build_gpt_model(config, sequence_parallel=sp, calculate_per_token_loss=True)
+    return with_slots(model, DIM, RANKS, ALPHAS)
 
 
 def examples(seed: int, lengths: list[int]) -> list[Example]:
     gen = torch.Generator().manual_seed(seed)
-    out = []
-    for n in lengths:
-        tokens = torch.randint(1, VOCAB, (n,), generator=gen).tolist()
-        out.append(Example(tuple(tokens), tuple([False] * (n // 3) + [True] * (n - 1 - n // 3))))
-    return out
+    return [random_example(n, VOCAB, gen) for n in lengths]
 
 
 def rank_data(dp_rank: int) -> list[list[Example]]:

@@ -53,6 +53,7 @@ from megatron_multilora.training.step.micro_batches import agree, micro_batch_mu
 from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
 from megatron_multilora.training.step.slot_step import SlotStep, slot_work
 from tests.distributed.conftest import assert_all_ranks, compare
+from tests.models import random_example, with_slots
 from tests.unit.test_step_schedule import reference
 
 N, DIM, VOCAB, PAD, BUDGET = 4, 8, 64, 0, 32
@@ -93,8 +94,7 @@ def share_examples(share: int) -> list[list[Example]]:
     gen = torch.Generator().manual_seed(share)
 
     def example(n: int) -> Example:
-        tokens = tuple(torch.randint(1, VOCAB, (n,), generator=gen).tolist())
-        return Example(tokens, tuple([False] * (n // 3) + [True] * (n - 1 - n // 3)))
+        return random_example(n, VOCAB, gen)
 
     return [[example(n) for n in lengths] for lengths in SHARES[share]]
 
@@ -123,11 +123,9 @@ def prompts() -> list[tuple[int, list[int]]]:
 
 
 def build(cfg: mm.GPTModelConfig, sp: bool = False) -> list[torch.nn.Module]:
-    chunks = build_model_chunks(cfg, sp, calculate_per_token_loss=True)
-    mm.apply_multi_lora(chunks, N, DIM, 1.0, row_init_method="normal")
-    for slot, (rank, alpha) in enumerate(zip(RANKS, ALPHAS)):
-        mm.init_adapter_slot(chunks, slot, rank, alpha)
-    return chunks
+    return with_slots(
+        build_model_chunks(cfg, sp, calculate_per_token_loss=True), DIM, RANKS, ALPHAS
+    )
 
 
 def last_proj_weight(chunks: list[torch.nn.Module], cfg: mm.GPTModelConfig) -> torch.Tensor | None:

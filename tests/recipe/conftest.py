@@ -1,6 +1,7 @@
 """Recipe tests: the training recipe run in this process (world of one) or as a real
 torchrun CLI launch, on small generated demo datasets."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,26 @@ from megatron_multilora.training.checks import validate
 from megatron_multilora.training.config import load_run_config
 from megatron_multilora.training.report.metrics import read_metrics
 
-CONF = str(Path(__file__).resolve().parents[2] / "conf")
+ROOT = Path(__file__).resolve().parents[2]
+CONF = str(ROOT / "conf")
+# What a launcher sets for its workers: a test's own launch must not inherit them.
+LAUNCHER_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    """The environment of a command a test launches as a user would: this one without a
+    launcher's variables, one thread per process, this checkout first on the path."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra}
+
+
 HERE = Path(__file__).resolve().parent
 # The longest files, longest first (measured with --durations): scripts/test.sh runs
 # this folder in two workers a file at a time, in collection order (--no-loadscope-reorder;

@@ -19,9 +19,8 @@ import psutil
 import pytest
 
 from megatron_multilora.training.report.metrics import read_metrics
-from tests.recipe.conftest import job, losses_by_adapter
+from tests.recipe.conftest import ROOT, job, launch_env, losses_by_adapter
 
-ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 MMLORA = str(Path(sys.executable).parent / "mmlora")
 STEPS, SAVE_EVERY = 120, 20
@@ -69,20 +68,10 @@ def command(
 
 
 def launch(cmd: list[str], log: Path, cwd: Path = ROOT) -> subprocess.Popen:
-    launcher = (
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    )
-    env = {k: v for k, v in os.environ.items() if k not in launcher}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     return subprocess.Popen(
         cmd,
         cwd=cwd,
-        env=env,
+        env=launch_env(),
         stdout=open(log, "w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,

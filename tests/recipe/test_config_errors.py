@@ -1,7 +1,6 @@
 """A run that cannot work fails before any process-group work, naming every problem."""
 
 import copy
-import os
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ import pytest
 from megatron_multilora.training.checks import validate
 from megatron_multilora.training.config import ConfigError, base_model_config
 from megatron_multilora.training.objectives.registry import JOB_OBJECTIVES
-from tests.recipe.conftest import CONF, compose_run, job
+from tests.recipe.conftest import CONF, ROOT, compose_run, job, launch_env
 
 
 def test_all_problems_reported_at_once(demo_data, tmp_path, monkeypatch):
@@ -163,25 +162,6 @@ def test_recipe_validates_before_touching_the_process_group(demo_data, tmp_path)
         checked_run(cfg, str(tmp_path))  # before main imports and builds the trainer
 
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _env() -> dict[str, str]:
-    launcher = (
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    )
-    return {
-        **{k: v for k, v in os.environ.items() if k not in launcher},
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(ROOT),
-    }
-
-
 def test_the_recipe_module_and_config_checks_load_no_megatron_wandb_or_transformers():
     code = (
         "import sys, recipes.multi_lora_finetune; "
@@ -190,7 +170,7 @@ def test_the_recipe_module_and_config_checks_load_no_megatron_wandb_or_transform
     out = subprocess.run(
         [sys.executable, "-c", code],
         cwd=ROOT,
-        env=_env(),
+        env=launch_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -232,7 +212,7 @@ def test_bad_config_under_torchrun_fails_clearly_and_leaves_the_run_dir_alone(
             override,
         ],
         cwd=ROOT,
-        env=_env(),
+        env=launch_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -414,7 +394,7 @@ def test_a_run_dir_that_is_a_file_is_refused_before_hydra_creates_it(demo_data, 
             f"data_dir={demo_data}",
         ],
         cwd=ROOT,
-        env=_env(),
+        env=launch_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -489,7 +469,9 @@ def _refused(
 ) -> subprocess.CompletedProcess:
     """``launch`` (the CLI or the recipe) on the tiny base with one override, output kept."""
     args = [*launch, f"run_dir={run_dir}", "hf_dir=null", f"data_dir={demo_data}", override]
-    return subprocess.run(args, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        args, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=120
+    )
 
 
 def test_a_job_entrys_field_its_yaml_lacks_is_overridden_from_the_command_line(demo_data):

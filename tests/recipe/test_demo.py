@@ -1,9 +1,7 @@
 """The main job's configs: the SmolLM2 demo config (four word jobs) composes and trains, its
 final tables have the base model's row; `bash scripts/demo.sh --tiny` runs offline."""
 
-import os
 import subprocess
-from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -14,9 +12,7 @@ from megatron_multilora.models.tiny_hf import write_tiny_llama
 from megatron_multilora.training.config import load_run_config
 from megatron_multilora.training.report.metrics import read_metrics
 from megatron_multilora.training.step import evaluation
-from tests.recipe.conftest import CONF
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.recipe.conftest import CONF, ROOT, launch_env
 
 
 def test_smollm2_config_trains_the_four_word_jobs_and_reports_the_base_model(tmp_path):
@@ -60,16 +56,7 @@ def test_smollm2_config_trains_the_four_word_jobs_and_reports_the_base_model(tmp
 
 
 def test_demo_sh_tiny_runs_offline(tmp_path):
-    launcher = (
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    )
-    env = {k: v for k, v in os.environ.items() if k not in launcher}
-    env.update(SKIP_SETUP="1", PYTHONPATH=str(ROOT))
+    env = launch_env(SKIP_SETUP="1")
     overrides = [
         f"run_dir={tmp_path / 'run'}",
         "logging.wandb_mode=disabled",

@@ -1,13 +1,9 @@
 """What a command-line run that ends badly tells the caller: its exit status and last lines."""
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
-from tests.recipe.conftest import QUIET, job
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.recipe.conftest import QUIET, ROOT, job, launch_env
 
 
 def test_a_run_with_a_failed_job_exports_the_others_and_exits_non_zero(demo_data, tmp_path):
@@ -15,19 +11,7 @@ def test_a_run_with_a_failed_job_exports_the_others_and_exits_non_zero(demo_data
         job("rev", demo_data, "reverse", 3),
         job("boom", demo_data, "sort", 3, lr=1e30, grad_clip="null"),
     ]
-    launcher = (
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    )
-    env = {
-        **{k: v for k, v in os.environ.items() if k not in launcher},
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(ROOT),
-    }
+    env = launch_env()
     proc = subprocess.run(
         [
             sys.executable,

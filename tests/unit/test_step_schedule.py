@@ -19,6 +19,7 @@ from megatron_multilora.training.objectives import registry
 from megatron_multilora.training.step import schedule
 from megatron_multilora.training.step.micro_batches import agree
 from megatron_multilora.training.step.slot_step import SlotStep, SlotWork
+from tests.models import random_example, with_slots
 from tests.tolerances import chain_atol
 
 N, DIM, VOCAB, PAD = 3, 8, 64, 0
@@ -47,15 +48,7 @@ MOE = mm.GPTModelConfig(
 
 def build(cfg: mm.GPTModelConfig, state=None) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = mm.apply_multi_lora(
-        mm.build_gpt_model(cfg, calculate_per_token_loss=True),
-        N,
-        DIM,
-        1.0,
-        row_init_method="normal",
-    )  # non-zero B: every factor trains
-    for slot, (rank, alpha) in enumerate(zip(RANKS, ALPHAS)):
-        mm.init_adapter_slot(model, slot, rank, alpha)
+    model = with_slots(mm.build_gpt_model(cfg, calculate_per_token_loss=True), DIM, RANKS, ALPHAS)
     if state is not None:
         model.load_state_dict(state)
     return model
@@ -65,8 +58,7 @@ def slot_examples() -> list[list[Example]]:
     gen = torch.Generator().manual_seed(1)
 
     def example(n: int) -> Example:
-        tokens = tuple(torch.randint(1, VOCAB, (n,), generator=gen).tolist())
-        return Example(tokens, tuple([False] * (n // 3) + [True] * (n - 1 - n // 3)))
+        return random_example(n, VOCAB, gen)
 
     return [[example(n) for n in lengths] for lengths in ([9, 14, 6], [11, 13], [7, 10, 12])]
 
