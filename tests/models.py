@@ -31,3 +31,19 @@ def random_example(n: int, vocab: int, gen: torch.Generator) -> Example:
     """``n`` random tokens (never 0, the pad id): the first third prompt, the rest trained."""
     tokens = tuple(torch.randint(1, vocab, (n,), generator=gen).tolist())
     return Example(tokens, tuple([False] * (n // 3) + [True] * (n - 1 - n // 3)))
+
+
+# The tests' tiny GPT: 2 layers, hidden 32, grouped-query attention (4 heads, 2 groups),
+# vocabulary 64; a test changes what it is about (tiny_gpt(num_moe_experts=4, ...)).
+TINY_GPT = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=48,
+    vocab_size=64,
+)
+
+
+def tiny_gpt(**changes: object) -> mm.GPTModelConfig:
+    return mm.GPTModelConfig(**{**TINY_GPT, **changes})

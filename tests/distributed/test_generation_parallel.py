@@ -2,18 +2,12 @@
 
 import torch
 
-import megatron_multilora as mm
 from megatron_multilora.training.step.generation import greedy_generate
 from tests.distributed.conftest import assert_all_ranks
 from tests.distributed.harness import N, build
+from tests.models import tiny_gpt
 
-CFG = mm.GPTModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=2,
-    ffn_hidden_size=48,
-    vocab_size=64,
+CFG = tiny_gpt(
     gated_linear_unit=True,
 )
 

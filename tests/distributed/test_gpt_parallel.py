@@ -30,14 +30,9 @@ from tests.distributed.harness import (
     step,
     trainable_grads,
 )
+from tests.models import tiny_gpt
 
-CFG = mm.GPTModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=2,
-    ffn_hidden_size=48,
-    vocab_size=64,
+CFG = tiny_gpt(
     gated_linear_unit=True,
 )
 COUNTS = [5, 0, 7, 4]  # a zero-token slot; slot 2 spans the SP window boundary

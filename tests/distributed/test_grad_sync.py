@@ -18,24 +18,12 @@ from megatron_multilora.training.step.grad_sync import SlotGradSync
 from megatron_multilora.training.step.slot_adamw import SlotAdamW
 from tests.distributed.conftest import assert_all_ranks, compare
 from tests.distributed.harness import ALPHAS, DIM, RANKS, N, micro_batch, step
-from tests.models import with_slots
+from tests.models import tiny_gpt, with_slots
 
-DENSE = mm.GPTModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=2,
-    ffn_hidden_size=48,
-    vocab_size=64,
+DENSE = tiny_gpt(
     gated_linear_unit=True,
 )
-MOE = mm.GPTModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=2,
-    ffn_hidden_size=48,
-    vocab_size=64,
+MOE = tiny_gpt(
     num_moe_experts=4,
     moe_router_topk=2,
     moe_shared_expert_intermediate_size=32,

@@ -21,6 +21,7 @@ from tests.distributed.harness import (
     step,
     trainable_grads,
 )
+from tests.models import tiny_gpt
 from tests.reference import dispatch_slot_ids
 
 COUNTS = [[5, 0, 7, 4], [0, 9, 3, 4]]  # per DP rank; zero-token slots on both
@@ -28,13 +29,7 @@ REL = 2e-5
 
 
 def moe_cfg(dispatcher: str, topk: int = 2) -> mm.GPTModelConfig:
-    return mm.GPTModelConfig(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=48,
-        vocab_size=64,
+    return tiny_gpt(
         num_moe_experts=4,
         moe_router_topk=topk,
         moe_router_pre_softmax=topk == 1,

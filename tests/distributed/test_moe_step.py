@@ -24,7 +24,7 @@ from megatron_multilora.training.step.slot_adamw import SlotAdamW
 from megatron_multilora.training.step.slot_step import SlotStep, start_reducing_losses
 from tests.distributed.conftest import assert_all_ranks, compare
 from tests.distributed.harness import load_full_state
-from tests.models import random_example, with_slots
+from tests.models import random_example, tiny_gpt, with_slots
 
 N, DIM, VOCAB, E = 4, 16, 64, 4
 # Slot 0 (rank 4) trains on both ranks, slot 1 (rank 8) on DP rank 0 only; slot 2 is
@@ -36,13 +36,7 @@ REL = 2e-5
 
 
 def cfg(dispatcher: str, aux_loss: float) -> mm.GPTModelConfig:
-    return mm.GPTModelConfig(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=48,
-        vocab_size=VOCAB,
+    return tiny_gpt(
         num_moe_experts=E,
         moe_router_topk=2,
         moe_shared_expert_intermediate_size=32,

@@ -53,7 +53,7 @@ from megatron_multilora.training.step.micro_batches import agree, micro_batch_mu
 from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
 from megatron_multilora.training.step.slot_step import SlotStep, slot_work
 from tests.distributed.conftest import assert_all_ranks, compare
-from tests.models import random_example, with_slots
+from tests.models import random_example, tiny_gpt, with_slots
 from tests.unit.test_step_schedule import reference
 
 N, DIM, VOCAB, PAD, BUDGET = 4, 8, 64, 0, 32
@@ -63,13 +63,8 @@ IDLE = 2  # claimed, but no examples anywhere
 # one rank runs both otherwise).
 SHARES = [[[9, 14, 6], [11, 13], [], [7, 10]], [[12], [], [], [8, 15, 5]]]
 REL_LOSS, REL_GRAD = 1e-6, 1e-5
-DENSE = mm.GPTModelConfig(
+DENSE = tiny_gpt(
     num_layers=4,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=2,
-    ffn_hidden_size=48,
-    vocab_size=VOCAB,
 )
 MOE = dataclasses.replace(
     DENSE,

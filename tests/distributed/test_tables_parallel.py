@@ -8,7 +8,6 @@ import pytest
 import torch
 from megatron.core import parallel_state
 
-import megatron_multilora as mm
 from megatron_multilora.data.datasets import Example
 from megatron_multilora.models.gpt import build_model_chunks
 from megatron_multilora.training.objectives.sft import SFT
@@ -17,16 +16,11 @@ from megatron_multilora.training.step import generation
 from megatron_multilora.training.step.slot_step import SlotStep
 from tests.distributed.conftest import assert_all_ranks
 from tests.distributed.harness import N, build
+from tests.models import tiny_gpt
 from tests.unit.test_known_generations import CFG as KNOWN_CFG
 from tests.unit.test_known_generations import adapted, known_against_generated
 
-CFG = mm.GPTModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=2,
-    ffn_hidden_size=48,
-    vocab_size=64,
+CFG = tiny_gpt(
     gated_linear_unit=True,
 )
 

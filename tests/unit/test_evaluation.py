@@ -6,15 +6,9 @@ import torch
 
 import megatron_multilora as mm
 from megatron_multilora.training.step import generation
+from tests.models import tiny_gpt
 
-CFG = mm.GPTModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=2,
-    ffn_hidden_size=48,
-    vocab_size=64,
-)
+CFG = tiny_gpt()
 N_SLOTS = 4
 
 

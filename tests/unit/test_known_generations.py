@@ -16,16 +16,10 @@ from megatron_multilora.training.objectives.sft import SFT
 from megatron_multilora.training.report.tables import AdapterTaskEval
 from megatron_multilora.training.step import generation
 from megatron_multilora.training.step.slot_step import SlotStep
+from tests.models import tiny_gpt
 
 EOS = 2
-CFG = mm.GPTModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=2,
-    ffn_hidden_size=48,
-    vocab_size=64,
-)
+CFG = tiny_gpt()
 N_SLOTS = 3
 
 

@@ -10,14 +10,9 @@ import megatron_multilora as mm
 from megatron_multilora.data.datasets import Example
 from megatron_multilora.data.packing import pack_micro_batches
 from megatron_multilora.models.torch_modules import padded_length
+from tests.models import tiny_gpt
 
-CFG = mm.GPTModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=2,
-    ffn_hidden_size=48,
-    vocab_size=64,
+CFG = tiny_gpt(
     gated_linear_unit=True,
 )
 # Lengths spread enough to make several length buckets, plus pads to a multiple of 8.

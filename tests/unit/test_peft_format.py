@@ -10,15 +10,9 @@ import megatron_multilora as mm
 from megatron_multilora.checkpoint.peft_format import export_peft, import_peft
 from megatron_multilora.layers.slot_tensors import get_slot_tensors
 from megatron_multilora.ops.fused_rows import QKVRows
+from tests.models import tiny_gpt
 
-DENSE = mm.GPTModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=2,
-    ffn_hidden_size=48,
-    vocab_size=64,
-)
+DENSE = tiny_gpt()
 MOE = mm.GPTModelConfig(
     num_layers=1,
     hidden_size=32,

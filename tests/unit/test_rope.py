@@ -11,6 +11,7 @@ import megatron_multilora as mm
 from megatron_multilora.data.datasets import Example
 from megatron_multilora.data.packing import pack_micro_batches
 from megatron_multilora.ops.rope import apply_rope, apply_rope_packed
+from tests.models import tiny_gpt
 
 LENGTHS = [5, 9, 1, 12, 3]
 
@@ -112,14 +113,7 @@ def test_what_it_does_not_implement_is_refused_by_name():
 def test_the_model_runs_the_fused_rope_and_matches_megatrons_unfused_path():
     if rope_utils.fused_apply_rotary_pos_emb_thd is not apply_rope_packed:
         pytest.skip("Transformer Engine's fused RoPE is installed")
-    cfg = mm.GPTModelConfig(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=48,
-        vocab_size=64,
-    )
+    cfg = tiny_gpt()
     gen = torch.Generator().manual_seed(0)
     (mb,) = pack_micro_batches(
         [

@@ -9,15 +9,9 @@ from megatron_multilora.training.config import AdapterJob
 from megatron_multilora.training.step.grad_sync import SlotGradSync
 from megatron_multilora.training.step.slot_adamw import MOMENTS, SlotAdamW
 from megatron_multilora.training.step.slot_optimizer import SlotOptimizer, lr_factor
+from tests.models import tiny_gpt
 
-CFG = mm.GPTModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=2,
-    ffn_hidden_size=48,
-    vocab_size=64,
-)
+CFG = tiny_gpt()
 
 
 def tiny_model(slots: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

@@ -19,26 +19,13 @@ from megatron_multilora.training.objectives import registry
 from megatron_multilora.training.step import schedule
 from megatron_multilora.training.step.micro_batches import agree
 from megatron_multilora.training.step.slot_step import SlotStep, SlotWork
-from tests.models import random_example, with_slots
+from tests.models import random_example, tiny_gpt, with_slots
 from tests.tolerances import chain_atol
 
 N, DIM, VOCAB, PAD = 3, 8, 64, 0
 RANKS, ALPHAS = [8, 4, 2], [16.0, 4.0, 8.0]
-DENSE = mm.GPTModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=2,
-    ffn_hidden_size=48,
-    vocab_size=VOCAB,
-)
-MOE = mm.GPTModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=2,
-    ffn_hidden_size=48,
-    vocab_size=VOCAB,
+DENSE = tiny_gpt()
+MOE = tiny_gpt(
     num_moe_experts=4,
     moe_router_topk=2,
     moe_shared_expert_intermediate_size=32,
