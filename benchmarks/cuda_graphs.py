@@ -19,9 +19,9 @@ from benchmarks.report import Results, Row
 from benchmarks.scaling import SCALE_SLOTS, WIDTH_SLOTS, scaling_variants, width_variants
 from benchmarks.settings import Settings
 from benchmarks.timing import Clock, medians, time_side_by_side
-from megatron_multilora.data.packing import MicroBatch, pad_micro_batch
 from megatron_multilora.layers.lifecycle import model_chunks
 from megatron_multilora.training.step.cuda_graphs import ChunkGraphs, graph_lengths
+from megatron_multilora.training.step.micro_batches import MicroBatch, pad_micro_batch
 from megatron_multilora.training.step.schedule import per_slot_results_and_data
 from megatron_multilora.training.step.slot_adamw import SlotAdamW
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_multilora.data.packing import shard_for_data_parallel
+from megatron_multilora.training.step.micro_batches import shard_for_data_parallel
 
 SHARES = (1, 2, 4, 8)
 

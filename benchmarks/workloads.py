@@ -13,10 +13,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 import megatron_multilora as mm
 from benchmarks.settings import REPO, Settings
 from megatron_multilora.data.datasets import Example
-from megatron_multilora.data.packing import MicroBatch, pack_micro_batches
 from megatron_multilora.training.checks import validate
 from megatron_multilora.training.config import AdapterJob, RunConfig, load_run_config
 from megatron_multilora.training.runtime import start_job
+from megatron_multilora.training.step.micro_batches import MicroBatch, pack_micro_batches
 from megatron_multilora.training.step.schedule import per_slot_losses
 from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
 from megatron_multilora.training.step.slot_step import SlotStep

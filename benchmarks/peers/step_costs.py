@@ -113,12 +113,12 @@ def _our_step_costs(spec: dict, jobs: list, batches, pad_id: int, median) -> dic
 
     import megatron_multilora as mm
     from benchmarks.workloads import recipe_run
-    from megatron_multilora.data.packing import pack_micro_batches
     from megatron_multilora.models.gpt import build_model_chunks
     from megatron_multilora.models.hf_import import load_hf_checkpoint
     from megatron_multilora.training.config import base_model_config
     from megatron_multilora.training.model_setup import build_run_model
     from megatron_multilora.training.runtime import start_job
+    from megatron_multilora.training.step.micro_batches import pack_micro_batches
     from megatron_multilora.training.step.schedule import per_slot_losses
     from megatron_multilora.training.step.slot_step import SlotStep, slot_work
 

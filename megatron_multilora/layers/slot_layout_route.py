@@ -3,7 +3,7 @@ every adapted linear.
 
 ::
 
-    micro-batch (data/packing.py: counts, ep_slots -> SlotLayout)
+    micro-batch (training/step/micro_batches.py: counts, ep_slots -> SlotLayout)
       -> a carrier megatron hands to every transformer layer of the call:
            SlotPackedSeqParams (packed training/evaluation forwards), or
            SlotInferenceContext (cached generation: [b, s] tokens, a KV cache)
@@ -76,7 +76,7 @@ def with_slot_layout(
         layout = SlotLayout(counts, ep_slots)
     fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(PackedSeqParams)}
     out = SlotPackedSeqParams(**fields, slot_layout=layout)
-    if hasattr(params, "host_cu_seqlens"):  # the bounds as the host knows them (packing.py)
+    if hasattr(params, "host_cu_seqlens"):  # the bounds as the host knows them (micro_batches.py)
         out.host_cu_seqlens = params.host_cu_seqlens
     return out
 

@@ -15,11 +15,10 @@ from megatron.core import parallel_state
 
 import megatron_multilora as mm
 from megatron_multilora.data.datasets import Example
-from megatron_multilora.data.packing import pack_micro_batches
 from megatron_multilora.layers import expert_lora
 from megatron_multilora.training.step import evaluation, generation, schedule
 from megatron_multilora.training.step.grad_sync import SlotGradSync
-from megatron_multilora.training.step.micro_batches import MicroBatcher, agree
+from megatron_multilora.training.step.micro_batches import MicroBatcher, agree, pack_micro_batches
 from megatron_multilora.training.step.slot_adamw import SlotAdamW
 from megatron_multilora.training.step.slot_step import SlotStep, start_reducing_losses
 from tests.distributed.conftest import assert_all_ranks, compare

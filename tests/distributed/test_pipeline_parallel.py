@@ -18,8 +18,8 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 import megatron_multilora as mm
-from megatron_multilora.data.packing import MicroBatch
 from megatron_multilora.models.gpt import build_model_chunks
+from megatron_multilora.training.step.micro_batches import MicroBatch
 from tests.distributed.conftest import assert_all_ranks, compare
 
 SEQ, N_MICRO = 16, 4

@@ -45,11 +45,15 @@ from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_t
 
 import megatron_multilora as mm
 from megatron_multilora.data.datasets import Example
-from megatron_multilora.data.packing import MicroBatch, pack_micro_batches
 from megatron_multilora.models.gpt import build_model_chunks
 from megatron_multilora.training.config import AdapterJob
 from megatron_multilora.training.step import evaluation, generation
-from megatron_multilora.training.step.micro_batches import agree, micro_batch_multiple
+from megatron_multilora.training.step.micro_batches import (
+    MicroBatch,
+    agree,
+    micro_batch_multiple,
+    pack_micro_batches,
+)
 from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
 from megatron_multilora.training.step.slot_step import SlotStep, slot_work
 from tests.distributed.conftest import assert_all_ranks, compare

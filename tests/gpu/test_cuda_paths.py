@@ -206,8 +206,7 @@ def test_the_step_on_cuda_matches_a_plain_loop():
     """The schedule-driven step on the GPU (an NCCL group of one: every collective takes device
     tensors) against plain per-micro-batch forward/backward on the same model, fp32."""
     import megatron_multilora as mm
-    from megatron_multilora.data.packing import pack_micro_batches
-    from megatron_multilora.training.step.micro_batches import agree
+    from megatron_multilora.training.step.micro_batches import agree, pack_micro_batches
     from tests.unit.test_step_schedule import reference
 
     cfg = mm.GPTModelConfig(**DENSE_KW)
@@ -345,7 +344,7 @@ def test_cuda_graph_pass_equals_the_eager_pass():
     torch.testing.assert_close(again[1], grads, rtol=1e-6, atol=0)
     assert graphs.captures == captured
     # A replay is the static pass run eagerly, kernel for kernel.
-    from megatron_multilora.data.packing import pack_micro_batches, pad_micro_batch
+    from megatron_multilora.training.step.micro_batches import pack_micro_batches, pad_micro_batch
 
     (mb,) = pack_micro_batches(_examples(), 64, 1, 0)
     mb = pad_micro_batch(mb, 64, 0)

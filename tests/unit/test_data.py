@@ -25,8 +25,11 @@ from megatron_multilora.data.demo_tasks import (
     may_still_match,
     write_demo_datasets,
 )
-from megatron_multilora.data.packing import pack_micro_batches, shard_for_data_parallel
 from megatron_multilora.data.tokenizer import ByteTokenizer
+from megatron_multilora.training.step.micro_batches import (
+    pack_micro_batches,
+    shard_for_data_parallel,
+)
 
 TOK = ByteTokenizer()
 

@@ -15,10 +15,14 @@ from torch.profiler import ProfilerActivity, profile
 import megatron_multilora as mm
 from benchmarks import launches
 from megatron_multilora.data.datasets import Example
-from megatron_multilora.data.packing import pack_micro_batches, pad_micro_batch
 from megatron_multilora.layers.inject import TARGETS
 from megatron_multilora.training.step.cuda_graphs import StaticChunk, graph_lengths, static_inputs
-from megatron_multilora.training.step.micro_batches import MicroBatcher, chunk_inputs
+from megatron_multilora.training.step.micro_batches import (
+    MicroBatcher,
+    chunk_inputs,
+    pack_micro_batches,
+    pad_micro_batch,
+)
 from megatron_multilora.training.step.slot_adamw import SlotAdamW
 from tests.host_reads import HostRead, refuse_host_reads
 

@@ -4,10 +4,9 @@ while the output layer projects only those rows."""
 
 import torch
 
-from megatron_multilora.data.packing import pack_micro_batches
 from megatron_multilora.layers.lifecycle import slot_parameters
 from megatron_multilora.models.loss_rows import token_loss
-from megatron_multilora.training.step.micro_batches import chunk_inputs
+from megatron_multilora.training.step.micro_batches import chunk_inputs, pack_micro_batches
 from megatron_multilora.training.step.schedule import loss_rows
 from tests.unit.test_step_schedule import DENSE, PAD, N, build, slot_examples
 

@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 from megatron_multilora.data.datasets import Example
-from megatron_multilora.data.packing import pack_micro_batches
 from megatron_multilora.training.objectives.dpo import DPO
 from megatron_multilora.training.objectives.grpo import GRPO
 from megatron_multilora.training.objectives.per_token import PerTokenLoss
@@ -21,6 +20,7 @@ from megatron_multilora.training.objectives.token_losses import (
     kl_to_reference,
     ppo,
 )
+from megatron_multilora.training.step.micro_batches import pack_micro_batches
 from megatron_multilora.training.step.sampling import KeyedSampler, RowSampling
 
 

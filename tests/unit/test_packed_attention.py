@@ -8,8 +8,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 import megatron_multilora as mm
 from megatron_multilora.data.datasets import Example
-from megatron_multilora.data.packing import pack_micro_batches
 from megatron_multilora.models.torch_modules import padded_length
+from megatron_multilora.training.step.micro_batches import pack_micro_batches
 from tests.models import tiny_gpt
 
 CFG = tiny_gpt(

@@ -12,12 +12,11 @@ import types
 import pytest
 import torch
 
-from megatron_multilora.data.packing import pack_micro_batches
 from megatron_multilora.layers.lifecycle import slot_parameters
 from megatron_multilora.ops import packed_linear
 from megatron_multilora.ops.packed_linear import ROW_BLOCK, use_packed_frozen_weights
 from megatron_multilora.training import model_setup
-from megatron_multilora.training.step.micro_batches import chunk_inputs
+from megatron_multilora.training.step.micro_batches import chunk_inputs, pack_micro_batches
 from tests.tolerances import chain_atol
 from tests.unit.test_step_schedule import DENSE, PAD, N, build, slot_examples
 

@@ -9,8 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import megatron_multilora as mm
 from megatron_multilora.data.datasets import Example
-from megatron_multilora.data.packing import pack_micro_batches
 from megatron_multilora.ops.rope import apply_rope, apply_rope_packed
+from megatron_multilora.training.step.micro_batches import pack_micro_batches
 from tests.models import tiny_gpt
 
 LENGTHS = [5, 9, 1, 12, 3]

@@ -10,9 +10,9 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 import megatron_multilora as mm
 from megatron_multilora.data.datasets import Example
-from megatron_multilora.data.packing import pack_micro_batches
 from megatron_multilora.layers.lifecycle import named_multi_lora_modules
 from megatron_multilora.layers.slot_layout_route import SlotPackedSeqParams, with_slot_layout
+from megatron_multilora.training.step.micro_batches import pack_micro_batches
 from megatron_multilora.validation import TARGETS
 
 N, DIM, VOCAB = 3, 4, 64

@@ -12,12 +12,11 @@ from megatron.core.transformer.moe.moe_utils import (
 
 import megatron_multilora as mm
 from megatron_multilora.data.datasets import Example
-from megatron_multilora.data.packing import pack_micro_batches
 from megatron_multilora.training import runtime
 from megatron_multilora.training.config import AdapterJob
 from megatron_multilora.training.objectives import registry
 from megatron_multilora.training.step import schedule
-from megatron_multilora.training.step.micro_batches import agree
+from megatron_multilora.training.step.micro_batches import agree, pack_micro_batches
 from megatron_multilora.training.step.slot_step import SlotStep, SlotWork
 from tests.models import random_example, tiny_gpt, with_slots
 from tests.tolerances import chain_atol

@@ -33,11 +33,11 @@ import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_multilora.data.packing import MicroBatch
 from megatron_multilora.layers.lifecycle import multi_lora_modules
 from megatron_multilora.layers.slot_layout_route import with_slot_layout
 from megatron_multilora.models.torch_modules import attend_in_one_pass
 from megatron_multilora.ops.slot_layout import DeviceSlotLayout
+from megatron_multilora.training.step.micro_batches import MicroBatch
 from megatron_multilora.training.step.slot_rows import SlotRows
 
 LENGTH_MULTIPLE = 64

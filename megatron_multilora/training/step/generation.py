@@ -22,11 +22,10 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_multilora.data.datasets import Example
-from megatron_multilora.data.packing import MicroBatch
 from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
 from megatron_multilora.layers.slot_layout_route import SlotInferenceContext
 from megatron_multilora.ops.slot_layout import SlotLayout
-from megatron_multilora.training.step.micro_batches import MicroBatcher
+from megatron_multilora.training.step.micro_batches import MicroBatch, MicroBatcher
 from megatron_multilora.training.step.schedule import eval_mode, from_last_stage, run_schedule
 
 # pick(logits [B, V] float32, prompt index of each row, tokens generated so far by each row)

@@ -10,9 +10,8 @@ from collections.abc import Sequence
 import torch
 
 from megatron_multilora.data.datasets import Packable
-from megatron_multilora.data.packing import MicroBatch
 from megatron_multilora.layers.lifecycle import ModelOrChunks, adapters_off, model_chunks
-from megatron_multilora.training.step.micro_batches import MicroBatcher
+from megatron_multilora.training.step.micro_batches import MicroBatch, MicroBatcher
 from megatron_multilora.training.step.schedule import eval_mode, per_example, run_schedule
 
 

@@ -22,7 +22,6 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-from megatron_multilora.data.packing import MicroBatch
 from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
 from megatron_multilora.models.loss_rows import selectable, token_loss_and_choices
 from megatron_multilora.ops.host_values import on_device
@@ -30,7 +29,7 @@ from megatron_multilora.ops.slot_layout import SlotLayout
 from megatron_multilora.training.objectives.objective import MAX_METRICS, Objective
 from megatron_multilora.training.objectives.registry import DEFAULT
 from megatron_multilora.training.step.cuda_graphs import ChunkGraphs
-from megatron_multilora.training.step.micro_batches import chunk_inputs
+from megatron_multilora.training.step.micro_batches import MicroBatch, chunk_inputs
 
 # loss_func(micro-batch, chunk output) -> what megatron's forward_step_calc_loss takes.
 LossFunc = Callable[[MicroBatch, torch.Tensor], Any]

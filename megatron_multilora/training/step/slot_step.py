@@ -34,14 +34,18 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_multilora.data.datasets import Packable, examples_of
-from megatron_multilora.data.packing import MicroBatch, shard_for_data_parallel
 from megatron_multilora.layers.lifecycle import ModelOrChunks, model_chunks
 from megatron_multilora.parallel import collective_device
 from megatron_multilora.training.objectives.objective import Objective
 from megatron_multilora.training.objectives.registry import DEFAULT
 from megatron_multilora.training.step.cuda_graphs import ChunkGraphs, graph_lengths
 from megatron_multilora.training.step.grad_sync import SlotGradSync
-from megatron_multilora.training.step.micro_batches import MicroBatcher, agree
+from megatron_multilora.training.step.micro_batches import (
+    MicroBatch,
+    MicroBatcher,
+    agree,
+    shard_for_data_parallel,
+)
 from megatron_multilora.training.step.schedule import (
     eval_mode,
     per_slot_results,
@@ -154,7 +158,7 @@ class SlotStep:
         micro_batches: list[MicroBatch] | None = None,
     ) -> StepResult:
         """Forward and backward of every slot's work in one pass; the slots with an
-        optimizer step. ``slot_order``: the packing order (``data/packing.py``); ``extras``
+        optimizer step. ``slot_order``: the packing order (``micro_batches.pack_micro_batches``); ``extras``
         are agreed over all ranks in the call's first collective; ``micro_batches``: this
         rank's packing of the work when already done (equalised; a benchmark times the pass
         alone). Every rank of the world must call it with the same work; every rank takes
