@@ -382,7 +382,14 @@ class MultiLoRALinear(torch.nn.Module):
         return self.masked(lora)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        return self.tp_layout.forward(self, x, self._active_slots(), args, kwargs)
+        """The base's output plus the LoRA term of the micro-batch's slots: the layout calls
+        the base and says where the term reads and meets it; the layer computes it."""
+        slots = self._active_slots()
+        call = self.tp_layout.call_base(
+            self.to_wrap, x, args, kwargs, self.returns_ln_output, self.where
+        )
+        term = self.lora(call.rows, slots, call.in_shard, call.out_shard) if slots else None
+        return call.output(term)
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None

@@ -57,7 +57,7 @@ from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from megatron_multilora.layers.factors import A, B, Factor
-from megatron_multilora.layers.tp_layout import TPLayout, add_lora
+from megatron_multilora.layers.tp_layout import BaseCall, TPLayout, add_lora
 
 
 class BaseKind(enum.Enum):
@@ -154,20 +154,25 @@ class FullyShardedColumnLayout(_FullySharded, ColumnParallelLayout):
         # [T, r/tp] -> [T, r]; bwd sums the partial gradients
         return mappings.all_gather_last_dim_from_tensor_parallel_region(mid, group=self.group)
 
-    def forward(
-        self, layer: Any, x: torch.Tensor, slots: tuple[int, ...], args: tuple, kwargs: dict
-    ) -> Any:
-        base, add_bias, returned_bias = _plain_call(layer, args, kwargs)
+    def call_base(
+        self,
+        base: torch.nn.Module,
+        x: torch.Tensor,
+        args: tuple,
+        kwargs: dict,
+        returns_ln_output: bool,
+        where: str,
+    ) -> BaseCall:
+        add_bias, returned_bias = _plain_call(base, args, kwargs, where)
         # The base's input collective, run here so that its backward also sums the LoRA
         # branch's input gradient, is the one the column layout takes on ``mid``.
         x_full = super().reduce_mid(x)
         out = F.linear(x_full, base.weight, add_bias)
-        if slots:
-            out = add_lora(
-                out,
-                layer.lora(x_full.reshape(-1, x_full.size(-1)), slots, False, False).view_as(out),
-            )
-        return out, returned_bias
+
+        def output(lora: torch.Tensor | None) -> Any:
+            return (out if lora is None else add_lora(out, lora.view_as(out))), returned_bias
+
+        return BaseCall(x_full.reshape(-1, x_full.size(-1)), False, False, output)
 
 
 class FullyShardedRowLayout(_FullySharded, RowParallelLayout):
@@ -190,31 +195,40 @@ class FullyShardedRowLayout(_FullySharded, RowParallelLayout):
         mid = mappings.reduce_from_tensor_model_parallel_region(mid, group=self.group)
         return mappings.copy_to_tensor_model_parallel_region(mid, group=self.group)
 
-    def forward(
-        self, layer: Any, x: torch.Tensor, slots: tuple[int, ...], args: tuple, kwargs: dict
-    ) -> Any:
-        base, add_bias, returned_bias = _plain_call(layer, args, kwargs)
+    def call_base(
+        self,
+        base: torch.nn.Module,
+        x: torch.Tensor,
+        args: tuple,
+        kwargs: dict,
+        returns_ln_output: bool,
+        where: str,
+    ) -> BaseCall:
+        add_bias, returned_bias = _plain_call(base, args, kwargs, where)
         x2 = x.reshape(-1, x.size(-1))
         partial = F.linear(x2, base.weight)  # [T, out]: this rank's partial sum
-        if slots:
-            lora = layer.lora(x2, slots, False, False)  # [T, out/tp]: this rank's columns
-            width = lora.size(1)
-            partial[:, self.tp_rank * width : (self.tp_rank + 1) * width] += lora
-        # The base's own reduction (SP: reduce-scatter), the row layout's collective on ``mid``.
-        out = super().reduce_mid(partial.view(*x.shape[:-1], partial.size(-1)))
-        return (out if add_bias is None else out + add_bias), returned_bias
+
+        def output(lora: torch.Tensor | None) -> Any:
+            if lora is not None:  # [T, out/tp]: this rank's columns
+                width = lora.size(1)
+                partial[:, self.tp_rank * width : (self.tp_rank + 1) * width] += lora
+            # The base's own reduction (SP: reduce-scatter), the row layout's collective on
+            # ``mid``.
+            out = RowParallelLayout.reduce_mid(self, partial.view(*x.shape[:-1], partial.size(-1)))
+            return (out if add_bias is None else out + add_bias), returned_bias
+
+        return BaseCall(x2, False, False, output)
 
 
-def _plain_call(layer: Any, args: tuple, kwargs: dict) -> tuple[torch.nn.Module, Any, Any]:
-    """The base whose matmul a fully sharded layout runs itself, the bias to add to its
+def _plain_call(base: torch.nn.Module, args: tuple, kwargs: dict, where: str) -> tuple[Any, Any]:
+    """For a base whose matmul a fully sharded layout runs itself: the bias to add to its
     output and the bias to return (megatron's ``skip_bias_add`` hands it back instead)."""
     if args or kwargs:
         raise TypeError(
-            f"{layer.where}: a fully sharded layer takes only its input, got extra "
+            f"{where}: a fully sharded layer takes only its input, got extra "
             f"arguments {args} {sorted(kwargs)}"
         )
-    base = layer.to_wrap
-    return (base, None, base.bias) if base.skip_bias_add else (base, base.bias, None)
+    return (None, base.bias) if base.skip_bias_add else (base.bias, None)
 
 
 def base_kind(to_wrap: torch.nn.Module) -> BaseKind:

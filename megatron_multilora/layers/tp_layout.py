@@ -5,6 +5,7 @@ every layout answers; the TP layouts are in :mod:`.sharding`, the experts' in
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -41,11 +42,24 @@ def add_lora(base_out: torch.Tensor, lora: torch.Tensor) -> torch.Tensor:
     return base_out.add_(lora) if owns_output(base_out) else base_out + lora
 
 
+@dataclasses.dataclass
+class BaseCall:
+    """A wrapped base called on one input (:meth:`TPLayout.call_base`): the rows the LoRA
+    term reads (``[T, in]``), whether its input and output sides hold this rank's sequence
+    shard, and ``output(lora)``: the layer's result with the LoRA term (``[T, out]`` rows,
+    or None) added where the layout adds it."""
+
+    rows: torch.Tensor
+    in_shard: bool
+    out_shard: bool
+    output: Callable[[torch.Tensor | None], Any]
+
+
 class TPLayout:
     """A TP-replicated base (or any base at TP=1 that is neither column- nor row-parallel),
     and what every layout answers: where each factor is split, how a full factor is
     sharded and gathered, which collective ``mid`` takes, and how the LoRA term meets the
-    base's output."""
+    base's output (:meth:`call_base`; the layer computes the term itself)."""
 
     rank_is_split = False  # A's rank rows split over the ranks (then computed at max rank)
 
@@ -149,24 +163,28 @@ class TPLayout:
         """The one TP collective on ``mid = A @ x``, matching the base's output layout."""
         return mid
 
-    def forward(
-        self, layer: Any, x: torch.Tensor, slots: tuple[int, ...], args: tuple, kwargs: dict
-    ) -> Any:
-        """The base's output plus the LoRA term of ``slots`` (``layer.lora``)."""
-        result = layer.to_wrap(x, *args, **kwargs)
+    def call_base(
+        self,
+        base: torch.nn.Module,
+        x: torch.Tensor,
+        args: tuple,
+        kwargs: dict,
+        returns_ln_output: bool,
+        where: str,
+    ) -> BaseCall:
+        """The base called on ``x``: what the LoRA term reads and how it meets the output."""
+        result = base(x, *args, **kwargs)
         # Megatron/TE linears return (output, bias); plain torch linears a tensor.
         base_out, bias = result if isinstance(result, tuple) else (result, None)
-        if layer.returns_ln_output:  # TE hands the normalised input, what LoRA reads, back
+        if returns_ln_output:  # TE hands the normalised input, what LoRA reads, back
             base_out, x = base_out
-        if slots:
-            lora = layer.lora(
-                x.reshape(-1, x.size(-1)),
-                slots,
-                self.sequence_shard("input"),
-                self.sequence_shard("output"),
-            )
-            base_out = add_lora(base_out, lora.view_as(base_out))
-        return (base_out, bias) if isinstance(result, tuple) else base_out
+
+        def output(lora: torch.Tensor | None) -> Any:
+            out = base_out if lora is None else add_lora(base_out, lora.view_as(base_out))
+            return (out, bias) if isinstance(result, tuple) else out
+
+        rows = x.reshape(-1, x.size(-1))
+        return BaseCall(rows, self.sequence_shard("input"), self.sequence_shard("output"), output)
 
     def sharded_state_dict(
         self,
