@@ -35,7 +35,7 @@ from megatron_multilora.api.calls import (
     Op,
 )
 from megatron_multilora.api.checkpoint_index import CheckpointIndex
-from megatron_multilora.api.futures import ERROR, KEEP_S, PROTOBUF, Futures
+from megatron_multilora.api.futures import ERROR, KEEP_S, PROTOBUF, Futures, Result
 from megatron_multilora.api.request_checks import (
     CLIENT_CONFIG,
     Limits,
@@ -88,8 +88,10 @@ class Front:
         futures: Futures,
         session_timeout: float,
         max_saves: int = 1000,
+        say: Callable[[str], None] = lambda line: None,
     ) -> None:
         self.keys, self.limits, self.calls, self.futures = keys, limits, calls, futures
+        self.say = say  # the service's log
         self.root = run_dir / "api"
         self.session_timeout = session_timeout
         self.lock = threading.Lock()
@@ -101,6 +103,15 @@ class Front:
         self.expired_at = 0.0  # when sweep last expired checkpoints
 
     # -- plumbing -------------------------------------------------------------------------
+
+    def answer(self, request_id: str, result: Result) -> None:
+        """The engine's answer to a call (from its thread): a save's checkpoint listed once
+        written, the call's future done; a call that failed as it ran is logged (whose, why)."""
+        if result.kind == ERROR:
+            owner = self.futures.owner(request_id)
+            self.say(f"api: call {request_id} of {owner} failed: {result.payload[0]}")
+        self.checkpoints.settle(request_id, written=result.kind != ERROR)
+        self.futures.complete(request_id, result)
 
     async def parse_body(self, request: Request, model: type | None = None) -> Any:
         """The body as ``model`` (a JSON object if none), within the sizes a service keeps:

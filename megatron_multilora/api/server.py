@@ -10,7 +10,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 import torch.distributed as dist
@@ -18,7 +17,7 @@ import torch.distributed as dist
 from megatron_multilora.api.call_queue import CallQueue
 from megatron_multilora.api.engine import Engine
 from megatron_multilora.api.front import Front, Limits
-from megatron_multilora.api.futures import ERROR, Futures, Result
+from megatron_multilora.api.futures import Futures
 from megatron_multilora.api.routes import build_app
 from megatron_multilora.api.status import ServiceStatus
 from megatron_multilora.errors import RunError
@@ -38,8 +37,8 @@ def serve_api(run: RunConfig, keys: dict[str, str], say: Callable[[str], None] =
     hf_dir = str(Path(run.hf_dir).resolve()) if run.hf_dir else None
     front = None
     if dist.get_rank() == 0:
-        front, url = _start_front(run, keys, runtime.model_config, hf_dir, run_dir)
-    engine = Engine(runtime, run_dir, hf_dir, partial(_complete, front, say) if front else None)
+        front, url = _start_front(run, keys, runtime.model_config, hf_dir, run_dir, say)
+    engine = Engine(runtime, run_dir, hf_dir, front.answer if front else None)
     status = None
     if front:
         dp = runtime.dp_size
@@ -85,17 +84,6 @@ def serve_api(run: RunConfig, keys: dict[str, str], say: Callable[[str], None] =
     destroy_parallel()
 
 
-def _complete(front: Front, say: Callable[[str], None], request_id: str, result: Result) -> None:
-    """Answer a call; a call that failed as it ran is in the service's log (whose, why)."""
-    if result.kind == ERROR:
-        say(
-            f"api: call {request_id} of {front.futures.owner(request_id)} failed: "
-            f"{result.payload[0]}"
-        )
-    front.checkpoints.settle(request_id, written=result.kind != ERROR)  # a save's: listed
-    front.futures.complete(request_id, result)
-
-
 def _byte_tokenizer_folder(run_dir: Path) -> str:
     """The built-in byte tokenizer (a model built from its config) as a Hugging Face folder,
     whose path ``get_info`` hands the SDK as the tokenizer id: ``get_tokenizer()`` then loads
@@ -108,7 +96,12 @@ def _byte_tokenizer_folder(run_dir: Path) -> str:
 
 
 def _start_front(
-    run: RunConfig, keys: dict[str, str], model_config, hf_dir, run_dir: Path
+    run: RunConfig,
+    keys: dict[str, str],
+    model_config,
+    hf_dir,
+    run_dir: Path,
+    say: Callable[[str], None],
 ) -> tuple[Front, str]:
     import asyncio
 
@@ -127,7 +120,9 @@ def _start_front(
     )
     loop = asyncio.new_event_loop()
     queue = CallQueue(api.max_pending, len(keys))
-    front = Front(keys, limits, run_dir, queue, Futures(loop), api.session_timeout_s, api.max_saves)
+    front = Front(
+        keys, limits, run_dir, queue, Futures(loop), api.session_timeout_s, api.max_saves, say
+    )
     server = uvicorn.Server(
         uvicorn.Config(
             build_app(front), host=api.host, port=api.port, log_level="warning", loop="asyncio"
