@@ -1,6 +1,6 @@
 """``MultiLoRAGroupedExpertLinear``: N LoRA slots on a grouped MoE expert linear.
 
-One low-rank pair per (slot, local expert): A ``[E, dim, in]`` and B ``[E, out, dim]`` per
+One low-rank pair per (slot, local expert): A ``[E, r, in]`` and B ``[E, out, r]`` per
 slot. For a dispatched row t of slot s routed to local expert e::
 
     y_t = W_e x_t + (alpha_s / r_s) * B_{s,e}[:, :r_s] @ A_{s,e}[:r_s] @ x_t
@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from megatron_multilora.deprecation import renamed_arguments
 from megatron_multilora.layers.expert_sharding import ExpertParallelLayout
 from megatron_multilora.layers.factors import A, B
 from megatron_multilora.layers.multi_lora_linear import (
@@ -42,11 +43,12 @@ class MultiLoRAGroupedExpertLinear(MultiLoRALinear):
     rank's first expert. ``routing`` is set by the MoE layer's hook before every forward.
     """
 
+    @renamed_arguments(n_adapters="n_slots", dim="max_rank")
     def __init__(
         self,
         to_wrap: torch.nn.Module,
-        n_adapters: int,
-        dim: int,
+        n_slots: int,
+        max_rank: int,
         alpha: float,
         full_name: str,
         num_local_experts: int,
@@ -59,7 +61,7 @@ class MultiLoRAGroupedExpertLinear(MultiLoRALinear):
     ) -> None:
         where = f"{type(self).__name__}({full_name})"
         check_settings(
-            where, n_adapters, dim, column_init_method, row_init_method, dropout, dropout_position
+            where, n_slots, max_rank, column_init_method, row_init_method, dropout, dropout_position
         )
         gemms = getattr(to_wrap, "num_gemms", None)
         if gemms != num_local_experts:
@@ -70,8 +72,8 @@ class MultiLoRAGroupedExpertLinear(MultiLoRALinear):
         self._build(
             to_wrap,
             ExpertParallelLayout(num_local_experts, expert_offset),
-            n_adapters,
-            dim,
+            n_slots,
+            max_rank,
             alpha,
             full_name,
             {A: column_init_method, B: row_init_method},
@@ -126,6 +128,6 @@ class MultiLoRAGroupedExpertLinear(MultiLoRALinear):
 
     def extra_repr(self) -> str:
         return (
-            f"n_adapters={self.n_adapters}, dim={self.dim}, "
+            f"n_slots={self.n_slots}, max_rank={self.max_rank}, "
             f"num_local_experts={self.num_local_experts}"
         )

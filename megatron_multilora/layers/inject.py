@@ -11,6 +11,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
+from megatron_multilora.deprecation import renamed_arguments
 from megatron_multilora.layers.expert_lora import MultiLoRAGroupedExpertLinear
 from megatron_multilora.layers.factors import B
 from megatron_multilora.layers.fused_parts import Targets, kept_rows
@@ -53,10 +54,11 @@ def set_adapter_trainability(model: ModelOrChunks) -> int:
     return trainable
 
 
+@renamed_arguments(n_adapters="n_slots", dim="max_rank")
 def apply_multi_lora(
     model: ModelOrChunks,
-    n_adapters: int,
-    dim: int,
+    n_slots: int,
+    max_rank: int,
     alpha: float,
     target_modules: Sequence[str] = TARGETS,
     column_init_method: str = "xavier",
@@ -66,7 +68,8 @@ def apply_multi_lora(
     seed: int | None = None,
     fully_sharded: bool = False,
 ) -> ModelOrChunks:
-    """Wrap every target linear with a :class:`MultiLoRALinear` of ``n_adapters`` slots.
+    """Wrap every target linear with a :class:`MultiLoRALinear` of ``n_slots`` slots of rank
+    up to ``max_rank`` (formerly ``n_adapters`` and ``dim``: still accepted, deprecated).
 
     Grouped expert linears (``mlp.experts.linear_fc1/fc2``) get a
     :class:`MultiLoRAGroupedExpertLinear` and their MoE layers the slot-routing hook; shared
@@ -88,8 +91,8 @@ def apply_multi_lora(
     if seed is None:
         seed = _first_stage_value(torch.initial_seed() % (2**31))
     settings = dict(
-        n_adapters=n_adapters,
-        dim=dim,
+        n_slots=n_slots,
+        max_rank=max_rank,
         alpha=alpha,
         seed=seed,
         column_init_method=column_init_method,
@@ -148,11 +151,11 @@ def _plan(
     for local, name, module in global_named_modules(chunk):
         hits = [t for t in targets if name and _matches(name, t)]
         if isinstance(module, MultiLoRALinear):
-            if (module.n_adapters, module.dim) != (settings["n_adapters"], settings["dim"]):
+            if (module.n_slots, module.max_rank) != (settings["n_slots"], settings["max_rank"]):
                 raise ValueError(
-                    f"{name} is already wrapped with n_adapters={module.n_adapters}, "
-                    f"dim={module.dim}; asked for n_adapters="
-                    f"{settings['n_adapters']}, dim={settings['dim']}"
+                    f"{name} is already wrapped with n_slots={module.n_slots}, "
+                    f"max_rank={module.max_rank}; asked for n_slots="
+                    f"{settings['n_slots']}, max_rank={settings['max_rank']}"
                 )
             matched.update(hits)
             continue

@@ -44,7 +44,7 @@ def multi_lora_modules(model: ModelOrChunks) -> list[MultiLoRALinear]:
 
 def num_adapter_slots(model: ModelOrChunks) -> int:
     """The number of slots N (the same in every layer)."""
-    return multi_lora_modules(model)[0].n_adapters
+    return multi_lora_modules(model)[0].n_slots
 
 
 def set_tokens_per_adapter_slot(
@@ -68,7 +68,7 @@ def set_tokens_per_adapter_slot(
     (``training.step.micro_batches.align_with_expert_peers``).
     """
     layers = multi_lora_modules(model)
-    counts = check_token_counts(tokens_per_adapter, layers[0].n_adapters)
+    counts = check_token_counts(tokens_per_adapter, layers[0].n_slots)
     check_ep_slots(ep_slots, counts)
     layout = SlotLayout(counts, ep_slots)
     for layer in layers:
@@ -85,7 +85,7 @@ def slot_parameters(model: ModelOrChunks, idx: int) -> list[torch.nn.Parameter]:
 def init_adapter_slot(
     model: ModelOrChunks, idx: int, rank: int, alpha: float, dropout: float | None = None
 ) -> None:
-    """Claim slot ``idx`` in every layer with ``rank`` (1..dim), ``alpha`` and optionally its
+    """Claim slot ``idx`` in every layer with ``rank`` (1..max_rank), ``alpha`` and optionally its
     own LoRA dropout rate."""
     for layer in multi_lora_modules(model):
         layer.init_adapter_slot(idx, rank, alpha, dropout)
@@ -228,10 +228,10 @@ def load_adapter(model: ModelOrChunks, idx: int, state_dict: dict[str, torch.Ten
     bad_ranks = [
         (path, int(state_dict[f"{path}.adapter.rank"]))
         for path, layer in layers.items()
-        if not 1 <= int(state_dict[f"{path}.adapter.rank"]) <= layer.dim
+        if not 1 <= int(state_dict[f"{path}.adapter.rank"]) <= layer.max_rank
     ]
     if bad_ranks:
-        raise ValueError(f"adapter ranks outside 1..dim (layer, rank): {bad_ranks[:5]}")
+        raise ValueError(f"adapter ranks outside 1..max_rank (layer, rank): {bad_ranks[:5]}")
     with torch.no_grad():
         for k, v in targets.items():
             v.copy_(state_dict[k])

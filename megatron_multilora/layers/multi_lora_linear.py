@@ -4,7 +4,7 @@ For a token t of slot s (LoRA, Hu et al. 2021, with per-slot rank and alpha)::
 
     y_t = base(x_t) + (alpha_s / r_s) * B_s[:, :r_s] @ A_s[:r_s] @ x_t
 
-Every slot is allocated at the max rank ``dim``; rows ``[r_s:]`` of A_s and columns
+Every slot is allocated at the max rank ``max_rank``; rows ``[r_s:]`` of A_s and columns
 ``[:, r_s:]`` of B_s are kept at zero, so padded rank never contributes and its gradients
 stay zero. A packed micro-batch holds each slot's tokens contiguously (adapter-major); its
 slot layout (:class:`~megatron_multilora.ops.slot_layout.SlotLayout`, handed over by
@@ -29,6 +29,7 @@ import torch
 from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer.utils import sharded_state_dict_default
 
+from megatron_multilora.deprecation import renamed_arguments, renamed_property
 from megatron_multilora.layers.factors import FACTORS, A, B, Factor
 from megatron_multilora.layers.grouped_gemm import grouped_linear
 from megatron_multilora.layers.sharding import dense_layout
@@ -97,16 +98,16 @@ def one_slot_term(
 
 def check_settings(
     where: str,
-    n_adapters: int,
-    dim: int,
+    n_slots: int,
+    max_rank: int,
     column_init_method: str,
     row_init_method: str,
     dropout: float,
     dropout_position: str,
 ) -> None:
     """What every multi-LoRA layer refuses at construction, on every rank alike."""
-    if n_adapters < 1 or dim < 1:
-        raise ValueError(f"{where}: n_adapters={n_adapters} and dim={dim} must be >= 1")
+    if n_slots < 1 or max_rank < 1:
+        raise ValueError(f"{where}: n_slots={n_slots} and max_rank={max_rank} must be >= 1")
     if column_init_method not in INIT_METHODS or row_init_method not in INIT_METHODS:
         raise ValueError(
             f"{where}: init methods must be one of {INIT_METHODS}, got "
@@ -120,12 +121,12 @@ def check_settings(
 
 
 class MultiLoRALinear(torch.nn.Module):
-    """Megatron parallel linear wrapped with ``n_adapters`` concurrent LoRA slots.
+    """Megatron parallel linear wrapped with ``n_slots`` concurrent LoRA slots.
 
     Args:
         to_wrap: the frozen base linear; ``forward`` returns what it returns, plus LoRA.
-        n_adapters: number of slots N.
-        dim: max rank; every slot is allocated at this rank.
+        n_slots: number of slots N (formerly ``n_adapters``, still accepted, deprecated).
+        max_rank: every slot is allocated at this rank (formerly ``dim``, deprecated).
         alpha: initial alpha of every slot (per-slot values via ``init_adapter_slot``).
         full_name: the module's path in the model, used in errors and to seed init.
         column_init_method / row_init_method: init of A / B ("xavier", "kaiming",
@@ -145,11 +146,12 @@ class MultiLoRALinear(torch.nn.Module):
             matmul the layout then runs itself.
     """
 
+    @renamed_arguments(n_adapters="n_slots", dim="max_rank")
     def __init__(
         self,
         to_wrap: torch.nn.Module,
-        n_adapters: int,
-        dim: int,
+        n_slots: int,
+        max_rank: int,
         alpha: float,
         full_name: str,
         column_init_method: str = "xavier",
@@ -164,17 +166,19 @@ class MultiLoRALinear(torch.nn.Module):
     ) -> None:
         where = f"{type(self).__name__}({full_name})"
         check_settings(
-            where, n_adapters, dim, column_init_method, row_init_method, dropout, dropout_position
+            where, n_slots, max_rank, column_init_method, row_init_method, dropout, dropout_position
         )
         if a2a_experimental:
             raise ValueError(f"{where}: a2a_experimental=True is not supported")
         _check_dense_base(to_wrap, where)
-        layout = dense_layout(to_wrap, sequence_parallel, fully_sharded, gated_output, dim, where)
+        layout = dense_layout(
+            to_wrap, sequence_parallel, fully_sharded, gated_output, max_rank, where
+        )
         self._build(
             to_wrap,
             layout,
-            n_adapters,
-            dim,
+            n_slots,
+            max_rank,
             alpha,
             full_name,
             {A: column_init_method, B: row_init_method},
@@ -213,14 +217,14 @@ class MultiLoRALinear(torch.nn.Module):
         self.adapters = SlotBank(
             n_slots,
             max_rank,
-            layout.slot_shapes(to_wrap, max_rank),
-            alpha,
-            dropout,
-            dtype,
-            device,
-            layout.tag,
-            layout.rank_offset,
-            self.where,
+            shapes=layout.slot_shapes(to_wrap, max_rank),
+            alpha=alpha,
+            dropout=dropout,
+            dtype=dtype,
+            device=device,
+            tag=layout.tag,
+            rank_offset=layout.rank_offset,
+            where=self.where,
         )
         for idx in range(n_slots):
             self.reset_adapter(idx)
@@ -230,16 +234,18 @@ class MultiLoRALinear(torch.nn.Module):
         self._register_load_state_dict_pre_hook(_add_wrap_prefix, with_module=True)
         self.register_load_state_dict_post_hook(_refresh_after_load)
 
-    # ----- the slots (the seed's names; the work is the SlotBank's) -------------------------
+    # ----- the slots (the work is the SlotBank's) -------------------------
 
     @property
-    def n_adapters(self) -> int:
+    def n_slots(self) -> int:
         return len(self.adapters)
 
     @property
-    def dim(self) -> int:
-        """The max rank."""
+    def max_rank(self) -> int:
         return self.adapters.max_rank
+
+    n_adapters = renamed_property("n_adapters", "n_slots")
+    dim = renamed_property("dim", "max_rank")
 
     # The constructor's settings, read-only (each slot's own rank, alpha and dropout are the
     # SlotBank's).
@@ -293,7 +299,7 @@ class MultiLoRALinear(torch.nn.Module):
         b = B.weight(self.adapters[0])
         self.row_mask = kept.to(device=b.device, dtype=b.dtype)
         self.adapters.kept_rows = kept.to(b.device)
-        for idx in range(self.n_adapters):
+        for idx in range(self.n_slots):
             self.adapters.mask_rank(idx)
 
     def masked(self, lora: torch.Tensor) -> torch.Tensor:
@@ -416,7 +422,7 @@ class MultiLoRALinear(torch.nn.Module):
         return sharded
 
     def extra_repr(self) -> str:
-        return f"n_adapters={self.n_adapters}, dim={self.dim}, tp_layout={self.tp_layout}"
+        return f"n_slots={self.n_slots}, max_rank={self.max_rank}, tp_layout={self.tp_layout}"
 
 
 def _check_dense_base(to_wrap: torch.nn.Module, where: str) -> None:

@@ -300,7 +300,7 @@ def _check_fully_sharded(
     if kind is BaseKind.COLUMN and max_rank % tp:
         raise ValueError(
             f"{where}: fully_sharded=True splits the rank dim over {tp} TP ranks; "
-            f"dim={max_rank} must be a multiple of it"
+            f"max_rank={max_rank} must be a multiple of it"
         )
     if kind is BaseKind.ROW and to_wrap.weight.size(0) % tp:
         raise ValueError(

@@ -64,6 +64,7 @@ class SlotBank(torch.nn.ModuleList):
         self,
         n: int,
         max_rank: int,
+        *,
         shapes: dict[Factor, tuple],
         alpha: float,
         dropout: float,

@@ -82,8 +82,8 @@ def with_slot_layout(
 
 
 def _hand(linears: list[MultiLoRALinear], layout: SlotLayout) -> None:
-    if layout.n_slots != linears[0].n_adapters:
-        check_token_counts([0] * layout.n_slots, linears[0].n_adapters)  # raises, naming both
+    if layout.n_slots != linears[0].n_slots:
+        check_token_counts([0] * layout.n_slots, linears[0].n_slots)  # raises, naming both
     for linear in linears:
         linear.slot_layout = layout
 

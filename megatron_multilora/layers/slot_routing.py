@@ -107,7 +107,7 @@ def build_expert_slot_routing(
     slot: torch.Tensor,
     tokens_per_expert: torch.Tensor | list[int],
     slots: tuple[int, ...],
-    n_adapters: int,
+    n_slots: int,
     num_local_experts: int,
 ) -> ExpertSlotRouting:
     """Group the dispatched rows (slot ids ``slot``, expert-major) by (slot, local expert).
@@ -119,7 +119,7 @@ def build_expert_slot_routing(
     expert = torch.repeat_interleave(
         torch.arange(e, device=device), counts, output_size=slot.numel()
     )
-    position = torch.zeros(n_adapters, dtype=torch.int64)
+    position = torch.zeros(n_slots, dtype=torch.int64)
     position[list(slots)] = torch.arange(len(slots))
     slot = slot.to(torch.int64)
     key = position.to(device)[slot] * e + expert
@@ -147,7 +147,7 @@ def _slot_routing_hook(layer: MoELayer, experts: list[MultiLoRAGroupedExpertLine
         # slots with tokens on any of them take part (see set_tokens_per_adapter_slot).
         slots = tokens.active if dispatcher.ep_size == 1 else tokens.ep_slots
         routing = build_expert_slot_routing(
-            slot, tokens_per_expert, slots, experts[0].n_adapters, experts[0].num_local_experts
+            slot, tokens_per_expert, slots, experts[0].n_slots, experts[0].num_local_experts
         )
         for expert_linear in experts:
             expert_linear.routing = routing

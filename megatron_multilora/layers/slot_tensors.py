@@ -112,9 +112,9 @@ def set_slot_tensors(
             f"adapter tensors do not match the model's layers: missing {missing[:3]} "
             f"({len(missing)}), unexpected {unexpected[:3]} ({len(unexpected)})"
         )
-    dim = next(iter(layers.values())).dim
-    if not isinstance(rank, int) or not 1 <= rank <= dim:
-        raise ValueError(f"rank={rank} is outside 1..{dim} (the layers' max rank)")
+    max_rank = next(iter(layers.values())).max_rank
+    if not isinstance(rank, int) or not 1 <= rank <= max_rank:
+        raise ValueError(f"rank={rank} is outside 1..{max_rank} (the layers' max rank)")
     shards, problem = {}, None
     for path, layer in layers.items():
         for factor, name, param in _factors(layer, idx):

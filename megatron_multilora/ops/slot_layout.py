@@ -150,9 +150,7 @@ class DeviceSlotLayout(SlotLayout):
         return self._whole
 
 
-def check_token_counts(
-    tokens_per_adapter: Sequence[int] | torch.Tensor, n_adapters: int
-) -> list[int]:
+def check_token_counts(tokens_per_adapter: Sequence[int] | torch.Tensor, n_slots: int) -> list[int]:
     """Validate user-given counts (length, integer, non-negative); return them as ints."""
     if isinstance(tokens_per_adapter, torch.Tensor):
         if tokens_per_adapter.dim() != 1 or tokens_per_adapter.is_floating_point():
@@ -163,10 +161,10 @@ def check_token_counts(
         counts = tokens_per_adapter.tolist()  # the one host sync the counts need
     else:
         counts = list(tokens_per_adapter)
-    if len(counts) != n_adapters:
+    if len(counts) != n_slots:
         raise ValueError(
             f"tokens_per_adapter has {len(counts)} entries but the model has "
-            f"{n_adapters} adapter slots: give one count per slot (0 for unused)"
+            f"{n_slots} adapter slots: give one count per slot (0 for unused)"
         )
     bad = [
         (i, c)

@@ -56,8 +56,20 @@ def test_idempotent_and_conflicting_reapply():
     mm.apply_multi_lora(model, N, DIM, 8.0)
     assert [id(m) for m in mm.multi_lora_modules(model)] == before
     assert not any(isinstance(m.to_wrap, mm.MultiLoRALinear) for m in mm.multi_lora_modules(model))
-    with pytest.raises(ValueError, match="already wrapped with n_adapters=3"):
+    with pytest.raises(ValueError, match="already wrapped with n_slots=3"):
         mm.apply_multi_lora(model, N + 1, DIM, 8.0)
+
+
+def test_the_old_names_of_slots_and_max_rank_still_work_deprecated():
+    """n_adapters / dim were renamed n_slots / max_rank: users' code keeps working, warned."""
+    with pytest.warns(DeprecationWarning, match=r"apply_multi_lora\(n_adapters=...\)"):
+        model = mm.apply_multi_lora(gpt(), n_adapters=N, dim=DIM, alpha=8.0)
+    layer = mm.multi_lora_modules(model)[0]
+    assert (layer.n_slots, layer.max_rank) == (N, DIM)
+    with pytest.warns(DeprecationWarning, match=r"MultiLoRALinear.dim is deprecated"):
+        assert (layer.n_adapters, layer.dim) == (N, DIM)
+    with pytest.raises(TypeError, match="give n_slots= only"):
+        mm.apply_multi_lora(gpt(), N, n_slots=N, n_adapters=N, max_rank=DIM, alpha=8.0)
 
 
 def test_wildcard_targets_and_model_chunks():

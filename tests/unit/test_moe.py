@@ -239,7 +239,7 @@ def test_both_layer_classes_expose_the_seeds_settings_read_only(kind):
         "MultiLoRAGroupedExpertLinear" if kind == "expert" else "MultiLoRALinear"
     )
     assert {name: getattr(layer, name) for name in settings} == settings
-    assert (layer.n_adapters, layer.dim) == (N, DIM)
+    assert (layer.n_slots, layer.max_rank) == (N, DIM)
     for name in settings:
         with pytest.raises(AttributeError):
             setattr(layer, name, settings[name])

@@ -14,6 +14,7 @@ PACKAGE = REPO / "megatron_multilora"
 # Each part of the package and its level: a part imports only parts of lower levels.
 LEVELS = {
     "errors": 0,
+    "deprecation": 0,
     "validation": 0,
     "atomic_files": 0,
     "ops": 0,
