@@ -16,6 +16,7 @@ from megatron_multilora.api.front import Front
 from megatron_multilora.api.listings import Listings
 from megatron_multilora.api.request_checks import Refused, refusal
 from megatron_multilora.api.sampling_front import SamplingEndpoints
+from megatron_multilora.api.training_front import TrainingEndpoints
 from megatron_multilora.api.weights_front import WeightsEndpoints
 
 
@@ -23,6 +24,7 @@ def build_app(front: Front) -> Starlette:
     """The endpoints' routes: each checks the caller's key (but the open ones) and turns
     a refusal into its 4xx answer."""
     listings, weights, sampling = Listings(front), WeightsEndpoints(front), SamplingEndpoints(front)
+    training = TrainingEndpoints(front)
     post = {
         "client/config": front.client_config,
         "client/dynamic_config": front.dynamic_config,
@@ -30,10 +32,10 @@ def build_app(front: Front) -> Starlette:
         "session_heartbeat": front.heartbeat,
         "sessions/{session_id}/finish": front.finish_session,
         "telemetry": front.telemetry,
-        "create_model": front.create_model,
-        "get_info": front.get_info,
-        "forward_backward": front.forward_backward,
-        "optim_step": front.optim_step,
+        "create_model": training.create_model,
+        "get_info": training.get_info,
+        "forward_backward": training.forward_backward,
+        "optim_step": training.optim_step,
         "save_weights": weights.save_weights,
         "load_weights": weights.load_weights,
         "save_weights_for_sampler": weights.save_weights_for_sampler,

@@ -12,6 +12,7 @@ from megatron_multilora.api.calls import Op
 from megatron_multilora.api.front import Front
 from megatron_multilora.api.futures import Futures
 from megatron_multilora.api.request_checks import Limits, Refused
+from megatron_multilora.api.training_front import TrainingEndpoints
 
 OWNER = "key-a"
 
@@ -33,7 +34,7 @@ def create(front: Front, loop, session: str, seq: int, owner: str = OWNER):
         "base_model": "tiny",
         "lora_config": {"rank": 4},
     }
-    return loop.run_until_complete(front.create_model(Body(request), owner))
+    return loop.run_until_complete(TrainingEndpoints(front).create_model(Body(request), owner))
 
 
 def test_a_creation_answered_429_holds_no_slot(tmp_path):
@@ -205,7 +206,7 @@ def test_metadata_a_client_sends_is_bounded(tmp_path):
         "user_metadata": {"blob": "x" * 20000},
     }
     with pytest.raises(Refused, match="the service keeps up to"):
-        loop.run_until_complete(front.create_model(Body(request), "key-0"))
+        loop.run_until_complete(TrainingEndpoints(front).create_model(Body(request), "key-0"))
     assert front.clients == {}
 
 
@@ -219,7 +220,7 @@ def test_an_optimizer_the_service_does_not_run_is_refused_at_creation(tmp_path):
         "optimizer_config": {"type": "dimuon", "version": 1},  # types.DimuonOptimizerConfig()
     }
     with pytest.raises(Refused, match="optimizer 'dimuon': not served") as err:
-        loop.run_until_complete(front.create_model(Body(request), "key-0"))
+        loop.run_until_complete(TrainingEndpoints(front).create_model(Body(request), "key-0"))
     assert err.value.status == 400 and front.clients == {}
     assert calls.take(timeout=0.05, window=0.0) == []
     request["optimizer_config"] = {"type": "adamw"}

@@ -125,6 +125,9 @@ HTTP_SIDE = [
     "checkpoint_index",
     "api_keys",
     "calls",
+    "training_front",
+    "weights_front",
+    "sampling_front",
 ]
 
 
