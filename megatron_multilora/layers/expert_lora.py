@@ -27,7 +27,6 @@ from megatron_multilora.layers.factors import A, B
 from megatron_multilora.layers.multi_lora_linear import (
     MultiLoRALinear,
     Stack,
-    check_settings,
     lora_term,
 )
 from megatron_multilora.layers.slot_dropout import dropout_by_row
@@ -59,29 +58,40 @@ class MultiLoRAGroupedExpertLinear(MultiLoRALinear):
         expert_offset: int = 0,
         seed: int = 1234,
     ) -> None:
-        where = f"{type(self).__name__}({full_name})"
-        check_settings(
-            where, n_slots, max_rank, column_init_method, row_init_method, dropout, dropout_position
+        self._experts = (num_local_experts, expert_offset)  # for _layout, called first
+        super().__init__(
+            to_wrap,
+            n_slots,
+            max_rank,
+            alpha,
+            full_name,
+            column_init_method,
+            row_init_method,
+            dropout,
+            dropout_position,
+            seed=seed,
         )
+        self.routing = None
+
+    def _layout(
+        self,
+        to_wrap: torch.nn.Module,
+        sequence_parallel: bool | None,
+        fully_sharded: bool,
+        gated_output: bool,
+        max_rank: int,
+        where: str,
+    ) -> ExpertParallelLayout:
+        """The factors split over expert-parallel ranks by whole experts; the base must hold
+        this rank's ``num_local_experts``."""
+        num_local_experts, expert_offset = self._experts
         gemms = getattr(to_wrap, "num_gemms", None)
         if gemms != num_local_experts:
             raise ValueError(
                 f"{where}: the base has num_gemms={gemms}, expected "
                 f"num_local_experts={num_local_experts}"
             )
-        self._build(
-            to_wrap,
-            ExpertParallelLayout(num_local_experts, expert_offset),
-            n_slots,
-            max_rank,
-            alpha,
-            full_name,
-            {A: column_init_method, B: row_init_method},
-            dropout,
-            dropout_position,
-            seed,
-        )
-        self.routing = None
+        return ExpertParallelLayout(num_local_experts, expert_offset)
 
     @property
     def num_local_experts(self) -> int:

@@ -170,48 +170,14 @@ class MultiLoRALinear(torch.nn.Module):
         )
         if a2a_experimental:
             raise ValueError(f"{where}: a2a_experimental=True is not supported")
-        _check_dense_base(to_wrap, where)
-        layout = dense_layout(
+        layout = self._layout(
             to_wrap, sequence_parallel, fully_sharded, gated_output, max_rank, where
         )
-        self._build(
-            to_wrap,
-            layout,
-            n_slots,
-            max_rank,
-            alpha,
-            full_name,
-            {A: column_init_method, B: row_init_method},
-            dropout,
-            dropout_position,
-            seed,
-        )
-        self.returns_ln_output = type(to_wrap).__name__ == "TELayerNormColumnParallelLinear"
-        if self.returns_ln_output:
-            # LoRA reads the normalised input; TE hands it back next to the output.
-            to_wrap.return_layernorm_output = True
-            to_wrap.return_layernorm_output_gathered = False
-
-    def _build(
-        self,
-        to_wrap: torch.nn.Module,
-        layout: TPLayout,
-        n_slots: int,
-        max_rank: int,
-        alpha: float,
-        full_name: str,
-        init_methods: dict[Factor, str],
-        dropout: float,
-        dropout_position: str,
-        seed: int,
-    ) -> None:
-        """What both layer kinds hold: the base, its layout, the slots (fresh weights)."""
         super().__init__()
-        self.to_wrap, self.tp_layout, self.full_name = to_wrap, layout, full_name
-        self.where = f"{type(self).__name__}({full_name})"
-        self._init_methods, self._dropout_position, self.seed = init_methods, dropout_position, seed
+        self.to_wrap, self.tp_layout, self.full_name, self.where = to_wrap, layout, full_name, where
+        self._init_methods = {A: column_init_method, B: row_init_method}
+        self._dropout_position, self.seed = dropout_position, seed
         self.slot_layout: SlotLayout | None = None
-        self.returns_ln_output = False
         self.register_buffer("row_mask", None, persistent=False)
         dtype, device = _weight_dtype_device(to_wrap)
         self.adapters = SlotBank(
@@ -233,6 +199,27 @@ class MultiLoRALinear(torch.nn.Module):
         self._register_state_dict_hook(_strip_wrap_prefix)
         self._register_load_state_dict_pre_hook(_add_wrap_prefix, with_module=True)
         self.register_load_state_dict_post_hook(_refresh_after_load)
+        self.returns_ln_output = type(to_wrap).__name__ == "TELayerNormColumnParallelLinear"
+        if self.returns_ln_output:
+            # LoRA reads the normalised input; TE hands it back next to the output.
+            to_wrap.return_layernorm_output = True
+            to_wrap.return_layernorm_output_gathered = False
+
+    def _layout(
+        self,
+        to_wrap: torch.nn.Module,
+        sequence_parallel: bool | None,
+        fully_sharded: bool,
+        gated_output: bool,
+        max_rank: int,
+        where: str,
+    ) -> TPLayout:
+        """Where the slots' factors live for this base (checked): the layer kinds' one
+        difference at construction (the expert layer's is by whole experts)."""
+        _check_dense_base(to_wrap, where)
+        return dense_layout(
+            to_wrap, sequence_parallel, fully_sharded, gated_output, max_rank, where
+        )
 
     # ----- the slots (the work is the SlotBank's) -------------------------
 
