@@ -30,7 +30,7 @@ def named_multi_lora_modules(model: ModelOrChunks) -> Iterator[tuple[str, MultiL
     any pipeline layout; separate models given as chunks get ``chunkK.``."""
     chunks = model_chunks(model)
     for prefix, chunk in zip(chunk_prefixes(chunks), chunks):
-        for _, name, module in global_named_modules(chunk):
+        for _, name, module in global_named_modules(chunk, skip_inside=MultiLoRALinear):
             if isinstance(module, MultiLoRALinear):
                 yield prefix + name, module
 

@@ -15,11 +15,15 @@ import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 
-def global_named_modules(chunk: torch.nn.Module) -> Iterator[tuple[str, str, torch.nn.Module]]:
+def global_named_modules(
+    chunk: torch.nn.Module, skip_inside: type | None = None
+) -> Iterator[tuple[str, str, torch.nn.Module]]:
     """``(local name, global name, module)`` for every module of ``chunk``: inside a
-    TransformerLayer the layer's local index is replaced by its global one."""
+    TransformerLayer the layer's local index is replaced by its global one. Modules inside
+    one of type ``skip_inside`` are not visited (a multi-LoRA layer's slots: a walk then
+    costs the same whatever the number of slots)."""
     local_layer, global_layer = None, None
-    for name, module in chunk.named_modules():  # pre-order: a layer precedes its children
+    for name, module in _named_modules(chunk, skip_inside):  # pre-order: a layer first
         if isinstance(module, TransformerLayer):
             parent, index = name.rpartition(".")[0], str(module.layer_number - 1)
             local_layer, global_layer = name, f"{parent}.{index}" if parent else index
@@ -28,6 +32,25 @@ def global_named_modules(chunk: torch.nn.Module) -> Iterator[tuple[str, str, tor
             yield name, global_layer + name[len(local_layer) :], module
         else:
             yield name, name, module
+
+
+def _named_modules(
+    root: torch.nn.Module, skip_inside: type | None
+) -> Iterator[tuple[str, torch.nn.Module]]:
+    """``root.named_modules()`` (pre-order, each module once) without descending into the
+    modules of type ``skip_inside``."""
+    seen: set[int] = set()
+    stack = [("", root)]
+    while stack:
+        name, module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        yield name, module
+        if skip_inside is not None and isinstance(module, skip_inside):
+            continue
+        children = [(f"{name}.{k}" if name else k, c) for k, c in module._modules.items()]
+        stack.extend((n, c) for n, c in reversed(children) if c is not None)
 
 
 def chunk_prefixes(chunks: Sequence[torch.nn.Module]) -> list[str]:

@@ -126,7 +126,7 @@ class SlotBank(torch.nn.ModuleList):
         if dropout is not None:
             slot.dropout.fill_(float(dropout))
         self.mask_rank(idx)
-        self.refresh()
+        self._refresh_slot(idx)
 
     def release(self, idx: int) -> None:
         """Free slot ``idx``: zero alpha, max rank, the layer's default dropout (the caller
@@ -136,7 +136,7 @@ class SlotBank(torch.nn.ModuleList):
         slot.rank.fill_(self.max_rank)
         slot.alpha.zero_()
         slot.dropout.fill_(self.default_dropout)
-        self.refresh()
+        self._refresh_slot(idx)
 
     def load(self, idx: int, factors: dict[Factor, torch.Tensor]) -> None:
         """Copy this rank's shards into slot ``idx`` and re-zero its padded rank."""
@@ -160,14 +160,19 @@ class SlotBank(torch.nn.ModuleList):
 
     def refresh(self) -> None:
         """Per-slot alpha/rank and dropout for forward, read once here so forward needs no
-        device-to-host sync to skip dropout or to pick the rank it computes at."""
+        device-to-host sync to skip dropout or to pick the rank it computes at (every slot:
+        after a state-dict load; :meth:`claim` and :meth:`release` refresh their own)."""
+        self.ranks, self.rates, self.alphas = [0] * len(self), [0.0] * len(self), [0.0] * len(self)
+        for i in range(len(self)):
+            self._refresh_slot(i)
+
+    def _refresh_slot(self, i: int) -> None:
+        slot = self[i]
         with torch.no_grad():
-            for i, slot in enumerate(self):
-                self.scale[i] = slot.alpha / slot.rank
-                self.dropout_p[i] = slot.dropout
-        self.ranks = [int(slot.rank) for slot in self]
-        self.rates = [float(slot.dropout) for slot in self]
-        self.alphas = [float(slot.alpha) for slot in self]
+            self.scale[i] = slot.alpha / slot.rank
+            self.dropout_p[i] = slot.dropout
+        self.ranks[i], self.rates[i] = int(slot.rank), float(slot.dropout)
+        self.alphas[i] = float(slot.alpha)
 
     def compute_rank(self, slots: tuple[int, ...], rank_is_split: bool) -> int:
         """The rank the GEMMs run at: the largest rank among ``slots`` that have alpha != 0

@@ -191,3 +191,28 @@ def test_destroy_parallel_frees_every_group_with_megatrons_gloo_groups_too():
         assert not [g for g in made if g in _world.pg_map]
     finally:
         mm.init_parallel(seed=1234)
+
+
+def test_a_walk_of_the_adapted_layers_costs_the_same_whatever_the_slots(monkeypatch):
+    """Starting, freeing or reading one slot walks the model's layers, not its slots: the
+    walk visits the same modules with 2 slots as with 64 (it was every slot's too, so
+    starting N jobs cost N^2)."""
+    from megatron_multilora.layers import model_paths
+
+    visited = []
+    walk = model_paths._named_modules
+
+    def counted(root, skip_inside):
+        for item in walk(root, skip_inside):
+            visited.append(item[0])
+            yield item
+
+    monkeypatch.setattr(model_paths, "_named_modules", counted)
+    counts = []
+    for n in (2, 64):
+        model = mm.apply_multi_lora(gpt(), n, DIM, 8.0)
+        visited.clear()
+        layers = mm.multi_lora_modules(model)
+        counts.append(len(visited))
+        assert len(layers) == 8 and all(layer.n_slots == n for layer in layers)
+    assert counts[0] == counts[1]
