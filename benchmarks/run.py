@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 import megatron_multilora as mm
+from benchmarks.adapters import section_adapters
 from benchmarks.api_service import section_api
 from benchmarks.cuda_graphs import section_graphs
 from benchmarks.jobs import section_jobs
@@ -45,6 +46,7 @@ RUN_SECTION = {
     "api": section_api,
     "rl": section_rl,
     "mainjob": section_mainjob,
+    "adapters": section_adapters,
 }
 
 

@@ -74,9 +74,10 @@ SECTIONS = (
 """What a run without ``--only`` runs."""
 
 
-EXTRA_SECTIONS = ("peers", "api", "rl", "mainjob", "launches", "graphs")
+EXTRA_SECTIONS = ("peers", "api", "rl", "mainjob", "launches", "graphs", "adapters")
 """Run only when named in ``--only`` (minutes of whole training launches; counts rather than
-times, which ``tests/unit/test_launches.py`` holds; CUDA graphs, GPU only)."""
+times, which ``tests/unit/test_launches.py`` holds; CUDA graphs, GPU only; a thousand
+adapters' builds)."""
 
 
 ALL_SECTIONS = SECTIONS + EXTRA_SECTIONS
