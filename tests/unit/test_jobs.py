@@ -159,3 +159,51 @@ def test_an_ending_job_logs_its_last_window_before_its_end_line_and_none_after(t
     assert len(printed) == 2
     steps = [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
     assert steps == [3, 4]
+
+
+def _planned_step_by_step(jobs, slots, now):
+    """The plan played out one trainer step at a time (the board's admission rule)."""
+    left = {
+        i: j.total_steps - j.steps_done for i, j in enumerate(jobs) if j.status in (QUEUED, ACTIVE)
+    }
+    running = {i for i, j in enumerate(jobs) if j.status == ACTIVE}
+    step = now
+    while left:
+        for i in sorted(left):
+            if len(running) < slots and i not in running and jobs[i].spec.start_step <= step:
+                running.add(i)
+        for i in list(running):
+            left[i] -= 1
+            if left[i] <= 0:
+                running.discard(i)
+                del left[i]
+        step += 1
+    return step - now
+
+
+def test_the_plan_equals_the_queue_played_out_step_by_step_and_scales():
+    """The progress total is replanned at every job's end: by slot-free times, it equals the
+    step-by-step play of the queue on random boards, and plans 4,096 jobs at once."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        jobs = []
+        for i in range(rng.randint(0, 12)):
+            spec = AdapterJob(
+                name=f"j{i}",
+                dataset="-",
+                max_steps=rng.randint(1, 9),
+                start_step=rng.choice([0, 0, rng.randint(0, 20)]),
+            )
+            j = job(spec)
+            j.status = rng.choice([QUEUED, QUEUED, ACTIVE, DONE])
+            j.steps_done = rng.randint(0, j.total_steps - 1) if j.status == ACTIVE else 0
+            jobs.append(j)
+        slots = rng.randint(1, 4)
+        if sum(j.status == ACTIVE for j in jobs) > slots:
+            continue
+        now = rng.randint(0, 10)
+        assert planned_steps(jobs, slots, now) == _planned_step_by_step(jobs, slots, now)
+    many = [job(AdapterJob(name=f"j{i}", dataset="-", max_steps=100)) for i in range(4096)]
+    assert planned_steps(many, 1024) == 400

@@ -8,6 +8,7 @@ training step.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import zlib
 from typing import Any
@@ -110,20 +111,23 @@ class Job:
 
 def planned_steps(jobs: list[Job], slots: int, now: int = 0) -> int:
     """Trainer steps from step ``now`` until every job finishes if none fails: the queue,
-    simulated (a job's ``start_step`` is a trainer step, as ``now`` is)."""
-    remaining = {
-        i: j.total_steps - j.steps_done for i, j in enumerate(jobs) if j.status in (QUEUED, ACTIVE)
-    }
-    running = {i for i, j in enumerate(jobs) if j.status == ACTIVE}
-    step = now
-    while remaining:
-        for i in sorted(remaining):
-            if len(running) < slots and i not in running and jobs[i].spec.start_step <= step:
-                running.add(i)
-        for i in list(running):
-            remaining[i] -= 1
-            if remaining[i] <= 0:
-                running.discard(i)
-                del remaining[i]
-        step += 1
-    return step - now
+    played out by the times slots free up (a job's ``start_step`` is a trainer step, as
+    ``now`` is). A slot goes to the first queued job whose start step has come; a job of
+    ``r`` steps left started at ``t`` frees its slot for step ``t + r``. O(N log N) for N
+    jobs that need no wait for their start step: the run replans at every job's end."""
+    left = {id(j): max(1, j.total_steps - j.steps_done) for j in jobs}
+    ends = [now + left[id(j)] for j in jobs if j.status == ACTIVE]
+    last = max(ends, default=now)
+    free = [now] * max(0, slots - len(ends)) + ends  # when each slot is next free
+    heapq.heapify(free)
+    queue = [j for j in jobs if j.status == QUEUED]
+    while queue and free:
+        t = heapq.heappop(free)
+        k = next((k for k, j in enumerate(queue) if j.spec.start_step <= t), None)
+        if k is None:  # none may start yet: the slot waits for the earliest start step
+            heapq.heappush(free, min(j.spec.start_step for j in queue))
+            continue
+        end = t + left[id(queue.pop(k))]
+        last = max(last, end)
+        heapq.heappush(free, end)
+    return last - now
