@@ -133,6 +133,25 @@ class _FullySharded:
     def partial_grad(self, factor: Factor) -> bool:
         return False
 
+    def call_base(
+        self,
+        base: torch.nn.Module,
+        x: torch.Tensor,
+        args: tuple,
+        kwargs: dict,
+        returns_ln_output: bool,
+        where: str,
+    ) -> BaseCall:
+        """The base's matmul run here (:meth:`_matmul`): it takes only its input; its bias
+        is added to the output, or handed back (megatron's ``skip_bias_add``)."""
+        if args or kwargs:
+            raise TypeError(
+                f"{where}: a fully sharded layer takes only its input, got extra "
+                f"arguments {args} {sorted(kwargs)}"
+            )
+        add_bias, returned_bias = (None, base.bias) if base.skip_bias_add else (base.bias, None)
+        return self._matmul(base.weight, x, add_bias, returned_bias)
+
 
 class FullyShardedColumnLayout(_FullySharded, ColumnParallelLayout):
     """A split on rank too: ``mid``'s rank columns are all-gathered; the base's input
@@ -154,23 +173,14 @@ class FullyShardedColumnLayout(_FullySharded, ColumnParallelLayout):
         # [T, r/tp] -> [T, r]; bwd sums the partial gradients
         return mappings.all_gather_last_dim_from_tensor_parallel_region(mid, group=self.group)
 
-    def call_base(
-        self,
-        base: torch.nn.Module,
-        x: torch.Tensor,
-        args: tuple,
-        kwargs: dict,
-        returns_ln_output: bool,
-        where: str,
-    ) -> BaseCall:
-        add_bias, returned_bias = _plain_call(base, args, kwargs, where)
+    def _matmul(self, weight: torch.Tensor, x: torch.Tensor, add_bias: Any, bias: Any) -> BaseCall:
         # The base's input collective, run here so that its backward also sums the LoRA
         # branch's input gradient, is the one the column layout takes on ``mid``.
         x_full = super().reduce_mid(x)
-        out = F.linear(x_full, base.weight, add_bias)
+        out = F.linear(x_full, weight, add_bias)
 
         def output(lora: torch.Tensor | None) -> Any:
-            return (out if lora is None else add_lora(out, lora.view_as(out))), returned_bias
+            return (out if lora is None else add_lora(out, lora.view_as(out))), bias
 
         return BaseCall(x_full.reshape(-1, x_full.size(-1)), False, False, output)
 
@@ -195,18 +205,9 @@ class FullyShardedRowLayout(_FullySharded, RowParallelLayout):
         mid = mappings.reduce_from_tensor_model_parallel_region(mid, group=self.group)
         return mappings.copy_to_tensor_model_parallel_region(mid, group=self.group)
 
-    def call_base(
-        self,
-        base: torch.nn.Module,
-        x: torch.Tensor,
-        args: tuple,
-        kwargs: dict,
-        returns_ln_output: bool,
-        where: str,
-    ) -> BaseCall:
-        add_bias, returned_bias = _plain_call(base, args, kwargs, where)
+    def _matmul(self, weight: torch.Tensor, x: torch.Tensor, add_bias: Any, bias: Any) -> BaseCall:
         x2 = x.reshape(-1, x.size(-1))
-        partial = F.linear(x2, base.weight)  # [T, out]: this rank's partial sum
+        partial = F.linear(x2, weight)  # [T, out]: this rank's partial sum
 
         def output(lora: torch.Tensor | None) -> Any:
             if lora is not None:  # [T, out/tp]: this rank's columns
@@ -215,20 +216,9 @@ class FullyShardedRowLayout(_FullySharded, RowParallelLayout):
             # The base's own reduction (SP: reduce-scatter), the row layout's collective on
             # ``mid``.
             out = RowParallelLayout.reduce_mid(self, partial.view(*x.shape[:-1], partial.size(-1)))
-            return (out if add_bias is None else out + add_bias), returned_bias
+            return (out if add_bias is None else out + add_bias), bias
 
         return BaseCall(x2, False, False, output)
-
-
-def _plain_call(base: torch.nn.Module, args: tuple, kwargs: dict, where: str) -> tuple[Any, Any]:
-    """For a base whose matmul a fully sharded layout runs itself: the bias to add to its
-    output and the bias to return (megatron's ``skip_bias_add`` hands it back instead)."""
-    if args or kwargs:
-        raise TypeError(
-            f"{where}: a fully sharded layer takes only its input, got extra "
-            f"arguments {args} {sorted(kwargs)}"
-        )
-    return (None, base.bias) if base.skip_bias_add else (base.bias, None)
 
 
 def base_kind(to_wrap: torch.nn.Module) -> BaseKind:

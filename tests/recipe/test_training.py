@@ -385,7 +385,12 @@ def test_the_card_snippet_reproduces_the_held_out_tables_exact_matches(demo_data
     from megatron_multilora.training.trainer import Trainer
 
     base = write_tiny_llama(tmp_path / "tiny-llama", hidden_size=64)
-    run_in_process(tmp_path / "run", [job("rev", demo_data, "reverse", 4)], [f"hf_dir={base}"])
+    # fp32 frozen GEMMs, as transformers runs the snippet: greedy choices then agree on every
+    # CPU (a random model's top two logits lie far apart next to fp32's rounding).
+    fp32 = ["trainer.cpu_base_gemms=fp32"]
+    run_in_process(
+        tmp_path / "run", [job("rev", demo_data, "reverse", 4)], [f"hf_dir={base}", *fp32]
+    )
     records = [json.loads(line) for line in (demo_data / "reverse.eval.jsonl").open()]
     answers = []
     for record in records:
@@ -406,7 +411,7 @@ def test_the_card_snippet_reproduces_the_held_out_tables_exact_matches(demo_data
     )
     check = job("check", demo_data, "reverse", 1, eval_dataset=str(held_out))
     run = compose_run(
-        [*QUIET, f"run_dir={tmp_path / 'check'}", f"adapters=[{check}]", f"hf_dir={base}"]
+        [*QUIET, f"run_dir={tmp_path / 'check'}", f"adapters=[{check}]", f"hf_dir={base}", *fp32]
     )
     validate(run)
     trainer = Trainer(run)
