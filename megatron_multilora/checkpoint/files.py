@@ -38,12 +38,13 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(folder: str | Path) -> None:
-    """Record the size and sha256 of every file in ``folder`` in ``folder/manifest.json``.
+def write_manifest(folder: str | Path, known: dict[str, dict] | None = None) -> None:
+    """Record the size and sha256 of every file in ``folder`` in ``folder/manifest.json``
+    (``known``: entries of files linked from a verified folder, not hashed again).
     Call it last: a folder whose manifest verifies was completely written and is unchanged."""
-    folder = Path(folder)
+    folder, known = Path(folder), known or {}
     files = {
-        f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+        f.name: known.get(f.name) or {"bytes": f.stat().st_size, "sha256": _sha256(f)}
         for f in sorted(folder.iterdir())
         if f.name != MANIFEST
     }
@@ -73,3 +74,8 @@ def verify_manifest(folder: str | Path) -> None:
             )
         if _sha256(path) != want["sha256"]:
             raise DamagedFolderError(f"{path} is damaged: its sha256 differs from {MANIFEST}")
+
+
+def manifest_entries(folder: str | Path) -> dict[str, dict]:
+    """``folder``'s manifest: each file's size and sha256, by name."""
+    return json.loads((Path(folder) / MANIFEST).read_text())["files"]

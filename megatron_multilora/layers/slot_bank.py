@@ -120,23 +120,31 @@ class SlotBank(torch.nn.ModuleList):
             )
         if dropout is not None and not 0.0 <= dropout < 1.0:
             raise ValueError(f"{self.where}: dropout={dropout} must be in [0, 1)")
-        slot = self[idx]
-        slot.rank.fill_(rank)
-        slot.alpha.fill_(float(alpha))
-        if dropout is not None:
-            slot.dropout.fill_(float(dropout))
+        self.restore(idx, rank, alpha, self.rates[idx] if dropout is None else dropout)
         self.mask_rank(idx)
-        self._refresh_slot(idx)
 
     def release(self, idx: int) -> None:
         """Free slot ``idx``: zero alpha, max rank, the layer's default dropout (the caller
         re-initialises its weights)."""
         self.check(idx)
+        self.restore(idx, self.max_rank, 0.0, self.default_dropout)
+
+    def restore(self, idx: int, rank: int, alpha: float, dropout: float) -> None:
+        """Set slot ``idx``'s rank, alpha and dropout as known on the host (nothing read
+        back from the device): its weights are put there by the caller (a paged-in adapter's
+        rows, already masked to its rank)."""
         slot = self[idx]
-        slot.rank.fill_(self.max_rank)
-        slot.alpha.zero_()
-        slot.dropout.fill_(self.default_dropout)
-        self._refresh_slot(idx)
+        slot.rank.fill_(rank)
+        slot.alpha.fill_(float(alpha))
+        slot.dropout.fill_(float(dropout))
+        # The values as the fp32 buffers hold them (what a state-dict load reads back), and
+        # alpha / rank as the buffers divide it (fp32 by an integer), computed on the host.
+        alpha32, dropout32 = (torch.tensor(float(v), dtype=torch.float32) for v in (alpha, dropout))
+        with torch.no_grad():
+            self.scale[idx] = alpha32 / rank
+            self.dropout_p[idx] = dropout32
+        self.ranks[idx], self.rates[idx] = int(rank), float(dropout32)
+        self.alphas[idx] = float(alpha32)
 
     def load(self, idx: int, factors: dict[Factor, torch.Tensor]) -> None:
         """Copy this rank's shards into slot ``idx`` and re-zero its padded rank."""

@@ -6,11 +6,16 @@ from every TP/EP shard), so a run resumes under another TP/EP layout too; RNG st
 per rank and are restored only when the world size matches.
 
 Layout of ``<run_dir>/checkpoints/``: ``step_00000040/`` folders (``state.pt`` with the queue,
-slots and scalar optimizer state, ``slot<k>.safetensors`` with ``param/`` (the fp32 master
-weights), ``exp_avg/``, ``exp_avg_sq/`` tensors, ``rng.pt``, and ``manifest.json`` with every file's size and sha256,
-written last), ``latest.json`` naming the newest, and ``set_aside/`` holding the folders a
-resume skipped (damaged, or newer than the checkpoint resumed): those are never overwritten or
-pruned.
+each training job's rank, alpha and scalar optimizer state, ``job.<name>.safetensors`` with its
+``param/`` (the fp32 master weights), ``exp_avg/``, ``exp_avg_sq/`` tensors, ``rng.pt``, and
+``manifest.json`` with every file's size and sha256, written last), ``latest.json`` naming
+the newest, and ``set_aside/`` holding the folders a resume skipped (damaged, or newer than the
+checkpoint resumed): those are never overwritten or pruned.
+
+A job that has not stepped since the previous checkpoint (it waits for its turn, or the run
+holds thousands) has the same file: it is hard-linked from there, not written again, and its
+manifest entry reused. The files hold every value a step reads (weights, masters, moments;
+the step count and schedule in ``state.pt``), so a resume is exact either way.
 """
 
 from __future__ import annotations
@@ -57,16 +62,34 @@ def checkpoint_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def job_file(name: str) -> str:
+    """The file of job ``name``'s adapter and optimizer in a checkpoint folder."""
+    return f"job.{name}.safetensors"
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptFile:
+    """A job's file in an earlier checkpoint, still its state (it has not stepped since):
+    linked into the new checkpoint instead of written again, with its metadata and its
+    manifest entry."""
+
+    path: Path
+    meta: dict[str, Any]
+    entry: dict[str, Any]
+
+
 def save_training_checkpoint(
     run_dir: str | Path,
     step: int,
-    model: ModelOrChunks,
-    optimizers: dict[int, SlotOptimizer],
+    snapshots: dict[str, dict[str, Any]],
     state: dict[str, Any],
     keep_last: int,
+    kept: dict[str, KeptFile] | None = None,
 ) -> Path:
-    """Save after ``step`` trainer steps (collective). ``state`` is picklable trainer state."""
-    slots = {slot: slot_snapshot(model, slot, optimizers[slot]) for slot in sorted(optimizers)}
+    """Save after ``step`` trainer steps (collective): each training job's
+    :func:`slot_snapshot` by name, or its :class:`KeptFile` where it has not changed since an
+    earlier checkpoint. ``state`` is picklable trainer state."""
+    kept = kept or {}
     rng = [None] * dist.get_world_size()
     dist.all_gather_object(rng, rng_state())
     root = checkpoint_root(run_dir)
@@ -75,23 +98,28 @@ def save_training_checkpoint(
     if dist.get_rank() == 0:
 
         def fill(tmp: Path) -> None:
-            meta = {k: {n: v for n, v in s.items() if n != "tensors"} for k, s in slots.items()}
+            meta = {
+                **{k: {n: v for n, v in s.items() if n != "tensors"} for k, s in snapshots.items()},
+                **{k: f.meta for k, f in kept.items()},
+            }
             torch.save(
                 {
                     "step": step,
-                    "slots": meta,
+                    "jobs": meta,
                     "trainer": state,
                     "world_size": dist.get_world_size(),
                 },
                 tmp / CHECKPOINT_STATE,
             )
-            for k, s in slots.items():
+            for k, s in snapshots.items():
                 save_file(
-                    {n: t.contiguous() for n, t in s["tensors"].items()},
-                    str(tmp / f"slot{k}.safetensors"),
+                    {n: t.contiguous() for n, t in s["tensors"].items()}, str(tmp / job_file(k))
                 )
+            for k, f in kept.items():  # unchanged: the same bytes, not written again
+                _link_or_copy(f.path, tmp / job_file(k))
             torch.save(rng, tmp / "rng.pt")
-            write_manifest(tmp)  # last: a folder whose manifest verifies is complete
+            # last: a folder whose manifest verifies is complete
+            write_manifest(tmp, known={job_file(k): f.entry for k, f in kept.items()})
 
         try:
             # Never overwritten: a step is saved once, and a resume sets newer folders aside.
@@ -106,6 +134,15 @@ def save_training_checkpoint(
     if failure[0] is not None:
         raise CheckpointError(failure[0])
     return path
+
+
+def _link_or_copy(source: Path, dest: Path) -> None:
+    """A hard link (no bytes written; the file outlives its folder's pruning), or a copy
+    where the file system has none."""
+    try:
+        os.link(source, dest)
+    except OSError:
+        shutil.copyfile(source, dest)
 
 
 def _write_failure(path: Path, root: Path, err: Exception) -> str:
@@ -346,25 +383,25 @@ def read_training_state(path: Path) -> dict[str, Any]:
     return _read(path / CHECKPOINT_STATE, lambda f: torch.load(f, weights_only=False))
 
 
-def restore_training_checkpoint(
-    path: Path,
-    saved: dict[str, Any],
-    model: ModelOrChunks,
-    make_optimizer: Callable[[int], SlotOptimizer],
-) -> dict[int, SlotOptimizer]:
-    """Restore adapters, per-slot optimizers (``make_optimizer(slot)`` builds each) and,
-    with the same world size, RNG; returns the optimizers by slot."""
-    optimizers = {}
-    for slot, meta in saved["slots"].items():
-        optimizers[slot] = make_optimizer(slot)
-        restore_slot(
-            model, slot, meta, _read(path / f"slot{slot}.safetensors", load_file), optimizers[slot]
-        )
+def saved_jobs(saved: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """A checkpoint's training jobs: name -> (its file, its metadata). Checkpoints of earlier
+    versions kept them by slot (``slot<k>.safetensors``), named by the queue's slots."""
+    if "jobs" in saved:
+        return {name: (job_file(name), meta) for name, meta in saved["jobs"].items()}
+    names = {p["slot"]: p["name"] for p in saved["trainer"]["queue"] if p["status"] == "active"}
+    return {names[k]: (f"slot{k}.safetensors", meta) for k, meta in saved["slots"].items()}
+
+
+def read_job_file(path: Path, name: str) -> dict[str, torch.Tensor]:
+    return _read(path / name, load_file)
+
+
+def restore_rng(path: Path, saved: dict[str, Any]) -> None:
+    """The checkpoint's RNG streams, with the same world size (per rank)."""
     if saved["world_size"] == dist.get_world_size():
         restore_rng_state(
             _read(path / "rng.pt", lambda f: torch.load(f, weights_only=False))[dist.get_rank()]
         )
-    return optimizers
 
 
 def rng_state() -> dict[str, Any]:
@@ -392,9 +429,9 @@ def checkpoint_adapter(folder: Path, job: str) -> tuple[dict[str, torch.Tensor],
     ``alpha`` added. Raises CheckpointError naming what is missing."""
     check_checkpoint(folder)
     state = read_training_state(folder)
-    slots = {s["name"]: s["slot"] for s in state["trainer"]["queue"] if s["status"] == "active"}
-    if job not in slots:
-        names = ", ".join(sorted(slots)) or "none"
+    jobs = saved_jobs(state)
+    if job not in jobs:
+        names = ", ".join(sorted(jobs)) or "none"
         raise CheckpointError(
             f"job {job!r} was not training in {folder} (training then: {names}); "
             "finished jobs are exported under <run_dir>/adapters/"
@@ -404,11 +441,11 @@ def checkpoint_adapter(folder: Path, job: str) -> tuple[dict[str, torch.Tensor],
             f"{folder} does not record its jobs' base model (a checkpoint from "
             "an older version): export the job from a newer checkpoint"
         )
-    slot = state["slots"][slots[job]]
-    tensors = _read(folder / f"slot{slots[job]}.safetensors", load_file)
+    file, meta = jobs[job]
+    tensors = read_job_file(folder, file)
     params = {k[len("param/") :]: v for k, v in tensors.items() if k.startswith("param/")}
     return params, {
         **state["trainer"]["adapters"][job],
-        "rank": slot["rank"],
-        "alpha": slot["alpha"],
+        "rank": meta["rank"],
+        "alpha": meta["alpha"],
     }

@@ -72,10 +72,17 @@ def validate(run: RunConfig, check_files: bool = True) -> None:
             "adapters: no adapter jobs configured (or set trainer.serve=true and "
             "submit jobs with mmlora submit)"
         )
-    if not tr.queue_jobs and len(run.adapters) > run.lora.slots:
+    at_once = max(tr.active_jobs or 0, run.lora.slots)
+    if not tr.queue_jobs and len(run.adapters) > at_once:
         problems.append(
-            f"{len(run.adapters)} adapter jobs but lora.slots={run.lora.slots} and "
+            f"{len(run.adapters)} adapter jobs but lora.slots={run.lora.slots}"
+            f"{f' and trainer.active_jobs={tr.active_jobs}' if tr.active_jobs else ''} and "
             "trainer.queue_jobs=false"
+        )
+    if tr.active_jobs is not None and tr.active_jobs < run.lora.slots:
+        problems.append(
+            f"trainer.active_jobs={tr.active_jobs} is below lora.slots={run.lora.slots}: "
+            "set it to lora.slots or more (null: lora.slots)"
         )
     names = [job.name for job in run.adapters]
     if len(set(names)) != len(names):

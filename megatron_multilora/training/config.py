@@ -111,7 +111,8 @@ AdapterJob.__module__, AdapterJob.__doc__ = __name__, _JobFields.__doc__
 @dataclasses.dataclass
 class LoRASettings:
     slots: int = ranged(MISSING, at_least(1))
-    """Adapter slots trained at once; more jobs than slots wait in a queue."""
+    """Adapter slots on the device: the jobs of one step. More jobs than slots wait in a
+    queue, or take turns by step with trainer.active_jobs."""
     max_rank: int = ranged(MISSING, at_least(1))
     """Every slot is allocated at this rank; a job's rank may be lower."""
     targets: list[str] = MISSING
@@ -179,7 +180,12 @@ class TrainerSettings:
     max_new_tokens: int = ranged(MISSING, at_least(0))
     """Generation length for the exact-match accuracy (0: no generations)."""
     queue_jobs: bool = MISSING
-    """False: refuse configs with more jobs than slots instead of queueing them."""
+    """False: refuse configs with more jobs than slots (or active_jobs) instead of queueing
+    them."""
+    active_jobs: int | None = ranged(MISSING, at_least(1, optional=True))
+    """Jobs training at once (null: lora.slots). Above lora.slots, the jobs take turns by
+    step in the lora.slots device slots, each stepping with its own batch size and
+    schedule; between turns an adapter (weights, optimizer state) waits in host memory."""
     serve: bool = MISSING
     """True: keep running when every job has ended, admitting jobs submitted with ``mmlora
     submit`` until ``mmlora stop`` (or a signal); the config's adapters may be empty."""

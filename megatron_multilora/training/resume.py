@@ -12,16 +12,24 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_multilora.atomic_files import first_free
+from megatron_multilora.checkpoint.files import manifest_entries
 from megatron_multilora.layers.lifecycle import ModelOrChunks
 from megatron_multilora.training.checkpoints import (
+    KeptFile,
     find_resume_point,
+    job_file,
     prepare_checkpoint_folder,
+    read_job_file,
     read_training_state,
-    restore_training_checkpoint,
+    restore_rng,
+    restore_slot,
     save_training_checkpoint,
+    saved_jobs,
+    slot_snapshot,
 )
 from megatron_multilora.training.config import RunConfig, adapter_job
 from megatron_multilora.training.jobs.board import JobBoard
+from megatron_multilora.training.jobs.job import Job
 from megatron_multilora.training.mailbox.folder import SERVE_DIR
 from megatron_multilora.training.report.metrics import METRICS_FILE, keep_first_records
 from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
@@ -53,6 +61,8 @@ class RunCheckpoints:
         self.run, self.run_dir, self.model, self.board = run, Path(run.run_dir), model, board
         self.is_main, self.say = is_main, say
         self.saved: tuple[int, Path] | None = None  # (step, folder) of the last checkpoint
+        # Each training job's file in the last checkpoint, and its version then.
+        self._files: dict[str, tuple[tuple[int, int], KeptFile]] = {}
 
     def resume(self) -> int:
         """Continue from the newest intact checkpoint (``checkpoint.resume=auto``; damaged
@@ -75,33 +85,60 @@ class RunCheckpoints:
         for job in saved["trainer"].get("submitted", []):  # added before the checkpoint
             self.board.add(adapter_job(job, f"submitted job {job['name']}"), source="submitted")
         self.board.restore(saved["trainer"]["queue"])
-        by_slot = {job.slot: job for job in self.board.active()}
-        optimizers = restore_training_checkpoint(
-            point.path,
-            saved,
-            self.model,
-            lambda slot: SlotOptimizer(
-                self.model, slot, by_slot[slot].spec, by_slot[slot].total_steps
-            ),
-        )
-        for slot, optimizer in optimizers.items():
-            by_slot[slot].optimizer = optimizer
+        self._restore_jobs(point.path, saved)
+        restore_rng(point.path, saved)
         self.saved = (saved["step"], point.path)
         if self.is_main:
             keep_first_records(self.run_dir / METRICS_FILE, saved["trainer"]["metrics_records"])
             print(f"resumed from {point.path} at step {saved['step']}", flush=True)
         return saved["step"]
 
+    def _restore_jobs(self, path: Path, saved: dict) -> None:
+        """Each training job's adapter and optimizer, as many at a time as there are device
+        slots (the others wait paged out, as in the run saved)."""
+        files = saved_jobs(saved)
+        active = self.board.active()
+        for job in active:
+            job.slot = None  # the saved run's slots: each job is placed anew
+        entries = manifest_entries(path)
+        for group in self.board.in_turns(active):
+            for job in group:
+                job.optimizer = SlotOptimizer(self.model, job.slot, job.spec, job.total_steps)
+                self.board.table.bind(job.name, job.optimizer)
+                name, meta = files[job.name]
+                restore_slot(self.model, job.slot, meta, read_job_file(path, name), job.optimizer)
+                self._files[job.name] = (
+                    self._version(job),
+                    KeptFile(path / name, meta, entries[name]),
+                )
+
+    @staticmethod
+    def _version(job: Job) -> tuple[int, int]:
+        # A job's file changes only when its optimizer steps (or it starts anew).
+        return id(job.optimizer), job.optimizer.steps
+
     def save(self, step: int, metrics_records: int) -> Path:
         """Checkpoint ``step``, once: a step already saved (or resumed from) is not written
-        again. ``metrics_records``: the records logged so far (a resume keeps those)."""
+        again. ``metrics_records``: the records logged so far (a resume keeps those). A job
+        that has not stepped since the last checkpoint keeps that checkpoint's file (linked,
+        not written)."""
         if self.saved is None or self.saved[0] != step:
             active = self.board.active()
+            kept = {
+                job.name: self._files[job.name][1]
+                for job in active
+                if job.name in self._files
+                and self._files[job.name][0] == self._version(job)
+                and self._files[job.name][1].path.exists()
+            }
+            snapshots = {}
+            for group in self.board.in_turns([job for job in active if job.name not in kept]):
+                for job in group:
+                    snapshots[job.name] = slot_snapshot(self.model, job.slot, job.optimizer)
             path = save_training_checkpoint(
                 self.run_dir,
                 step,
-                self.model,
-                {job.slot: job.optimizer for job in active},
+                snapshots,
                 {
                     "queue": self.board.progress(),
                     "metrics_records": metrics_records,
@@ -113,8 +150,21 @@ class RunCheckpoints:
                     ],
                 },
                 self.run.checkpoint.keep_last,
+                kept,
             )
             self.saved = (step, path)
+            entries = manifest_entries(path) if self.is_main else {}
+            self._files = {
+                job.name: (
+                    self._version(job),
+                    KeptFile(
+                        path / job_file(job.name),
+                        kept[job.name].meta if job.name in kept else _meta(snapshots[job.name]),
+                        entries.get(job_file(job.name), {}),
+                    ),
+                )
+                for job in active
+            }
         return self.saved[1]
 
     def _move_previous_run_aside(self) -> None:
@@ -135,3 +185,7 @@ class RunCheckpoints:
             f"({', '.join(found)}) moved to {dest}",
             flush=True,
         )
+
+
+def _meta(snapshot: dict) -> dict:
+    return {n: v for n, v in snapshot.items() if n != "tensors"}

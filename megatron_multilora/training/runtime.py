@@ -1,7 +1,8 @@
 """What the trainer and the training service both run on, built once from a run's config.
 
 :meth:`Runtime.build` sets up the parallel layout, the tokenizer, the model with its adapter
-slots (``model_setup``) and the one step of every slot (:class:`.step.slot_step.SlotStep`).
+slots (``model_setup``), the one step of every slot (:class:`.step.slot_step.SlotStep`) and
+the paged table of the adapters that wait for a slot (:class:`.step.adapter_table.AdapterTable`).
 :meth:`Runtime.start_slot` puts an adapter into a slot (a job's ``init_from`` folder or
 fresh weights drawn by its name) with its optimizer, :meth:`Runtime.free_slot` gives the slot
 back; :meth:`Runtime.tools` is what objectives prepare with and samples come from. The
@@ -33,6 +34,7 @@ from megatron_multilora.models.hf_import import load_hf_tokenizer
 from megatron_multilora.parallel import init_parallel
 from megatron_multilora.training.config import AdapterJob, RunConfig, base_model_config, job_alpha
 from megatron_multilora.training.model_setup import build_run_model
+from megatron_multilora.training.step.adapter_table import AdapterTable
 from megatron_multilora.training.step.objective_tools import StepTools
 from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
 from megatron_multilora.training.step.slot_step import SlotStep
@@ -46,6 +48,10 @@ class Runtime:
     tokenizer: Any
     model: list[torch.nn.Module]  # the chunks (one per virtual pipeline stage)
     step: SlotStep
+    table: AdapterTable = dataclasses.field(init=False)  # the adapters of more jobs than slots
+
+    def __post_init__(self) -> None:
+        self.table = AdapterTable(self.step)
 
     @classmethod
     def build(cls, run: RunConfig) -> Runtime:

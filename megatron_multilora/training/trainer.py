@@ -85,7 +85,8 @@ class Trainer:
         self.say(self._summary())
 
     def train(self) -> None:
-        """The run loop: boundary -> admit -> step -> retire -> log / eval / save."""
+        """The run loop: boundary -> admit -> step (the jobs whose turn it is) -> retire ->
+        log / eval / save."""
         tr, board = self.run.trainer, self.board
         self.report.begin(self.step, board.planned(self.step))
         self._status(TRAINING)
@@ -99,7 +100,7 @@ class Trainer:
                     break
                 self._wait_or_skip()
                 continue
-            stats = self.train_one_step(active)
+            stats = self.train_one_step(board.turn(active))
             self.step += 1
             self.report.stepped(self.step, stats)
             if board.retire(self.step):
@@ -107,11 +108,13 @@ class Trainer:
             self._on_schedule()
         self.report.end_training()
         self._save()
-        for job in board.active():  # cut short by trainer.max_steps: export as is
-            board.exporter.export(job)
+        for group in board.in_turns(board.active()):  # cut short by trainer.max_steps
+            for job in group:
+                board.exporter.export(job)
 
     def train_one_step(self, active: list[Job]) -> dict[str, dict[str, float]]:
-        """One trainer step of the ``active`` jobs; returns the metrics of those that stepped."""
+        """One trainer step of the ``active`` jobs (in device slots); returns the metrics of
+        those that stepped."""
         work, tokens, order = self.board.global_batch(self.step, active)
         active = [job for job in active if job.status == ACTIVE]  # a reward may have failed one
         lrs = {job.slot: job.optimizer.lr for job in active}  # what this step uses
@@ -235,8 +238,11 @@ class Trainer:
         trainable = sum(
             p.numel() for chunk in self.model for p in chunk.parameters() if p.requires_grad
         )
+        at_once = self.board.max_active
+        turns = f" ({at_once} at once, taking turns)" if at_once > run.lora.slots else ""
         return (
-            f"run {run.run_dir}: {len(run.adapters)} adapter jobs on {run.lora.slots} slots, "
+            f"run {run.run_dir}: {len(run.adapters)} adapter jobs on {run.lora.slots} slots"
+            f"{turns}, "
             f"world {dist.get_world_size()} (tp {par.tp}, sp {par.sp}, ep {par.ep}, pp {par.pp}"
             f"{f' x vpp {par.vpp}' if par.vpp else ''}, dp {self.dp_size}), "
             f"{precision_summary(run)}, {trainable:,} trainable parameters per rank, "

@@ -189,18 +189,18 @@ def test_pp2_adapter_and_peft_exports_equal_pp1(runs):
 
 def test_checkpoints_hold_the_same_tensors_under_both_layouts(runs):
     pp1, pp2 = (runs[layout][0] / "checkpoints" for layout in ("pp1", "pp2"))
-    # slots held: rev and add after step 3; srt (in rev's old slot) after 6; none at the end
-    for step, held in ((SAVE_EVERY, [0, 1]), (2 * SAVE_EVERY, [0]), (TOTAL, [])):
+    # jobs training: rev and add after step 3; srt (in rev's old slot) after 6; none at the end
+    for step, held in ((SAVE_EVERY, ["add", "rev"]), (2 * SAVE_EVERY, ["srt"]), (TOTAL, [])):
         folder = f"step_{step:08d}"
         a = torch.load(pp1 / folder / "state.pt", weights_only=False)
         b = torch.load(pp2 / folder / "state.pt", weights_only=False)
         assert (a["world_size"], b["world_size"]) == (1, 2)
-        assert sorted(a["slots"]) == sorted(b["slots"]) == held, (step, sorted(b["slots"]))
+        assert sorted(a["jobs"]) == sorted(b["jobs"]) == held, (step, sorted(b["jobs"]))
         assert a["trainer"]["queue"] == b["trainer"]["queue"]
-        for slot in a["slots"]:
-            assert a["slots"][slot]["rank"] == b["slots"][slot]["rank"]
+        for name in a["jobs"]:
+            assert a["jobs"][name]["rank"] == b["jobs"][name]["rank"]
             keys = assert_same_tensors(
-                pp1 / folder / f"slot{slot}.safetensors", pp2 / folder / f"slot{slot}.safetensors"
+                pp1 / folder / f"job.{name}.safetensors", pp2 / folder / f"job.{name}.safetensors"
             )
             assert any(k.startswith(f"param/decoder.layers.{NUM_LAYERS - 1}.") for k in keys)
 

@@ -1,6 +1,7 @@
 """Jobs and the board of slots they train in: slots, start steps, budgets, data order, their
 checkpointed progress, ending and cancelling."""
 
+import dataclasses
 import types
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from megatron_multilora.data.datasets import Example
 from megatron_multilora.training.config import AdapterJob, TrainerSettings
 from megatron_multilora.training.jobs.board import JobBoard
 from megatron_multilora.training.jobs.exporter import JobExporter
-from megatron_multilora.training.jobs.job import Job, planned_steps, total_steps
+from megatron_multilora.training.jobs.job import Job, planned_steps, planned_turns, total_steps
 from megatron_multilora.training.jobs.states import ACTIVE, CANCELLED, DONE, QUEUED
 from megatron_multilora.training.objectives.sft import SFT
 from megatron_multilora.training.runtime import Runtime
@@ -35,9 +36,11 @@ def job(spec: AdapterJob, steps_per_job=None) -> Job:
     return Job(spec, SFT(), train, [], [], total_steps(spec, len(train), steps_per_job))
 
 
-def board(tmp_path: Path, steps_per_job=None) -> JobBoard:
+def board(tmp_path: Path, steps_per_job=None, active_jobs=None) -> JobBoard:
     model = mm.apply_multi_lora(mm.build_gpt_model(CFG, calculate_per_token_loss=True), 2, 4, 1.0)
-    settings = TrainerSettings(max_steps=None, steps_per_job=steps_per_job, max_bad_steps=2)
+    settings = TrainerSettings(
+        max_steps=None, steps_per_job=steps_per_job, max_bad_steps=2, active_jobs=active_jobs
+    )
     lora = type("Lora", (), {"targets": ["linear_qkv"], "max_rank": 4})()
     said = []
     run = types.SimpleNamespace(
@@ -47,7 +50,8 @@ def board(tmp_path: Path, steps_per_job=None) -> JobBoard:
     b = JobBoard(
         runtime, settings, JobExporter(tmp_path, model, CFG, lora, None, None), said.append
     )
-    b.jobs = [job(s, steps_per_job) for s in specs()]
+    for s in specs():
+        b.enqueue(job(s, steps_per_job))
     b.said = said
     return b
 
@@ -207,3 +211,82 @@ def test_the_plan_equals_the_queue_played_out_step_by_step_and_scales():
         assert planned_steps(jobs, slots, now) == _planned_step_by_step(jobs, slots, now)
     many = [job(AdapterJob(name=f"j{i}", dataset="-", max_steps=100)) for i in range(4096)]
     assert planned_steps(many, 1024) == 400
+
+
+def _turns_step_by_step(jobs, slots, at_once, now):
+    """The plan with turns played out one trainer step at a time, by the board's rules:
+    start queued jobs while fewer than ``at_once`` train; the ``slots`` that stepped least
+    recently (by their numbered turns; never first, in queue order) step."""
+    left = {
+        i: j.total_steps - j.steps_done for i, j in enumerate(jobs) if j.status in (QUEUED, ACTIVE)
+    }
+    last = {i: j.turn for i, j in enumerate(jobs)}
+    turns = 1 + max(last.values(), default=-1)
+    running = {i for i, j in enumerate(jobs) if j.status == ACTIVE}
+    step = now
+    while left:
+        for i in sorted(left):
+            if len(running) < at_once and i not in running and jobs[i].spec.start_step <= step:
+                running.add(i)
+                last[i] = -1
+        for i in sorted(running, key=lambda i: (last[i], i))[:slots]:
+            last[i], turns = turns, turns + 1
+            left[i] -= 1
+            if left[i] <= 0:
+                running.discard(i)
+                del left[i]
+        step += 1
+    return step - now
+
+
+def test_the_plan_with_turns_equals_the_turns_played_out_step_by_step():
+    import random
+
+    rng = random.Random(1)
+    for _ in range(300):
+        jobs = []
+        for i in range(rng.randint(0, 14)):
+            spec = AdapterJob(
+                name=f"j{i}",
+                dataset="-",
+                max_steps=rng.randint(1, 9),
+                start_step=rng.choice([0, 0, rng.randint(0, 20)]),
+            )
+            j = job(spec)
+            j.status = rng.choice([QUEUED, QUEUED, ACTIVE, DONE])
+            if j.status == ACTIVE:
+                j.steps_done = rng.randint(0, j.total_steps - 1)
+                j.turn = rng.choice([-1, rng.randint(0, 99)])
+            jobs.append(j)
+        slots = rng.randint(1, 4)
+        at_once = rng.randint(slots, 8)
+        if sum(j.status == ACTIVE for j in jobs) > at_once:
+            continue
+        now = rng.randint(10, 12)
+        want = _turns_step_by_step(jobs, slots, at_once, now)
+        assert planned_turns(jobs, slots, at_once, now) == want
+        if at_once == slots and all(j.turn < 0 for j in jobs):
+            assert planned_steps(jobs, slots, now) == want  # all of them step every step
+    many = [job(AdapterJob(name=f"j{i}", dataset="-", max_steps=10)) for i in range(4096)]
+    assert planned_turns(many, 64, 4096) == 640
+
+
+def test_jobs_beyond_the_device_slots_take_turns_paged(tmp_path):
+    """Three jobs, two device slots, trainer.active_jobs=3: all start, two step per turn
+    (the least recently stepped), the third waits paged out in host memory."""
+    b = board(tmp_path, active_jobs=3)
+    for j in b.jobs:
+        j.spec = dataclasses.replace(j.spec, start_step=0)
+    started = b.admit(0)
+    assert [j.name for j in started] == ["a", "b", "c"]
+    assert sum(j.slot is None for j in b.jobs) == 1 and len(b.table.pages) == 1
+    turns = []
+    for _ in range(4):
+        turn = b.turn(b.active())
+        assert all(j.slot is not None for j in turn)
+        turns.append(sorted(j.name for j in turn))
+    assert turns == [["a", "b"], ["a", "c"], ["b", "c"], ["a", "b"]]  # a round robin
+    assert b.table.stats.pages_in >= 2 and b.table.stats.bytes_out > 0
+    paged = next(j for j in b.jobs if j.slot is None)
+    b.cancel(paged.name, 3)  # exported from a slot it is paged into, then dropped
+    assert paged.name not in b.table and (tmp_path / "adapters" / paged.name).is_dir()

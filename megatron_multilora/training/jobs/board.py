@@ -1,6 +1,9 @@
 """The run's adapter jobs and the slots they train in.
 
-A job waits in the queue until its start step and a free slot; it starts from its
+A job waits in the queue until its start step and a free place (one of ``lora.slots``, or of
+``trainer.active_jobs`` when more jobs than device slots train at once: they take turns by
+step, the least recently stepped first, paged in and out by the runtime's
+:class:`~..step.adapter_table.AdapterTable`); it starts from its
 ``init_from`` folder (an adapter or a PEFT folder) or fresh weights, with its own optimizer;
 each step takes the next global batch of every training job; a job that reaches its budget is
 exported and its slot (weights, optimizer, schedule, gradients) handed on; one whose loss or
@@ -10,12 +13,12 @@ is exported as it stands.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from megatron_multilora.data.datasets import examples_of
 from megatron_multilora.training.config import AdapterJob, TrainerSettings, job_alpha
 from megatron_multilora.training.jobs.exporter import JobExporter
-from megatron_multilora.training.jobs.job import Job, planned_steps, total_steps
+from megatron_multilora.training.jobs.job import Job, planned_steps, planned_turns, total_steps
 from megatron_multilora.training.jobs.states import ACTIVE, CANCELLED, DONE, ENDED, FAILED, QUEUED
 from megatron_multilora.training.objectives.registry import objective_of
 from megatron_multilora.training.runtime import Runtime
@@ -38,9 +41,15 @@ class JobBoard:
         self.rt, self.settings, self.exporter, self.say = runtime, settings, exporter, say
         self.on_end = on_end
         self.n_slots, self.seed = runtime.run.lora.slots, runtime.run.seed
+        self.max_active = max(settings.active_jobs or 0, self.n_slots)
+        self.table = runtime.table  # by job name
+        self.table.on_move = self._moved
         self.jobs: list[Job] = []
+        self._by_name: dict[str, Job] = {}
+        self._position: dict[str, int] = {}  # a job's place in the queue (ties in turns)
         self.tools = runtime.tools(self._fail)
         self._step = 0
+        self._turns = 0  # turns taken so far, every job's (the next one's number)
 
     def add(self, spec: AdapterJob, source: str = "config") -> Job:
         """Queue a job (from its ``start_step`` on, after the jobs before it), its data loaded
@@ -58,14 +67,50 @@ class JobBoard:
             source=source,
             state=objective.new_state(spec),
         )
+        return self.enqueue(job)
+
+    def enqueue(self, job: Job) -> Job:
+        """Queue a built job (after the jobs before it)."""
+        self._position[job.name] = len(self.jobs)
         self.jobs.append(job)
+        self._by_name[job.name] = job
         return job
 
     def named(self, name: str) -> Job:
-        return next(job for job in self.jobs if job.name == name)
+        return self._by_name[name]
 
     def active(self) -> list[Job]:
-        return sorted((job for job in self.jobs if job.status == ACTIVE), key=lambda j: j.slot)
+        """The training jobs: those in a device slot by slot, then the paged-out ones."""
+        return sorted(
+            (job for job in self.jobs if job.status == ACTIVE),
+            key=lambda j: (j.slot is None, j.slot or 0, self._position[j.name]),
+        )
+
+    def turn(self, jobs: Sequence[Job]) -> list[Job]:
+        """The training jobs that step now: all of them when they fit the device slots, else
+        the ``lora.slots`` that stepped least recently (never-stepped ones first, in queue
+        order), paged in: a round robin."""
+        jobs = sorted(jobs, key=lambda j: (j.turn, self._position[j.name]))[: self.n_slots]
+        self.place(jobs)
+        for job in jobs:
+            job.turn, self._turns = self._turns, self._turns + 1
+        return sorted(jobs, key=lambda j: j.slot)
+
+    def place(self, jobs: Sequence[Job]) -> None:
+        """``jobs`` (at most ``lora.slots``) in device slots, paging others out."""
+        self.table.place([job.name for job in jobs])
+
+    def in_turns(self, jobs: Sequence[Job]) -> Iterator[list[Job]]:
+        """``jobs`` in groups that fit the device slots, each group placed when it comes."""
+        resident = [job for job in jobs if job.slot is not None]
+        ordered = resident + [job for job in jobs if job.slot is None]
+        for start in range(0, len(ordered), self.n_slots):
+            group = ordered[start : start + self.n_slots]
+            self.place(group)
+            yield group
+
+    def _moved(self, name: str, slot: int | None) -> None:
+        self._by_name[name].slot = slot
 
     def finished(self) -> bool:
         return all(job.status in ENDED for job in self.jobs)
@@ -73,18 +118,23 @@ class JobBoard:
     def planned(self, step: int) -> int:
         """The step at which every job will have finished if none fails (the progress
         bar's total), capped by ``trainer.max_steps``."""
-        budget = step + planned_steps(self.jobs, self.n_slots, step)
+        if self.max_active > self.n_slots:
+            budget = step + planned_turns(self.jobs, self.n_slots, self.max_active, step)
+        else:
+            budget = step + planned_steps(self.jobs, self.n_slots, step)
         return min(budget, self.settings.max_steps or budget)
 
     def admit(self, step: int) -> list[Job]:
-        """Give free slots to queued jobs whose start step has come, in queue order."""
-        used = {job.slot for job in self.active()}
-        free = [k for k in range(self.n_slots) if k not in used]
+        """Start queued jobs whose start step has come, in queue order, while fewer than
+        ``lora.slots`` (or ``trainer.active_jobs``) train; each starts in a device slot."""
+        room = self.max_active - sum(job.status == ACTIVE for job in self.jobs)
         started = []
         for job in self.jobs:
-            if free and job.status == QUEUED and job.spec.start_step <= step:
-                job.status, job.slot = ACTIVE, free.pop(0)
+            if room > 0 and job.status == QUEUED and job.spec.start_step <= step:
+                job.status, job.turn, room = ACTIVE, -1, room - 1
+                self.place([job])
                 job.optimizer = self.rt.start_slot(job.slot, job.spec, job.total_steps)
+                self.table.bind(job.name, job.optimizer)
                 spec = job.spec
                 self.say(
                     f"step {step}: job {job.name} starts on slot {job.slot} "
@@ -101,7 +151,8 @@ class JobBoard:
         reward fails ends here, the others go on), then each training job's work for the
         step (its next global batch, objective and optimizer) by slot, each slot's (tokens,
         loss tokens), and the packing order: by rank, so a micro-batch holds jobs of similar
-        rank and low-rank jobs do not pay for a high-rank one's computed rank."""
+        rank and low-rank jobs do not pay for a high-rank one's computed rank (then queue
+        order)."""
         self._step = step
         for kind in {type(job.objective): None for job in jobs}:
             kind.prepare([job for job in jobs if type(job.objective) is kind], self.tools)
@@ -114,8 +165,9 @@ class JobBoard:
                 sum(len(e.tokens) for e in flat),
                 sum(sum(e.loss_mask) for e in flat),
             )
-        rank = {job.slot: job.spec.rank for job in jobs}
-        order = sorted(range(self.n_slots), key=lambda slot: rank.get(slot, 0))
+        # Ties in queue order, not slot order: which slot a job is in never changes its step.
+        key = {job.slot: (job.spec.rank, self._position[job.name]) for job in jobs}
+        order = sorted(range(self.n_slots), key=lambda slot: key.get(slot, (0, -1)))
         return work, tokens, order
 
     def _fail(self, job: Job, reason: str) -> None:
@@ -172,13 +224,16 @@ class JobBoard:
     def end(self, job: Job, status: str, reason: str, step: int) -> None:
         """A training job ends: exported (unless it failed), its slot freed for the next."""
         if status in (DONE, CANCELLED):
+            self.place([job])
             self.exporter.export(job, cancelled=status == CANCELLED)
-        slot = job.slot
+        slot = self.table.forget(job.name)
         job.status, job.reason, job.slot = status, reason, None
         job.optimizer = None
-        self.rt.free_slot(slot)  # weights, rank, alpha, gradients back to a fresh slot
+        if slot is not None:
+            self.rt.free_slot(slot)  # weights, rank, alpha, gradients back to a fresh slot
         self.on_end(job, step)
-        self.say(f"step {step}: job {job.name} {status} ({reason}); slot {slot} is free")
+        where = f"slot {slot} is free" if slot is not None else "its page is dropped"
+        self.say(f"step {step}: job {job.name} {status} ({reason}); {where}")
 
     def cancel(self, name: str, step: int) -> None:
         job = self.named(name)
@@ -215,3 +270,4 @@ class JobBoard:
             )
         for job, saved in zip(self.jobs, progress):
             job.restore(saved)
+        self._turns = 1 + max((job.turn for job in self.jobs), default=-1)

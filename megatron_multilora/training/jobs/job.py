@@ -7,6 +7,7 @@ training step.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import math
@@ -31,7 +32,10 @@ PROGRESS = (
     "data_pos",
     "bad_steps",
     "reason",
+    "turn",
 )
+# Progress keys an earlier version's checkpoints lack, with the value that means the same.
+PROGRESS_DEFAULTS = {"turn": -1}
 
 
 def total_steps(job: AdapterJob, dataset_size: int, steps_per_job: int | None = None) -> int:
@@ -69,6 +73,7 @@ class Job:
     data_pos: int = 0
     bad_steps: int = 0
     reason: str = ""
+    turn: int = -1  # when it last stepped, in the run's count of turns (-1: never)
     optimizer: SlotOptimizer | None = None
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     state: Any = None
@@ -105,7 +110,7 @@ class Job:
 
     def restore(self, progress: dict[str, Any]) -> None:
         for key in PROGRESS:
-            setattr(self, key, progress[key])
+            setattr(self, key, progress.get(key, PROGRESS_DEFAULTS.get(key)))
         self.state = self.objective.state_from_plain(self.state, progress)
 
 
@@ -131,3 +136,37 @@ def planned_steps(jobs: list[Job], slots: int, now: int = 0) -> int:
         last = max(last, end)
         heapq.heappush(free, end)
     return last - now
+
+
+def planned_turns(jobs: list[Job], slots: int, at_once: int, now: int = 0) -> int:
+    """:func:`planned_steps` when up to ``at_once`` jobs (more than ``slots``) train at once,
+    taking turns: at each step the ``slots`` training jobs that stepped least recently step
+    (in their order of turns, :attr:`Job.turn`, never-stepped ones first in the order of
+    ``jobs``, the queue's), and queued jobs start while fewer than ``at_once`` train. Played
+    out turn by turn: O(every job's steps left)."""
+    left = {id(j): max(1, j.total_steps - j.steps_done) for j in jobs}
+    active = [j for j in jobs if j.status == ACTIVE]
+    fresh = [(i, j) for i, j in enumerate(jobs) if j.status == ACTIVE and j.turn < 0]  # a heap
+    rotation = collections.deque(sorted((j for j in active if j.turn >= 0), key=lambda j: j.turn))
+    queue = [j for j in jobs if j.status == QUEUED]
+    position = {id(j): i for i, j in enumerate(jobs)}
+    t = now
+    while fresh or rotation or queue:
+        room = at_once - len(fresh) - len(rotation)
+        if room > 0 and queue:
+            started = [j for j in queue if j.spec.start_step <= t][:room]
+            for j in started:
+                heapq.heappush(fresh, (position[id(j)], j))
+            taken = {id(j) for j in started}
+            queue = [j for j in queue if id(j) not in taken]
+        if not fresh and not rotation:
+            t = min(j.spec.start_step for j in queue)
+            continue
+        turn = []
+        while len(turn) < slots and (fresh or rotation):
+            turn.append(heapq.heappop(fresh)[1] if fresh else rotation.popleft())
+        t += 1
+        for j in turn:
+            left[id(j)] -= 1
+        rotation.extend(j for j in turn if left[id(j)] > 0)
+    return t - now

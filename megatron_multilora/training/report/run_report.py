@@ -106,14 +106,18 @@ class RunReport:
             self.progress.write(format_adapter_line(step, name, metrics, name_width=width))
 
     def log_eval(self, step: int, board: JobBoard, tasks: AdapterTaskEval) -> None:
-        """Every training job's adapter on its own held-out data: loss and accuracy."""
-        on_own_task = {job.slot: job for job in board.active()}
-        results, known = tasks.evaluate(on_own_task)
-        if not results:
+        """Every training job's adapter on its own held-out data: loss and accuracy (as
+        many at a time as there are device slots)."""
+        adapters = {}
+        for group in board.in_turns(board.active()):
+            on_own_task = {job.slot: job for job in group}
+            results, known = tasks.evaluate(on_own_task)
+            for slot, values in results.items():
+                adapters[on_own_task[slot].name] = values
+            for slot, acc in tasks.accuracy(on_own_task, known).items():
+                adapters[on_own_task[slot].name]["accuracy"] = acc
+        if not adapters:
             return
-        adapters = {on_own_task[slot].name: values for slot, values in results.items()}
-        for slot, acc in tasks.accuracy(on_own_task, known).items():
-            adapters[on_own_task[slot].name]["accuracy"] = acc
         for name, metrics in adapters.items():
             board.named(name).metrics["eval_loss"] = metrics["loss"]
         self.logger.log(step, "eval", adapters)

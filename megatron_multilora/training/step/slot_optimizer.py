@@ -48,6 +48,10 @@ class SlotOptimizer:
         self.lr = job.lr * lr_factor(0, job, total_steps)
         adamw.start(slot)
 
+    def move_to(self, slot: int) -> None:
+        """Its adapter was paged into ``slot`` (with its masters and moments)."""
+        self.slot, self.params = slot, self.adamw.rows.params[slot]
+
     def update(self, grad_norm: float) -> SlotUpdate:
         """This slot's part of the next AdamW step, clipping by its gradient norm, and the
         schedule advanced past it."""
