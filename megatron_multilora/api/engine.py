@@ -94,13 +94,15 @@ class Engine:
         self.rt, self.model, self.tokenizer = runtime, runtime.model, runtime.tokenizer
         self.run_dir, self.hf_dir = run_dir, hf_dir
         self.n_slots = runtime.run.lora.slots
+        self.table = runtime.table  # the clients' adapters by number: in a slot or paged
         self.tools = runtime.tools(lambda job, reason: None)
         self.complete = complete or (lambda request_id, result: None)  # rank 0's front
-        self.optimizers: dict[int, SlotOptimizer] = {}  # by slot: the training clients'
-        self.versions: dict[int, int] = {}  # by slot: bumped whenever its weights change
-        self.steps: dict[int, int] = {}  # by slot: its client's optim_steps here
-        self.losses: dict[int, float] = {}  # by slot: its last forward_backward's loss
-        self.saved: dict[str, tuple[int, int]] = {}  # sampler weights -> (slot, its version)
+        # By a client's number (the front's Client.slot; its device slot is the table's):
+        self.optimizers: dict[int, SlotOptimizer] = {}  # the training clients'
+        self.versions: dict[int, int] = {}  # bumped whenever its weights change
+        self.steps: dict[int, int] = {}  # its client's optim_steps here
+        self.losses: dict[int, float] = {}  # its last forward_backward's loss
+        self.saved: dict[str, tuple[int, int]] = {}  # sampler weights -> (client, its version)
         self.recorded = RecordedSamples()  # samples drawn with record_stability_info
         self.calls = self._call_table()
 
@@ -118,12 +120,12 @@ class Engine:
             FREE: (0, each(self.free)),
             CREATE: (1, each(self.create)),
             FORWARD_BACKWARD: (2, self._forward_backwards),
-            OPTIM_STEP: (3, partial(self._together, self._optim_steps)),
+            OPTIM_STEP: (3, self._optim_steps),
             SKIP: (4, each(self.skip)),
             SAVE_STATE: (4, each(self.save_state)),
             LOAD_STATE: (4, each(self.load_state)),
             SAVE_FOR_SAMPLER: (4, each(self.save_for_sampler)),
-            SAMPLE: (5, partial(self._together, self._sample)),
+            SAMPLE: (5, self._sample),
             RELEASE: (6, each(self.release)),
         }
 
@@ -153,15 +155,12 @@ class Engine:
 
         return run_each
 
-    def _together(self, handler: Callable[[list[Op]], None], ops: list[Op]) -> None:
-        self._guarded(ops, partial(handler, ops))
-
     def _forward_backwards(self, ops: list[Op]) -> None:
         """The training passes first, then the forward-only ones: one step call each."""
         for forward_only in (False, True):
             batch = [op for op in ops if op.args["forward_only"] == forward_only]
             if batch:
-                self._guarded(batch, partial(self._forward_backward, batch, forward_only))
+                self._forward_backward(batch, forward_only)
 
     def _guarded(self, ops: list[Op], work: Callable[[], None]) -> None:
         try:
@@ -178,11 +177,18 @@ class Engine:
 
     # -- training clients -----------------------------------------------------------------
 
+    def _in_slots(self, clients: list[int], room: int = 0) -> dict[int, int]:
+        """The clients' adapters in device slots (paged in where they were out), and
+        ``room`` more slots free: each client's slot."""
+        return self.table.place(clients, room)
+
     def create(self, slot: int, rank: int, init_key: str, model_id: str, parts: list[str]) -> dict:
-        """A fresh adapter in ``slot``, training the ``parts`` its client's LoraConfig asks
-        for (attn, mlp, unembed)."""
-        self.optimizers[slot] = self.rt.start_slot(slot, client_job(init_key, rank, parts), 1)
-        self.rt.step.drop([slot])
+        """A fresh adapter for client ``slot``, training the ``parts`` its client's LoraConfig
+        asks for (attn, mlp, unembed)."""
+        device = self._in_slots([slot])[slot]
+        self.optimizers[slot] = self.rt.start_slot(device, client_job(init_key, rank, parts), 1)
+        self.table.bind(slot, self.optimizers[slot])
+        self.rt.step.drop([device])
         self.versions[slot] = self.versions.get(slot, 0) + 1
         self.steps[slot] = 0
         self.losses.pop(slot, None)
@@ -193,9 +199,12 @@ class Engine:
         return {}
 
     def free(self, slot: int) -> dict:
-        """A client gone (its session ended or timed out): its slot back to a fresh one."""
+        """A client gone (its session ended or timed out): its device slot back to a fresh one
+        (or its page dropped)."""
         self.optimizers.pop(slot, None)
-        self.rt.free_slot(slot)
+        device = self.table.forget(slot)
+        if device is not None:
+            self.rt.free_slot(device)
         self.versions[slot] = self.versions.get(slot, 0) + 1
         self.steps.pop(slot, None)
         self.losses.pop(slot, None)
@@ -203,8 +212,18 @@ class Engine:
 
     def _forward_backward(self, ops: list[Op], forward_only: bool) -> None:
         """The calls' datums in one call of the step (each client's loss a sum over its
-        datums); a client whose loss or gradients are not finite is refused, its gradients of
-        this call dropped, the others answered as if it were not there."""
+        datums), as many clients at a time as there are device slots; a client whose loss or
+        gradients are not finite is refused, its gradients of this call dropped, the others
+        answered as if it were not there."""
+        for group in self._by_slots(ops):
+            self._guarded(group, partial(self._forward_backward_group, group, forward_only))
+
+    def _by_slots(self, ops: list[Op]) -> list[list[Op]]:
+        """``ops`` (one per client) in groups of at most the device slots."""
+        return [ops[i : i + self.n_slots] for i in range(0, len(ops), self.n_slots)]
+
+    def _forward_backward_group(self, ops: list[Op], forward_only: bool) -> None:
+        device = self._in_slots([op.args["slot"] for op in ops])
         work = {}
         for op in list(ops):
             try:
@@ -213,7 +232,7 @@ class Engine:
                 self.complete(op.request_id, Result(ERROR, (str(err), "user")))
                 ops.remove(op)
                 continue
-            work[op.args["slot"]] = SlotWork(
+            work[device[op.args["slot"]]] = SlotWork(
                 examples,
                 client_objective(op.args["loss"], op.args["config"]),
                 mean=False,  # a sum, as Tinker's: a client scales its own datums
@@ -223,7 +242,7 @@ class Engine:
         step = self.rt.step
         result = (step.forward if forward_only else step.train)(work, keep=("logprobs",))
         for op in ops:
-            slot = op.args["slot"]
+            client, slot = op.args["slot"], device[op.args["slot"]]
             if slot in result.skipped:
                 self.complete(
                     op.request_id,
@@ -239,7 +258,7 @@ class Engine:
                 continue
             loss = float(result.losses[slot])
             if not forward_only:
-                self.losses[slot] = loss
+                self.losses[client] = loss
             per_datum = [{"logprobs": lp} for lp in result.kept["logprobs"][slot]]
             self.complete(
                 op.request_id,
@@ -274,32 +293,39 @@ class Engine:
         return {}
 
     def _optim_steps(self, ops: list[Op]) -> None:
-        """Every optim_step of the batch in one ``SlotStep.apply``: each client's optimizer
-        with its call's hyperparameters; a client whose gradient norm is not finite does not
-        step (its call is refused), its gradients dropped."""
+        """Every optim_step of the batch in one ``SlotStep.apply`` per group of clients that
+        fits the device slots: each client's optimizer with its call's hyperparameters; a
+        client whose gradient norm is not finite does not step (its call is refused), its
+        gradients dropped."""
+        for group in self._by_slots(ops):
+            self._guarded(group, partial(self._optim_step_group, group))
+
+    def _optim_step_group(self, ops: list[Op]) -> None:
+        device = self._in_slots([op.args["slot"] for op in ops])
         for op in ops:
             a = op.args
             self.optimizers[a["slot"]].set_hyperparameters(
                 a["lr"], tuple(a["betas"]), a["eps"], a["weight_decay"], a["grad_clip"]
             )
         norms, skipped = self.rt.step.apply(
-            {op.args["slot"]: self.optimizers[op.args["slot"]] for op in ops}
+            {device[op.args["slot"]]: self.optimizers[op.args["slot"]] for op in ops}
         )
         for op in ops:
-            slot = op.args["slot"]
+            client, slot = op.args["slot"], device[op.args["slot"]]
             if slot in skipped:
                 message = f"the gradient norm is {norms[slot]}: step skipped, gradients dropped"
                 self.complete(op.request_id, Result(ERROR, (message, "user")))
                 continue
-            self.versions[slot] += 1
-            self.steps[slot] += 1
+            self.versions[client] += 1
+            self.steps[client] += 1
             self.complete(op.request_id, Result(JSON, {"metrics": {"grad_norm:mean": norms[slot]}}))
 
     # -- saves and loads ------------------------------------------------------------------
 
     def save_state(self, slot: int, folder: str, path: str, meta: dict) -> dict:
-        """The slot's adapter and optimizer as a training state (collective)."""
-        snapshot = slot_snapshot(self.model, slot, self.optimizers[slot])
+        """The client's adapter and optimizer as a training state (collective)."""
+        device = self._in_slots([slot])[slot]
+        snapshot = slot_snapshot(self.model, device, self.optimizers[slot])
         if dist.get_rank() == 0:
 
             def fill(tmp: Path) -> None:
@@ -322,33 +348,35 @@ class Engine:
         model_id: str,
         init_key: str | None = None,
     ) -> dict:
-        """A training state into the slot (``init_key``: a client created from it)."""
+        """A training state into the client (``init_key``: a client created from it)."""
         meta = read_state_meta(Path(folder))
         if init_key is not None:
             self.create(slot, meta["rank"], init_key, model_id, TARGET_PARTS)  # its own zeros
         opt = self.optimizers[slot]
+        device = self._in_slots([slot])[slot]
         restore_slot(
             self.model,
-            slot,
+            device,
             meta,
             load_file(str(Path(folder) / "state.safetensors")),
             opt,
             optimizer,
         )
-        self.rt.step.drop([slot])
+        self.rt.step.drop([device])
         self.versions[slot] += 1
         return {"type": "load_weights", "path": path, "model_id": model_id}
 
     def save_for_sampler(self, slot: int, folder: str, answer: dict, meta: dict) -> dict:
-        """The slot's adapter as sampler weights: an adapter folder (and a PEFT one on a
-        Hugging Face base); a sampler made from them samples the slot itself while its
-        weights stay as saved."""
-        export_adapter(self.model, slot, Path(folder) / "adapter", meta, overwrite=True)
+        """The client's adapter as sampler weights: an adapter folder (and a PEFT one on a
+        Hugging Face base); a sampler made from them samples the client's adapter itself
+        while its weights stay as saved."""
+        device = self._in_slots([slot])[slot]
+        export_adapter(self.model, device, Path(folder) / "adapter", meta, overwrite=True)
         self.saved[folder] = (slot, self.versions[slot])
         if self.hf_dir:
             export_peft(
                 self.model,
-                slot,
+                device,
                 Path(folder) / "peft",
                 self.rt.model_config,
                 self.rt.hf_model_type,
@@ -360,10 +388,31 @@ class Engine:
     # -- sampling -------------------------------------------------------------------------
 
     def _sample(self, ops: list[Op]) -> None:
-        """Every sample op in one generation pass. A sampler's weights are its client's slot
-        while they are unchanged since they were saved, else they are loaded into a free
-        slot for this pass; the base model samples from a free (cleared) slot."""
-        free = [s for s in range(self.n_slots) if s not in self.optimizers]
+        """Every sample op in one generation pass (or as many as the device slots need). A
+        sampler's weights are its client's adapter while they are unchanged since they were
+        saved, else they are loaded into a free slot for this pass; the base model samples
+        from a free (blank) slot."""
+        passes: list[tuple[list[Op], set]] = []
+        for op in ops:
+            need = self._sampler_source(op.args)
+            if not passes or (need not in passes[-1][1] and len(passes[-1][1]) == self.n_slots):
+                passes.append(([], set()))
+            passes[-1][0].append(op)
+            passes[-1][1].add(need)
+        for pass_ops, needs in passes:
+            self._guarded(pass_ops, partial(self._sample_pass, pass_ops, needs))
+
+    def _sampler_source(self, a: dict) -> tuple[str, object]:
+        """What a sample op samples: a client's current adapter, or a folder (None: base)."""
+        client, version = self.saved.get(a["folder"], (None, None))
+        if client is not None and self.versions.get(client) == version:
+            return ("client", client)
+        return ("folder", a["folder"])
+
+    def _sample_pass(self, ops: list[Op], needs: set) -> None:
+        clients = [key for kind, key in needs if kind == "client"]
+        self._in_slots(clients, room=len(needs) - len(clients))
+        free = self.table.free_slots()
         loaded: dict[str, int] = {}
         requests, owners = [], []
         for op in ops:
@@ -430,9 +479,9 @@ class Engine:
         return tokens[:high], logprobs[:high], True
 
     def _sampler_slot(self, a: dict, free: list[int], loaded: dict[str, int]) -> int:
-        slot, version = self.saved.get(a["folder"], (None, None))
-        if slot is not None and self.versions.get(slot) == version:
-            return slot
+        kind, key = self._sampler_source(a)
+        if kind == "client":
+            return self.table.slot_of(key)
         source = a["folder"] or "base"
         if source not in loaded:
             if not free:

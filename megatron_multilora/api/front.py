@@ -51,7 +51,7 @@ class Client:
     model_id: str
     owner: str
     session_id: str
-    slot: int
+    slot: int  # its adapter's number in the engine's table (a device slot or a page)
     rank: int
     user_metadata: dict | None = None
     creation: str = ""  # its creation's request id (a resent creation gets it)
@@ -336,13 +336,13 @@ class Front:
             if model_id in self.clients:
                 raise Refused(400, f"training client {model_id} exists")
             used = {c.slot for c in self.clients.values()}
-            free = [s for s in range(self.limits.slots) if s not in used]
+            free = [s for s in range(self.limits.max_clients) if s not in used]
             if not free:
                 raise Refused(
-                    400,
-                    f"all {self.limits.slots} adapter slots (lora.slots) hold "
-                    "training clients: end one (or wait for an idle one to time "
-                    "out) and create it again",
+                    429,
+                    f"this service holds {self.limits.max_clients} training clients at once "
+                    "(api.max_training_clients) and has that many: end one (or wait for an "
+                    "idle one to time out) and create it again",
                 )
             client = self.clients[model_id] = Client(
                 model_id, owner, session_id, free[0], rank, user_metadata

@@ -41,8 +41,9 @@ class Refused(Exception):
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """What the run serves: its base model's name, vocabulary and longest sequence, its
-    adapter slots and their largest rank; ``tokenizer_id`` (a local folder) for the SDK's
-    ``get_tokenizer``."""
+    device slots and their largest rank, the training clients it holds at once (``clients``;
+    None: one per slot; beyond the slots they are paged); ``tokenizer_id`` (a local folder)
+    for the SDK's ``get_tokenizer``."""
 
     model_name: str
     vocab_size: int
@@ -51,6 +52,11 @@ class Limits:
     max_rank: int
     tokenizer_id: str | None
     unembed: bool = False  # the output layer is adapted (lora.targets has output_layer)
+    clients: int | None = None
+
+    @property
+    def max_clients(self) -> int:
+        return self.clients or self.slots
 
 
 def check_optimizer(config: Any) -> None:

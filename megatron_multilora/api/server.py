@@ -45,7 +45,8 @@ def serve_api(run: RunConfig, keys: dict[str, str], say: Callable[[str], None] =
         status = ServiceStatus(run.run_dir, url, front, engine, dp)
         status.write(force=True)
         say(
-            f"api: serving {front.limits.model_name!r} ({run.lora.slots} adapter slots, ranks "
+            f"api: serving {front.limits.model_name!r} ({run.lora.slots} adapter slots, up to "
+            f"{run.api.max_training_clients} training clients, ranks "
             f"up to {run.lora.max_rank}, world {dist.get_world_size()}, data parallel {dp}) "
             f"at {url}"
         )
@@ -117,6 +118,7 @@ def _start_front(
         run.lora.max_rank,
         hf_dir or _byte_tokenizer_folder(run_dir),
         unembed="output_layer" in run.lora.targets,
+        clients=api.max_training_clients,
     )
     loop = asyncio.new_event_loop()
     queue = CallQueue(api.max_pending, len(keys))

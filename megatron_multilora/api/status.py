@@ -1,9 +1,10 @@
 """The service's ``status.json`` (the one ``mmlora status`` and ``mmlora stop`` read for a
-trainer): its URL and model, the calls it ran, and a row per training client (its slot,
-optim steps and last loss). Rank 0 writes it at most once a second, and when it stops."""
+trainer): its URL and model, the calls it ran, what paging clients' adapters cost, and a
+row per training client (its device slot, None while paged out, optim steps and last loss). Rank 0 writes it at most once a second, and when it stops."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
@@ -30,7 +31,7 @@ class ServiceStatus:
             {
                 "name": c.model_id,
                 "status": ACTIVE if state == SERVING else state,
-                "slot": c.slot,
+                "slot": self.engine.table.slot_of(c.slot),  # None: paged to host memory
                 "steps_done": self.engine.steps.get(c.slot, 0),
                 "total_steps": None,
                 "loss": self.engine.losses.get(c.slot),
@@ -48,6 +49,7 @@ class ServiceStatus:
                 "host": socket.gethostname(),
                 "dp_size": self.dp_size,
                 "service": self.about,
+                "paging": dataclasses.asdict(self.engine.table.stats),
                 "jobs": rows,
             },
         )

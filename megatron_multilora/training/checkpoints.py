@@ -14,7 +14,8 @@ checkpoint resumed): those are never overwritten or pruned.
 
 A job that has not stepped since the previous checkpoint (it waits for its turn, or the run
 holds thousands) has the same file: it is hard-linked from there, not written again, and its
-manifest entry reused. The files hold every value a step reads (weights, masters, moments;
+manifest entry reused (linked files are one file: damage to it shows in both folders'
+manifests, and a resume falls back to an older folder that verifies). The files hold every value a step reads (weights, masters, moments;
 the step count and schedule in ``state.pt``), so a resume is exact either way.
 """
 

@@ -233,6 +233,10 @@ class APISettings:
     max_pending: int = ranged(256, at_least(1))
     """Calls that may wait for the engine (each API key its share); beyond it the service
     answers 429."""
+    max_training_clients: int = ranged(256, at_least(1))
+    """Training clients held at once: lora.slots of them in device slots, the others' adapters
+    and optimizer state paged to host memory until their next call; beyond it a creation is
+    answered 429."""
     max_saves: int = ranged(1000, at_least(1))
     """Checkpoints one API key may keep (save_state, save_weights_for_sampler with a path);
     beyond it a save is refused until it deletes some or they expire (ttl_seconds)."""

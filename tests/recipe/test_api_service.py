@@ -66,6 +66,7 @@ class Service:
         nproc: int = 1,
         keys: list[str] = KEYS,
         overrides: list[str] = ("hf_dir=null",),
+        slots: int = SLOTS,
     ) -> None:
         self.url, self.log = f"http://127.0.0.1:{port}", log
         env = {**os.environ, "MMLORA_API_KEYS": ",".join(keys), "OMP_NUM_THREADS": "1"}
@@ -79,7 +80,7 @@ class Service:
                 str(port),
                 "--nproc",
                 str(nproc),
-                f"lora.slots={SLOTS}",
+                f"lora.slots={slots}",
                 "api.batch_window_ms=300",
                 f"api.session_timeout_s={SESSION_TIMEOUT}",
                 "trainer.micro_batch_tokens=512",

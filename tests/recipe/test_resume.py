@@ -82,8 +82,8 @@ def garble(path: Path, at: int) -> None:
 
 
 DAMAGE = {
-    "truncated tensors": ("slot0.safetensors", truncate),
-    "garbled tensor bytes": ("slot1.safetensors", lambda p: garble(p, -40)),
+    "truncated tensors": ("job.rev.safetensors", truncate),
+    "garbled tensor bytes": ("job.add.safetensors", lambda p: garble(p, -40)),
     "garbled pickle": ("state.pt", lambda p: garble(p, 200)),
     "garbled manifest": ("manifest.json", lambda p: p.write_text('{"files": {"state.pt": ')),
 }

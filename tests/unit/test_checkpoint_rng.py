@@ -28,3 +28,22 @@ def test_a_cpu_checkpoint_restores_on_a_gpu_machine_without_touching_its_generat
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, *a, **kw: restored.append(s))
     restore_rng_state(state)
     assert restored == []
+
+
+def test_checkpoints_of_earlier_versions_name_their_jobs_by_slot():
+    """Before the paged table a checkpoint kept each training job's file by its slot; the
+    queue's progress names the job in each slot. Both forms read as name -> (file, meta)."""
+    from megatron_multilora.training.checkpoints import saved_jobs
+
+    queue = [
+        {"name": "rev", "status": "active", "slot": 1},
+        {"name": "add", "status": "done", "slot": None},
+        {"name": "srt", "status": "active", "slot": 0},
+    ]
+    old = {"slots": {0: {"rank": 4}, 1: {"rank": 8}}, "trainer": {"queue": queue}}
+    assert saved_jobs(old) == {
+        "srt": ("slot0.safetensors", {"rank": 4}),
+        "rev": ("slot1.safetensors", {"rank": 8}),
+    }
+    new = {"jobs": {"rev": {"rank": 8}}, "trainer": {"queue": queue}}
+    assert saved_jobs(new) == {"rev": ("job.rev.safetensors", {"rank": 8})}

@@ -95,22 +95,23 @@ class AdapterTable:
         used = set(self.slots.values())
         return [s for s in range(self.n_slots) if s not in used]
 
-    def place(self, keys: Sequence[Hashable]) -> dict[Hashable, int]:
+    def place(self, keys: Sequence[Hashable], room: int = 0) -> dict[Hashable, int]:
         """Every key of ``keys`` in a device slot (paged in where it was out; a new key gets
-        an empty slot its owner fills); the least recently used other keys are paged out to
-        make room. Returns the slot of each key."""
+        an empty slot its owner fills), and ``room`` slots left free; the least recently used
+        other keys are paged out to make room. Returns the slot of each key."""
         keys = list(dict.fromkeys(keys))
-        if len(keys) > self.n_slots:
+        if len(keys) + room > self.n_slots:
             raise TableFull(
                 f"{len(keys)} adapters cannot be resident at once in {self.n_slots} device slots"
+                + (f" with {room} left free" if room else "")
             )
         self._clock += 1
         wanted = set(keys)
         missing = [k for k in keys if k not in self.slots]
         free = self.free_slots()
-        if len(free) < len(missing):
+        if len(free) < len(missing) + room:
             others = sorted((k for k in self.slots if k not in wanted), key=self._used.get)
-            for key in others[: len(missing) - len(free)]:
+            for key in others[: len(missing) + room - len(free)]:
                 self.page_out(key)
             free = self.free_slots()
         for key in missing:
