@@ -1,6 +1,8 @@
 """Rows 16: thousands of adapters on one base. What starting a job costs as the slots grow
-(it touches its own slot only), and the trainer step on the same tokens spread over 1 to
-1,024 slots (one example per slot at the most), in time and in aten ops. The ops are
+(it touches its own slot only), the trainer step on the same tokens spread over 1 to 1,024
+slots (one example per slot at the most), in time and in aten ops, and what paging one
+adapter between its device slot and host memory costs at SmolLM2-135M's shapes, and the
+training service with 64 tenants over 8 device slots vs 8 tenants (``api_paging``). The ops are
 counted as the GPU runs the step (the grouped GEMM one kernel, whose CPU fallback loops over
 the groups; the stacked AdamW update, where the CPU runs torch's fused kernel per slot):
 what a GPU's step launches.
@@ -10,28 +12,70 @@ what a GPU's step launches.
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
+import megatron_multilora as mm
+from benchmarks.api_paging import service_paging, service_paging_rows
 from benchmarks.launches import count
 from benchmarks.report import Results, Row
+from benchmarks.scaling import SMOLLM2_135M
 from benchmarks.settings import Settings
 from benchmarks.timing import Clock, medians, time_side_by_side
 from benchmarks.workloads import (
     build_model,
+    make_job,
     model_config,
     random_examples,
     start_jobs,
     training_step,
 )
+from megatron_multilora.training.runtime import start_job
+from megatron_multilora.training.step.adapter_table import AdapterTable
 from megatron_multilora.training.step.slot_adamw import SlotAdamW
-from megatron_multilora.training.step.slot_step import slot_work
+from megatron_multilora.training.step.slot_step import SlotStep, slot_work
 
 START_SLOTS = (64, 256, 1024)
-STEP_SLOTS = (1, 64, 512, 1024)
-STEP_EXAMPLES, STEP_TOKENS = 1024, 16  # in all, whatever the slot count
+STEP_SLOTS = (1, 64, 512, 1024, 4096)
+STEP_EXAMPLES, STEP_TOKENS = 4096, 16  # in all, whatever the slot count
+STEP_RANK = 8  # 4,096 slots of rank 8 hold 3.5 GB of weights, 14 GB with moments and grads
+PAGE_RANKS, PAGE_SLOTS = (8, 64), 4  # the main job's rank, and a large one
+
+
+def paging_costs(s: Settings, clock: Clock) -> dict[int, tuple[float, float, int]]:
+    """Per rank of ``PAGE_RANKS``: (ms to page one adapter out, ms to page it back in, its
+    page's bytes): a SmolLM2-135M-shaped GPT (30 layers) with rank-``rank`` slots on
+    qkv/proj/fc1/fc2, medians over the rounds; the adapter's weights and AdamW moments
+    (fp32), as the trainer pages a job between turns."""
+    cfg, out = mm.GPTModelConfig(num_layers=30, **SMOLLM2_135M), {}
+    for rank in PAGE_RANKS:
+        sr = dataclasses.replace(s, rank=rank)
+        model = build_model(cfg, sr, PAGE_SLOTS)
+        table = AdapterTable(SlotStep([model], PAGE_SLOTS, 64, 1, 0))
+        for j in range(PAGE_SLOTS):
+            slot = table.place([j])[j]
+            table.bind(j, start_job(model, slot, make_job(j, sr), 10, cfg))
+        outs, ins = [], []
+        for r in range(max(3, s.rounds)):
+            key = r % PAGE_SLOTS
+            start = time.perf_counter()
+            table.page_out(key)
+            middle = time.perf_counter()
+            table.place([key])
+            outs.append(middle - start)
+            ins.append(time.perf_counter() - middle)
+        nbytes = table.stats.bytes_out // table.stats.pages_out
+        out[rank] = (statistics.median(outs) * 1e3, statistics.median(ins) * 1e3, nbytes)
+        clock.say(
+            f"adapters: paging a rank-{rank} SmolLM2-135M adapter ({nbytes / 2**20:.1f} MiB): "
+            f"out {out[rank][0]:.1f} ms, in {out[rank][1]:.1f} ms"
+        )
+        del model, table
+    return out
 
 
 def start_costs(s: Settings, clock: Clock) -> dict[int, tuple[float, float]]:
@@ -52,15 +96,21 @@ def start_costs(s: Settings, clock: Clock) -> dict[int, tuple[float, float]]:
 
 def step_variants(
     s: Settings, device: torch.device
-) -> tuple[dict[str, Callable[[], None]], dict[str, SlotAdamW]]:
+) -> tuple[dict[str, Callable[[], None]], dict[str, SlotAdamW], dict[str, float]]:
     """One trainer step of the dense GPT (rows 8's) on ``STEP_EXAMPLES`` examples spread
-    over each slot count of ``STEP_SLOTS``, and each model's AdamW (to count the stacked
-    update)."""
+    over each slot count of ``STEP_SLOTS`` (rank ``STEP_RANK``), each model's AdamW (to count
+    the stacked update), and the bytes each variant added to the process (its model, slots,
+    optimizer state and packed batch: the resident set's growth while it was built)."""
+    import psutil
+
+    s = dataclasses.replace(s, rank=STEP_RANK)
     cfg = model_config("dense", s)
     gen = torch.Generator().manual_seed(5)
     examples = random_examples(STEP_EXAMPLES, STEP_TOKENS, cfg.vocab_size, gen)
-    variants, adamw = {}, {}
+    variants, adamw, grown = {}, {}, {}
+    process = psutil.Process()
     for n in STEP_SLOTS:
+        before = process.memory_info().rss
         per = STEP_EXAMPLES // n
         slot_examples = [examples[i * per : (i + 1) * per] for i in range(n)]
         model = build_model(cfg, s, n)
@@ -70,15 +120,30 @@ def step_variants(
         def run(step=step, exs=exs, mbs=mbs, opts=opts) -> None:
             step.train(slot_work(exs, opts), micro_batches=mbs)
 
+        run()  # the gradient and optimizer state exist after a first step
         variants[f"{n} slots"] = run
         adamw[f"{n} slots"] = SlotAdamW.of(model)
-    return variants, adamw
+        grown[f"{n} slots"] = float(process.memory_info().rss - before)
+    return variants, adamw, grown
+
+
+def adapter_bytes(adamw: SlotAdamW) -> float:
+    """The bytes the slots' own state takes: parameters, gradients, masters (when apart)
+    and both moments, every slot."""
+    rows = adamw.rows
+    values = list(rows.values.values())
+    tensors = [*values, *rows.grads.values()]
+    tensors += [m for m in adamw.masters.values() if all(m is not v for v in values)]
+    tensors += [t for moment in adamw.moments.values() for t in moment.values()]
+    return float(sum(t.numel() * t.element_size() for t in tensors))
 
 
 def section_adapters(s: Settings, device: torch.device, clock: Clock, out: Results) -> None:
     starts = start_costs(s, clock)
+    pages = paging_costs(s, clock)
     clock.say(f"adapters: trainer step over {STEP_SLOTS} slots: building")
-    variants, adamw = step_variants(s, device)
+    variants, adamw, grown = step_variants(s, device)
+    own = {name: adapter_bytes(a) for name, a in adamw.items()}
     ops = {}
     for name, fn in variants.items():
         stacked, adamw[name].stacked = adamw[name].stacked, True
@@ -87,11 +152,41 @@ def section_adapters(s: Settings, device: torch.device, clock: Clock, out: Resul
     rounds = min(s.rounds, 3)
     out.samples["adapters"] = time_side_by_side(clock, "adapters", variants, rounds, 1)
     med = medians(out.samples["adapters"])
-    out.rows += adapter_rows(starts, med, ops)
+    service = {} if device.type != "cpu" else service_paging(s, clock)
+    out.samples["adapters-service"] = service.pop("samples", {})
+    out.rows += adapter_rows(starts, med, ops, grown, own) + paging_rows(pages)
+    out.rows += service_paging_rows(s, service) if service else []
+
+
+def paging_rows(pages: dict[int, tuple[float, float, int]]) -> list[Row]:
+    rows = []
+    for suffix, (rank, (out_ms, in_ms, nbytes)) in zip("fg", pages.items()):
+        seconds = (out_ms + in_ms) / 1e3
+        rows.append(
+            Row(
+                f"16{suffix}",
+                f"paging one adapter, SmolLM2-135M, rank {rank}: in vs out",
+                "one job's adapter (weights and both AdamW moments, fp32; 30 layers, "
+                "qkv/proj/fc1/fc2) from its device slot to host memory and back, as the trainer "
+                "pages a job between turns",
+                "in",
+                "out",
+                "ms",
+                note=(
+                    f"{nbytes / 2**20:.1f} MiB a page; {2 * nbytes / seconds / 1e9:.1f} GB/s "
+                    "out and in together"
+                ),
+            ).fill(in_ms, out_ms)
+        )
+    return rows
 
 
 def adapter_rows(
-    starts: dict[int, tuple[float, float]], med: dict[str, float], ops: dict[str, int]
+    starts: dict[int, tuple[float, float]],
+    med: dict[str, float],
+    ops: dict[str, int],
+    grown: dict[str, float],
+    own: dict[str, float],
 ) -> list[Row]:
     low, high = START_SLOTS[0], START_SLOTS[-1]
     rows = [
@@ -113,19 +208,23 @@ def adapter_rows(
         ).fill(starts[high][1] * 1e3, starts[low][1] * 1e3)
     ]
     tokens = STEP_EXAMPLES * (STEP_TOKENS - 1)
-    for suffix, n in zip("bcd", STEP_SLOTS[1:]):
+    for suffix, n in zip("bcde", STEP_SLOTS[1:]):
         rows.append(
             Row(
                 f"16{suffix}",
                 f"trainer step: {n} slots vs 1, same tokens",
-                f"one SlotStep.train of the dense GPT of rows 8, {STEP_EXAMPLES} examples "
-                f"({tokens} positions) over {n} slots ({STEP_EXAMPLES // n} each) vs all in one",
+                f"one SlotStep.train of the dense GPT of rows 8, rank {STEP_RANK}, "
+                f"{STEP_EXAMPLES} examples ({tokens} positions) over {n} slots "
+                f"({STEP_EXAMPLES // n} each) vs all in one",
                 f"{n} slots",
                 "1 slot",
                 "ms",
                 note=(
                     f"aten ops as a GPU runs the step: {ops[f'{n} slots']} vs {ops['1 slots']} "
-                    f"({ops[f'{n} slots'] / ops['1 slots']:.2f}x)"
+                    f"({ops[f'{n} slots'] / ops['1 slots']:.2f}x); memory the variant added: "
+                    f"{grown[f'{n} slots'] / 2**30:.2f} GiB vs {grown['1 slots'] / 2**30:.2f} "
+                    f"GiB, of which the slots' own state (weights, gradients, moments) "
+                    f"{own[f'{n} slots'] / 2**30:.2f} GiB"
                 ),
             ).fill(med[f"{n} slots"] * 1e3, med["1 slots"] * 1e3)
         )

@@ -27,25 +27,34 @@ KEYS = [f"tml-bench{i}" for i in range(CLIENTS)]
 ENGINE_MS = re.compile(r"api: ran \d+ calls \(([^)]*)\) in ([\d.]+) ms")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def _launch(s: Settings, run_dir: Path, port: int, log: Path) -> subprocess.Popen:
+def launch(
+    s: Settings,
+    run_dir: Path,
+    port: int,
+    log: Path,
+    slots: int = CLIENTS,
+    keys: list[str] = KEYS,
+    extra: tuple[str, ...] = (),
+) -> subprocess.Popen:
     """The service on the dense model of rows 1c/2c, one process, its default batching
     window (up to 20 ms for the last batch's clients; a lone client does not wait)."""
     cfg = [
         "hf_dir=null",
-        f"lora.slots={CLIENTS}",
+        f"lora.slots={slots}",
         f"lora.max_rank={s.rank}",
         f"model.hidden_size={s.model_hidden}",
         f"model.num_layers={s.model_layers}",
         f"model.ffn_hidden_size={2 * s.model_hidden}",
         "trainer.micro_batch_tokens=16384",
+        *extra,
     ]
-    env = {**os.environ, "MMLORA_API_KEYS": ",".join(KEYS), "OMP_NUM_THREADS": str(s.threads)}
+    env = {**os.environ, "MMLORA_API_KEYS": ",".join(keys), "OMP_NUM_THREADS": str(s.threads)}
     proc = subprocess.Popen(
         [
             str(REPO / ".venv/bin/mmlora"),
@@ -87,9 +96,9 @@ def section_api(s: Settings, device: torch.device, clock: Clock, out: Results) -
         )
         return
     tmp = Path(tempfile.mkdtemp(prefix="bench-api-"))
-    port, log = _free_port(), tmp / "service.log"
+    port, log = free_port(), tmp / "service.log"
     clock.say(f"api: starting the service ({CLIENTS} slots)")
-    proc = _launch(s, tmp / "run", port, log)
+    proc = launch(s, tmp / "run", port, log)
     try:
         services = [
             tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=k) for k in KEYS

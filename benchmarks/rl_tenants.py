@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.api_service import CLIENTS, KEYS, _free_port, _launch
+from benchmarks.api_service import CLIENTS, KEYS, free_port, launch
 from benchmarks.report import Results, Row
 from benchmarks.settings import Settings
 from benchmarks.timing import Clock, medians, time_side_by_side
@@ -58,9 +58,9 @@ def section_rl(s: Settings, device: torch.device, clock: Clock, out: Results) ->
         out.rows.append(Row("16a", "RL tenants", "", "", "", "s", skipped="runs on CPU"))
         return
     tmp = Path(tempfile.mkdtemp(prefix="bench-rl-"))
-    port = _free_port()
+    port = free_port()
     clock.say(f"rl: starting the service ({CLIENTS} slots)")
-    proc = _launch(s, tmp / "run", port, tmp / "service.log")
+    proc = launch(s, tmp / "run", port, tmp / "service.log")
     try:
         services = [
             tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=k) for k in KEYS

@@ -156,8 +156,10 @@ NOT_ON_THE_MACHINE = (
     "tests/recipe/test_api_cookbook.py",
     "tests/recipe/test_api_rl_loop.py",
     "tests/recipe/test_api_model_families.py",
+    "tests/recipe/test_api_paging.py",
     "tests/recipe/run_rl_loop.py",
     "benchmarks/api_service.py",
+    "benchmarks/api_paging.py",
     "benchmarks/rl_tenants.py",
 )
 

@@ -59,6 +59,7 @@ from megatron_multilora.training.objectives.objective import SampleRequest
 from megatron_multilora.training.objectives.registry import client_objective
 from megatron_multilora.training.runtime import Runtime
 from megatron_multilora.training.step.reference import target_logprobs
+from megatron_multilora.training.step.sampling import cut_at_stop_strings
 from megatron_multilora.training.step.slot_optimizer import SlotOptimizer
 from megatron_multilora.training.step.slot_step import SlotWork
 
@@ -94,7 +95,9 @@ class Engine:
         self.rt, self.model, self.tokenizer = runtime, runtime.model, runtime.tokenizer
         self.run_dir, self.hf_dir = run_dir, hf_dir
         self.n_slots = runtime.run.lora.slots
-        self.table = runtime.table  # the clients' adapters by number: in a slot or paged
+        # The clients' adapters by number, in a device slot or paged out: ``place`` puts
+        # clients' in slots (paged in where they were out) and leaves ``room`` slots free.
+        self.table = runtime.table
         self.tools = runtime.tools(lambda job, reason: None)
         self.complete = complete or (lambda request_id, result: None)  # rank 0's front
         # By a client's number (the front's Client.slot; its device slot is the table's):
@@ -177,15 +180,10 @@ class Engine:
 
     # -- training clients -----------------------------------------------------------------
 
-    def _in_slots(self, clients: list[int], room: int = 0) -> dict[int, int]:
-        """The clients' adapters in device slots (paged in where they were out), and
-        ``room`` more slots free: each client's slot."""
-        return self.table.place(clients, room)
-
     def create(self, slot: int, rank: int, init_key: str, model_id: str, parts: list[str]) -> dict:
         """A fresh adapter for client ``slot``, training the ``parts`` its client's LoraConfig
         asks for (attn, mlp, unembed)."""
-        device = self._in_slots([slot])[slot]
+        device = self.table.place([slot])[slot]
         self.optimizers[slot] = self.rt.start_slot(device, client_job(init_key, rank, parts), 1)
         self.table.bind(slot, self.optimizers[slot])
         self.rt.step.drop([device])
@@ -223,7 +221,7 @@ class Engine:
         return [ops[i : i + self.n_slots] for i in range(0, len(ops), self.n_slots)]
 
     def _forward_backward_group(self, ops: list[Op], forward_only: bool) -> None:
-        device = self._in_slots([op.args["slot"] for op in ops])
+        device = self.table.place([op.args["slot"] for op in ops])
         work = {}
         for op in list(ops):
             try:
@@ -301,7 +299,7 @@ class Engine:
             self._guarded(group, partial(self._optim_step_group, group))
 
     def _optim_step_group(self, ops: list[Op]) -> None:
-        device = self._in_slots([op.args["slot"] for op in ops])
+        device = self.table.place([op.args["slot"] for op in ops])
         for op in ops:
             a = op.args
             self.optimizers[a["slot"]].set_hyperparameters(
@@ -324,7 +322,7 @@ class Engine:
 
     def save_state(self, slot: int, folder: str, path: str, meta: dict) -> dict:
         """The client's adapter and optimizer as a training state (collective)."""
-        device = self._in_slots([slot])[slot]
+        device = self.table.place([slot])[slot]
         snapshot = slot_snapshot(self.model, device, self.optimizers[slot])
         if dist.get_rank() == 0:
 
@@ -353,7 +351,7 @@ class Engine:
         if init_key is not None:
             self.create(slot, meta["rank"], init_key, model_id, TARGET_PARTS)  # its own zeros
         opt = self.optimizers[slot]
-        device = self._in_slots([slot])[slot]
+        device = self.table.place([slot])[slot]
         restore_slot(
             self.model,
             device,
@@ -370,7 +368,7 @@ class Engine:
         """The client's adapter as sampler weights: an adapter folder (and a PEFT one on a
         Hugging Face base); a sampler made from them samples the client's adapter itself
         while its weights stay as saved."""
-        device = self._in_slots([slot])[slot]
+        device = self.table.place([slot])[slot]
         export_adapter(self.model, device, Path(folder) / "adapter", meta, overwrite=True)
         self.saved[folder] = (slot, self.versions[slot])
         if self.hf_dir:
@@ -411,7 +409,7 @@ class Engine:
 
     def _sample_pass(self, ops: list[Op], needs: set) -> None:
         clients = [key for kind, key in needs if kind == "client"]
-        self._in_slots(clients, room=len(needs) - len(clients))
+        self.table.place(clients, room=len(needs) - len(clients))
         free = self.table.free_slots()
         loaded: dict[str, int] = {}
         requests, owners = [], []
@@ -438,7 +436,8 @@ class Engine:
         for op in ops:
             # A stop token is part of the sample (its log-prob is the last one).
             sequences = [
-                self._cut_at_strings(
+                cut_at_stop_strings(
+                    self.tokenizer.decode,
                     out.tokens + ([out.stop] if out.ended else []),
                     out.logprobs,
                     out.ended,
@@ -459,24 +458,6 @@ class Engine:
                     PROTOBUF, wire.sample_response(sequences, prompt_logprobs.get(op.request_id))
                 ),
             )
-
-    def _cut_at_strings(
-        self, tokens: list[int], logprobs: list[float], ended: bool, strings: list[str]
-    ) -> tuple[list[int], list[float], bool]:
-        """The sample up to the first token whose text completes a stop string (included),
-        as if it had stopped there: its draws before that point do not depend on later ones."""
-
-        def stops(k: int) -> bool:
-            text = self.tokenizer.decode(tokens[:k])
-            return any(s in text for s in strings)
-
-        if not strings or not stops(len(tokens)):
-            return tokens, logprobs, ended
-        low, high = 1, len(tokens)  # the shortest stopping prefix: a longer one stops too
-        while low < high:
-            mid = (low + high) // 2
-            low, high = (low, mid) if stops(mid) else (mid + 1, high)
-        return tokens[:high], logprobs[:high], True
 
     def _sampler_slot(self, a: dict, free: list[int], loaded: dict[str, int]) -> int:
         kind, key = self._sampler_source(a)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -71,3 +71,27 @@ def _invert(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = weights.cumsum(-1)
     at = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
     return at.clamp(max=weights.size(-1) - 1).flatten()
+
+
+def cut_at_stop_strings(
+    decode: Callable[[list[int]], str],
+    tokens: list[int],
+    logprobs: list[float],
+    ended: bool,
+    strings: Sequence[str],
+) -> tuple[list[int], list[float], bool]:
+    """A sample up to the first token whose text (``decode``) completes a stop string
+    (included), as if it had stopped there: its draws before that point do not depend on
+    later ones."""
+
+    def stops(k: int) -> bool:
+        text = decode(tokens[:k])
+        return any(s in text for s in strings)
+
+    if not strings or not stops(len(tokens)):
+        return tokens, logprobs, ended
+    low, high = 1, len(tokens)  # the shortest stopping prefix: a longer one stops too
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if stops(mid) else (mid + 1, high)
+    return tokens[:high], logprobs[:high], True
