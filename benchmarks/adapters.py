@@ -40,9 +40,11 @@ from megatron_multilora.training.step.slot_adamw import SlotAdamW
 from megatron_multilora.training.step.slot_step import SlotStep, slot_work
 
 START_SLOTS = (64, 256, 1024)
-STEP_SLOTS = (1, 64, 512, 1024, 4096)
-STEP_EXAMPLES, STEP_TOKENS = 4096, 16  # in all, whatever the slot count
-STEP_RANK = 8  # 4,096 slots of rank 8 hold 3.5 GB of weights, 14 GB with moments and grads
+STEP_SLOTS = (1, 64, 512, 1024)
+STEP_EXAMPLES, STEP_TOKENS = 1024, 16  # in all, whatever the slot count
+# 4,096 slots, one example each, against one slot on the same 4,096 examples: rank 8 (the
+# slots' own state is then 6.5 GiB), one timed round (a CPU step takes minutes).
+BIG_SLOTS, BIG_RANK = 4096, 8
 PAGE_RANKS, PAGE_SLOTS = (8, 64), 4  # the main job's rank, and a large one
 
 
@@ -95,23 +97,25 @@ def start_costs(s: Settings, clock: Clock) -> dict[int, tuple[float, float]]:
 
 
 def step_variants(
-    s: Settings, device: torch.device
+    s: Settings,
+    device: torch.device,
+    slot_counts: tuple[int, ...] = STEP_SLOTS,
+    n_examples: int = STEP_EXAMPLES,
 ) -> tuple[dict[str, Callable[[], None]], dict[str, SlotAdamW], dict[str, float]]:
-    """One trainer step of the dense GPT (rows 8's) on ``STEP_EXAMPLES`` examples spread
-    over each slot count of ``STEP_SLOTS`` (rank ``STEP_RANK``), each model's AdamW (to count
-    the stacked update), and the bytes each variant added to the process (its model, slots,
-    optimizer state and packed batch: the resident set's growth while it was built)."""
+    """One trainer step of the dense GPT (rows 8's) on ``n_examples`` examples spread over
+    each slot count of ``slot_counts``, each model's AdamW (to count the stacked update), and
+    the bytes each variant added to the process (its model, slots, optimizer state and packed
+    batch: the resident set's growth while it was built and stepped once)."""
     import psutil
 
-    s = dataclasses.replace(s, rank=STEP_RANK)
     cfg = model_config("dense", s)
     gen = torch.Generator().manual_seed(5)
-    examples = random_examples(STEP_EXAMPLES, STEP_TOKENS, cfg.vocab_size, gen)
+    examples = random_examples(n_examples, STEP_TOKENS, cfg.vocab_size, gen)
     variants, adamw, grown = {}, {}, {}
     process = psutil.Process()
-    for n in STEP_SLOTS:
+    for n in slot_counts:
         before = process.memory_info().rss
-        per = STEP_EXAMPLES // n
+        per = n_examples // n
         slot_examples = [examples[i * per : (i + 1) * per] for i in range(n)]
         model = build_model(cfg, s, n)
         step, ((exs, mbs),) = training_step(model, n, [slot_examples], device)
@@ -120,11 +124,45 @@ def step_variants(
         def run(step=step, exs=exs, mbs=mbs, opts=opts) -> None:
             step.train(slot_work(exs, opts), micro_batches=mbs)
 
-        run()  # the gradient and optimizer state exist after a first step
+        run()  # the gradients and the optimizer state exist after a first step
         variants[f"{n} slots"] = run
         adamw[f"{n} slots"] = SlotAdamW.of(model)
         grown[f"{n} slots"] = float(process.memory_info().rss - before)
     return variants, adamw, grown
+
+
+def ops_as_a_gpu_runs(fn: Callable[[], None], adamw: SlotAdamW, stacked_update: int) -> int:
+    """The aten ops of one call of ``fn`` with the update counted as the GPU's stacked one
+    (``stacked_update`` ops, the same for any number of slots by construction: a 4,096-slot
+    stacked update on the CPU would need 10 GiB of temporaries), the rest as run."""
+    adamw.step = lambda updates: None  # an instance attribute over the method
+    try:
+        return count(fn, warmup=0).ops + stacked_update
+    finally:
+        del adamw.step
+
+
+def stacked_update_ops(adamw: SlotAdamW, fn: Callable[[], None]) -> int:
+    """The stacked AdamW update's ops: ``fn``'s with it, less ``fn``'s without it."""
+    stacked, adamw.stacked = adamw.stacked, True
+    try:
+        with_update = count(fn, warmup=0).ops
+    finally:
+        adamw.stacked = stacked
+    return with_update - ops_as_a_gpu_runs(fn, adamw, 0)
+
+
+def big_step(s: Settings, device: torch.device, clock: Clock) -> dict:
+    """Row 16e: ``BIG_SLOTS`` slots, one example each, vs one slot on the same examples:
+    one timed round each, the ops as a GPU runs the step, the memory each added."""
+    sb = dataclasses.replace(s, rank=BIG_RANK)
+    clock.say(f"adapters: the step at {BIG_SLOTS} slots vs 1 on {BIG_SLOTS} examples: building")
+    variants, adamw, grown = step_variants(sb, device, (1, BIG_SLOTS), BIG_SLOTS)
+    update = stacked_update_ops(adamw["1 slots"], variants["1 slots"])
+    ops = {name: ops_as_a_gpu_runs(fn, adamw[name], update) for name, fn in variants.items()}
+    own = {name: adapter_bytes(a) for name, a in adamw.items()}
+    samples = time_side_by_side(clock, "adapters big", variants, 1, 0)
+    return {"samples": samples, "ops": ops, "grown": grown, "own": own}
 
 
 def adapter_bytes(adamw: SlotAdamW) -> float:
@@ -141,6 +179,7 @@ def adapter_bytes(adamw: SlotAdamW) -> float:
 def section_adapters(s: Settings, device: torch.device, clock: Clock, out: Results) -> None:
     starts = start_costs(s, clock)
     pages = paging_costs(s, clock)
+    big = big_step(s, device, clock)
     clock.say(f"adapters: trainer step over {STEP_SLOTS} slots: building")
     variants, adamw, grown = step_variants(s, device)
     own = {name: adapter_bytes(a) for name, a in adamw.items()}
@@ -154,8 +193,30 @@ def section_adapters(s: Settings, device: torch.device, clock: Clock, out: Resul
     med = medians(out.samples["adapters"])
     service = {} if device.type != "cpu" else service_paging(s, clock)
     out.samples["adapters-service"] = service.pop("samples", {})
-    out.rows += adapter_rows(starts, med, ops, grown, own) + paging_rows(pages)
+    out.samples["adapters-big"] = big["samples"]
+    out.rows += adapter_rows(starts, med, ops, grown, own) + [big_row(big)] + paging_rows(pages)
     out.rows += service_paging_rows(s, service) if service else []
+
+
+def big_row(big: dict) -> Row:
+    med, ops, grown, own = medians(big["samples"]), big["ops"], big["grown"], big["own"]
+    many = f"{BIG_SLOTS} slots"
+    return Row(
+        "16e",
+        f"trainer step: {BIG_SLOTS} slots vs 1, same tokens",
+        f"one SlotStep.train of the dense GPT of rows 8, rank {BIG_RANK}, {BIG_SLOTS} examples "
+        f"({BIG_SLOTS * (STEP_TOKENS - 1)} positions) over {BIG_SLOTS} slots (one each) vs all "
+        "in one; one round",
+        many,
+        "1 slot",
+        "ms",
+        note=(
+            f"aten ops as a GPU runs the step: {ops[many]} vs {ops['1 slots']} "
+            f"({ops[many] / ops['1 slots']:.2f}x); memory the variant added: "
+            f"{grown[many] / 2**30:.2f} GiB vs {grown['1 slots'] / 2**30:.2f} GiB, of which the "
+            f"slots' own state (weights, gradients, moments) {own[many] / 2**30:.2f} GiB"
+        ),
+    ).fill(med[many] * 1e3, med["1 slots"] * 1e3)
 
 
 def paging_rows(pages: dict[int, tuple[float, float, int]]) -> list[Row]:
@@ -208,14 +269,13 @@ def adapter_rows(
         ).fill(starts[high][1] * 1e3, starts[low][1] * 1e3)
     ]
     tokens = STEP_EXAMPLES * (STEP_TOKENS - 1)
-    for suffix, n in zip("bcde", STEP_SLOTS[1:]):
+    for suffix, n in zip("bcd", STEP_SLOTS[1:]):
         rows.append(
             Row(
                 f"16{suffix}",
                 f"trainer step: {n} slots vs 1, same tokens",
-                f"one SlotStep.train of the dense GPT of rows 8, rank {STEP_RANK}, "
-                f"{STEP_EXAMPLES} examples ({tokens} positions) over {n} slots "
-                f"({STEP_EXAMPLES // n} each) vs all in one",
+                f"one SlotStep.train of the dense GPT of rows 8, {STEP_EXAMPLES} examples "
+                f"({tokens} positions) over {n} slots ({STEP_EXAMPLES // n} each) vs all in one",
                 f"{n} slots",
                 "1 slot",
                 "ms",

@@ -46,7 +46,8 @@ def serve_api(run: RunConfig, keys: dict[str, str], say: Callable[[str], None] =
         status.write(force=True)
         say(
             f"api: serving {front.limits.model_name!r} ({run.lora.slots} adapter slots, up to "
-            f"{run.api.max_training_clients} training clients, ranks "
+            f"{run.api.max_training_clients} training clients (those beyond the slots paged "
+            f"to host memory, {engine.table.page_bytes(True) / 2**20:.1f} MiB each), ranks "
             f"up to {run.lora.max_rank}, world {dist.get_world_size()}, data parallel {dp}) "
             f"at {url}"
         )

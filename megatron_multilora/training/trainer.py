@@ -239,7 +239,12 @@ class Trainer:
             p.numel() for chunk in self.model for p in chunk.parameters() if p.requires_grad
         )
         at_once = self.board.max_active
-        turns = f" ({at_once} at once, taking turns)" if at_once > run.lora.slots else ""
+        turns = (
+            f" ({at_once} at once, taking turns; an adapter waiting for its turn takes "
+            f"{self.rt.table.page_bytes() / 2**20:.1f} MiB of host memory)"
+            if at_once > run.lora.slots
+            else ""
+        )
         return (
             f"run {run.run_dir}: {len(run.adapters)} adapter jobs on {run.lora.slots} slots"
             f"{turns}, "

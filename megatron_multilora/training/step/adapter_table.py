@@ -76,6 +76,9 @@ class AdapterTable:
         self.on_move: Callable[[Hashable, int | None], None] = lambda key, slot: None
         self._clock = 0
         self.stats = PagingStats()
+        # Host buffers of pages paged back in, by matrix: reused (a fresh one costs its page
+        # faults on the CPU), at most a turn's worth.
+        self._spare: dict[str, list[torch.Tensor]] = {}
         self._side = torch.cuda.Stream() if self._device.type == "cuda" else None
 
     @property
@@ -138,6 +141,11 @@ class AdapterTable:
         self._used.pop(key, None)
         return self.slots.pop(key, None)
 
+    def page_bytes(self, with_grads: bool = False) -> int:
+        """The host memory one paged-out adapter takes (``with_grads``: a service client's,
+        holding accumulated gradients)."""
+        return sum(m[0].numel() * m.element_size() for _, m in self._matrices(with_grads))
+
     def page_out(self, key: Hashable) -> None:
         """``key``'s adapter to host memory; its slot is blank (alpha 0) afterwards."""
         slot = self.slots.pop(key)
@@ -146,7 +154,7 @@ class AdapterTable:
         accumulated = slot in self.step._accumulated
         rows = {}
         for name, matrix in self._matrices(accumulated):
-            rows[name] = self._to_host(matrix[slot])
+            rows[name] = self._to_host(name, matrix[slot])
         banks = []
         for layer in multi_lora_modules(self.step.model):
             bank = layer.adapters
@@ -173,6 +181,10 @@ class AdapterTable:
                 matrix[slot].copy_(page.rows[name], non_blocking=side is not None)
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
+        for name, row in page.rows.items():  # its buffers serve the next page-outs
+            spare = self._spare.setdefault(name, [])
+            if len(spare) < self.n_slots:
+                spare.append(row)
         if not page.accumulated:
             self.step.drop([slot])
         else:
@@ -196,10 +208,18 @@ class AdapterTable:
             if with_grads:
                 yield f"grad/{kind}", adamw.rows.grads[kind]
 
-    def _to_host(self, row: torch.Tensor) -> torch.Tensor:
-        if self._side is None:
+    def _to_host(self, name: str, row: torch.Tensor) -> torch.Tensor:
+        """``row``'s copy in host memory: a buffer a page-in gave back, or a new one (pinned
+        on a GPU)."""
+        spare = self._spare.get(name)
+        if spare:
+            out = spare.pop()
+        elif self._side is None:
             return row.clone()
-        out = torch.empty(row.shape, dtype=row.dtype, pin_memory=True)
+        else:
+            out = torch.empty(row.shape, dtype=row.dtype, pin_memory=True)
+        if self._side is None:
+            return out.copy_(row)
         self._side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._side):
             out.copy_(row, non_blocking=True)
