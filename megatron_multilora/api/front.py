@@ -11,6 +11,7 @@ clients are ``<session>:train:<n>``, samplers ``<session>:sample:<n>``, checkpoi
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import json
 import threading
 import time
@@ -90,6 +91,8 @@ class Front:
         self.lock = threading.Lock()
         self.sessions: dict[str, tuple[str, float]] = {}  # id -> (owner, last heard from)
         self.clients: dict[str, Client] = {}
+        # The clients' numbers not taken (a heap: the lowest is given first).
+        self._free_numbers = list(range(limits.max_clients))
         self.samplers: dict[str, Sampler] = {}
         self.seen: dict[tuple[str, int], str] = {}  # (client, seq_id) -> request id
         self.checkpoints = CheckpointIndex(self.root, max_saves)  # a key's at most
@@ -153,8 +156,8 @@ class Front:
                 return {"request_id": first, **answer}
             problem = self.calls.refusal(owner, model_id, seq_id, skip=kind == SKIP)
             if problem is not None:
-                if creates is not None:  # its slot is free again (nothing reached the engine)
-                    del self.clients[creates.model_id]
+                if creates is not None:  # its number is free again (nothing reached the engine)
+                    heapq.heappush(self._free_numbers, self.clients.pop(creates.model_id).slot)
                     self.calls.forget(creates.model_id)
                 raise Refused(*problem)
             request_id = self.futures.new(owner)
@@ -285,6 +288,7 @@ class Front:
             self._release(owner, folders, session_id)
         for client in [c for c in self.clients.values() if c.session_id in gone]:
             del self.clients[client.model_id]
+            heapq.heappush(self._free_numbers, client.slot)
             self.seen = {k: v for k, v in self.seen.items() if k[0] != client.model_id}
             self.calls.forget(client.model_id)
             self.calls.put(
@@ -335,17 +339,16 @@ class Front:
         with self.lock:
             if model_id in self.clients:
                 raise Refused(400, f"training client {model_id} exists")
-            used = {c.slot for c in self.clients.values()}
-            free = [s for s in range(self.limits.max_clients) if s not in used]
-            if not free:
+            if not self._free_numbers:
                 raise Refused(
                     429,
                     f"this service holds {self.limits.max_clients} training clients at once "
                     "(api.max_training_clients) and has that many: end one (or wait for an "
                     "idle one to time out) and create it again",
                 )
+            number = heapq.heappop(self._free_numbers)
             client = self.clients[model_id] = Client(
-                model_id, owner, session_id, free[0], rank, user_metadata
+                model_id, owner, session_id, number, rank, user_metadata
             )
             self.calls.start(model_id)
         return client

@@ -225,3 +225,21 @@ def test_an_optimizer_the_service_does_not_run_is_refused_at_creation(tmp_path):
     assert calls.take(timeout=0.05, window=0.0) == []
     request["optimizer_config"] = {"type": "adamw"}
     assert create(front, loop, "s0", 1, owner="key-0")["model_id"] in front.clients
+
+
+def test_clients_beyond_the_slots_get_numbers_up_to_the_bound_then_429(tmp_path):
+    """Two device slots, three clients at most (api.max_training_clients): the third gets a
+    number beyond the slots (the engine pages it), the fourth a 429 naming the setting; a
+    refused creation's number is given again."""
+    loop = asyncio.new_event_loop()
+    limits = Limits("tiny", 64, 128, 2, 8, None, unembed=True, clients=3)
+    front = Front({"tml-a": OWNER}, limits, tmp_path, CallQueue(64), Futures(loop), 60.0)
+    front.sessions["s"] = (OWNER, time.monotonic())
+    for seq in range(3):
+        create(front, loop, "s", seq)
+    assert sorted(c.slot for c in front.clients.values()) == [0, 1, 2]
+    with pytest.raises(Refused) as err:
+        create(front, loop, "s", 3)
+    assert err.value.status == 429 and "api.max_training_clients" in str(err.value)
+    assert len(front.clients) == 3
+    loop.close()
