@@ -8,7 +8,8 @@ import os
 import torch
 
 from megatron_multilora.training.checkpoints import job_file
-from tests.recipe.conftest import job, losses_by_adapter, read_metrics, run_in_process
+from tests.recipe.conftest import QUIET, job, losses_by_adapter, read_metrics, run_in_process
+from tests.recipe.test_cli import TORCHRUN, finish, launch
 from tests.recipe.test_training import REL, assert_same_curve
 
 TASKS = ("reverse", "add", "sort", "uppercase")
@@ -86,3 +87,37 @@ def test_a_paged_run_resumes_exactly_and_checkpoints_link_unchanged_jobs(demo_da
     assert losses_by_adapter(tmp_path / "cut", "grad_norm") == losses_by_adapter(
         tmp_path / "whole", "grad_norm"
     )
+
+
+def test_paging_under_tensor_and_sequence_parallelism_and_resume_across_layouts(
+    demo_data, tmp_path
+):
+    """Six jobs over two slots under TP=2 with SP (two processes, each paging its shards)
+    train the trajectories of the one-process run; cut at step 5 there, the run resumes in
+    one process and ends as the one-process run does."""
+    jobs = _jobs(demo_data, 6, steps=4)
+    paging = ["lora.slots=2", "trainer.active_jobs=6", "checkpoint.save_interval=1"]
+    one, _ = run_in_process(tmp_path / "tp1", jobs, paging)
+    cmd = [
+        TORCHRUN,
+        "--standalone",
+        "--nproc-per-node=2",
+        "--local-ranks-filter=0",
+        "recipes/multi_lora_finetune.py",
+        f"run_dir={tmp_path / 'tp2'}",
+        *(o for o in QUIET if not o.startswith("checkpoint.save_interval")),
+        "parallel=tp2",
+        f"adapters=[{','.join(jobs)}]",
+        *paging,
+        "trainer.max_steps=5",
+    ]
+    out = finish(launch(cmd, tmp_path / "tp2.log"), tmp_path / "tp2.log")
+    assert "6 adapter jobs on 2 slots (6 at once, taking turns" in out
+    cut = losses_by_adapter(tmp_path / "tp2")
+    for name, losses in cut.items():
+        assert len(losses) == 5 * 2 // 6 + (int(name[1:]) < 5 * 2 % 6)  # its turns so far
+        assert_same_curve(losses, one[name][: len(losses)], 1e-6, f"{name} loss, TP=2 vs 1")
+    resumed, trainer = run_in_process(tmp_path / "tp2", jobs, paging)
+    assert trainer.step == 12
+    for name, losses in one.items():
+        assert_same_curve(resumed[name], losses, 1e-6, f"{name} loss, resumed at TP=1")
