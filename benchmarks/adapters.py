@@ -101,20 +101,15 @@ def step_variants(
     device: torch.device,
     slot_counts: tuple[int, ...] = STEP_SLOTS,
     n_examples: int = STEP_EXAMPLES,
-) -> tuple[dict[str, Callable[[], None]], dict[str, SlotAdamW], dict[str, float]]:
+) -> tuple[dict[str, Callable[[], None]], dict[str, SlotAdamW]]:
     """One trainer step of the dense GPT (rows 8's) on ``n_examples`` examples spread over
-    each slot count of ``slot_counts``, each model's AdamW (to count the stacked update), and
-    the bytes each variant added to the process (its model, slots, optimizer state and packed
-    batch: the resident set's growth while it was built and stepped once)."""
-    import psutil
-
+    each slot count of ``slot_counts`` (stepped once: its gradients and optimizer state
+    exist), and each model's AdamW (to count the stacked update and the slots' own bytes)."""
     cfg = model_config("dense", s)
     gen = torch.Generator().manual_seed(5)
     examples = random_examples(n_examples, STEP_TOKENS, cfg.vocab_size, gen)
-    variants, adamw, grown = {}, {}, {}
-    process = psutil.Process()
+    variants, adamw = {}, {}
     for n in slot_counts:
-        before = process.memory_info().rss
         per = n_examples // n
         slot_examples = [examples[i * per : (i + 1) * per] for i in range(n)]
         model = build_model(cfg, s, n)
@@ -127,21 +122,20 @@ def step_variants(
         run()  # the gradients and the optimizer state exist after a first step
         variants[f"{n} slots"] = run
         adamw[f"{n} slots"] = SlotAdamW.of(model)
-        grown[f"{n} slots"] = float(process.memory_info().rss - before)
-    return variants, adamw, grown
+    return variants, adamw
 
 
 def big_step(s: Settings, device: torch.device, clock: Clock) -> dict:
     """Row 16e: ``BIG_SLOTS`` slots, one example each, vs one slot on the same examples:
-    two timed rounds each and the memory each added. Its aten ops are not counted: the
+    two timed rounds each and the slots' own bytes. Its aten ops are not counted: the
     profiler's event tree of a 4,096-slot step outgrew this machine's 24 GiB (rows 16b-16d
     count them up to 1,024 slots)."""
     sb = dataclasses.replace(s, rank=BIG_RANK)
     clock.say(f"adapters: the step at {BIG_SLOTS} slots vs 1 on {BIG_SLOTS} examples: building")
-    variants, adamw, grown = step_variants(sb, device, (1, BIG_SLOTS), BIG_SLOTS)
+    variants, adamw = step_variants(sb, device, (1, BIG_SLOTS), BIG_SLOTS)
     own = {name: adapter_bytes(a) for name, a in adamw.items()}
     samples = time_side_by_side(clock, "adapters big", variants, 2, 0)
-    return {"samples": samples, "grown": grown, "own": own}
+    return {"samples": samples, "own": own}
 
 
 def adapter_bytes(adamw: SlotAdamW) -> float:
@@ -160,7 +154,7 @@ def section_adapters(s: Settings, device: torch.device, clock: Clock, out: Resul
     pages = paging_costs(s, clock)
     big = big_step(s, device, clock)
     clock.say(f"adapters: trainer step over {STEP_SLOTS} slots: building")
-    variants, adamw, grown = step_variants(s, device)
+    variants, adamw = step_variants(s, device)
     own = {name: adapter_bytes(a) for name, a in adamw.items()}
     ops = {}
     for name, fn in variants.items():
@@ -173,12 +167,12 @@ def section_adapters(s: Settings, device: torch.device, clock: Clock, out: Resul
     service = {} if device.type != "cpu" else service_paging(s, clock)
     out.samples["adapters-service"] = service.pop("samples", {})
     out.samples["adapters-big"] = big["samples"]
-    out.rows += adapter_rows(starts, med, ops, grown, own) + [big_row(big)] + paging_rows(pages)
+    out.rows += adapter_rows(starts, med, ops, own) + [big_row(big)] + paging_rows(pages)
     out.rows += service_paging_rows(s, service) if service else []
 
 
 def big_row(big: dict) -> Row:
-    med, grown, own = medians(big["samples"]), big["grown"], big["own"]
+    med, own = medians(big["samples"]), big["own"]
     many = f"{BIG_SLOTS} slots"
     return Row(
         "16e",
@@ -190,10 +184,9 @@ def big_row(big: dict) -> Row:
         "1 slot",
         "ms",
         note=(
-            f"memory the variant added: {grown[many] / 2**30:.2f} GiB vs "
-            f"{grown['1 slots'] / 2**30:.2f} GiB, of which the slots' own state (weights, "
-            f"gradients, moments) {own[many] / 2**30:.2f} GiB; aten ops not counted (the "
-            "profiler's event tree outgrew 24 GiB)"
+            f"the slots' own state (weights, gradients, moments): {own[many] / 2**30:.2f} GiB "
+            f"vs {own['1 slots'] / 2**20:.2f} MiB, the rest of the step's memory the same "
+            "for both; aten ops not counted (the profiler's event tree outgrew 24 GiB)"
         ),
     ).fill(med[many] * 1e3, med["1 slots"] * 1e3)
 
@@ -225,7 +218,6 @@ def adapter_rows(
     starts: dict[int, tuple[float, float]],
     med: dict[str, float],
     ops: dict[str, int],
-    grown: dict[str, float],
     own: dict[str, float],
 ) -> list[Row]:
     low, high = START_SLOTS[0], START_SLOTS[-1]
@@ -260,10 +252,9 @@ def adapter_rows(
                 "ms",
                 note=(
                     f"aten ops as a GPU runs the step: {ops[f'{n} slots']} vs {ops['1 slots']} "
-                    f"({ops[f'{n} slots'] / ops['1 slots']:.2f}x); memory the variant added: "
-                    f"{grown[f'{n} slots'] / 2**30:.2f} GiB vs {grown['1 slots'] / 2**30:.2f} "
-                    f"GiB, of which the slots' own state (weights, gradients, moments) "
-                    f"{own[f'{n} slots'] / 2**30:.2f} GiB"
+                    f"({ops[f'{n} slots'] / ops['1 slots']:.2f}x); the slots' own state "
+                    f"(weights, gradients, moments): {own[f'{n} slots'] / 2**20:.0f} MiB vs "
+                    f"{own['1 slots'] / 2**20:.2f} MiB"
                 ),
             ).fill(med[f"{n} slots"] * 1e3, med["1 slots"] * 1e3)
         )

@@ -15,6 +15,8 @@ Skipped without CUDA (``scripts/gpu_check.sh`` runs them on a GPU machine):
   on the device) and the CUDA generator saved and restored with a checkpoint's RNG;
 - the tables' greedy generations read off the held-out pass of a bf16 model (its 1.0
   margin) against cached decoding on the GPU;
+- the paged adapter table (pinned host pages, copies on a side stream): adapters taking turns
+  in fewer slots against each alone;
 - the training pass under CUDA graphs (``trainer.cuda_graphs``): a replay against the same
   static pass run eagerly, and the graphed pass and the trainer's graphed step against the
   eager ones (losses and every slot's gradients), one capture per length, again on a rank
@@ -410,3 +412,23 @@ def test_the_trainer_step_with_cuda_graphs_equals_the_eager_step():
         assert relative(a, b) < 5e-2
     for a, b in zip(got_norms, want_norms):
         assert (a / b - 1).abs().max() < 5e-2, (a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_paged_adapters_on_cuda_train_as_each_alone(dtype):
+    """The paged table's GPU path: pages in pinned host memory, copied on a side stream. 12
+    adapters taking turns in 4 slots against each alone (the CPU asserts the bits; here a
+    step's reductions may be shaped by the slot count, so within a few ulps of each
+    value's step)."""
+    from tests.unit.test_adapter_table import turns_and_alone
+
+    table, pairs = turns_and_alone(dtype)
+    assert table._side is not None
+    assert all(t.is_pinned() for page in table.pages.values() for t in page.rows.values())
+    assert table.pages  # some are still paged out
+    for got, want in pairs:
+        for key in want:
+            assert got[key].is_cuda
+            scale = float(want[key].abs().max()) or 1.0
+            bound = 8 * torch.finfo(want[key].dtype).eps * scale
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=bound, msg=key)
