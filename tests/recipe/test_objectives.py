@@ -522,3 +522,20 @@ def test_dpo_and_grpo_jobs_submitted_to_a_serving_trainer_train_and_export(
     assert len(records["pdpo"]) == len(records["pgrpo"]) == 4
     for name in specs:
         assert (run / "adapters" / name / "adapter.safetensors").is_file()
+
+
+def test_every_objective_paged_through_one_slot_trains_as_alone(runs, data, tmp_path):
+    """The SFT, DPO and GRPO jobs taking turns in one device slot (trainer.active_jobs=3),
+    each paged out while the others step: every job's records equal its run alone, and
+    GRPO's samples are the same tokens."""
+    _, trainer = run_in_process(
+        tmp_path / "paged",
+        mixed(data),
+        [*OVERRIDES, "lora.slots=1", "trainer.active_jobs=3", "checkpoint.keep_last=0"],
+    )
+    assert trainer.rt.table.stats.pages_out >= 2 * STEPS  # every turn paged another job out
+    paged = train_records(tmp_path / "paged")
+    for name in ("sft", "dpo", "grpo"):
+        assert_same_records(train_records(runs[name])[name], paged[name], f"{name} paged")
+    alone, got = rollout(runs["grpo"], 4, "grpo"), rollout(tmp_path / "paged", 12, "grpo")
+    assert [e["tokens"] for e in alone["examples"]] == [e["tokens"] for e in got["examples"]]
