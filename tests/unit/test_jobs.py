@@ -165,6 +165,27 @@ def test_an_ending_job_logs_its_last_window_before_its_end_line_and_none_after(t
     assert steps == [3, 4]
 
 
+def _random_board(rng, most: int, turns: bool) -> list[Job]:
+    """Up to ``most`` jobs of random budgets and start steps, queued, training (some steps
+    done; ``turns``: some turns taken) or done."""
+    jobs = []
+    for i in range(rng.randint(0, most)):
+        spec = AdapterJob(
+            name=f"j{i}",
+            dataset="-",
+            max_steps=rng.randint(1, 9),
+            start_step=rng.choice([0, 0, rng.randint(0, 20)]),
+        )
+        j = job(spec)
+        j.status = rng.choice([QUEUED, QUEUED, ACTIVE, DONE])
+        if j.status == ACTIVE:
+            j.steps_done = rng.randint(0, j.total_steps - 1)
+            if turns:
+                j.turn = rng.choice([-1, rng.randint(0, 99)])
+        jobs.append(j)
+    return jobs
+
+
 def _planned_step_by_step(jobs, slots, now):
     """The plan played out one trainer step at a time (the board's admission rule)."""
     left = {
@@ -192,18 +213,7 @@ def test_the_plan_equals_the_queue_played_out_step_by_step_and_scales():
 
     rng = random.Random(0)
     for _ in range(300):
-        jobs = []
-        for i in range(rng.randint(0, 12)):
-            spec = AdapterJob(
-                name=f"j{i}",
-                dataset="-",
-                max_steps=rng.randint(1, 9),
-                start_step=rng.choice([0, 0, rng.randint(0, 20)]),
-            )
-            j = job(spec)
-            j.status = rng.choice([QUEUED, QUEUED, ACTIVE, DONE])
-            j.steps_done = rng.randint(0, j.total_steps - 1) if j.status == ACTIVE else 0
-            jobs.append(j)
+        jobs = _random_board(rng, 12, turns=False)
         slots = rng.randint(1, 4)
         if sum(j.status == ACTIVE for j in jobs) > slots:
             continue
@@ -244,20 +254,7 @@ def test_the_plan_with_turns_equals_the_turns_played_out_step_by_step():
 
     rng = random.Random(1)
     for _ in range(300):
-        jobs = []
-        for i in range(rng.randint(0, 14)):
-            spec = AdapterJob(
-                name=f"j{i}",
-                dataset="-",
-                max_steps=rng.randint(1, 9),
-                start_step=rng.choice([0, 0, rng.randint(0, 20)]),
-            )
-            j = job(spec)
-            j.status = rng.choice([QUEUED, QUEUED, ACTIVE, DONE])
-            if j.status == ACTIVE:
-                j.steps_done = rng.randint(0, j.total_steps - 1)
-                j.turn = rng.choice([-1, rng.randint(0, 99)])
-            jobs.append(j)
+        jobs = _random_board(rng, 14, turns=True)
         slots = rng.randint(1, 4)
         at_once = rng.randint(slots, 8)
         if sum(j.status == ACTIVE for j in jobs) > at_once:
