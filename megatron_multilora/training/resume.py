@@ -112,6 +112,18 @@ class RunCheckpoints:
                     KeptFile(path / name, meta, entries[name]),
                 )
 
+    def _unchanged(self, active: list[Job]) -> dict[str, KeptFile]:
+        """The jobs whose file in the last checkpoint is still their state, as rank 0 (the
+        one that writes) finds those files: every rank decides alike."""
+        same = [
+            job.name
+            for job in active
+            if job.name in self._files and self._files[job.name][0] == self._version(job)
+        ]
+        found = [[n for n in same if self._files[n][1].path.exists()] if self.is_main else None]
+        dist.broadcast_object_list(found, src=0)
+        return {name: self._files[name][1] for name in found[0]}
+
     @staticmethod
     def _version(job: Job) -> tuple[int, int]:
         # A job's file changes only when its optimizer steps (or it starts anew).
@@ -124,13 +136,7 @@ class RunCheckpoints:
         not written)."""
         if self.saved is None or self.saved[0] != step:
             active = self.board.active()
-            kept = {
-                job.name: self._files[job.name][1]
-                for job in active
-                if job.name in self._files
-                and self._files[job.name][0] == self._version(job)
-                and self._files[job.name][1].path.exists()
-            }
+            kept = self._unchanged(active)
             snapshots = {}
             for group in self.board.in_turns([job for job in active if job.name not in kept]):
                 for job in group:
