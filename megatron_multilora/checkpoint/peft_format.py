@@ -9,7 +9,7 @@ follow the fused output, so export splits B and repeats A:
 * ``linear_fc1`` (rows ``[gate; up]``) -> ``gate_proj``, ``up_proj`` (Mixtral experts:
   ``w1``, ``w3``); ``linear_fc2`` -> ``down_proj`` (``w2``); ``linear_proj`` -> ``o_proj``;
 * expert factors ``[E, ...]`` -> one 2-D pair per expert ``experts.{e}.*``;
-* DeepSeek-V3's MLA linears are HF's one to one (``MLA_PEFT_MODULES``; ``linear_kv_down_proj``
+* DeepSeek-V3's MLA linears are HF's one to one (its family's ``own_modules``; ``linear_kv_down_proj``
   rows ``[kv_lora_rank; qk_rope_head_dim]`` as ``kv_a_proj_with_mqa``'s);
 * Phi-3 keeps them fused too, in Hugging Face's row order: ``linear_qkv`` -> ``qkv_proj``
   (rows ``[q; k; v]``, so B's rows are regrouped), ``linear_fc1`` -> ``gate_up_proj``.
@@ -48,40 +48,31 @@ from megatron_multilora.layers.slot_tensors import (
     set_slot_tensors,
     slot_rank_alpha,
 )
-from megatron_multilora.models.deepseek_v3 import MLA_PEFT_MODULES
+from megatron_multilora.models.families import family_of
 from megatron_multilora.models.gpt_config import GPTModelConfig
 from megatron_multilora.ops.fused_rows import QKVRows, fuse_gate_up, split_gate_up
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-# Phi-3 keeps the linears megatron fuses fused too, rows [q; k; v] and [gate; up].
-_PHI3_FUSED = {
-    "self_attention.linear_qkv": "self_attn.qkv_proj",
-    "mlp.linear_fc1": "mlp.gate_up_proj",
-}
-
-
 def hf_module_names(megatron_rest: str, model_type: str) -> list[str] | None:
-    """HF module names (below ``model.layers.L.``) a Megatron linear splits into; ``{e}``
-    stands for the expert index."""
-    experts = "block_sparse_moe.experts.{e}." if model_type == "mixtral" else "mlp.experts.{e}."
-    gate_up_down = (
-        ("w1", "w3", "w2") if model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    )
-    if model_type == "phi3" and megatron_rest in _PHI3_FUSED:
-        return [_PHI3_FUSED[megatron_rest]]
-    if megatron_rest in MLA_PEFT_MODULES:
-        return [MLA_PEFT_MODULES[megatron_rest]]
-    # Qwen2-MoE has one shared expert, DeepSeek-V3 shared experts fused into one MLP
-    shared = "mlp.shared_experts." if model_type == "deepseek_v3" else "mlp.shared_expert."
+    """HF module names (below ``model.layers.L.``) a Megatron linear splits into, as its
+    family names them (``models/families/``); ``{e}`` stands for the expert index."""
+    family = family_of(model_type)
+    if megatron_rest in family.fused_modules:
+        return [family.fused_modules[megatron_rest]]
+    if megatron_rest in family.own_modules:
+        return [family.own_modules[megatron_rest]]
+    experts = f"{family.moe_block}.experts.{{e}}."
+    gate, up, down = family.expert_linears
+    shared = f"mlp.{family.shared_experts}."
     table = {
         "self_attention.linear_qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
         "self_attention.linear_proj": ["self_attn.o_proj"],
         "mlp.linear_fc1": ["mlp.gate_proj", "mlp.up_proj"],
         "mlp.linear_fc2": ["mlp.down_proj"],
-        "mlp.experts.linear_fc1": [experts + gate_up_down[0], experts + gate_up_down[1]],
-        "mlp.experts.linear_fc2": [experts + gate_up_down[2]],
+        "mlp.experts.linear_fc1": [experts + gate, experts + up],
+        "mlp.experts.linear_fc2": [experts + down],
         "mlp.shared_experts.linear_fc1": [shared + "gate_proj", shared + "up_proj"],
         "mlp.shared_experts.linear_fc2": [shared + "down_proj"],
     }

@@ -4,7 +4,7 @@ layer spec and one hook, without forking ``TransformerLayer``'s forward.
 ==========================  ================================================================
 Gemma 3                     here
 ==========================  ================================================================
-(1 + w) RMSNorm weights     folded into the weights at import (hf_import, hf_gemma3)
+(1 + w) RMSNorm weights     folded into the weights at import (hf_import, families/gemma3_text)
 post-attention / post-MLP   :class:`PostNormBiasDropoutAdd` in the ``self_attn_bda`` /
 norms                       ``mlp_bda`` slots: the norm sees the branch output after
                             linear_proj / linear_fc2, multi-LoRA deltas included

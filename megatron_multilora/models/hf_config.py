@@ -1,4 +1,5 @@
-"""Hugging Face ``config.json`` -> :class:`GPTModelConfig`, for the families we can import.
+"""Hugging Face ``config.json`` -> :class:`GPTModelConfig`, for the families we can import
+(``models/families/``: what each declares is read here; no model type is named).
 
 Only fields that the Megatron model reproduces exactly are accepted; anything that changes
 the math and has no Megatron counterpart here (rope scaling, sliding windows, extra biases,
@@ -12,19 +13,8 @@ import json
 import os
 from typing import Any
 
-from megatron_multilora.models.deepseek_v3 import deepseek_v3_config
+from megatron_multilora.models.families import Family, family_of
 from megatron_multilora.models.gpt_config import GPTModelConfig
-from megatron_multilora.models.hf_gemma3 import GEMMA3_TYPES, gemma3_rope, set_gemma3_fields
-
-DENSE_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
-MOE_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
-MLA_TYPES = ("deepseek_v3",)  # mapped in models/deepseek_v3.py
-SUPPORTED_TYPES = DENSE_TYPES + MOE_TYPES + MLA_TYPES + GEMMA3_TYPES
-# Families whose q_norm/k_norm exist: per head (Qwen3) or over the whole projection (OLMoE).
-_QK_NORM_PER_HEAD = ("qwen3", "qwen3_moe")
-_QK_NORM_ACROSS_HEADS = ("olmoe",)
-# Families whose attention rotates only the first partial_rotary_factor of each head.
-_PARTIAL_ROTARY = ("phi3",)
 
 
 def read_hf_config(folder: str | os.PathLike) -> dict:
@@ -46,10 +36,8 @@ def read_hf_config(folder: str | os.PathLike) -> dict:
 def hf_to_model_config(hf_config: dict) -> GPTModelConfig:
     """The Megatron :class:`GPTModelConfig` of a Hugging Face causal LM config.
 
-    Supports model_type llama (also Llama 3.x RoPE scaling), mistral, phi3 (also partial
-    rotary), qwen2, qwen3 (dense) and mixtral, qwen3_moe, olmoe, qwen2_moe (every layer MoE);
-    deepseek_v3 (MLA, dense then MoE layers) by :mod:`.deepseek_v3`; gemma3_text (post norms,
-    per-layer-type RoPE, ...: :mod:`.hf_gemma3`).
+    Supports the families of ``models/families`` (each module says what it adds to
+    Llama's mapping; DeepSeek-V3 and Gemma 3 map much of their config themselves).
     A sliding window shorter than max_position_embeddings becomes ``sliding_window`` (longer
     sequences are refused). Mapping: num_hidden_layers -> num_layers, hidden_size,
     num_attention_heads, num_key_value_heads -> num_query_groups, head_dim -> kv_channels,
@@ -62,8 +50,9 @@ def hf_to_model_config(hf_config: dict) -> GPTModelConfig:
     unsupported model types and for fields that would change the computation.
     """
     hf = _Fields(hf_config)
-    if hf.model_type in MLA_TYPES:
-        return deepseek_v3_config(hf)
+    family = hf.family
+    if family.config is not None:
+        return family.config(hf)
     heads = hf.require("num_attention_heads")
     hidden = hf.require("hidden_size")
     head_dim = hf.get("head_dim") or hidden // heads
@@ -75,28 +64,27 @@ def hf_to_model_config(hf_config: dict) -> GPTModelConfig:
         ffn_hidden_size=hf.require("intermediate_size"),
         vocab_size=hf.require("vocab_size"),
         max_sequence_length=hf.get("max_position_embeddings", 4096),
-        sliding_window=_sliding_window(hf),
+        sliding_window=_sliding_window(hf, family),
         normalization="RMSNorm",
         norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
         activation="silu",
         gated_linear_unit=True,
         position_embedding_type="rope",
-        **(gemma3_rope(hf) if hf.model_type in GEMMA3_TYPES else _rope(hf)),
+        **(family.rope(hf) if family.rope else _rope(hf, family)),
         add_bias_linear=False,
-        add_qkv_bias=_qkv_bias(hf),
-        qk_layernorm=hf.model_type in _QK_NORM_PER_HEAD + _QK_NORM_ACROSS_HEADS,
-        qk_layernorm_across_heads=hf.model_type in _QK_NORM_ACROSS_HEADS,
+        add_qkv_bias=family.qkv_bias(hf),
+        qk_layernorm=family.qk_norm is not None,
+        qk_layernorm_across_heads=family.qk_norm == "across_heads",
         kv_channels=head_dim,
         # The HF classes of these families all default to untied embeddings.
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_dropout=float(hf.get("attention_dropout", 0.0)),
         hidden_dropout=0.0,
     )
-    _check_math(hf)
-    if hf.model_type in GEMMA3_TYPES:
-        set_gemma3_fields(hf, cfg)
-    if hf.model_type in MOE_TYPES:
-        _add_moe(hf, cfg)
+    _check_math(hf, family)
+    family.finish(hf, cfg)
+    if family.moe:
+        _add_moe(hf, cfg, family)
     return cfg
 
 
@@ -106,11 +94,7 @@ class _Fields:
     def __init__(self, hf_config: dict) -> None:
         self.d = hf_config
         self.model_type = hf_config.get("model_type")
-        if self.model_type not in SUPPORTED_TYPES:
-            raise ValueError(
-                f"model_type {self.model_type!r} is not supported; supported: "
-                f"{', '.join(SUPPORTED_TYPES)}"
-            )
+        self.family = family_of(self.model_type)
 
     def get(self, name: str, default: Any = None) -> Any:
         value = self.d.get(name)
@@ -125,7 +109,7 @@ class _Fields:
         raise ValueError(f"{self.model_type}: {name}={value!r} is not supported ({why})")
 
 
-def _rope(hf: _Fields) -> dict[str, Any]:
+def _rope(hf: _Fields, family: Family) -> dict[str, Any]:
     """RoPE fields from the old top-level ``rope_theta``/``rope_scaling`` or transformers 5's
     ``rope_parameters``: plain RoPE, or Llama 3.x scaling (``rope_type: llama3``)."""
     params = hf.d.get("rope_parameters") or {}
@@ -145,7 +129,7 @@ def _rope(hf: _Fields) -> dict[str, Any]:
     elif kind != "default":
         hf.reject(field, scaling, "only unscaled RoPE and Llama 3 (rope_type llama3) scaling")
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0 and hf.model_type not in _PARTIAL_ROTARY:
+    if partial != 1.0 and not family.partial_rotary:
         hf.reject("partial_rotary_factor", partial, "RoPE must cover the whole head")
     theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
     # GPTModelConfig.rotary_base is an int field; keep ints where the value is integral.
@@ -157,20 +141,11 @@ def _rope_type(d: dict) -> str | None:
     return d.get("rope_type", d.get("type", "default"))
 
 
-def _qkv_bias(hf: _Fields) -> bool:
-    """Qwen2 always has q/k/v biases, Qwen2-MoE per ``qkv_bias``; the others have none."""
-    if hf.model_type == "qwen2":
-        return True
-    if hf.model_type == "qwen2_moe":
-        return bool(hf.get("qkv_bias", True))
-    return False
-
-
-def _check_math(hf: _Fields) -> None:
-    """Reject fields that would make the Hugging Face model compute something else."""
-    mt = hf.model_type
+def _check_math(hf: _Fields, family: Family) -> None:
+    """Reject fields that would make the Hugging Face model compute something else (the
+    family's own refusals too)."""
     act = hf.get("hidden_act", "silu")
-    if act != "silu" and mt not in GEMMA3_TYPES:  # Gemma's: hf_gemma3
+    if act != "silu" and family.silu_only:
         hf.reject("hidden_act", act, "only SwiGLU (silu) MLPs are implemented")
     for flag in ("attention_bias", "mlp_bias"):
         # Would add biases to o_proj / the MLP as well, which add_qkv_bias does not cover.
@@ -180,28 +155,10 @@ def _check_math(hf: _Fields) -> None:
         hf.reject("pretraining_tp", hf.d["pretraining_tp"], "must be 1")
     if hf.get("clip_qkv") is not None:
         hf.reject("clip_qkv", hf.d["clip_qkv"], "q/k/v clamping is not implemented")
-    if mt == "mixtral" and hf.get("router_jitter_noise", 0.0):
-        hf.reject(
-            "router_jitter_noise",
-            hf.d["router_jitter_noise"],
-            "router noise changes training-mode routing",
-        )
-    if mt in ("qwen3_moe", "qwen2_moe"):
-        if hf.get("mlp_only_layers", []):
-            hf.reject(
-                "mlp_only_layers",
-                hf.d["mlp_only_layers"],
-                "dense layers inside an MoE stack are not supported",
-            )
-        if hf.get("decoder_sparse_step", 1) != 1:
-            hf.reject(
-                "decoder_sparse_step",
-                hf.d["decoder_sparse_step"],
-                "every layer must be an MoE layer",
-            )
+    family.check(hf)
 
 
-def _sliding_window(hf: _Fields) -> int | None:
+def _sliding_window(hf: _Fields, family: Family) -> int | None:
     """The attention window of the layers that have one (None: none, or one covering every
     position). Window attention is not computed here: up to the window it equals full
     attention, so the config check refuses longer sequences."""
@@ -209,12 +166,12 @@ def _sliding_window(hf: _Fields) -> int | None:
     other = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
     if other:
         hf.reject("layer_types", other, "only full and sliding-window attention layers")
-    # The Qwen families use their window only with use_sliding_window; Mistral, Mixtral and
-    # Phi-3 whenever it is set; transformers 5 also names the windowed layers in layer_types.
+    # Most families use their window only with use_sliding_window, some whenever it is set
+    # (window_always); transformers 5 also names the windowed layers in layer_types.
     windowed = (
         "sliding_attention" in layer_types
         or hf.get("use_sliding_window", False)
-        or hf.model_type in ("mistral", "mixtral", "phi3")
+        or family.window_always
     )
     window = hf.get("sliding_window") if windowed else None
     if window is None or window >= hf.get("max_position_embeddings", 4096):
@@ -222,16 +179,17 @@ def _sliding_window(hf: _Fields) -> int | None:
     return int(window)
 
 
-def _add_moe(hf: _Fields, cfg: GPTModelConfig) -> None:
+def _add_moe(hf: _Fields, cfg: GPTModelConfig, family: Family) -> None:
     """Experts, router and shared experts; HF routers softmax over all experts in fp32 and
-    pick the top k, renormalising them when ``norm_topk_prob`` (Mixtral: always)."""
-    mt = hf.model_type
+    pick the top k, renormalising them when ``norm_topk_prob`` (or as the family says)."""
     experts = hf.get("num_local_experts") or hf.get("num_experts")
     if not experts:
-        raise ValueError(f"{mt}: config.json lacks num_experts / num_local_experts")
+        raise ValueError(f"{hf.model_type}: config.json lacks num_experts / num_local_experts")
     cfg.num_moe_experts = int(experts)
     cfg.moe_router_topk = int(hf.require("num_experts_per_tok"))
-    renormalise = True if mt == "mixtral" else bool(hf.get("norm_topk_prob", False))
+    renormalise = family.renormalise_topk
+    if renormalise is None:
+        renormalise = bool(hf.get("norm_topk_prob", False))
     # Megatron: pre_softmax=False is softmax over the top-k logits, i.e. the renormalised
     # top-k of the full softmax; pre_softmax=True keeps the full-softmax probabilities.
     cfg.moe_router_pre_softmax = not renormalise
@@ -239,11 +197,11 @@ def _add_moe(hf: _Fields, cfg: GPTModelConfig) -> None:
     cfg.moe_router_dtype = "fp32"
     cfg.moe_aux_loss_coeff = 0.0  # HF adds its aux loss only on request; not part of logits
     cfg.moe_ffn_hidden_size = (
-        hf.require("moe_intermediate_size")
-        if mt in ("qwen3_moe", "qwen2_moe")
-        else cfg.ffn_hidden_size
+        cfg.ffn_hidden_size
+        if family.expert_width == "intermediate_size"
+        else hf.require(family.expert_width)
     )
-    if mt == "qwen2_moe":
+    if family.shared_expert_gate:
         shared = hf.get("shared_expert_intermediate_size", 0)
         if shared:
             cfg.moe_shared_expert_intermediate_size = int(shared)

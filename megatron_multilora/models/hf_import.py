@@ -40,13 +40,15 @@ mlp.shared_experts.linear_fc1/.linear_fc2.weight   M.shared_expert(s).gate_proj/
 mlp.shared_experts.gate_weight [1, H]              M.shared_expert_gate.weight
 =================================================  ============================================
 
-DeepSeek-V3's multi-latent attention tensors are named in
-:data:`~megatron_multilora.models.deepseek_v3.MLA_TENSORS` (each split like its parameter).
+What a family names otherwise is in its module (``models/families/``): its layer tensors
+(DeepSeek-V3's multi-latent attention, :data:`~.families.deepseek_v3.MLA_TENSORS`, each split
+like its parameter; Gemma 3's norms, below), its MoE block and expert names (Mixtral), its
+shared experts' module and the linears it keeps fused (Phi-3).
 TE layer specs name the norms ``linear_qkv.layer_norm_weight`` and
 ``mlp.linear_fc1.layer_norm_weight``; both are mapped too. Megatron's SequentialMLP names
 (``mlp.experts.local_experts.{j}.linear_fc1.weight``) are accepted as well.
 
-Gemma 3 (:mod:`~megatron_multilora.models.hf_gemma3`) differs in its norms:
+Gemma 3 (:mod:`~megatron_multilora.models.families.gemma3_text`) differs in its norms:
 
 =================================================  ============================================
 layers.i.pre_mlp_layernorm.weight [H]              L.pre_feedforward_layernorm.weight
@@ -70,12 +72,10 @@ from megatron.core.models.gpt import GPTModel
 
 from megatron_multilora.errors import RunError
 from megatron_multilora.layers.lifecycle import hide_adapters, named_multi_lora_modules
-from megatron_multilora.models.deepseek_v3 import MLA_TENSORS, prediction_module_tensor
+from megatron_multilora.models.families import Family, family_of
 from megatron_multilora.models.gpt import build_gpt_model
 from megatron_multilora.models.gpt_config import GPTModelConfig
 from megatron_multilora.models.hf_config import hf_to_model_config, read_hf_config
-from megatron_multilora.models.hf_gemma3 import GEMMA3_TYPES, UNIT_OFFSET_NORMS
-from megatron_multilora.models.hf_gemma3 import LAYER_NAMES as GEMMA3_LAYER_NAMES
 from megatron_multilora.models.hf_safetensors import SafetensorsFolder
 from megatron_multilora.ops.fused_rows import QKVRows, fuse_gate_up
 
@@ -119,12 +119,11 @@ _WHOLE = _Shard()
 class _Loader:
     """Builds each Megatron parameter's local tensor from the checkpoint."""
 
-    def __init__(self, ckpt: SafetensorsFolder, cfg: GPTModelConfig, model_type: str) -> None:
-        self.ckpt, self.cfg = ckpt, cfg
-        gemma3 = model_type in GEMMA3_TYPES
-        self.layer_names = {**_LAYER_DIRECT, **GEMMA3_LAYER_NAMES} if gemma3 else _LAYER_DIRECT
+    def __init__(self, ckpt: SafetensorsFolder, cfg: GPTModelConfig, family: Family) -> None:
+        self.ckpt, self.cfg, self.family = ckpt, cfg, family
+        self.layer_names = {**_LAYER_DIRECT, **family.layer_tensors}
         # Megatron keys whose checkpoint tensor w stands for a (1 + w) norm weight (Gemma).
-        self.unit_offset_norms = UNIT_OFFSET_NORMS if gemma3 else ()
+        self.unit_offset_norms = family.unit_offset_norms
         self.global_layer: list[int] = []  # the current chunk's local -> global layer index
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -173,19 +172,21 @@ class _Loader:
 
     def qkv(self, prefix: str, suffix: str, shard: _Shard) -> torch.Tensor:
         """Fused q/k/v rows (weight or bias) in megatron's per-group layout; this rank's
-        groups only, from q_proj/k_proj/v_proj or Phi-3's one ``qkv_proj`` ([q; k; v])."""
+        groups only, from q_proj/k_proj/v_proj or the one module a family keeps them in
+        (Phi-3's ``qkv_proj``, rows [q; k; v])."""
         layout = QKVRows.of(self.cfg)
         local = layout.groups // shard.size  # TP holds whole groups (an unsplit param: size 1)
         first = shard.rank * local
-        fused = f"{prefix}.qkv_proj.{suffix}"
+        module = self.family.fused_modules.get("self_attention.linear_qkv")
+        fused = f"{prefix.rsplit('.', 1)[0]}.{module}.{suffix}" if module else None
         q_rows, kv_rows, _ = layout.part_rows()
         offset = {"q_proj": 0, "k_proj": q_rows, "v_proj": q_rows + kv_rows}
 
         def rows(name: str, per_group: int) -> torch.Tensor:
             start, end = first * per_group, (first + local) * per_group
-            if fused in self.ckpt:
+            if fused is not None:
                 span = slice(offset[name] + start, offset[name] + end)
-                return self.ckpt.read(fused, (span,))
+                return self.ckpt.read(self.require(fused), (span,))
             return self.ckpt.read(self.require(f"{prefix}.{name}.{suffix}"), (slice(start, end),))
 
         d = layout.head_dim
@@ -194,11 +195,14 @@ class _Loader:
         )
 
     def gate_up(self, mlp: str, shard: _Shard) -> torch.Tensor:
-        """A dense MLP's fc1 from gate_proj and up_proj, or from Phi-3's ``gate_up_proj``
-        ([gate; up]): this rank's ``[gate_r; up_r]``."""
-        fused = f"{mlp}.gate_up_proj.weight"
-        if fused not in self.ckpt:
+        """A dense MLP's fc1 from gate_proj and up_proj, or from the one module a family
+        keeps them in (Phi-3's ``gate_up_proj``, rows [gate; up]): this rank's
+        ``[gate_r; up_r]``."""
+        module = self.family.fused_modules.get("mlp.linear_fc1")
+        if module is None:
             return self.gated(f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight", shard)
+        fused = f"{mlp.rsplit('.', 1)[0]}.{module}.weight"
+        self.require(fused)
         half = self.ckpt.shape(fused)[0] // 2
         n = half // shard.size
         start = shard.rank * n
@@ -224,15 +228,13 @@ class _Loader:
 
     def layer_tensor(self, hf: str, rest: str, param: torch.Tensor) -> torch.Tensor:
         shard = self.shard(param)
-        if self.cfg.mla is not None and rest in MLA_TENSORS:
-            return self.read(f"{hf}.{MLA_TENSORS[rest]}", shard)
         if rest in self.layer_names:
             return self.read(f"{hf}.{self.layer_names[rest]}", shard)
         if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
             return self.qkv(f"{hf}.self_attn", rest.rsplit(".", 1)[1], shard)
         if rest == "mlp.linear_fc1.weight":
             return self.gate_up(f"{hf}.mlp", shard)
-        moe = self.moe_prefix(hf)
+        moe = f"{hf}.{self.family.moe_block}"
         if rest == "mlp.router.weight":
             return self.read(f"{moe}.gate.weight")
         if rest == "mlp.router.expert_bias":  # a buffer (DeepSeek-V3)
@@ -248,14 +250,6 @@ class _Loader:
             f"'decoder.layers.<i>.{rest}'"
         )
 
-    def moe_prefix(self, hf: str) -> str:
-        """Mixtral keeps its MoE block under ``block_sparse_moe``, the others under ``mlp``."""
-        return (
-            f"{hf}.block_sparse_moe"
-            if f"{hf}.block_sparse_moe.gate.weight" in self.ckpt
-            else f"{hf}.mlp"
-        )
-
     def expert(self, moe: str, e: int, fc: str, shard: _Shard) -> torch.Tensor:
         """Global expert ``e``'s fc1 ([gate; up]) or fc2 (down), from per-expert tensors or
         from transformers' fused ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``."""
@@ -264,24 +258,16 @@ class _Loader:
             if shard.size > 1:
                 raise ValueError("expert tensor parallelism is not supported with fused experts")
             return self.ckpt.read(fused, (slice(e, e + 1),))[0]  # only expert e's rows
-        names = (
-            {"fc1": ("w1", "w3"), "fc2": ("w2",)}
-            if moe.endswith("block_sparse_moe")
-            else {"fc1": ("gate_proj", "up_proj"), "fc2": ("down_proj",)}
-        )[fc]
-        names = [f"{moe}.experts.{e}.{n}.weight" for n in names]
+        gate, up, down = self.family.expert_linears
+        names = [f"{moe}.experts.{e}.{n}.weight" for n in ((gate, up) if fc == "fc1" else (down,))]
         return self.gated(*names, shard) if fc == "fc1" else self.read(names[0], shard)
 
     def shared_expert(self, moe: str, rest: str, shard: _Shard) -> torch.Tensor:
-        """Qwen2-MoE calls it ``shared_expert`` (one), DeepSeek-style models
-        ``shared_experts``; its sigmoid gate is ``shared_expert_gate``."""
+        """The family's shared expert(s) (Qwen2-MoE: ``shared_expert``, DeepSeek-V3:
+        ``shared_experts``); its sigmoid gate is ``shared_expert_gate``."""
         if rest == "gate_weight":
             return self.read(f"{moe}.shared_expert_gate.weight")
-        name = (
-            "shared_expert"
-            if f"{moe}.shared_expert.down_proj.weight" in self.ckpt
-            else "shared_experts"
-        )
+        name = self.family.shared_experts
         if rest == "linear_fc1.weight":
             return self.gated(
                 f"{moe}.{name}.gate_proj.weight", f"{moe}.{name}.up_proj.weight", shard
@@ -326,7 +312,8 @@ def load_hf_checkpoint(
     """
     chunks = [_unwrap(m) for m in (model if isinstance(model, Sequence) else [model])]
     with SafetensorsFolder(folder) as ckpt, torch.no_grad():
-        loader = _Loader(ckpt, model_config, read_hf_config(folder).get("model_type"))
+        family = family_of(read_hf_config(folder).get("model_type"))
+        loader = _Loader(ckpt, model_config, family)
         for chunk in chunks:
             loader.global_layer = [layer.layer_number - 1 for layer in chunk.decoder.layers]
             for key, param in base_parameters(chunk).items():
@@ -347,7 +334,7 @@ def load_hf_checkpoint(
                 if key.endswith(loader.unit_offset_norms):
                     tensor = 1 + tensor.float()  # folded in fp32, as transformers adds it
                 param.copy_(tensor.to(param.dtype))
-        _check_all_used(ckpt, model_config, _Stage.of(chunks))
+        _check_all_used(ckpt, model_config, _Stage.of(chunks), family)
 
 
 def _unwrap(model: torch.nn.Module) -> GPTModel:
@@ -391,7 +378,9 @@ class _Stage:
         return name in ("model.norm.weight", "lm_head.weight") and not self.last
 
 
-def _check_all_used(ckpt: SafetensorsFolder, cfg: GPTModelConfig, stage: _Stage) -> None:
+def _check_all_used(
+    ckpt: SafetensorsFolder, cfg: GPTModelConfig, stage: _Stage, family: Family
+) -> None:
     """Every checkpoint tensor this stage is responsible for must have gone somewhere (so
     across all stages every tensor has). Under EP a rank reads only its experts, so expert
     indices are compared as wildcards."""
@@ -407,7 +396,7 @@ def _check_all_used(ckpt: SafetensorsFolder, cfg: GPTModelConfig, stage: _Stage)
         and not _IGNORED.fullmatch(n)
         and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
         and not stage.elsewhere(n, cfg)
-        and not (cfg.mla is not None and prediction_module_tensor(n, cfg.num_layers))
+        and not family.skipped(n, cfg.num_layers)
     ]
     if unused:
         more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""

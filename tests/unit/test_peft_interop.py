@@ -75,7 +75,7 @@ def test_peft_loads_the_exported_slot_with_the_same_logits(model_type, tmp_path)
     ids = token_batch()
     mm.set_tokens_per_adapter_slot(model, [0, ids.numel(), 0])
     want = megatron_logits(model, ids)
-    export_peft(model, 1, tmp_path / "peft", cfg, model_type, str(tmp_path / "base"))
+    export_peft(model, 1, tmp_path / "peft", cfg, hf.config.model_type, str(tmp_path / "base"))
 
     if model_type == "qwen2_moe":
         merge_by_hand(hf, tmp_path / "peft", model_type)
@@ -181,7 +181,7 @@ def test_two_slots_in_one_packed_micro_batch_each_give_their_peft_logits(model_t
         got = model(ids, positions, None, packed_seq_params=with_slot_layout(params, [0, *lengths]))
     for slot, (a, b) in zip((1, 2), ((0, 9), (9, 16))):
         folder = tmp_path / f"peft{slot}"
-        export_peft(model, slot, folder, cfg, model_type, str(tmp_path / "base"))
+        export_peft(model, slot, folder, cfg, hf.config.model_type, str(tmp_path / "base"))
         wrapped = peft.PeftModel.from_pretrained(make_hf_model(model_type), str(folder)).eval()
         if model_type == "deepseek_v3":  # peft leaves dense MLP and shared-expert LoRA out
             add_skipped_mlp_deltas(wrapped, folder)

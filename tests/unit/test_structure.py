@@ -213,3 +213,26 @@ def test_no_two_modules_share_a_name():
             by_name.setdefault(path.stem, []).append(f"{module} beside the folder {path.stem}/")
     shared = {name: mods for name, mods in by_name.items() if len(mods) > 1}
     assert not shared, f"rename one of each: {shared}"
+
+
+def test_no_model_type_is_tested_outside_its_family():
+    """A family's knowledge lives in its module of ``models/families``: elsewhere no code
+    compares a model type with a family's name (``model_type == "phi3"``, ``in (...)``)."""
+    from megatron_multilora.models.families import FAMILIES
+
+    found = []
+    for module, path in MODULES.items():
+        if module.startswith("megatron_multilora.models.families"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            names = {
+                c.value
+                for side in (node.left, *node.comparators)
+                for c in ast.walk(side)
+                if isinstance(c, ast.Constant)
+            }
+            if names & FAMILIES.keys():
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not found, f"model types tested outside models/families: {found}"

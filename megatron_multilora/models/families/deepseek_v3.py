@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, NoReturn, Protocol
+from typing import Any
 
+from megatron_multilora.models.families.family import Family, Fields
 from megatron_multilora.models.gpt_config import GPTModelConfig
 from megatron_multilora.models.mla_config import MLAConfig
 
@@ -65,18 +66,6 @@ def prediction_module_tensor(name: str, num_layers: int) -> bool:
     layers ``num_layers`` on: no part of the causal LM (transformers skips them too)."""
     m = re.match(r"model\.layers\.(\d+)\.", name)
     return m is not None and int(m[1]) >= num_layers
-
-
-class Fields(Protocol):
-    """How :mod:`.hf_config` reads a ``config.json`` (``d``: the dict); errors name the field."""
-
-    d: dict
-
-    def get(self, name: str, default: Any = None) -> Any: ...
-
-    def require(self, name: str) -> Any: ...
-
-    def reject(self, name: str, value: Any, why: str) -> NoReturn: ...
 
 
 def deepseek_v3_config(hf: Fields) -> GPTModelConfig:
@@ -216,3 +205,13 @@ def _add_moe(hf: Fields, cfg: GPTModelConfig, moe_layers: list[int]) -> None:
         )
     if groups > 1:
         cfg.moe_router_num_groups, cfg.moe_router_group_topk = groups, group_topk
+
+
+FAMILY = Family(
+    "deepseek_v3",
+    config=deepseek_v3_config,
+    layer_tensors=MLA_TENSORS,
+    shared_experts="shared_experts",
+    skipped=prediction_module_tensor,
+    own_modules=MLA_PEFT_MODULES,
+)

@@ -1,5 +1,5 @@
 """Gemma 3 text (``model_type: gemma3_text``, transformers' ``Gemma3ForCausalLM``): what its
-config.json and checkpoint add to the Llama mapping of :mod:`.hf_config` and :mod:`.hf_import`.
+config.json and checkpoint add to the Llama mapping of ``hf_config`` and ``hf_import``.
 
 A Gemma 3 layer, in Hugging Face's names (``norm(x) = rms(x) * (1 + weight)`` for every norm,
 q_norm/k_norm per head and model.norm included)::
@@ -16,11 +16,11 @@ approximation, attention logits are scaled by ``query_pre_attn_scalar ** -0.5``,
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
+from megatron_multilora.models.families.family import Family, Fields
 from megatron_multilora.models.gpt_config import GPTModelConfig
 
-GEMMA3_TYPES = ("gemma3_text",)
 # transformers' Gemma3TextConfig defaults, for config.json files that leave them out.
 _GLOBAL_THETA, _LOCAL_THETA, _PATTERN = 1_000_000.0, 10_000.0, 6
 
@@ -40,17 +40,7 @@ UNIT_OFFSET_NORMS = (
 )
 
 
-class ConfigFields(Protocol):
-    """hf_config's reader of a config.json: its values and errors naming the model type."""
-
-    model_type: str
-
-    def get(self, name: str, default: Any = None) -> Any: ...
-
-    def reject(self, name: str, value: Any, why: str) -> None: ...
-
-
-def gemma3_rope(hf: ConfigFields) -> dict[str, Any]:
+def gemma3_rope(hf: Fields) -> dict[str, Any]:
     """GPTModelConfig's RoPE fields: ``rope_parameters`` per layer type as transformers 5
     writes it, or the older top-level ``rope_theta`` / ``rope_local_base_freq`` /
     ``rope_scaling`` (which scales the full-attention layers only)."""
@@ -87,7 +77,7 @@ def gemma3_rope(hf: ConfigFields) -> dict[str, Any]:
     }
 
 
-def _layer_types(hf: ConfigFields) -> list[str]:
+def _layer_types(hf: Fields) -> list[str]:
     """``layer_types``, or (older config.json files) every ``sliding_window_pattern``-th layer
     full attention, the rest sliding."""
     types = hf.get("layer_types")
@@ -98,7 +88,7 @@ def _layer_types(hf: ConfigFields) -> list[str]:
     return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in layers]
 
 
-def set_gemma3_fields(hf: ConfigFields, cfg: GPTModelConfig) -> None:
+def set_gemma3_fields(hf: Fields, cfg: GPTModelConfig) -> None:
     """What sets Gemma 3 apart from Llama, on ``cfg``; raises ``ValueError`` for the parts of
     the model not reproduced here (logit soft-capping, bidirectional attention)."""
     act = hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))
@@ -118,3 +108,13 @@ def set_gemma3_fields(hf: ConfigFields, cfg: GPTModelConfig) -> None:
     # Also where config.json names the windowed layers by sliding_window_pattern only.
     if "sliding_attention" in cfg.layer_types and window and window < cfg.max_sequence_length:
         cfg.sliding_window = int(window)
+
+
+FAMILY = Family(
+    "gemma3_text",
+    rope=gemma3_rope,
+    silu_only=False,  # GELU's tanh approximation: set_gemma3_fields checks it
+    finish=set_gemma3_fields,
+    layer_tensors=LAYER_NAMES,
+    unit_offset_norms=UNIT_OFFSET_NORMS,
+)

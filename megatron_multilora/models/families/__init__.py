@@ -1,0 +1,48 @@
+"""The model families, one module each (:class:`~.family.Family`): the one place a Hugging
+Face ``model_type`` is named. A new family is its module and a line here."""
+
+from __future__ import annotations
+
+from megatron_multilora.models.families import (
+    deepseek_v3,
+    gemma3_text,
+    llama,
+    mistral,
+    mixtral,
+    olmoe,
+    phi3,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+)
+from megatron_multilora.models.families.family import Family, Fields
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        llama.FAMILY,
+        mistral.FAMILY,
+        phi3.FAMILY,
+        qwen2.FAMILY,
+        qwen3.FAMILY,
+        mixtral.FAMILY,
+        qwen3_moe.FAMILY,
+        olmoe.FAMILY,
+        qwen2_moe.FAMILY,
+        deepseek_v3.FAMILY,
+        gemma3_text.FAMILY,
+    )
+}
+
+
+def family_of(model_type: str | None) -> Family:
+    """The family of ``model_type``; ``ValueError`` naming the supported ones otherwise."""
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}"
+        )
+    return FAMILIES[model_type]
+
+
+__all__ = ["FAMILIES", "Family", "Fields", "family_of"]

@@ -1,0 +1,67 @@
+"""What a model family declares: how its Hugging Face ``config.json`` maps onto
+:class:`~megatron_multilora.models.gpt_config.GPTModelConfig`, the names of its tensors and
+the PEFT names of its adapted linears. Generic code (``hf_config``, ``hf_import``,
+``checkpoint/peft_format``) reads a :class:`Family` and tests no ``model_type`` itself; the
+defaults are Llama's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn, Protocol
+
+from megatron_multilora.models.gpt_config import GPTModelConfig
+
+
+class Fields(Protocol):
+    """How ``hf_config`` reads a ``config.json`` (``d``: the dict); errors name the model
+    type and the field."""
+
+    d: dict
+    model_type: str
+
+    def get(self, name: str, default: Any = None) -> Any: ...
+
+    def require(self, name: str) -> Any: ...
+
+    def reject(self, name: str, value: Any, why: str) -> NoReturn: ...
+
+
+def _no(hf: Fields) -> bool:
+    return False
+
+
+def _nothing(*args: Any) -> None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One ``model_type``: Llama's mapping unless a field says otherwise."""
+
+    model_type: str
+    # -- config.json -> GPTModelConfig -----------------------------------------------------
+    config: Callable[[Fields], GPTModelConfig] | None = None  # a mapping of its own (MLA)
+    moe: bool = False  # every layer an MoE layer (experts, router; shared experts below)
+    qkv_bias: Callable[[Fields], bool] = _no
+    qk_norm: str | None = None  # "per_head" (Qwen3's q_norm/k_norm) or "across_heads" (OLMoE)
+    partial_rotary: bool = False  # RoPE may rotate only partial_rotary_factor of a head
+    window_always: bool = False  # sliding_window applies whenever set (no use_sliding_window)
+    rope: Callable[[Fields], dict[str, Any]] | None = None  # RoPE fields of its own
+    silu_only: bool = True  # hidden_act must be silu (a family with another checks its own)
+    check: Callable[[Fields], None] = _nothing  # its refusals of fields it does not reproduce
+    finish: Callable[[Fields, GPTModelConfig], None] = _nothing  # the rest of its config
+    renormalise_topk: bool | None = None  # None: as norm_topk_prob says
+    expert_width: str = "intermediate_size"  # the config.json field of an expert's width
+    shared_expert_gate: bool = False  # shared_expert_intermediate_size, with a sigmoid gate
+    # -- tensors (below model.layers.{i}.) ---------------------------------------------------
+    layer_tensors: Mapping[str, str] = dataclasses.field(default_factory=dict)  # beyond Llama's
+    unit_offset_norms: tuple[str, ...] = ()  # parameters (suffixes) holding (1 + w) norms
+    moe_block: str = "mlp"  # the MoE block's module
+    expert_linears: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    shared_experts: str = "shared_expert"  # the shared expert(s)' module below the MoE block
+    skipped: Callable[[str, int], bool] = lambda name, num_layers: False  # tensors not loaded
+    # -- linears megatron fuses: the HF module(s) each is -------------------------------------
+    fused_modules: Mapping[str, str] = dataclasses.field(default_factory=dict)  # kept fused
+    own_modules: Mapping[str, str] = dataclasses.field(default_factory=dict)  # one to one
