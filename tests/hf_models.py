@@ -37,22 +37,24 @@ FAMILIES = {
             original_max_position_embeddings=64,
         ),
     ),
-    "mistral": dict(sliding_window=32),  # longer than the test sequences: refused beyond it
+    # Windows shorter than the test sequences (16 tokens): several windows a sequence.
+    "mistral": dict(sliding_window=5),
     # fused qkv_proj and gate_up_proj; RoPE over half of each head
-    "phi3": dict(partial_rotary_factor=0.5, sliding_window=64),
-    "qwen2": {},  # q/k/v biases
+    "phi3": dict(partial_rotary_factor=0.5, sliding_window=6),
+    # q/k/v biases; a window in the second layer only
+    "qwen2": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
     "qwen3": dict(head_dim=32),  # head_dim != hidden / heads; per-head q/k norms
     # Post norms, (1 + w) norms, scaled embeddings, gelu-tanh, softmax scale != head_dim**-0.5;
-    # layers alternate sliding (RoPE base 500) and full (50000); window beyond the sequences.
+    # layers alternate sliding (RoPE base 500, a 5-token window) and full (50000).
     "gemma3_text": dict(
         head_dim=32,
         query_pre_attn_scalar=24,
-        sliding_window=64,
+        sliding_window=5,
         sliding_window_pattern=2,
         rope_theta=50000.0,
         rope_local_base_freq=500.0,
     ),
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=6),
     "qwen3_moe": dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
     ),

@@ -92,6 +92,7 @@ def transformer_config(
     # One RoPE op per call (TE's, or ops/rope.py where TE is absent) instead of megatron's
     # unfused packed path, which splits the micro-batch into its sequences in every layer.
     overrides = {"apply_rope_fusion": rope_fusion_available(), **overrides}
+    overrides = {**_window(cfg), **overrides}
     # None: megatron's 1/sqrt(head dim); Gemma 3: query_pre_attn_scalar ** -0.5.
     overrides = {"softmax_scale": cfg.softmax_scale, **overrides}
     config = config_type(
@@ -127,6 +128,17 @@ def transformer_config(
         # num_experts_per_tok=1) computes. It is constructed pre-softmax and switched back.
         config.moe_router_pre_softmax = False
     return config
+
+
+def _window(cfg: GPTModelConfig) -> dict:
+    """megatron's sliding-window fields: (left, right) positions besides the query's own, and
+    which layers have it (a list by layer; None: all)."""
+    if cfg.sliding_window is None:
+        return {}
+    layers = None
+    if cfg.layer_types is not None:
+        layers = [int(kind == "sliding_attention") for kind in cfg.layer_types]
+    return {"window_size": (cfg.sliding_window - 1, 0), "window_attn_skip_freq": layers}
 
 
 def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -184,45 +196,6 @@ def _llama3_rope_bands(chunk: GPTModel, cfg: GPTModelConfig) -> None:
         high_freq_factor=cfg.rope_high_freq_factor,
         original_max_position_embeddings=cfg.rope_original_max_positions,
     )
-
-
-class _WindowCheck:
-    """Refuses a forward over sequences longer than the model's sliding window, which is not
-    computed (up to it, window attention is full attention). Reads host values only: an
-    unpacked input's length, a packed micro-batch's longest sequence, a KV cache's capacity."""
-
-    def __init__(self, window: int) -> None:
-        self.window = window
-
-    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        named = dict(
-            zip(
-                (
-                    "input_ids",
-                    "position_ids",
-                    "attention_mask",
-                    "decoder_input",
-                    "labels",
-                    "inference_context",
-                    "packed_seq_params",
-                ),
-                args,
-            )
-        )
-        named.update(kwargs)
-        ids, packed = named.get("input_ids"), named.get("packed_seq_params")
-        context = named.get("inference_context")
-        lengths = [
-            ids.size(1) if ids is not None and packed is None else 0,
-            (packed.max_seqlen_q or 0) if packed is not None else 0,
-            context.max_sequence_length if context is not None else 0,
-        ]
-        if max(lengths) > self.window:
-            raise ValueError(
-                f"a sequence of {max(lengths)} tokens is longer than the model's sliding "
-                f"window of {self.window}: window attention is not implemented (up to the "
-                "window it is full attention); use sequences of at most the window"
-            )
 
 
 def build_gpt_model(
@@ -314,8 +287,6 @@ def build_model_chunks(
     for chunk in chunks:
         _llama3_rope_bands(chunk, cfg)
         scale_input_embeddings(chunk, cfg)
-        if cfg.sliding_window is not None:
-            chunk.register_forward_pre_hook(_WindowCheck(cfg.sliding_window), with_kwargs=True)
         if torch.cuda.is_available():
             chunk.cuda()
         else:

@@ -32,8 +32,9 @@ class GPTModelConfig:
     vocab_size: int = ranged(256, at_least(1))
     max_sequence_length: int = ranged(512, at_least(1))
     sliding_window: int | None = ranged(None, at_least(1, optional=True))
-    """Layers of the source model attend over this many positions at most; window attention
-    is not computed here, so sequences longer than it are refused (None: no window)."""
+    """The window layers (``layer_types``' sliding_attention ones; every layer without
+    layer_types) attend to this many positions at most, their own included (Hugging Face's
+    ``sliding_window``); None: no window."""
     normalization: str = "RMSNorm"
     """RMSNorm or LayerNorm."""
     norm_epsilon: float = ranged(1e-5, positive())
@@ -57,8 +58,9 @@ class GPTModelConfig:
     """Linear RoPE scaling (megatron's name): positions divided by it in the layers that
     rotate with rotary_base (Gemma 3: the global layers); None: unscaled."""
     layer_types: list[str] | None = None
-    """Per layer, "full_attention" or "sliding_attention" (Hugging Face's names; None: all
-    full). Only RoPE tells them apart here (local_rotary_base); see sliding_window."""
+    """Per layer, "full_attention" or "sliding_attention" (Hugging Face's names): which layers
+    have the sliding_window, and (local_rotary_base) which RoPE base they rotate with. None:
+    every layer has the window, if any."""
     local_rotary_base: float | None = ranged(None, positive(optional=True))
     """Unscaled RoPE base of the sliding_attention layers (Gemma 3); None: rotary_base."""
     softmax_scale: float | None = ranged(None, positive(optional=True))

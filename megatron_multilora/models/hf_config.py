@@ -2,7 +2,7 @@
 (``models/families/``: what each declares is read here; no model type is named).
 
 Only fields that the Megatron model reproduces exactly are accepted; anything that changes
-the math and has no Megatron counterpart here (rope scaling, sliding windows, extra biases,
+the math and has no Megatron counterpart here (rope scaling, other attention kinds, extra biases,
 other activations, dense layers mixed into an MoE stack, ...) raises ``ValueError`` naming
 the model type, the field and its value.
 """
@@ -38,8 +38,8 @@ def hf_to_model_config(hf_config: dict) -> GPTModelConfig:
 
     Supports the families of ``models/families`` (each module says what it adds to
     Llama's mapping; DeepSeek-V3 and Gemma 3 map much of their config themselves).
-    A sliding window shorter than max_position_embeddings becomes ``sliding_window`` (longer
-    sequences are refused). Mapping: num_hidden_layers -> num_layers, hidden_size,
+    A sliding window shorter than max_position_embeddings becomes ``sliding_window``, with
+    ``layer_types`` where only some layers have it. Mapping: num_hidden_layers -> num_layers, hidden_size,
     num_attention_heads, num_key_value_heads -> num_query_groups, head_dim -> kv_channels,
     intermediate_size -> ffn_hidden_size (and the expert width for mixtral/olmoe),
     moe_intermediate_size -> moe_ffn_hidden_size, shared_expert_intermediate_size (+ its
@@ -64,13 +64,12 @@ def hf_to_model_config(hf_config: dict) -> GPTModelConfig:
         ffn_hidden_size=hf.require("intermediate_size"),
         vocab_size=hf.require("vocab_size"),
         max_sequence_length=hf.get("max_position_embeddings", 4096),
-        sliding_window=_sliding_window(hf, family),
         normalization="RMSNorm",
         norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
         activation="silu",
         gated_linear_unit=True,
         position_embedding_type="rope",
-        **(family.rope(hf) if family.rope else _rope(hf, family)),
+        **{**_windows(hf, family), **(family.rope(hf) if family.rope else _rope(hf, family))},
         add_bias_linear=False,
         add_qkv_bias=family.qkv_bias(hf),
         qk_layernorm=family.qk_norm is not None,
@@ -158,25 +157,25 @@ def _check_math(hf: _Fields, family: Family) -> None:
     family.check(hf)
 
 
-def _sliding_window(hf: _Fields, family: Family) -> int | None:
-    """The attention window of the layers that have one (None: none, or one covering every
-    position). Window attention is not computed here: up to the window it equals full
-    attention, so the config check refuses longer sequences."""
-    layer_types = hf.get("layer_types", [])
-    other = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-    if other:
-        hf.reject("layer_types", other, "only full and sliding-window attention layers")
-    # Most families use their window only with use_sliding_window, some whenever it is set
-    # (window_always); transformers 5 also names the windowed layers in layer_types.
-    windowed = (
-        "sliding_attention" in layer_types
-        or hf.get("use_sliding_window", False)
-        or family.window_always
-    )
+def _windows(hf: _Fields, family: Family) -> dict[str, Any]:
+    """``sliding_window`` (None: none, or one covering every position) and, for a family
+    whose layers differ (``Family.window_layers``), ``layer_types``: config.json's, or the
+    family's rule for files that predate them. Elsewhere the window is every layer's, on with
+    ``use_sliding_window`` or (``window_always``) whenever set."""
+    types = None
+    if family.window_layers is not None:
+        types = hf.get("layer_types")
+        types = list(types) if types is not None else family.window_layers(hf)
+        other = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if other:
+            hf.reject("layer_types", other, "only full and sliding-window attention layers")
+        windowed = "sliding_attention" in types
+    else:
+        windowed = hf.get("use_sliding_window", False) or family.window_always
     window = hf.get("sliding_window") if windowed else None
     if window is None or window >= hf.get("max_position_embeddings", 4096):
-        return None
-    return int(window)
+        return {"sliding_window": None}
+    return {"sliding_window": int(window), "layer_types": types}
 
 
 def _add_moe(hf: _Fields, cfg: GPTModelConfig, family: Family) -> None:

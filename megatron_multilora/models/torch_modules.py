@@ -7,6 +7,7 @@ the rest of the layer (and checkpoint keys) is unchanged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from contextlib import nullcontext
 from typing import Any
@@ -18,6 +19,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron_multilora.ops.grouped_mm import group_offsets, grouped_mm
 
@@ -30,6 +32,11 @@ class SDPAttention(MegatronModule):
     repeated for GQA); the output is ``[s, b, heads * head_dim]`` for this TP rank. A given
     mask is megatron's: bool, True = masked out. With ``packed_seq_params`` (``thd``: inputs
     ``[t, heads, head_dim]``) attention is causal within each packed sequence.
+
+    A layer megatron's ``window_size`` / ``window_attn_skip_freq`` make a window layer attends
+    to the last ``window_size[0] + 1`` positions only, itself included (Hugging Face's
+    ``sliding_window``), in every path: unpacked, packed, one pass, flash varlen and the KV
+    cache's decode steps (new queries sit at the end of the keys).
     """
 
     def __init__(
@@ -55,6 +62,17 @@ class SDPAttention(MegatronModule):
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
         self.softmax_scale = softmax_scale
+        self.window = None
+        if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number
+        ):
+            left, right = config.window_size
+            if right != 0 or left < 0:
+                raise ValueError(
+                    f"window_size={config.window_size}: SDPAttention computes causal windows "
+                    "(left, 0) with left >= 0"
+                )
+            self.window = left + 1
 
     def forward(
         self,
@@ -78,7 +96,12 @@ class SDPAttention(MegatronModule):
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         keep = None if attention_mask is None else ~attention_mask
-        out = self._attend(q, k, v, keep, keep is None and mask_type == AttnMaskType.causal)
+        causal = keep is None and mask_type == AttnMaskType.causal
+        if self.window is not None:
+            # Causal or a KV cache's decode step (no_mask): the window ends at each query.
+            band = window_keep(q.size(2), k.size(2), self.window, q.device)
+            keep, causal = band if keep is None else keep & band, False
+        out = self._attend(q, k, v, keep, causal)
         s, b = query.size(0), query.size(1)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
@@ -120,13 +143,21 @@ class SDPAttention(MegatronModule):
             if query.is_cuda:
                 return self._varlen(query, key, value, params)
             keep = _same_sequence_causal(params.cu_seqlens_q, query.size(0))
+            if self.window is not None:  # within one sequence, index distance = position's
+                keep.triu_(1 - self.window)
             q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))  # [1,h,t,d]
             return self._attend(q, k, v, keep, False)[0].permute(1, 0, 2).flatten(1)
         layout = _packed_layout(params, query.device)
         outs = []
         for rows in layout.buckets:  # rows: [n, padded] indices into the packed tokens
             q, k, v = (t[rows].permute(0, 2, 1, 3) for t in (query, key, value))  # [n, h, L, d]
-            outs.append(self._attend(q, k, v, None, True).permute(0, 2, 1, 3).flatten(0, 1))
+            if self.window is None:
+                out = self._attend(q, k, v, None, True)
+            else:  # every sequence starts at row 0 of its bucket
+                out = self._attend(
+                    q, k, v, window_keep(q.size(2), q.size(2), self.window, q.device), False
+                )
+            outs.append(out.permute(0, 2, 1, 3).flatten(0, 1))
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
         return out.index_select(0, layout.unpack).flatten(1)  # [t, heads * head_dim]
 
@@ -150,10 +181,20 @@ class SDPAttention(MegatronModule):
             longest,
             longest,
             scale=self.softmax_scale,
-            window_size=(-1, 0),  # causal
+            window_size=(-1 if self.window is None else self.window - 1, 0),  # causal
             enable_gqa=key.size(1) != query.size(1),
         )
         return out.flatten(1)
+
+
+@functools.lru_cache(maxsize=16)
+def window_keep(queries: int, keys: int, window: int, device: torch.device) -> torch.Tensor:
+    """``[queries, keys]`` bool: True where a query may attend to a key, the queries being the
+    last positions of the keys (a whole sequence, or a KV cache's new tokens): causal, and
+    fewer than ``window`` positions back. Cached: every window layer of a forward reads it."""
+    at = torch.arange(keys - queries, keys, device=device).unsqueeze(1)
+    key = torch.arange(keys, device=device).unsqueeze(0)
+    return (key <= at) & (key > at - window)
 
 
 def attend_in_one_pass(params: PackedSeqParams) -> PackedSeqParams:

@@ -163,12 +163,6 @@ def _model_problems(run: RunConfig, check_files: bool) -> list[str]:
             f"trainer.max_seq_len={tr.max_seq_len} exceeds model.max_sequence_length="
             f"{model.max_sequence_length}"
         )
-    if model.sliding_window is not None and tr.max_seq_len > model.sliding_window:
-        problems.append(
-            f"trainer.max_seq_len={tr.max_seq_len} exceeds the model's sliding_window="
-            f"{model.sliding_window}: window attention is not implemented, and up to the "
-            "window it equals full attention; set trainer.max_seq_len at most the window"
-        )
     return problems + (_cuda_graph_problems(run, model) if tr.cuda_graphs else [])
 
 

@@ -443,25 +443,16 @@ def test_cuda_graphs_are_refused_on_cpu_and_name_what_they_need(demo_data, monke
     validate(run, check_files=False)  # what the graphs support passes
 
 
-def test_sequences_longer_than_the_models_sliding_window_are_refused(demo_data):
-    """Window attention is not computed: up to the window it is full attention, beyond it
-    the model would compute something else, so longer sequences are refused by name."""
+def test_a_window_shorter_than_the_sequences_is_computed_and_its_layers_checked(demo_data):
+    """Window attention is computed: a window below trainer.max_seq_len passes; layer types
+    that do not name each layer are refused by name."""
     jobs = f"adapters=[{job('a', demo_data, 'add', 3)}]"
-    with pytest.raises(
-        ConfigError,
-        match=r"trainer.max_seq_len=32 exceeds the model's "
-        r"sliding_window=16",
-    ):
+    window = ["hf_dir=null", jobs, "+model.sliding_window=16", "trainer.max_seq_len=32"]
+    validate(compose_run(window), check_files=False)
+    with pytest.raises(ConfigError, match=r"layer_types=\['sliding_attention'\]: one of"):
         validate(
-            compose_run(
-                ["hf_dir=null", jobs, "+model.sliding_window=16", "trainer.max_seq_len=32"]
-            ),
-            check_files=False,
+            compose_run([*window, "+model.layer_types=[sliding_attention]"]), check_files=False
         )
-    validate(
-        compose_run(["hf_dir=null", jobs, "+model.sliding_window=32", "trainer.max_seq_len=32"]),
-        check_files=False,
-    )
 
 
 def _refused(

@@ -213,21 +213,33 @@ def test_unsupported_config_raises(model_type, fields, named):
     assert model_type in str(e.value)
 
 
+S, F = "sliding_attention", "full_attention"
+
+
 @pytest.mark.parametrize(
-    "model_type,fields,window",
+    "model_type,fields,window,layer_types",
     [
-        ("mistral", {"sliding_window": 64, "max_position_embeddings": 4096}, 64),
-        ("mistral", {"sliding_window": None}, None),
-        ("phi3", {"sliding_window": 2047, "max_position_embeddings": 4096}, 2047),
-        ("qwen2", {"use_sliding_window": True, "sliding_window": 64}, 64),
-        ("qwen2", {"use_sliding_window": False, "sliding_window": 64}, None),
-        ("qwen3", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}, 8),
+        ("mistral", {"sliding_window": 64, "max_position_embeddings": 4096}, 64, None),
+        ("mistral", {"sliding_window": None}, None, None),
+        ("phi3", {"sliding_window": 2047, "max_position_embeddings": 4096}, 2047, None),
+        ("mixtral", {"sliding_window": 4096, "max_position_embeddings": 4096}, None, None),
+        # Qwen2/3 before config.json named the layers: from max_window_layers on
+        (
+            "qwen2",
+            {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
+            64,
+            [F, S],
+        ),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 64}, None, None),  # 28 on
+        ("qwen2", {"use_sliding_window": False, "sliding_window": 64}, None, None),
+        ("qwen3", {"layer_types": [S, F], "sliding_window": 8}, 8, [S, F]),
+        ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 8}, 8, None),
+        ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 8}, 8, [S, F]),
     ],
 )
-def test_a_window_shorter_than_the_context_is_kept_to_refuse_longer_sequences(
-    model_type, fields, window
-):
-    assert hf_to_model_config({**_minimal(model_type), **fields}).sliding_window == window
+def test_which_layers_have_a_window(model_type, fields, window, layer_types):
+    cfg = hf_to_model_config({**_minimal(model_type), **fields})
+    assert (cfg.sliding_window, cfg.layer_types) == (window, layer_types)
 
 
 def test_llama3_rope_scaling_maps_every_band_setting():
@@ -361,25 +373,47 @@ def test_a_weights_file_damaged_after_the_check_is_named(tmp_path):
         load_hf_model(folder)
 
 
-def test_a_forward_longer_than_the_sliding_window_is_refused(tmp_path):
-    """Window attention is not computed, so the model refuses what would need it: an input,
-    a packed sequence or a KV cache longer than the window (32 here); up to it, it runs."""
-    from megatron.core.inference.contexts import StaticInferenceContext
-    from megatron.core.packed_seq_params import PackedSeqParams
+WINDOWED = ("mistral", "phi3", "qwen2", "gemma3_text", "mixtral")
 
-    model, cfg = load_hf_model(save(make_hf_model("mistral"), tmp_path))
-    assert cfg.sliding_window == 32
-    megatron_logits(model, token_batch(seq=32))
-    with pytest.raises(ValueError, match="33 tokens is longer than the model's sliding window"):
-        megatron_logits(model, token_batch(seq=33))
-    ends = torch.tensor([0, 40], dtype=torch.int32)
-    packed = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=ends, cu_seqlens_kv=ends, max_seqlen_q=40, max_seqlen_kv=40
-    )
-    ids = token_batch(batch=1, seq=40)
-    with pytest.raises(ValueError, match="40 tokens"), torch.no_grad():
-        model(ids, torch.arange(40)[None], None, packed_seq_params=packed)
-    with pytest.raises(ValueError, match="64 tokens"), torch.no_grad():
-        model(
-            ids[:, :4], torch.arange(4)[None], None, inference_context=StaticInferenceContext(1, 64)
-        )
+
+@pytest.mark.parametrize("model_type", WINDOWED)
+def test_windows_hold_packed_and_in_the_kv_cache(tmp_path, model_type):
+    """Sequences of several windows, packed (per-length batches, and the one pass a CUDA
+    graph takes) and generated through the KV cache, each equal to transformers' logits of
+    the sequence alone; without the window the logits differ by O(1)."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    from megatron_multilora.models.torch_modules import attend_in_one_pass
+    from tests.hf_models import packed
+
+    hf_model = make_hf_model(model_type)
+    model, cfg = load_hf_model(save(hf_model, tmp_path))
+    lengths = [16, 7, 13]
+    assert cfg.sliding_window is not None and 2 * cfg.sliding_window < max(lengths)
+    ids = token_batch(batch=1, seq=sum(lengths))
+    alone = [hf_logits(hf_model, seq)[0] for seq in ids.split(lengths, dim=1)]
+    full = hf_model.config.sliding_window
+    hf_model.config.sliding_window = 10**6
+    assert (hf_logits(hf_model, ids[:, :16])[0] - alone[0]).abs().max() > 0.1
+    hf_model.config.sliding_window = full
+    for one_pass in (False, True):
+        params, positions = packed(lengths)
+        if one_pass:
+            attend_in_one_pass(params)
+        with torch.no_grad():
+            out = model(ids, positions, None, packed_seq_params=params)[0]
+        assert (out - torch.cat(alone)).abs().max() <= TOL, f"one pass: {one_pass}"
+    seq, prefill = ids[:, :16], 3
+    context = StaticInferenceContext(max_batch_size=1, max_sequence_length=16)
+    with torch.no_grad():
+        for end in range(prefill, 17):
+            start = 0 if end == prefill else end - 1
+            out = model(
+                seq[:, start:end],
+                torch.arange(start, end)[None],
+                None,
+                inference_context=context,
+                runtime_gather_output=True,
+            )
+            context.sequence_len_offset = end
+            assert (out[0, -1] - alone[0][end - 1]).abs().max() <= TOL, f"position {end - 1}"

@@ -48,6 +48,9 @@ class Family:
     qk_norm: str | None = None  # "per_head" (Qwen3's q_norm/k_norm) or "across_heads" (OLMoE)
     partial_rotary: bool = False  # RoPE may rotate only partial_rotary_factor of a head
     window_always: bool = False  # sliding_window applies whenever set (no use_sliding_window)
+    # Its layers differ: which have the window (config.json's layer_types, else this rule on
+    # files that predate them); None: every layer has it, if any.
+    window_layers: Callable[[Fields], list[str]] | None = None
     rope: Callable[[Fields], dict[str, Any]] | None = None  # RoPE fields of its own
     silu_only: bool = True  # hidden_act must be silu (a family with another checks its own)
     check: Callable[[Fields], None] = _nothing  # its refusals of fields it does not reproduce

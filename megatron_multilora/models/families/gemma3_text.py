@@ -104,10 +104,6 @@ def set_gemma3_fields(hf: Fields, cfg: GPTModelConfig) -> None:
     cfg.tie_word_embeddings = bool(hf.get("tie_word_embeddings", True))
     cfg.post_norms = cfg.scale_embeddings = True
     cfg.softmax_scale = float(hf.get("query_pre_attn_scalar", 256)) ** -0.5
-    window = hf.get("sliding_window")
-    # Also where config.json names the windowed layers by sliding_window_pattern only.
-    if "sliding_attention" in cfg.layer_types and window and window < cfg.max_sequence_length:
-        cfg.sliding_window = int(window)
 
 
 FAMILY = Family(
@@ -115,6 +111,7 @@ FAMILY = Family(
     rope=gemma3_rope,
     silu_only=False,  # GELU's tanh approximation: set_gemma3_fields checks it
     finish=set_gemma3_fields,
+    window_layers=_layer_types,
     layer_tensors=LAYER_NAMES,
     unit_offset_norms=UNIT_OFFSET_NORMS,
 )

@@ -1,6 +1,7 @@
 """Qwen2-MoE (``qwen2_moe``): every layer MoE (``moe_intermediate_size`` experts) with one
 gated shared expert (``shared_expert``, ``shared_expert_gate``), q/k/v biases per
-``qkv_bias``."""
+``qkv_bias``; with ``use_sliding_window``, a window in every other layer below
+``max_window_layers``."""
 
 from megatron_multilora.models.families.family import Family, Fields
 
@@ -19,6 +20,15 @@ def every_layer_moe(hf: Fields) -> None:
         )
 
 
+def _windows(hf: Fields) -> list[str]:
+    """Its layer types before config.json named them (transformers' rule)."""
+    on, below = hf.get("use_sliding_window", False), hf.get("max_window_layers", 28)
+    return [
+        "sliding_attention" if on and i % 2 == 0 and i < below else "full_attention"
+        for i in range(hf.get("num_hidden_layers", 0))
+    ]
+
+
 FAMILY = Family(
     "qwen2_moe",
     moe=True,
@@ -26,4 +36,5 @@ FAMILY = Family(
     check=every_layer_moe,
     expert_width="moe_intermediate_size",
     shared_expert_gate=True,
+    window_layers=_windows,
 )

@@ -107,7 +107,7 @@ class StaticChunk(torch.nn.Module):
     with :func:`static_inputs` alone, returning each position's loss (``[1, S]``, fp32): what
     a graph captures (eagerly, the same ops for every micro-batch of a length). ``longest``:
     the most positions of one sequence (``trainer.max_seq_len``; default each call's ``S``),
-    what attention and a sliding window's check read as the sequences' maximum."""
+    what attention reads as the sequences' maximum."""
 
     def __init__(self, chunk: torch.nn.Module, longest: int | None = None) -> None:
         super().__init__()
