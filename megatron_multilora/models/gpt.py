@@ -93,6 +93,8 @@ def transformer_config(
     # unfused packed path, which splits the micro-batch into its sequences in every layer.
     overrides = {"apply_rope_fusion": rope_fusion_available(), **overrides}
     overrides = {**_window(cfg), **overrides}
+    if cfg.no_rope_freq is not None and 1 in cfg.no_rope_freq:
+        overrides = {"no_rope_freq": list(cfg.no_rope_freq), **overrides}
     # None: megatron's 1/sqrt(head dim); Gemma 3: query_pre_attn_scalar ** -0.5.
     overrides = {"softmax_scale": cfg.softmax_scale, **overrides}
     config = config_type(

@@ -61,6 +61,9 @@ class GPTModelConfig:
     """Per layer, "full_attention" or "sliding_attention" (Hugging Face's names): which layers
     have the sliding_window, and (local_rotary_base) which RoPE base they rotate with. None:
     every layer has the window, if any."""
+    no_rope_freq: list[int] | None = None
+    """Per layer, 1 where the layer applies no RoPE (SmolLM3's NoPE layers; megatron's name);
+    None: every layer rotates."""
     local_rotary_base: float | None = ranged(None, positive(optional=True))
     """Unscaled RoPE base of the sliding_attention layers (Gemma 3); None: rotary_base."""
     softmax_scale: float | None = ranged(None, positive(optional=True))
@@ -199,6 +202,12 @@ class GPTModelConfig:
             problems.append(
                 f"moe_layer_freq={list(freq)}: give each of the num_layers={self.num_layers} "
                 "layers 0 (dense MLP) or 1 (MoE)"
+            )
+        nope = self.no_rope_freq
+        if nope is not None and (len(nope) != self.num_layers or not set(nope) <= {0, 1}):
+            problems.append(
+                f"no_rope_freq={list(nope)}: give each of the num_layers={self.num_layers} "
+                "layers 1 (no RoPE) or 0"
             )
         if self.activation not in ACTIVATIONS:
             problems.append(f"activation={self.activation!r}: choose one of {sorted(ACTIVATIONS)}")

@@ -71,7 +71,8 @@ def hf_to_model_config(hf_config: dict) -> GPTModelConfig:
         position_embedding_type="rope",
         **{**_windows(hf, family), **(family.rope(hf) if family.rope else _rope(hf, family))},
         add_bias_linear=False,
-        add_qkv_bias=family.qkv_bias(hf),
+        add_qkv_bias=family.qkv_bias(hf)
+        or bool(family.qkv_bias_flag and hf.get(family.qkv_bias_flag, False)),
         qk_layernorm=family.qk_norm is not None,
         qk_layernorm_across_heads=family.qk_norm == "across_heads",
         kv_channels=head_dim,
@@ -127,7 +128,9 @@ def _rope(hf: _Fields, family: Family) -> dict[str, Any]:
         )
     elif kind != "default":
         hf.reject(field, scaling, "only unscaled RoPE and Llama 3 (rope_type llama3) scaling")
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    partial = params.get(
+        "partial_rotary_factor", hf.get("partial_rotary_factor", family.rotary_share)
+    )
     if partial != 1.0 and not family.partial_rotary:
         hf.reject("partial_rotary_factor", partial, "RoPE must cover the whole head")
     theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
@@ -148,7 +151,7 @@ def _check_math(hf: _Fields, family: Family) -> None:
         hf.reject("hidden_act", act, "only SwiGLU (silu) MLPs are implemented")
     for flag in ("attention_bias", "mlp_bias"):
         # Would add biases to o_proj / the MLP as well, which add_qkv_bias does not cover.
-        if hf.get(flag, False):
+        if hf.get(flag, False) and flag != family.qkv_bias_flag:
             hf.reject(flag, hf.d[flag], "only q/k/v biases are supported")
     if hf.get("pretraining_tp", 1) != 1:
         hf.reject("pretraining_tp", hf.d["pretraining_tp"], "must be 1")
@@ -159,13 +162,11 @@ def _check_math(hf: _Fields, family: Family) -> None:
 
 def _windows(hf: _Fields, family: Family) -> dict[str, Any]:
     """``sliding_window`` (None: none, or one covering every position) and, for a family
-    whose layers differ (``Family.window_layers``), ``layer_types``: config.json's, or the
-    family's rule for files that predate them. Elsewhere the window is every layer's, on with
+    whose layers differ (``Family.window_layers``), ``layer_types``. Elsewhere the window is every layer's, on with
     ``use_sliding_window`` or (``window_always``) whenever set."""
     types = None
     if family.window_layers is not None:
-        types = hf.get("layer_types")
-        types = list(types) if types is not None else family.window_layers(hf)
+        types = family.window_layers(hf)
         other = sorted(set(types) - {"full_attention", "sliding_attention"})
         if other:
             hf.reject("layer_types", other, "only full and sliding-window attention layers")

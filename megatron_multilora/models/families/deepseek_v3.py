@@ -104,7 +104,7 @@ def deepseek_v3_config(hf: Fields) -> GPTModelConfig:
     )
     dense = min(int(hf.get("first_k_dense_replace", 0)), layers)
     if dense < layers:
-        _add_moe(hf, cfg, [0] * dense + [1] * (layers - dense))
+        add_sigmoid_moe(hf, cfg, [0] * dense + [1] * (layers - dense))
     return cfg
 
 
@@ -171,7 +171,9 @@ def _m(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _add_moe(hf: Fields, cfg: GPTModelConfig, moe_layers: list[int]) -> None:
+def add_sigmoid_moe(hf: Fields, cfg: GPTModelConfig, moe_layers: list[int]) -> None:
+    """DeepSeek-V3's MoE (also GLM-4.5's) in the layers ``moe_layers`` marks: sigmoid router
+    with the expert bias, group-limited top-k, routed scaling, shared experts."""
     experts = int(hf.require("n_routed_experts"))
     topk = int(hf.require("num_experts_per_tok"))
     if bool(hf.get("norm_topk_prob", True)) != (topk > 1):

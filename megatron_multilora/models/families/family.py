@@ -36,6 +36,12 @@ def _nothing(*args: Any) -> None:
     return None
 
 
+def named_layer_types(hf: Fields, rule: Callable[[Fields], list[str]]) -> list[str]:
+    """config.json's ``layer_types``, or ``rule``'s for files that predate them."""
+    types = hf.get("layer_types")
+    return list(types) if types is not None else rule(hf)
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """One ``model_type``: Llama's mapping unless a field says otherwise."""
@@ -47,9 +53,11 @@ class Family:
     qkv_bias: Callable[[Fields], bool] = _no
     qk_norm: str | None = None  # "per_head" (Qwen3's q_norm/k_norm) or "across_heads" (OLMoE)
     partial_rotary: bool = False  # RoPE may rotate only partial_rotary_factor of a head
+    rotary_share: float = 1.0  # partial_rotary_factor where config.json leaves it out
+    qkv_bias_flag: str | None = None  # a flag adding q/k/v biases only (not o_proj's)
     window_always: bool = False  # sliding_window applies whenever set (no use_sliding_window)
-    # Its layers differ: which have the window (config.json's layer_types, else this rule on
-    # files that predate them); None: every layer has it, if any.
+    # Its layers differ: their layer_types (config.json's, or its rule for files that predate
+    # them: see named_layer_types); None: every layer has the window, if any.
     window_layers: Callable[[Fields], list[str]] | None = None
     rope: Callable[[Fields], dict[str, Any]] | None = None  # RoPE fields of its own
     silu_only: bool = True  # hidden_act must be silu (a family with another checks its own)

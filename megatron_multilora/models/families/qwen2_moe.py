@@ -3,7 +3,9 @@ gated shared expert (``shared_expert``, ``shared_expert_gate``), q/k/v biases pe
 ``qkv_bias``; with ``use_sliding_window``, a window in every other layer below
 ``max_window_layers``."""
 
-from megatron_multilora.models.families.family import Family, Fields
+import functools
+
+from megatron_multilora.models.families.family import Family, Fields, named_layer_types
 
 
 def every_layer_moe(hf: Fields) -> None:
@@ -36,5 +38,5 @@ FAMILY = Family(
     check=every_layer_moe,
     expert_width="moe_intermediate_size",
     shared_expert_gate=True,
-    window_layers=_windows,
+    window_layers=functools.partial(named_layer_types, rule=_windows),
 )
