@@ -15,6 +15,7 @@ from megatron_multilora.models.families import (
     qwen2_moe,
     qwen3,
     qwen3_moe,
+    smollm3,
 )
 from megatron_multilora.models.families.family import Family, Fields
 
@@ -32,6 +33,7 @@ FAMILIES: dict[str, Family] = {
         qwen2_moe.FAMILY,
         deepseek_v3.FAMILY,
         gemma3_text.FAMILY,
+        smollm3.FAMILY,
     )
 }
 
