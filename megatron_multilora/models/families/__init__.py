@@ -6,6 +6,7 @@ from __future__ import annotations
 from megatron_multilora.models.families import (
     deepseek_v3,
     gemma3_text,
+    glm4_moe,
     llama,
     mistral,
     mixtral,
@@ -34,6 +35,7 @@ FAMILIES: dict[str, Family] = {
         deepseek_v3.FAMILY,
         gemma3_text.FAMILY,
         smollm3.FAMILY,
+        glm4_moe.FAMILY,
     )
 }
 
