@@ -54,6 +54,8 @@ FAMILIES = {
         rope_theta=50000.0,
         rope_local_base_freq=500.0,
     ),
+    # NoPE in the second layer, which has the window; tied embeddings (its default)
+    "smollm3": dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=5),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=6),
     "qwen3_moe": dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
@@ -67,9 +69,23 @@ FAMILIES = {
         shared_expert_intermediate_size=48,
         norm_topk_prob=False,
     ),
+    # a dense first layer, then DeepSeek-V3's MoE; q/k/v biases, q/k norms, half-head RoPE
+    "glm4_moe": dict(
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.7,
+        norm_topk_prob=True,
+        attention_bias=True,
+        use_qk_norm=True,
+    ),
 }
-DENSE = ("llama", "llama3", "mistral", "phi3", "qwen2", "qwen3", "gemma3_text")
-MOE = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
+DENSE = ("llama", "llama3", "mistral", "phi3", "qwen2", "qwen3", "gemma3_text", "smollm3")
+MOE = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe")
 # Multi-latent attention, a dense layer then MoE layers: kept out of FAMILIES, whose tests
 # assume 2 layers and q/k/v attention (tests/*/test_deepseek_v3*.py run it).
 MLA_FAMILIES = {
@@ -146,3 +162,24 @@ def megatron_logits(model, ids: torch.Tensor) -> torch.Tensor:
     """``[b, s, vocab]``, gathered over tensor-parallel ranks."""
     positions = torch.arange(ids.size(1))[None].expand_as(ids)
     return model(ids, positions, None, runtime_gather_output=True)
+
+
+def add_skipped_mlp_deltas(wrapped, folder) -> None:
+    """peft 0.21 on transformers 5 retargets ``gate_proj``/``up_proj``/``down_proj`` of an MoE
+    model to its fused experts alone (which it adapts correctly), so the dense layers' MLP and
+    the shared experts stay unadapted: add their exported deltas into the weights by hand."""
+    import json
+
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "adapter_config.json").read_text())
+    scale = config["lora_alpha"] / config["r"]
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    params = dict(wrapped.named_parameters())
+    with torch.no_grad():
+        for key in [k for k in tensors if k.endswith("lora_A.weight") and ".experts." not in k]:
+            module = key[: -len(".lora_A.weight")]
+            if not module.split(".")[-1].endswith(("gate_proj", "up_proj", "down_proj")):
+                continue  # attention: peft adapted it
+            delta = scale * tensors[key.replace("lora_A", "lora_B")] @ tensors[key]
+            params[f"{module}.weight"].add_(delta)

@@ -78,7 +78,9 @@ def test_tp2_logits_match_transformers(layout, model_type):
     check_logits(layout, model_type, tp=2)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "llama3", "mistral", "phi3", "qwen2_moe"])
+@pytest.mark.parametrize(
+    "model_type", ["llama", "llama3", "mistral", "phi3", "smollm3", "qwen2_moe", "glm4_moe"]
+)
 def test_tp2_sp_logits_match_transformers(layout, model_type):
     check_logits(layout, model_type, tp=2, sp=True)
 
@@ -93,7 +95,7 @@ def test_tp2_sharded_checkpoint(layout):
 
 
 @pytest.mark.world(4)
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "olmoe", "glm4_moe"])
 def test_tp2_ep2_logits_match_transformers(layout, model_type):
     check_logits(layout, model_type, tp=2, ep=2)
 
@@ -247,4 +249,44 @@ def test_pp2_stages_load_pp1_tensors_per_global_layer(layout, monkeypatch, model
                 f"{name} {'not ' if want_read else ''}read on stage "
                 f"{parallel_state.get_pipeline_model_parallel_rank()}"
             )
+    assert_all_ranks(failures)
+
+
+LAST = ["full_attention"] * 3 + ["sliding_attention"]
+
+
+@pytest.mark.parametrize(
+    "model_type,fields,last_layer_differs",
+    [
+        # a window in the last layer only
+        ("qwen2", dict(max_window_layers=3), lambda cfg: cfg.layer_types == LAST),
+        # the last layer NoPE and windowed
+        (
+            "smollm3",
+            dict(no_rope_layer_interval=4, sliding_window=3),
+            lambda cfg: cfg.layer_types == LAST and cfg.no_rope_freq == [0, 0, 0, 1],
+        ),
+        # the last layer alone MoE
+        ("glm4_moe", dict(first_k_dense_replace=3), lambda cfg: cfg.moe_layer_freq == [0, 0, 0, 1]),
+    ],
+)
+def test_pp2_logits_match_transformers_with_layers_that_differ(
+    layout, model_type, fields, last_layer_differs
+):
+    """Four layers, the last one unlike the others: the second stage must place it by its
+    global number."""
+    from tests.distributed.test_gemma3_parallel import check, pipelined_logits
+
+    hf_model = make_hf_model(model_type, seed=5, num_hidden_layers=4, **fields)
+    layout(pp=2)
+    with saved_checkpoint(hf_model) as folder:
+        model, cfg = load_hf_model(folder)
+    assert last_layer_differs(cfg)
+    failures: list[str] = []
+    with torch.no_grad():
+        for seed in range(2):
+            ids = token_batch(seed)
+            got = pipelined_logits(model, ids, cfg.hidden_size)
+            if got is not None:
+                check(failures, got, hf_logits(hf_model, ids), f"{model_type} pp2 {seed}")
     assert_all_ranks(failures)

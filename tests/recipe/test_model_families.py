@@ -23,9 +23,12 @@ from tests.hf_models import make_hf_model
 from tests.recipe.conftest import job, losses_by_adapter
 from tests.recipe.test_cli import TORCHRUN, finish, launch
 
-LAYOUTS = {"deepseek_v3": ("parallel=ep2", "parallel=tp2")}
+LAYOUTS = {
+    "deepseek_v3": ("parallel=ep2", "parallel=tp2"),
+    "glm4_moe": ("parallel=ep2", "parallel=tp2"),
+}
 DENSE_LAYOUTS = ("parallel=tp2", "parallel=dp")
-NEW_FAMILIES = ["llama3", "mistral", "phi3", "gemma3_text", "deepseek_v3"]
+NEW_FAMILIES = ["llama3", "mistral", "phi3", "gemma3_text", "smollm3", "deepseek_v3", "glm4_moe"]
 STEPS, SAVE_AT = 4, 2
 LOSS_RTOL, TENSOR_RTOL = 1e-5, 1e-4
 

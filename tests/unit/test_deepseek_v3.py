@@ -17,7 +17,14 @@ from megatron_multilora.layers.lifecycle import named_multi_lora_modules
 from megatron_multilora.layers.slot_tensors import get_slot_tensors
 from megatron_multilora.models.hf_config import hf_to_model_config
 from megatron_multilora.models.hf_import import load_hf_model
-from tests.hf_models import hf_logits, make_hf_model, megatron_logits, packed, token_batch
+from tests.hf_models import (
+    add_skipped_mlp_deltas,
+    hf_logits,
+    make_hf_model,
+    megatron_logits,
+    packed,
+    token_batch,
+)
 from tests.unit.test_peft_interop import trained_like_slot
 
 pytest.importorskip("transformers")
@@ -197,23 +204,6 @@ def test_refused(fields, named):
     with pytest.raises(ValueError, match="deepseek_v3") as err:
         hf_to_model_config(config)
     assert named in str(err.value)
-
-
-def add_skipped_mlp_deltas(wrapped, folder) -> None:
-    """peft 0.21 on transformers 5 retargets ``gate_proj``/``up_proj``/``down_proj`` of an MoE
-    model to its fused experts alone (which it adapts correctly), so the dense layers' MLP and
-    the shared experts stay unadapted: add their exported deltas into the weights by hand."""
-    config = json.loads((folder / "adapter_config.json").read_text())
-    scale = config["lora_alpha"] / config["r"]
-    tensors = load_file(str(folder / "adapter_model.safetensors"))
-    params = dict(wrapped.named_parameters())
-    with torch.no_grad():
-        for key in [k for k in tensors if k.endswith("lora_A.weight") and ".experts." not in k]:
-            module = key[: -len(".lora_A.weight")]
-            if not module.split(".")[-1].endswith(("gate_proj", "up_proj", "down_proj")):
-                continue  # attention: peft adapted it
-            delta = scale * tensors[key.replace("lora_A", "lora_B")] @ tensors[key]
-            params[f"{module}.weight"].add_(delta)
 
 
 @pytest.mark.parametrize("q_lora_rank", [48, None])

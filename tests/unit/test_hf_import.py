@@ -242,6 +242,37 @@ def test_which_layers_have_a_window(model_type, fields, window, layer_types):
     assert (cfg.sliding_window, cfg.layer_types) == (window, layer_types)
 
 
+def test_glm4_moe_maps_its_defaults_and_keeps_q_k_v_biases_its_own():
+    """GLM-4.5's RoPE covers half of each head where config.json says nothing, its
+    attention_bias is q/k/v biases (Llama's is still refused: it would bias o_proj too), and
+    its MoE starts after first_k_dense_replace dense layers."""
+    glm = {
+        **_minimal("glm4_moe"),
+        "num_hidden_layers": 3,
+        "attention_bias": True,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "first_k_dense_replace": 2,
+    }
+    cfg = hf_to_model_config(glm)
+    assert (cfg.rotary_percent, cfg.add_qkv_bias, cfg.qk_layernorm) == (0.5, True, False)
+    assert cfg.moe_layer_freq == [0, 0, 1] and cfg.moe_router_score_function == "sigmoid"
+    assert hf_to_model_config({**glm, "partial_rotary_factor": 1.0}).rotary_percent == 1.0
+    with pytest.raises(ValueError, match="llama: attention_bias=True"):
+        hf_to_model_config({**_minimal("llama"), "attention_bias": True})
+
+
+def test_glm4_moe_skips_the_prediction_layers_a_checkpoint_appends(tmp_path):
+    hf_model = make_hf_model("glm4_moe")
+    folder = save(hf_model, tmp_path)
+    tensors = load_file(f"{folder}/model.safetensors")
+    extra = {"model.layers.2.eh_proj.weight": torch.ones(64, 128)}
+    save_file({**tensors, **extra}, f"{folder}/model.safetensors", metadata={"format": "pt"})
+    model, _ = load_hf_model(folder)
+    assert max_logit_diff(hf_model, model) <= TOL
+
+
 def test_llama3_rope_scaling_maps_every_band_setting():
     cfg = hf_to_model_config(
         {
@@ -373,7 +404,7 @@ def test_a_weights_file_damaged_after_the_check_is_named(tmp_path):
         load_hf_model(folder)
 
 
-WINDOWED = ("mistral", "phi3", "qwen2", "gemma3_text", "mixtral")
+WINDOWED = ("mistral", "phi3", "qwen2", "gemma3_text", "smollm3", "mixtral")
 
 
 @pytest.mark.parametrize("model_type", WINDOWED)
