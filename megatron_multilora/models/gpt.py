@@ -37,6 +37,7 @@ _SAME_NAMED = (
     "init_method_std",
     "attention_dropout",
     "hidden_dropout",
+    "softmax_type",
 )
 _MOE_SAME_NAMED = (
     "num_moe_experts",

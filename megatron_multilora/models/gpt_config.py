@@ -66,6 +66,10 @@ class GPTModelConfig:
     None: every layer rotates."""
     local_rotary_base: float | None = ranged(None, positive(optional=True))
     """Unscaled RoPE base of the sliding_attention layers (Gemma 3); None: rotary_base."""
+    softmax_type: str = "vanilla"
+    """Attention's softmax (megatron's name): "vanilla", or with a sink per head that takes
+    a share of each row's probability: "off-by-one" (a zero logit) or "learnable" (gpt-oss's
+    attention sinks, loaded with the base)."""
     softmax_scale: float | None = ranged(None, positive(optional=True))
     """Scale of the attention logits (megatron's name); None: 1/sqrt(head dim)."""
     post_norms: bool = False
@@ -182,6 +186,7 @@ class GPTModelConfig:
             ),
             ("moe_router_score_function", self.moe_router_score_function, ("softmax", "sigmoid")),
             ("recompute_granularity", self.recompute_granularity, (None, "full", "selective")),
+            ("softmax_type", self.softmax_type, ("vanilla", "off-by-one", "learnable")),
         ):
             if value not in allowed:
                 problems.append(f"{name}={value!r}: choose one of {allowed}")

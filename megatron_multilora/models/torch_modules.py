@@ -37,6 +37,10 @@ class SDPAttention(MegatronModule):
     to the last ``window_size[0] + 1`` positions only, itself included (Hugging Face's
     ``sliding_window``), in every path: unpacked, packed, one pass, flash varlen and the KV
     cache's decode steps (new queries sit at the end of the keys).
+
+    megatron's ``softmax_type`` "off-by-one" and "learnable" add a sink per head: a logit
+    (0, or the learned ``softmax_offset``) that joins every row's softmax and reads no value
+    (gpt-oss's attention sinks); attention then runs as matmuls and a softmax, off SDPA.
     """
 
     def __init__(
@@ -73,6 +77,17 @@ class SDPAttention(MegatronModule):
                     "(left, 0) with left >= 0"
                 )
             self.window = left + 1
+        heads = config.num_attention_heads // config.tensor_model_parallel_size
+        if config.softmax_type == "off-by-one":
+            self.register_buffer("softmax_offset", torch.zeros(heads), persistent=False)
+        elif config.softmax_type == "learnable":
+            # This rank's heads' sinks; loaded with the base (zero until then).
+            self.softmax_offset = torch.nn.Parameter(torch.zeros(heads, dtype=config.params_dtype))
+            tensor_parallel.set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+        elif config.softmax_type == "vanilla":
+            self.softmax_offset = None
+        else:
+            raise ValueError(f"softmax_type={config.softmax_type!r} is not supported")
 
     def forward(
         self,
@@ -113,6 +128,8 @@ class SDPAttention(MegatronModule):
         keep: torch.Tensor | None,
         causal: bool,
     ) -> torch.Tensor:
+        if self.softmax_offset is not None:
+            return self._attend_with_sinks(q, k, v, keep, causal)
         dropout_p = self.dropout_p if self.training else 0.0
         # Heads are TP-sharded, so dropout draws from the tensor-parallel stream; without
         # dropout no stream is switched (on a GPU a switch reads and sets the generator's
@@ -130,6 +147,32 @@ class SDPAttention(MegatronModule):
                 scale=self.softmax_scale,
                 enable_gqa=k.size(1) != q.size(1),
             )
+
+    def _attend_with_sinks(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        keep: torch.Tensor | None,
+        causal: bool,
+    ) -> torch.Tensor:
+        """``softmax([q k^T * scale, sink]) [v; 0]``, as transformers' eager gpt-oss: the
+        sink column takes its share of each row's probability and adds nothing."""
+        if k.size(1) != q.size(1):  # query groups
+            k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))
+        scale = self.softmax_scale if self.softmax_scale is not None else q.size(-1) ** -0.5
+        scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+        if causal:
+            keep = window_keep(q.size(2), k.size(2), k.size(2), q.device)
+        if keep is not None:
+            scores = scores.masked_fill(~keep, float("-inf"))
+        sink = self.softmax_offset.to(scores.dtype).view(1, -1, 1, 1)
+        sink = sink.expand(scores.size(0), -1, scores.size(2), 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        if self.training and self.dropout_p:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                probs = F.dropout(probs, self.dropout_p)
+        return torch.matmul(probs, v)
 
     def _packed(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: PackedSeqParams
@@ -169,6 +212,9 @@ class SDPAttention(MegatronModule):
         about the sum of the sequences' squares; ``max_seqlen_q`` (a host int fixed for the
         run) bounds every sequence. Trailing zero-length sequences are skipped."""
         from torch.nn.attention.varlen import varlen_attn
+
+        if self.softmax_offset is not None:
+            raise ValueError("flash varlen attention has no sinks (softmax_type vanilla only)")
 
         bounds = params.cu_seqlens_q.int()
         longest = params.max_seqlen_q

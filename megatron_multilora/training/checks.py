@@ -192,6 +192,8 @@ def _cuda_graph_problems(run: RunConfig, model: GPTModelConfig) -> list[str]:
         "model.attention_dropout and hidden_dropout of 0 (a replay draws no fresh masks)": (
             model.attention_dropout == model.hidden_dropout == 0
         ),
+        "model.softmax_type=vanilla (the graphed pass's flash varlen attention has no "
+        "sinks)": model.softmax_type == "vanilla",
         "the torch layers (Transformer Engine's are graphed by TE, not checked here)": (
             not transformer_engine_usable()
         ),

@@ -6,6 +6,8 @@ DistributedDataParallel and finalize_model_grads, the path training uses (it sum
 sequence-parallel partial gradients and averages over data-parallel ranks).
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -39,12 +41,16 @@ COUNTS = [5, 0, 7, 4]  # a zero-token slot; slot 2 spans the SP window boundary
 REL = 2e-5
 
 
-def reference(layout, targets=TARGETS):
+def reference(layout, targets=TARGETS, cfg=CFG):
     layout(tp=1)
-    ddp = build(CFG, targets=targets)
+    ddp = build(cfg, targets=targets)
+    with torch.no_grad():  # attention sinks (zero as built): a value per head
+        for name, p in ddp.module.named_parameters():
+            if name.endswith("softmax_offset"):
+                p.copy_(torch.linspace(-2.0, 2.0, p.numel()))
     state = {k: v.clone() for k, v in ddp.module.state_dict().items() if torch.is_tensor(v)}
     ddp.zero_grad_buffer()
-    losses = step(ddp, micro_batch(0, COUNTS, CFG.vocab_size))
+    losses = step(ddp, micro_batch(0, COUNTS, cfg.vocab_size))
     finalize_model_grads([ddp])
     grads = trainable_grads(ddp)
     mm.destroy_parallel()
@@ -97,6 +103,27 @@ def test_tp2_gpt_matches_tp1(layout, sp, fully, targets):
             [g.norm() for k, g in ref_grads.items() if f".adapters.{i}." in k]
         ).norm()
         compare(failures, norms[i], want, REL, f"slot {i} grad norm")
+    assert_all_ranks(failures)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["sp_off", "sp_on"])
+def test_tp2_attention_sinks_and_a_window_match_tp1(layout, sp):
+    """gpt-oss's attention: a learned sink per head (split with the heads) and a window
+    shorter than the sequence."""
+    cfg = dataclasses.replace(CFG, softmax_type="learnable", sliding_window=4)
+    state, ref_losses, ref_grads = reference(layout, cfg=cfg)
+    assert any(k.endswith("softmax_offset") and v.abs().sum() > 0 for k, v in state.items())
+    layout(tp=2, sp=sp)
+    ddp = build(cfg, sp)
+    load_full_state(ddp, state, cfg)
+    ddp.zero_grad_buffer()
+    losses = step(ddp, micro_batch(0, COUNTS, cfg.vocab_size))
+    finalize_model_grads([ddp])
+    failures: list[str] = []
+    compare(failures, losses, ref_losses, REL, "per-slot loss")
+    like = ddp.module.state_dict(keep_vars=True)
+    for k, g in trainable_grads(ddp).items():
+        compare(failures, g, local_view(k, ref_grads, like[k], cfg), REL, k)
     assert_all_ranks(failures)
 
 
