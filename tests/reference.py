@@ -93,31 +93,35 @@ def moe_reference(
     fc1: list[ExpertFactors],
     fc2: list[ExpertFactors],
     counts: list[int],
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    glu=lambda g, u: torch.nn.functional.silu(g) * u,
 ) -> tuple[torch.Tensor, list[int]]:
-    """A token-choice MoE with SwiGLU experts and per-(slot, expert) LoRA, token by token.
+    """A token-choice MoE with gated experts and per-(slot, expert) LoRA, token by token.
 
     Router: softmax over the top-k logits. Expert e on token t of slot s:
-    ``fc2_e(silu(g) * u)`` with ``[g; u] = fc1_e(x_t)``, each linear
-    ``W_e x + (alpha_s / r_s) B_{s,e}[:, :r] A_{s,e}[:r] x``. Returns the output and the
-    number of (token, expert) assignments each expert received.
+    ``fc2_e(glu(g, u))`` (SwiGLU by default) with ``[g; u] = fc1_e(x_t)``, each linear
+    ``W_e x + b_e + (alpha_s / r_s) B_{s,e}[:, :r] A_{s,e}[:r] x``; ``biases``: the router's,
+    fc1's ``[E, 2 ffn]`` and fc2's ``[E, hidden]`` (none by default). Returns the output and
+    the number of (token, expert) assignments each expert received.
     """
+    router_b, b1, b2 = biases or (0.0, torch.zeros(w1.shape[:2]), torch.zeros(w2.shape[:2]))
 
-    def lora_linear(w, f, e, v):
+    def lora_linear(w, f, e, v, b):
         r = f.rank
-        return w[e] @ v + (f.alpha / r) * (f.b[e][:, :r] @ (f.a[e][:r] @ v))
+        return w[e] @ v + b[e] + (f.alpha / r) * (f.b[e][:, :r] @ (f.a[e][:r] @ v))
 
     rows, per_expert, t = [], [0] * w1.size(0), 0
     for s, c in enumerate(counts):
         for _ in range(c):
-            logits = router_w @ x[t]
+            logits = router_w @ x[t] + router_b
             top_v, top_i = logits.topk(topk)
             probs = torch.softmax(top_v, dim=0)
             y = torch.zeros(w2.size(1))
             for p, e in zip(probs, top_i.tolist()):
                 per_expert[e] += 1
-                h = lora_linear(w1, fc1[s], e, x[t])
+                h = lora_linear(w1, fc1[s], e, x[t], b1)
                 g, u = h.chunk(2)
-                y = y + p * lora_linear(w2, fc2[s], e, torch.nn.functional.silu(g) * u)
+                y = y + p * lora_linear(w2, fc2[s], e, glu(g, u), b2)
             rows.append(y)
             t += 1
     return torch.stack(rows), per_expert

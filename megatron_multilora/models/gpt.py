@@ -38,6 +38,7 @@ _SAME_NAMED = (
     "attention_dropout",
     "hidden_dropout",
     "softmax_type",
+    "glu_linear_offset",
 )
 _MOE_SAME_NAMED = (
     "num_moe_experts",
@@ -102,6 +103,7 @@ def transformer_config(
         **{field: getattr(cfg, field) for field in _SAME_NAMED},
         layernorm_epsilon=cfg.norm_epsilon,
         activation_func=_activation(cfg.activation),
+        activation_func_clamp_value=cfg.activation_clamp,
         tensor_model_parallel_size=tp,
         sequence_parallel=sequence_parallel,
         params_dtype=params_dtype,
@@ -148,6 +150,10 @@ def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """The MLP activation named in gpt_config.ACTIVATIONS."""
     if name == "gelu_tanh":
         return functools.partial(F.gelu, approximate="tanh")
+    if name == "quick_gelu":
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        return quick_gelu
     return getattr(F, name)
 
 

@@ -11,9 +11,10 @@ import dataclasses
 from megatron_multilora.models.mla_config import MLAConfig
 from megatron_multilora.validation import Rule, at_least, positive, ranged, within
 
-ACTIVATIONS = ("silu", "gelu", "relu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu", "relu", "gelu_tanh", "quick_gelu")
 """The MLP activations: names of ``torch.nn.functional`` functions; gelu_tanh is GELU's tanh
-approximation (Hugging Face's gelu_pytorch_tanh)."""
+approximation (Hugging Face's gelu_pytorch_tanh), quick_gelu ``x * sigmoid(1.702 x)``
+(megatron's; gpt-oss's experts)."""
 
 
 _FRACTION = Rule("in (0, 1]", lambda v: 0 < v <= 1)
@@ -42,6 +43,11 @@ class GPTModelConfig:
     """silu, gelu or relu."""
     gated_linear_unit: bool = True
     """fc1 produces [gate; up] and the MLP computes act(gate) * up (SwiGLU with silu)."""
+    activation_clamp: float | None = ranged(None, positive(optional=True))
+    """With gated_linear_unit: gate clamped to at most this, up to [-it, it], before the
+    activation (megatron's activation_func_clamp_value; gpt-oss's swiglu_limit)."""
+    glu_linear_offset: float = 0.0
+    """With gated_linear_unit: act(gate) * (up + this) (gpt-oss: 1)."""
     position_embedding_type: str = "rope"
     """rope, learned_absolute or none."""
     rotary_base: int = ranged(10000, positive())

@@ -347,7 +347,9 @@ class TorchGroupedLinear(torch.nn.Module):
     so expert MLPs have the same module paths and checkpoint keys with and without TE. Rows of
     ``x`` are grouped by local expert (``m_splits[i]`` rows for expert i).
 
-    Expert tensor parallelism and expert biases are not supported.
+    With ``bias`` one ``bias{i}`` per expert: added to its rows, or (``skip_bias_add``, as
+    megatron's fc2 wants them to weight by each row's routing probability) returned as
+    ``[experts, out]``. Expert tensor parallelism is not supported.
     """
 
     def __init__(
@@ -366,10 +368,6 @@ class TorchGroupedLinear(torch.nn.Module):
         parallel_mode: str | None = None,
     ) -> None:
         super().__init__()
-        if bias:
-            raise ValueError(
-                "TorchGroupedLinear: expert biases (add_bias_linear) are not supported"
-            )
         if pg_collection is not None and pg_collection.expt_tp.size() > 1:
             raise ValueError("TorchGroupedLinear: expert tensor parallelism must be 1")
         self.num_gemms = num_gemms
@@ -382,6 +380,12 @@ class TorchGroupedLinear(torch.nn.Module):
             # Expert weights are reduced over the expert-data-parallel group by megatron DDP.
             param.allreduce = not is_expert
             self.register_parameter(f"weight{i}", param)
+        self.use_bias, self.skip_bias_add = bias, skip_bias_add
+        for i in range(num_gemms if bias else 0):
+            # Zero, as TE's: loaded with the base.
+            param = torch.nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype))
+            param.allreduce = not is_expert
+            self.register_parameter(f"bias{i}", param)
 
     def _initial_weights(self, init_method: Any) -> list[torch.Tensor]:
         """This rank's experts. With CPU initialisation every global expert is drawn in turn
@@ -414,10 +418,19 @@ class TorchGroupedLinear(torch.nn.Module):
                 init_method(w)
         return weights
 
-    def forward(self, x: torch.Tensor, m_splits: list[int]) -> tuple[torch.Tensor, None]:
+    def forward(
+        self, x: torch.Tensor, m_splits: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         counts = [int(c) for c in m_splits]
         w = torch.stack([getattr(self, f"weight{i}") for i in range(self.num_gemms)])
-        return grouped_mm(x, w.to(x.dtype), group_offsets(counts, x.device), counts), None
+        out = grouped_mm(x, w.to(x.dtype), group_offsets(counts, x.device), counts)
+        if not self.use_bias:
+            return out, None
+        bias = torch.stack([getattr(self, f"bias{i}") for i in range(self.num_gemms)])
+        if self.skip_bias_add:
+            return out, bias
+        rows = torch.cat([b.expand(c, -1) for b, c in zip(bias.to(out.dtype), counts)])
+        return out + rows, None
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
@@ -435,13 +448,14 @@ class TorchGroupedLinear(torch.nn.Module):
                 *sharded_offsets,
                 (len(sharded_offsets), ep_rank * self.num_gemms + i, ep_size * self.num_gemms),
             )
-            out[f"{prefix}weight{i}"] = ShardedTensor.from_rank_offsets(
-                f"{prefix}weight",
-                getattr(self, f"weight{i}"),
-                *offsets,
-                replica_id=(0, 0, edp_rank),
-                prepend_axis_num=len(offsets),
-            )
+            for name in ("weight", "bias") if self.use_bias else ("weight",):
+                out[f"{prefix}{name}{i}"] = ShardedTensor.from_rank_offsets(
+                    f"{prefix}{name}",
+                    getattr(self, f"{name}{i}"),
+                    *offsets,
+                    replica_id=(0, 0, edp_rank),
+                    prepend_axis_num=len(offsets),
+                )
         return out
 
 

@@ -46,11 +46,47 @@ def expert_factors(linear):
     ]
 
 
+CLAMP = 0.05  # small enough that the tiny model's gates and ups are clamped
+GPT_OSS = dict(
+    add_bias_linear=True, activation="quick_gelu", activation_clamp=CLAMP, glu_linear_offset=1.0
+)
+
+
+def gpt_oss_glu(g: torch.Tensor, u: torch.Tensor, clamp: float | None = CLAMP) -> torch.Tensor:
+    """transformers' gpt-oss experts: clamped gate and up, quick GELU, up + 1."""
+    if clamp is not None:
+        g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)
+    return g * torch.sigmoid(1.702 * g) * (u + 1)
+
+
+def random_expert_biases(moe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router's and every expert's biases (zero as built), set to random values."""
+    gen = torch.Generator().manual_seed(3)
+    fc1, fc2 = moe.experts.linear_fc1.to_wrap, moe.experts.linear_fc2.to_wrap
+    with torch.no_grad():
+        for p in (moe.router.bias, *(getattr(f, f"bias{e}") for f in (fc1, fc2) for e in range(E))):
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    return tuple(
+        t.detach().clone()
+        for t in (
+            moe.router.bias,
+            torch.stack([getattr(fc1, f"bias{e}") for e in range(E)]),
+            torch.stack([getattr(fc2, f"bias{e}") for e in range(E)]),
+        )
+    )
+
+
+@pytest.mark.parametrize("experts", ["swiglu", "gpt_oss"])
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
-def test_moe_layer_matches_token_reference(dispatcher):
-    model = moe_model(dispatcher)
+def test_moe_layer_matches_token_reference(dispatcher, experts):
+    """SwiGLU experts, and gpt-oss's: biases (the router's too; fc2's weighted by the routing
+    probability) and the clamped, offset quick-GELU GLU."""
+    model = moe_model(dispatcher, **(GPT_OSS if experts == "gpt_oss" else {}))
     moe = model.decoder.layers[0].mlp
     fc1, fc2 = moe.experts.linear_fc1, moe.experts.linear_fc2
+    biases, glu = None, lambda g, u: torch.nn.functional.silu(g) * u
+    if experts == "gpt_oss":
+        biases, glu = random_expert_biases(moe), gpt_oss_glu
     w1 = torch.stack([getattr(fc1.to_wrap, f"weight{e}").detach() for e in range(E)])
     w2 = torch.stack([getattr(fc2.to_wrap, f"weight{e}").detach() for e in range(E)])
     ref1, ref2 = expert_factors(fc1), expert_factors(fc2)
@@ -62,9 +98,23 @@ def test_moe_layer_matches_token_reference(dispatcher):
     y, _ = moe(x_in)
     (y.view(-1, HID) * g).sum().backward()
     y_ref, per_expert = moe_reference(
-        x_ref, moe.router.weight.detach(), TOPK, w1, w2, ref1, ref2, COUNTS
+        x_ref, moe.router.weight.detach(), TOPK, w1, w2, ref1, ref2, COUNTS, biases, glu
     )
     (y_ref * g).sum().backward()
+    if experts == "gpt_oss":  # the clamp is reached: unclamped, the reference differs
+        unclamped, _ = moe_reference(
+            x_ref.detach(),
+            moe.router.weight.detach(),
+            TOPK,
+            w1,
+            w2,
+            ref1,
+            ref2,
+            COUNTS,
+            biases,
+            lambda g, u: gpt_oss_glu(g, u, None),
+        )
+        assert (unclamped - y_ref).abs().max() > 1e-3
 
     assert 0 in per_expert, "the case must include an expert that receives no tokens"
     torch.testing.assert_close(y.view(-1, HID), y_ref, rtol=1e-5, atol=1e-6)
