@@ -44,6 +44,19 @@ FAMILIES = {
     # q/k/v biases; a window in the second layer only
     "qwen2": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
     "qwen3": dict(head_dim=32),  # head_dim != hidden / heads; per-head q/k norms
+    # YaRN fitted to a context shorter than the test sequences, its ramp's ends unrounded
+    "qwen3_yarn": dict(
+        model_type="qwen3",
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=8,
+            beta_fast=8.0,
+            beta_slow=0.5,
+            truncate=False,
+        ),
+    ),
     # Post norms, (1 + w) norms, scaled embeddings, gelu-tanh, softmax scale != head_dim**-0.5;
     # layers alternate sliding (RoPE base 500, a 5-token window) and full (50000).
     "gemma3_text": dict(
@@ -84,7 +97,17 @@ FAMILIES = {
         use_qk_norm=True,
     ),
 }
-DENSE = ("llama", "llama3", "mistral", "phi3", "qwen2", "qwen3", "gemma3_text", "smollm3")
+DENSE = (
+    "llama",
+    "llama3",
+    "mistral",
+    "phi3",
+    "qwen2",
+    "qwen3",
+    "qwen3_yarn",
+    "gemma3_text",
+    "smollm3",
+)
 MOE = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe")
 # Multi-latent attention, a dense layer then MoE layers: kept out of FAMILIES, whose tests
 # assume 2 layers and q/k/v attention (tests/*/test_deepseek_v3*.py run it).

@@ -98,7 +98,7 @@ def transformer_config(
     if cfg.no_rope_freq is not None and 1 in cfg.no_rope_freq:
         overrides = {"no_rope_freq": list(cfg.no_rope_freq), **overrides}
     # None: megatron's 1/sqrt(head dim); Gemma 3: query_pre_attn_scalar ** -0.5.
-    overrides = {"softmax_scale": cfg.softmax_scale, **overrides}
+    overrides = {"softmax_scale": _softmax_scale(cfg), **overrides}
     config = config_type(
         **{field: getattr(cfg, field) for field in _SAME_NAMED},
         layernorm_epsilon=cfg.norm_epsilon,
@@ -126,6 +126,14 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         **overrides,
     )
+    if cfg.yarn is not None:  # what megatron's GPTModel reads for its YarnRotaryEmbedding
+        config.yarn_rotary_scaling_factor = cfg.yarn.factor
+        config.yarn_original_max_position_embeddings = cfg.yarn.original_max_positions
+        config.yarn_beta_fast, config.yarn_beta_slow = cfg.yarn.beta_fast, cfg.yarn.beta_slow
+        # A concentration of m(factor, 1) / m(factor, 1) = 1 on q and k: megatron's fused
+        # packed (thd) RoPE drops it, the unfused one applies it; _softmax_scale carries it.
+        config.yarn_mscale = config.yarn_mscale_all_dim = 1.0
+        config.yarn_correction_range_round_to_int = cfg.yarn.truncate
     if _renormalised_top1(cfg):
         # megatron refuses a softmax over the one chosen logit (its weight is always 1, so the
         # router would get no gradient); the base, router included, is frozen here, and that
@@ -133,6 +141,16 @@ def transformer_config(
         # num_experts_per_tok=1) computes. It is constructed pre-softmax and switched back.
         config.moe_router_pre_softmax = False
     return config
+
+
+def _softmax_scale(cfg: GPTModelConfig) -> float | None:
+    """The attention logits' scale. Under YaRN, cos and sin carry its attention factor: q and
+    k both, so the logits its square. It goes into the scale (RoPE covers the whole head), the
+    same in every RoPE path of megatron's (its fused packed one would drop it)."""
+    if cfg.yarn is None:
+        return cfg.softmax_scale
+    head = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+    return (cfg.softmax_scale or head**-0.5) * cfg.yarn.concentration() ** 2
 
 
 def _window(cfg: GPTModelConfig) -> dict:
@@ -284,7 +302,7 @@ def build_model_chunks(
                     ignore_virtual=False, vp_stage=vp_stage
                 ),
                 share_embeddings_and_output_weights=cfg.tie_word_embeddings,
-                position_embedding_type=cfg.position_embedding_type,
+                position_embedding_type="yarn" if cfg.yarn else cfg.position_embedding_type,
                 rotary_base=cfg.rotary_base,
                 rotary_percent=cfg.rotary_percent,
                 rope_scaling=cfg.rope_scaling_factor is not None,

@@ -7,6 +7,7 @@ without waiting seconds for torch and megatron; models/gpt.py builds the model f
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from megatron_multilora.models.mla_config import MLAConfig
 from megatron_multilora.validation import Rule, at_least, positive, ranged, within
@@ -18,6 +19,28 @@ approximation (Hugging Face's gelu_pytorch_tanh), quick_gelu ``x * sigmoid(1.702
 
 
 _FRACTION = Rule("in (0, 1]", lambda v: 0 < v <= 1)
+
+
+@dataclasses.dataclass
+class YarnConfig:
+    """YaRN RoPE scaling (transformers' ``rope_type: yarn``): frequencies below
+    ``beta_slow`` rotations over the original context interpolated by ``factor``, above
+    ``beta_fast`` kept, a ramp between; cos and sin times ``attention_factor``."""
+
+    factor: float = ranged(1.0, at_least(1.0))
+    original_max_positions: int = ranged(4096, at_least(1))
+    beta_fast: float = ranged(32.0, positive())
+    beta_slow: float = ranged(1.0, positive())
+    truncate: bool = True
+    """Round the ramp's ends to whole channels (transformers' and megatron's default)."""
+    attention_factor: float | None = ranged(None, positive(optional=True))
+    """None: 0.1 ln(factor) + 1."""
+
+    def concentration(self) -> float:
+        """The factor on cos and sin."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
 
 
 @dataclasses.dataclass
@@ -60,6 +83,8 @@ class GPTModelConfig:
     rope_high_freq_factor: float = ranged(4.0, positive())
     rope_original_max_positions: int = ranged(8192, at_least(1))
     """The context the Llama 3 scaling was fitted to (its wavelength bands are fractions of it)."""
+    yarn: YarnConfig | None = None
+    """YaRN RoPE scaling over the whole head; None: none."""
     seq_len_interpolation_factor: float | None = ranged(None, at_least(1.0, optional=True))
     """Linear RoPE scaling (megatron's name): positions divided by it in the layers that
     rotate with rotary_base (Gemma 3: the global layers); None: unscaled."""
@@ -208,6 +233,15 @@ class GPTModelConfig:
             )
         if self.mla is not None:
             problems += self.mla.check()
+        if self.yarn is not None:
+            others = {
+                "rotary_percent below 1": self.rotary_percent != 1.0,
+                "rope_scaling_factor": self.rope_scaling_factor is not None,
+                "local_rotary_base": self.local_rotary_base is not None,
+                "mla (its YaRN is mla's)": self.mla is not None,
+                "a position_embedding_type other than rope": self.position_embedding_type != "rope",
+            }
+            problems += [f"yarn cannot go with {name}" for name, on in others.items() if on]
         freq = self.moe_layer_freq
         if freq is not None and (len(freq) != self.num_layers or not set(freq) <= {0, 1}):
             problems.append(

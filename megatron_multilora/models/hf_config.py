@@ -10,11 +10,12 @@ the model type, the field and its value.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
 from megatron_multilora.models.families import Family, family_of
-from megatron_multilora.models.gpt_config import GPTModelConfig
+from megatron_multilora.models.gpt_config import GPTModelConfig, YarnConfig
 
 
 def read_hf_config(folder: str | os.PathLike) -> dict:
@@ -126,8 +127,10 @@ def _rope(hf: _Fields, family: Family) -> dict[str, Any]:
             rope_high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
             rope_original_max_positions=int(scaling["original_max_position_embeddings"]),
         )
+    elif kind == "yarn":
+        fields = {"yarn": _yarn(hf, field, scaling)}
     elif kind != "default":
-        hf.reject(field, scaling, "only unscaled RoPE and Llama 3 (rope_type llama3) scaling")
+        hf.reject(field, scaling, "only unscaled RoPE, Llama 3 (llama3) and YaRN (yarn) scaling")
     partial = params.get(
         "partial_rotary_factor", hf.get("partial_rotary_factor", family.rotary_share)
     )
@@ -137,6 +140,31 @@ def _rope(hf: _Fields, family: Family) -> dict[str, Any]:
     # GPTModelConfig.rotary_base is an int field; keep ints where the value is integral.
     fields["rotary_base"] = int(theta) if float(theta).is_integer() else float(theta)
     return {**fields, "rotary_percent": float(partial)}
+
+
+def _yarn(hf: _Fields, field: str, params: dict) -> YarnConfig:
+    """transformers' YaRN: ``factor`` (else max_position_embeddings over the original),
+    ``attention_factor`` (else from ``mscale`` / ``mscale_all_dim`` when both are set)."""
+    original = int(params["original_max_position_embeddings"])
+    factor = params.get("factor") or hf.require("max_position_embeddings") / original
+    attention = params.get("attention_factor")
+    mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if attention is None and mscale and all_dim:
+
+        def m(scale: float) -> float:
+            return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+        attention = m(mscale) / m(all_dim)
+    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        hf.reject(field, params, "YaRN over part of each head")
+    return YarnConfig(
+        factor=float(factor),
+        original_max_positions=original,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=None if attention is None else float(attention),
+    )
 
 
 def _rope_type(d: dict) -> str | None:

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import megatron_multilora as mm
+from megatron_multilora.models.gpt_config import YarnConfig
 from megatron_multilora.models.hf_config import hf_to_model_config, read_hf_config
 from megatron_multilora.models.hf_import import (
     MissingTensorError,
@@ -192,7 +193,7 @@ def _minimal(model_type: str) -> dict:
         ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
         (
             "llama",
-            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+            {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}},
             "rope_parameters",
         ),
         ("qwen3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
@@ -201,6 +202,18 @@ def _minimal(model_type: str) -> dict:
         ("llama", {"mlp_bias": True}, "mlp_bias=True"),
         ("qwen3", {"layer_types": ["chunked_attention", "full_attention"]}, "layer_types"),
         ("phi3", {"rope_scaling": {"type": "longrope", "short_factor": [1.0]}}, "rope_scaling"),
+        (
+            "phi3",
+            {
+                "partial_rotary_factor": 0.5,
+                "rope_scaling": {
+                    "type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 8,
+                },
+            },
+            "YaRN over part of each head",
+        ),
         ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
         ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
         ("qwen2_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
@@ -301,6 +314,9 @@ def test_llama3_rope_scaling_maps_every_band_setting():
         ("llama3", "rope_scaling_factor", None),
         ("llama3", "rope_low_freq_factor", 1.0),  # megatron's default band, not the checkpoint's
         ("phi3", "rotary_percent", 1.0),
+        ("qwen3_yarn", "yarn", None),
+        ("qwen3_yarn", "yarn", YarnConfig(4.0, 8, 8.0, 0.5, truncate=True)),
+        ("qwen3_yarn", "yarn", YarnConfig(4.0, 8, 8.0, 0.5, False, attention_factor=1.0)),
     ],
 )
 def test_each_rope_setting_changes_the_logits(tmp_path, model_type, field, value):

@@ -160,7 +160,8 @@ def test_peft_target_names_adapt_only_those_parts_of_fused_linears(model_type, t
 
 
 @pytest.mark.parametrize(
-    "model_type", ["llama3", "mistral", "phi3", "gemma3_text", "smollm3", "deepseek_v3"]
+    "model_type",
+    ["llama3", "mistral", "phi3", "qwen3_yarn", "gemma3_text", "smollm3", "deepseek_v3"],
 )
 def test_two_slots_in_one_packed_micro_batch_each_give_their_peft_logits(model_type, tmp_path):
     """A packed (thd) micro-batch of two sequences, one per slot: each sequence's logits
