@@ -53,6 +53,7 @@ from megatron_multilora.models.gpt_config import GPTModelConfig
 from megatron_multilora.ops.fused_rows import QKVRows, fuse_gate_up, split_gate_up
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERTS = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.linear_(fc[12])$")
 
 
 def hf_module_names(megatron_rest: str, model_type: str) -> list[str] | None:
@@ -124,6 +125,24 @@ def to_peft_tensors(
     adapt."""
     tensors, targets = {}, set()
     paths = sorted({k.split(".adapter.")[0] for k in full})
+    peft_experts = family_of(model_type).peft_experts
+    if peft_experts is not None:  # the family's experts go as parameters, per layer
+        by_layer: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        for path in [p for p in paths if _EXPERTS.match(p)]:
+            m = _EXPERTS.match(path)
+            pair = (
+                full[f"{path}.adapter.linear_in.weight"],
+                full[f"{path}.adapter.linear_out.weight"],
+            )
+            by_layer.setdefault(m.group(1), {})[m.group(2)] = pair
+            paths.remove(path)
+        for layer, pairs in sorted(by_layer.items()):
+            if any(a.any() or b.any() for a, b in pairs.values()):
+                more, names = peft_experts(
+                    f"base_model.model.model.layers.{layer}.mlp.experts", pairs
+                )
+                tensors.update(more)
+                targets.update(names)
     for path in paths:
         modules = hf_modules(path, model_type)
         if modules is None:
@@ -155,13 +174,16 @@ def _left_out(b_part: torch.Tensor, b_parts: list[torch.Tensor], b: torch.Tensor
 def peft_config(
     rank: int, alpha: float, dropout: float, targets: list[str], base_model_name_or_path: str
 ) -> dict[str, Any]:
-    """A PEFT LoRA config that peft and vLLM load (uniform r and alpha, no extras)."""
+    """A PEFT LoRA config that peft and vLLM load (uniform r and alpha, no extras).
+    ``targets``: module names, and ``module.parameter`` paths for ``target_parameters``."""
+    parameters = [t for t in targets if "." in t]
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "r": rank,
         "lora_alpha": alpha,
-        "target_modules": targets,
+        "target_modules": [t for t in targets if "." not in t],
+        **({"target_parameters": parameters} if parameters else {}),
         "lora_dropout": dropout,
         "bias": "none",
         "use_rslora": False,
@@ -273,6 +295,17 @@ def import_peft(
             if hasattr(layer_module, "num_local_experts")
             else None
         )
+        expert_layer = _EXPERTS.match(path)
+        back = family_of(model_type).peft_experts_in
+        if back is not None and expert_layer:  # the family's experts came as parameters
+            module = f"base_model.model.model.layers.{expert_layer.group(1)}.mlp.experts"
+            pair = back(remaining, module, expert_layer.group(2), n_experts) or (
+                torch.zeros(n_experts, r, layer_module.full_shape(A)[-1]),  # not adapted
+                torch.zeros(n_experts, layer_module.full_shape(B)[-2], r),
+            )
+            full[f"{path}.adapter.linear_in.weight"] = pair[0]
+            full[f"{path}.adapter.linear_out.weight"] = pair[1]
+            continue
         a_list, b_list = [], []
         for e in range(n_experts) if n_experts else [None]:
             a_e, b_e = _one_linear(where, path, parts, e, remaining, r, cfg, layer_module)
@@ -281,6 +314,9 @@ def import_peft(
         stacked = n_experts is not None
         full[f"{path}.adapter.linear_in.weight"] = torch.stack(a_list) if stacked else a_list[0]
         full[f"{path}.adapter.linear_out.weight"] = torch.stack(b_list) if stacked else b_list[0]
+    for key in [k for k, v in remaining.items() if k.endswith(".lora_B.weight") and not v.any()]:
+        remaining.pop(key)  # adapts nothing (gpt-oss's experts write both linears)
+        remaining.pop(key.replace(".lora_B.", ".lora_A."), None)
     if remaining:
         raise ValueError(
             f"{where}: the adapter has modules this model does not wrap: "

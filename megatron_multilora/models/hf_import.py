@@ -93,8 +93,8 @@ _LAYER_DIRECT = {
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
 _EXPERT = re.compile(
-    r"mlp\.experts\.(?:linear_(fc[12])\.weight(\d+)|local_experts\.(\d+)\."
-    r"linear_(fc[12])\.weight)"
+    r"mlp\.experts\.(?:linear_(fc[12])\.(weight|bias)(\d+)|local_experts\.(\d+)\."
+    r"linear_(fc[12])\.(weight|bias))"
 )
 # HF tensors that carry no weights of the model (old checkpoints stored RoPE tables).
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq")
@@ -235,14 +235,19 @@ class _Loader:
         if rest == "mlp.linear_fc1.weight":
             return self.gate_up(f"{hf}.mlp", shard)
         moe = f"{hf}.{self.family.moe_block}"
-        if rest == "mlp.router.weight":
-            return self.read(f"{moe}.gate.weight")
+        if rest in ("mlp.router.weight", "mlp.router.bias"):
+            return self.read(f"{moe}.{self.family.router}.{rest.rsplit('.', 1)[1]}")
         if rest == "mlp.router.expert_bias":  # a buffer (DeepSeek-V3)
-            return self.read(f"{moe}.gate.e_score_correction_bias")
+            return self.read(f"{moe}.{self.family.router}.e_score_correction_bias")
         m = _EXPERT.fullmatch(rest)
         if m:
-            fc, local = (m[1], m[2]) if m[1] else (m[4], m[3])
-            return self.expert(moe, self.first_expert + int(local), fc, self.shard(param, True))
+            fc, part, local = (m[1], m[2], m[3]) if m[1] else (m[5], m[6], m[4])
+            e = self.first_expert + int(local)
+            if self.family.expert_tensor is not None:
+                return self.family.expert_tensor(self.ckpt, f"{moe}.experts", e, fc, part)
+            if part == "bias":
+                raise ValueError(f"{self.family.model_type}: no expert biases are known")
+            return self.expert(moe, e, fc, self.shard(param, True))
         if rest.startswith("mlp.shared_experts."):
             return self.shared_expert(moe, rest.removeprefix("mlp.shared_experts."), shard)
         raise ValueError(

@@ -54,7 +54,9 @@ class Family:
     qk_norm: str | None = None  # "per_head" (Qwen3's q_norm/k_norm) or "across_heads" (OLMoE)
     partial_rotary: bool = False  # RoPE may rotate only partial_rotary_factor of a head
     rotary_share: float = 1.0  # partial_rotary_factor where config.json leaves it out
-    qkv_bias_flag: str | None = None  # a flag adding q/k/v biases only (not o_proj's)
+    # a config.json flag of biases this family maps: q/k/v ones here (and any others in its
+    # finish: gpt-oss's o_proj), instead of refusing it as Llama's attention_bias
+    qkv_bias_flag: str | None = None
     window_always: bool = False  # sliding_window applies whenever set (no use_sliding_window)
     # Its layers differ: their layer_types (config.json's, or its rule for files that predate
     # them: see named_layer_types); None: every layer has the window, if any.
@@ -72,7 +74,18 @@ class Family:
     moe_block: str = "mlp"  # the MoE block's module
     expert_linears: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     shared_experts: str = "shared_expert"  # the shared expert(s)' module below the MoE block
+    router: str = "gate"  # the router's module below the MoE block
+    # An expert's megatron fc1 ([gate; up] rows) or fc2 tensor ("weight" [out, in], "bias")
+    # from its own checkpoint layout: (checkpoint, "<moe block>.experts", expert, "fc1" or
+    # "fc2", "weight" or "bias"); None: per-expert linears or transformers' fused ones.
+    expert_tensor: Callable[[Any, str, int, str, str], Any] | None = None
     skipped: Callable[[str, int], bool] = lambda name, num_layers: False  # tensors not loaded
+    # Experts as PEFT target_parameters (gpt-oss: fused parameters, no per-expert modules):
+    # (the layer's experts module, {"fc1"/"fc2": (A [E, r, in], B [E, out, r])}, megatron's
+    # rows) -> (PEFT tensors by key, "<module>.<parameter>" targets); None: per-expert modules.
+    peft_experts: Callable[[str, dict[str, tuple[Any, Any]]], tuple[dict, list[str]]] | None = None
+    # ... and back: (PEFT tensors, the experts module, "fc1"/"fc2", experts) -> (A, B) or None
+    peft_experts_in: Callable[[dict, str, str, int], tuple[Any, Any] | None] | None = None
     # -- linears megatron fuses: the HF module(s) each is -------------------------------------
     fused_modules: Mapping[str, str] = dataclasses.field(default_factory=dict)  # kept fused
     own_modules: Mapping[str, str] = dataclasses.field(default_factory=dict)  # one to one
