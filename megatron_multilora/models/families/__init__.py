@@ -7,6 +7,7 @@ from megatron_multilora.models.families import (
     deepseek_v3,
     gemma3_text,
     glm4_moe,
+    gpt_oss,
     llama,
     mistral,
     mixtral,
@@ -36,6 +37,7 @@ FAMILIES: dict[str, Family] = {
         gemma3_text.FAMILY,
         smollm3.FAMILY,
         glm4_moe.FAMILY,
+        gpt_oss.FAMILY,
     )
 }
 
