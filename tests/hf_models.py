@@ -96,6 +96,23 @@ FAMILIES = {
         attention_bias=True,
         use_qk_norm=True,
     ),
+    # sinks, alternating 5-token windows and full layers, YaRN, biased experts, clamped GLU
+    "gpt_oss": dict(
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        head_dim=16,
+        sliding_window=5,
+        swiglu_limit=0.5,  # small enough that the tiny model's gates and ups are clamped
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=8,
+            beta_fast=8.0,
+            beta_slow=0.5,
+            truncate=False,
+        ),
+    ),
 }
 DENSE = (
     "llama",
@@ -108,7 +125,7 @@ DENSE = (
     "gemma3_text",
     "smollm3",
 )
-MOE = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe")
+MOE = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe", "gpt_oss")
 # Multi-latent attention, a dense layer then MoE layers: kept out of FAMILIES, whose tests
 # assume 2 layers and q/k/v attention (tests/*/test_deepseek_v3*.py run it).
 MLA_FAMILIES = {

@@ -79,7 +79,8 @@ def test_tp2_logits_match_transformers(layout, model_type):
 
 
 @pytest.mark.parametrize(
-    "model_type", ["llama", "llama3", "mistral", "phi3", "smollm3", "qwen2_moe", "glm4_moe"]
+    "model_type",
+    ["llama", "llama3", "mistral", "phi3", "smollm3", "qwen2_moe", "glm4_moe", "gpt_oss"],
 )
 def test_tp2_sp_logits_match_transformers(layout, model_type):
     check_logits(layout, model_type, tp=2, sp=True)
@@ -95,7 +96,7 @@ def test_tp2_sharded_checkpoint(layout):
 
 
 @pytest.mark.world(4)
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "olmoe", "glm4_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "olmoe", "glm4_moe", "gpt_oss"])
 def test_tp2_ep2_logits_match_transformers(layout, model_type):
     check_logits(layout, model_type, tp=2, ep=2)
 
@@ -268,6 +269,8 @@ LAST = ["full_attention"] * 3 + ["sliding_attention"]
         ),
         # the last layer alone MoE
         ("glm4_moe", dict(first_k_dense_replace=3), lambda cfg: cfg.moe_layer_freq == [0, 0, 0, 1]),
+        # sinks, YaRN, biased experts; the last layer alone windowed
+        ("gpt_oss", dict(layer_types=LAST), lambda cfg: cfg.layer_types == LAST),
     ],
 )
 def test_pp2_logits_match_transformers_with_layers_that_differ(

@@ -17,7 +17,14 @@ from tests.unit.test_peft_interop import TOL, trained_like_slot
 
 @pytest.mark.parametrize(
     "model_type,tp,ep",
-    [("llama", 2, 1), ("qwen3_moe", 1, 2), ("qwen2", 2, 1), ("gemma3_text", 2, 1)],
+    [
+        ("llama", 2, 1),
+        ("qwen3_moe", 1, 2),
+        ("qwen2", 2, 1),
+        ("gemma3_text", 2, 1),
+        ("gpt_oss", 1, 2),
+        ("gpt_oss", 2, 1),
+    ],
 )
 def test_export_from_a_sharded_layout(layout, tmp_path, model_type, tp, ep):
     import peft

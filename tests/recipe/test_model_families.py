@@ -26,9 +26,19 @@ from tests.recipe.test_cli import TORCHRUN, finish, launch
 LAYOUTS = {
     "deepseek_v3": ("parallel=ep2", "parallel=tp2"),
     "glm4_moe": ("parallel=ep2", "parallel=tp2"),
+    "gpt_oss": ("parallel=ep2", "parallel=tp2"),
 }
 DENSE_LAYOUTS = ("parallel=tp2", "parallel=dp")
-NEW_FAMILIES = ["llama3", "mistral", "phi3", "gemma3_text", "smollm3", "deepseek_v3", "glm4_moe"]
+NEW_FAMILIES = [
+    "llama3",
+    "mistral",
+    "phi3",
+    "gemma3_text",
+    "smollm3",
+    "deepseek_v3",
+    "glm4_moe",
+    "gpt_oss",
+]
 STEPS, SAVE_AT = 4, 2
 LOSS_RTOL, TENSOR_RTOL = 1e-5, 1e-4
 

@@ -464,3 +464,36 @@ def test_windows_hold_packed_and_in_the_kv_cache(tmp_path, model_type):
             )
             context.sequence_len_offset = end
             assert (out[0, -1] - alone[0][end - 1]).abs().max() <= TOL, f"position {end - 1}"
+
+
+def test_gpt_oss_mxfp4_experts_are_dequantized(tmp_path):
+    """gpt-oss checkpoints ship their experts in MXFP4 (``*_blocks``, ``*_scales``): loaded
+    dequantized (transformers' own function), the logits equal transformers' with those
+    values."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf_model = make_hf_model("gpt_oss")
+    gen = torch.Generator().manual_seed(4)
+    packed = {}
+    for layer in hf_model.model.layers:
+        experts = layer.mlp.experts
+        for name in ("gate_up_proj", "down_proj"):
+            param = getattr(experts, name)  # [E, in, out]
+            e, n_in, n_out = param.shape
+            blocks = torch.randint(0, 256, (e, n_out, n_in // 32, 16), generator=gen).to(
+                torch.uint8
+            )
+            scales = torch.randint(118, 123, (e, n_out, n_in // 32), generator=gen).to(torch.uint8)
+            with torch.no_grad():
+                param.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+            packed[name, id(layer)] = blocks, scales
+    folder = save(hf_model, tmp_path)
+    tensors = load_file(f"{folder}/model.safetensors")
+    for i, layer in enumerate(hf_model.model.layers):
+        for name in ("gate_up_proj", "down_proj"):
+            key = f"model.layers.{i}.mlp.experts.{name}"
+            del tensors[key]
+            tensors[f"{key}_blocks"], tensors[f"{key}_scales"] = packed[name, id(layer)]
+    save_file(tensors, f"{folder}/model.safetensors", metadata={"format": "pt"})
+    model, _ = load_hf_model(folder)
+    assert max_logit_diff(hf_model, model) <= TOL

@@ -137,3 +137,39 @@ def test_refusals_are_clear(tmp_path):
     dora = edited(lambda c, t: c.update(use_dora=True))
     with pytest.raises(ValueError, match=r"use_dora"):
         import_peft(model, 1, dora, DENSE)
+
+
+@pytest.mark.parametrize("targets", ["all", "down_proj only"])
+def test_gpt_oss_experts_round_trip_as_peft_parameter_adapters(targets, tmp_path):
+    """gpt-oss has no per-expert modules: its experts export as PEFT's target_parameters
+    (A expert-major, B rank-major, fc1's rows interleaved as gate_up_proj's columns; an
+    expert linear not adapted is written as zeros) and import back exactly."""
+    import dataclasses
+
+    cfg = dataclasses.replace(MOE, moe_shared_expert_intermediate_size=None)
+    torch.manual_seed(0)
+    only = {} if targets == "all" else {"target_modules": ["linear_qkv", "linear_fc2"]}
+    model = mm.apply_multi_lora(
+        mm.build_gpt_model(cfg), 3, 8, 1.0, row_init_method="normal", **only
+    )
+    mm.init_adapter_slot(model, 0, 4, 12.0)
+    export_peft(model, 0, tmp_path / "a", cfg, "gpt_oss")
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert set(config["target_parameters"]) == {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
+    tensors = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    experts = "base_model.model.model.layers.0.mlp.experts"
+    slot = get_slot_tensors(model, 0)
+    down_a = slot["decoder.layers.0.mlp.experts.linear_fc2.adapter.linear_in.weight"]  # [E, r, I]
+    down_b = slot["decoder.layers.0.mlp.experts.linear_fc2.adapter.linear_out.weight"]  # [E, H, r]
+    assert torch.equal(tensors[f"{experts}.lora_A.weight"][4:8], down_a[1])  # expert 1's rows
+    assert torch.equal(tensors[f"{experts}.lora_B.weight"][:, 2 * 4 + 1], down_b[1][:, 2])
+    gate_up_b = tensors[f"{experts}.base_layer.lora_B.weight"]  # [2I, r * E]
+    assert gate_up_b.shape == (48, 16)
+    if targets == "all":
+        fc1_b = slot["decoder.layers.0.mlp.experts.linear_fc1.adapter.linear_out.weight"]
+        assert torch.equal(gate_up_b[1::2, 0 * 4 + 3], fc1_b[3][24:, 0])  # up rows, expert 3
+    else:
+        assert not gate_up_b.any()
+    import_peft(model, 2, tmp_path / "a", cfg, "gpt_oss")
+    first, second = get_slot_tensors(model, 0), get_slot_tensors(model, 2)
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
