@@ -314,6 +314,10 @@ def test_llama3_rope_scaling_maps_every_band_setting():
         ("llama3", "rope_scaling_factor", None),
         ("llama3", "rope_low_freq_factor", 1.0),  # megatron's default band, not the checkpoint's
         ("phi3", "rotary_percent", 1.0),
+        ("gpt_oss", "activation_clamp", None),
+        ("gpt_oss", "glu_linear_offset", 0.0),
+        ("gpt_oss", "sliding_window", None),
+        ("gpt_oss", "yarn", None),
         ("qwen3_yarn", "yarn", None),
         ("qwen3_yarn", "yarn", YarnConfig(4.0, 8, 8.0, 0.5, truncate=True)),
         ("qwen3_yarn", "yarn", YarnConfig(4.0, 8, 8.0, 0.5, False, attention_factor=1.0)),
@@ -420,7 +424,7 @@ def test_a_weights_file_damaged_after_the_check_is_named(tmp_path):
         load_hf_model(folder)
 
 
-WINDOWED = ("mistral", "phi3", "qwen2", "gemma3_text", "smollm3", "mixtral")
+WINDOWED = ("mistral", "phi3", "qwen2", "gemma3_text", "smollm3", "mixtral", "gpt_oss")
 
 
 @pytest.mark.parametrize("model_type", WINDOWED)
