@@ -17,6 +17,8 @@ Skipped without CUDA (``scripts/gpu_check.sh`` runs them on a GPU machine):
   margin) against cached decoding on the GPU;
 - the paged adapter table (pinned host pages, copies on a side stream): adapters taking turns
   in fewer slots against each alone;
+- flash attention's varlen kernel with a sliding window (the graphed pass's attention)
+  against the per-length masked batches, and attention sinks on the GPU against the CPU;
 - the training pass under CUDA graphs (``trainer.cuda_graphs``): a replay against the same
   static pass run eagerly, and the graphed pass and the trainer's graphed step against the
   eager ones (losses and every slot's gradients), one capture per length, again on a rank
@@ -432,3 +434,38 @@ def test_paged_adapters_on_cuda_train_as_each_alone(dtype):
             scale = float(want[key].abs().max()) or 1.0
             bound = 8 * torch.finfo(want[key].dtype).eps * scale
             torch.testing.assert_close(got[key], want[key], rtol=0, atol=bound, msg=key)
+
+
+def test_flash_varlen_keeps_the_window_and_sinks_match_the_cpu():
+    """The one pass (flash varlen, ``window_size=(w - 1, 0)``) against per-length batches
+    masked to the window, bf16; sinks (off varlen) on the GPU against the CPU, fp32."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_multilora.models.gpt import transformer_config
+    from megatron_multilora.models.torch_modules import SDPAttention, attend_in_one_pass
+    from tests.hf_models import packed
+    from tests.models import tiny_gpt
+
+    lengths = [37, 5, 20]
+    cfg = tiny_gpt(num_attention_heads=4, num_query_groups=2, sliding_window=6)
+    attention = SDPAttention(transformer_config(cfg), 1, AttnMaskType.causal, "self").cuda()
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(sum(lengths), heads, 16, generator=gen).cuda().bfloat16() for heads in (4, 2, 2)
+    )
+    params, _ = packed(lengths)
+    params.cu_seqlens_q = params.cu_seqlens_kv = params.cu_seqlens_q.cuda()
+    batched = attention(q, k, v, None, packed_seq_params=params)
+    params, _ = packed(lengths)
+    params.cu_seqlens_q = params.cu_seqlens_kv = params.cu_seqlens_q.cuda()
+    one_pass = attention(q, k, v, None, packed_seq_params=attend_in_one_pass(params))
+    torch.testing.assert_close(one_pass, batched, rtol=2e-2, atol=2e-2)
+
+    cfg.softmax_type = "learnable"
+    sinks = SDPAttention(transformer_config(cfg), 1, AttnMaskType.causal, "self")
+    with torch.no_grad():
+        sinks.softmax_offset.copy_(torch.tensor([0.5, -1.0, 2.0, 0.0]))
+    q, k, v = (t.float().cpu()[:, None] for t in (q, k, v))  # [s, b=1, heads, dim]
+    want = sinks(q, k, v, None)
+    got = sinks.cuda()(q.cuda(), k.cuda(), v.cuda(), None)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
