@@ -22,6 +22,16 @@ COMMON = dict(
     # shows as O(1) logit errors (std 0.02 leaves the logits near the embeddings).
     initializer_range=0.2,
 )
+# YaRN fitted to a context shorter than the test sequences, its ramp's ends unrounded
+YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    original_max_position_embeddings=8,
+    beta_fast=8.0,
+    beta_slow=0.5,
+    truncate=False,
+)
 FAMILIES = {
     "llama": dict(rope_theta=50000.0),
     # Llama 3.x RoPE scaling with bands other than megatron's defaults (1, 4, 8192), fitted to
@@ -44,18 +54,9 @@ FAMILIES = {
     # q/k/v biases; a window in the second layer only
     "qwen2": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
     "qwen3": dict(head_dim=32),  # head_dim != hidden / heads; per-head q/k norms
-    # YaRN fitted to a context shorter than the test sequences, its ramp's ends unrounded
     "qwen3_yarn": dict(
         model_type="qwen3",
-        rope_parameters=dict(
-            rope_type="yarn",
-            rope_theta=10000.0,
-            factor=4.0,
-            original_max_position_embeddings=8,
-            beta_fast=8.0,
-            beta_slow=0.5,
-            truncate=False,
-        ),
+        rope_parameters=YARN,
     ),
     # Post norms, (1 + w) norms, scaled embeddings, gelu-tanh, softmax scale != head_dim**-0.5;
     # layers alternate sliding (RoPE base 500, a 5-token window) and full (50000).
@@ -103,15 +104,7 @@ FAMILIES = {
         head_dim=16,
         sliding_window=5,
         swiglu_limit=0.5,  # small enough that the tiny model's gates and ups are clamped
-        rope_parameters=dict(
-            rope_type="yarn",
-            rope_theta=10000.0,
-            factor=4.0,
-            original_max_position_embeddings=8,
-            beta_fast=8.0,
-            beta_slow=0.5,
-            truncate=False,
-        ),
+        rope_parameters=YARN,
     ),
 }
 DENSE = (
