@@ -501,3 +501,52 @@ def test_gpt_oss_mxfp4_experts_are_dequantized(tmp_path):
     save_file(tensors, f"{folder}/model.safetensors", metadata={"format": "pt"})
     model, _ = load_hf_model(folder)
     assert max_logit_diff(hf_model, model) <= TOL
+
+
+def test_a_gpt_oss_20b_shaped_config_maps_every_field():
+    """config.json fields as gpt-oss-20b's (rope_scaling at the top level, 24 layers
+    alternating from sliding, a 128-token window, 32 experts, top-4, the clamp at 7)."""
+    cfg = hf_to_model_config(
+        {
+            "model_type": "gpt_oss",
+            "num_hidden_layers": 24,
+            "hidden_size": 2880,
+            "intermediate_size": 2880,
+            "head_dim": 64,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "num_local_experts": 32,
+            "num_experts_per_tok": 4,
+            "vocab_size": 201088,
+            "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-05,
+            "rope_theta": 150000,
+            "rope_scaling": {
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "factor": 32.0,
+                "original_max_position_embeddings": 4096,
+                "rope_type": "yarn",
+                "truncate": False,
+            },
+            "sliding_window": 128,
+            "layer_types": ["sliding_attention", "full_attention"] * 12,
+            "swiglu_limit": 7.0,
+            "attention_bias": True,
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+        }
+    )
+    assert (cfg.kv_channels, cfg.num_query_groups, cfg.rotary_base) == (64, 8, 150000)
+    assert (cfg.sliding_window, cfg.layer_types[:2]) == (
+        128,
+        ["sliding_attention", "full_attention"],
+    )
+    assert cfg.yarn == YarnConfig(32.0, 4096, 32.0, 1.0, truncate=False)
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size) == (32, 4, 2880)
+    assert not cfg.moe_router_pre_softmax  # softmax over the top-k logits
+    assert (cfg.activation, cfg.activation_clamp, cfg.glu_linear_offset) == ("quick_gelu", 7.0, 1.0)
+    assert cfg.add_bias_linear and cfg.add_qkv_bias and cfg.softmax_type == "learnable"
+    assert cfg.check(8) == []
+    with pytest.raises(ValueError, match=r"swiglu_alpha=2\.0"):
+        hf_to_model_config({**_minimal("gpt_oss"), "swiglu_alpha": 2.0})
