@@ -69,7 +69,7 @@ class GPTModelConfig:
     activation_clamp: float | None = ranged(None, positive(optional=True))
     """With gated_linear_unit: gate clamped to at most this, up to [-it, it], before the
     activation (megatron's activation_func_clamp_value; gpt-oss's swiglu_limit)."""
-    glu_linear_offset: float = 0.0
+    glu_linear_offset: float = ranged(0.0, at_least(0.0))
     """With gated_linear_unit: act(gate) * (up + this) (gpt-oss: 1)."""
     position_embedding_type: str = "rope"
     """rope, learned_absolute or none."""
