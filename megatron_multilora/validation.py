@@ -22,7 +22,8 @@ INIT_METHODS = ("xavier", "kaiming", "normal", "zero")
 """How a LoRA factor is initialised."""
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """The linears multi-LoRA wraps by name by default (wildcard patterns over module paths also
-work)."""
+work). ``linear_qkv`` and ``linear_proj`` stand for every attention's input and output
+projections: multi-latent attention's and a Gated DeltaNet's (``in_proj``, ``out_proj``) too."""
 PEFT_TARGETS: dict[str, tuple[tuple[str, str | None], ...]] = {
     "q_proj": (("linear_qkv", "q"), ("linear_q_proj", None)),
     "k_proj": (("linear_qkv", "k"),),
@@ -41,9 +42,15 @@ PEFT_TARGETS: dict[str, tuple[tuple[str, str | None], ...]] = {
     "kv_a_proj_with_mqa": (("linear_kv_down_proj", None),),
     "kv_b_proj": (("linear_kv_up_proj", None),),
     "lm_head": (("output_layer", None),),
+    "in_proj_qkv": (("in_proj", "qkv"),),
+    "in_proj_z": (("in_proj", "z"),),
+    "in_proj_b": (("in_proj", "b"),),
+    "in_proj_a": (("in_proj", "a"),),
+    "out_proj": (("out_proj", None),),
 }
 """The module names PEFT users write, as the megatron linears they are (or are part of:
-q/k/v of the fused ``linear_qkv``, gate/up of a gated ``linear_fc1``; None: all of it). An
+q/k/v of the fused ``linear_qkv``, gate/up of a gated ``linear_fc1``, the parts of a Gated
+DeltaNet's ``in_proj``; None: all of it). An
 MLA model's ``q_proj`` (no q down-projection) is its ``linear_q_proj``."""
 MLA_INPUT_PROJECTIONS = (
     "linear_q_proj",
@@ -54,7 +61,16 @@ MLA_INPUT_PROJECTIONS = (
 )
 """Multi-latent attention's (DeepSeek-V3) counterparts of ``linear_qkv``: what that target
 adapts in an MLA model, so the default targets fit every family."""
-TARGET_NAMES = (*TARGETS, "output_layer", *PEFT_TARGETS, *MLA_INPUT_PROJECTIONS)
+DELTA_NET_LINEARS = ("in_proj", "out_proj")
+"""A Gated DeltaNet's (Qwen3.5's linear attention) counterparts of ``linear_qkv`` and
+``linear_proj``."""
+TARGET_NAMES = (
+    *TARGETS,
+    "output_layer",
+    *PEFT_TARGETS,
+    *MLA_INPUT_PROJECTIONS,
+    *DELTA_NET_LINEARS,
+)
 """What lora.targets may name: those, the output layer (the unembedding), and PEFT's names."""
 SCHEDULES = ("constant", "linear", "cosine")
 """Learning-rate schedules after warmup."""

@@ -32,6 +32,14 @@ YARN = dict(
     beta_slow=0.5,
     truncate=False,
 )
+QWEN3_5 = dict(
+    head_dim=16,
+    full_attention_interval=2,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+)
 FAMILIES = {
     "llama": dict(rope_theta=50000.0),
     # Llama 3.x RoPE scaling with bands other than megatron's defaults (1, 4, 8192), fitted to
@@ -106,6 +114,16 @@ FAMILIES = {
         swiglu_limit=0.5,  # small enough that the tiny model's gates and ups are clamped
         rope_parameters=YARN,
     ),
+    # Gated DeltaNet then gated attention (RoPE over a quarter of each head); DeltaNet heads
+    # with key and value widths of their own, two value heads per key head
+    "qwen3_5_text": QWEN3_5,
+    "qwen3_5_moe_text": dict(
+        QWEN3_5,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    ),
 }
 DENSE = (
     "llama",
@@ -117,8 +135,9 @@ DENSE = (
     "qwen3_yarn",
     "gemma3_text",
     "smollm3",
+    "qwen3_5_text",
 )
-MOE = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe", "gpt_oss")
+MOE = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe", "gpt_oss", "qwen3_5_moe_text")
 # Multi-latent attention, a dense layer then MoE layers: kept out of FAMILIES, whose tests
 # assume 2 layers and q/k/v attention (tests/*/test_deepseek_v3*.py run it).
 MLA_FAMILIES = {
@@ -200,7 +219,8 @@ def megatron_logits(model, ids: torch.Tensor) -> torch.Tensor:
 def add_skipped_mlp_deltas(wrapped, folder) -> None:
     """peft 0.21 on transformers 5 retargets ``gate_proj``/``up_proj``/``down_proj`` of an MoE
     model to its fused experts alone (which it adapts correctly), so the dense layers' MLP and
-    the shared experts stay unadapted: add their exported deltas into the weights by hand."""
+    the shared experts (Qwen3.5-MoE: but their down_proj) stay unadapted: add their exported
+    deltas into the weights by hand."""
     import json
 
     from safetensors.torch import load_file
@@ -212,7 +232,7 @@ def add_skipped_mlp_deltas(wrapped, folder) -> None:
     with torch.no_grad():
         for key in [k for k in tensors if k.endswith("lora_A.weight") and ".experts." not in k]:
             module = key[: -len(".lora_A.weight")]
-            if not module.split(".")[-1].endswith(("gate_proj", "up_proj", "down_proj")):
-                continue  # attention: peft adapted it
+            if f"{module}.weight" not in params:
+                continue  # peft adapted it (wrapped: base_layer.weight)
             delta = scale * tensors[key.replace("lora_A", "lora_B")] @ tensors[key]
             params[f"{module}.weight"].add_(delta)

@@ -5,7 +5,10 @@ Megatron fuses some linears that HF keeps apart; a fused LoRA has one A and a B 
 follow the fused output, so export splits B and repeats A:
 
 * ``linear_qkv`` (rows ``[groups, (q_per_group + 2) * head_dim]``: each group's q heads, then
-  its k, then its v) -> ``q_proj``, ``k_proj``, ``v_proj``;
+  its k, then its v) -> ``q_proj``, ``k_proj``, ``v_proj`` (with Qwen3.5's output gate, q_proj
+  holds each head's q and gate rows);
+* a Gated DeltaNet's ``in_proj`` (rows by key head: :class:`DeltaNetRows`) -> ``in_proj_qkv``,
+  ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; its ``out_proj`` -> ``out_proj``;
 * ``linear_fc1`` (rows ``[gate; up]``) -> ``gate_proj``, ``up_proj`` (Mixtral experts:
   ``w1``, ``w3``); ``linear_fc2`` -> ``down_proj`` (``w2``); ``linear_proj`` -> ``o_proj``;
 * expert factors ``[E, ...]`` -> one 2-D pair per expert ``experts.{e}.*``;
@@ -50,7 +53,13 @@ from megatron_multilora.layers.slot_tensors import (
 )
 from megatron_multilora.models.families import family_of
 from megatron_multilora.models.gpt_config import GPTModelConfig
-from megatron_multilora.ops.fused_rows import QKVRows, fuse_gate_up, split_gate_up
+from megatron_multilora.ops.fused_rows import (
+    DELTA_NET_INPUTS,
+    DeltaNetRows,
+    QKVRows,
+    fuse_gate_up,
+    split_gate_up,
+)
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERTS = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.linear_(fc[12])$")
@@ -70,6 +79,8 @@ def hf_module_names(megatron_rest: str, model_type: str) -> list[str] | None:
     table = {
         "self_attention.linear_qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
         "self_attention.linear_proj": ["self_attn.o_proj"],
+        "self_attention.in_proj": [f"linear_attn.{n}" for n in DELTA_NET_INPUTS],
+        "self_attention.out_proj": ["linear_attn.out_proj"],
         "mlp.linear_fc1": ["mlp.gate_proj", "mlp.up_proj"],
         "mlp.linear_fc2": ["mlp.down_proj"],
         "mlp.experts.linear_fc1": [experts + gate, experts + up],
@@ -87,6 +98,8 @@ def _split_rows(
     parts (q, k, v or gate, up), or one matrix of the parts one after the other."""
     if name.endswith("linear_qkv"):
         parts = list(QKVRows.of(cfg).split(b))
+    elif name.endswith("in_proj"):
+        parts = list(DeltaNetRows.of(cfg).split(b))
     elif name.endswith("linear_fc1"):
         parts = list(split_gate_up(b))
     else:
@@ -98,6 +111,8 @@ def _fuse_rows(name: str, parts: list[torch.Tensor], cfg: GPTModelConfig) -> tor
     """Inverse of :func:`_split_rows`."""
     if name.endswith("linear_qkv"):
         return QKVRows.of(cfg).fuse(*parts)
+    if name.endswith("in_proj"):
+        return DeltaNetRows.of(cfg).fuse(*parts)
     if name.endswith("linear_fc1"):
         return fuse_gate_up(*parts)
     return parts[0]
@@ -112,7 +127,8 @@ def hf_modules(path: str, model_type: str) -> list[str] | None:
     parts = hf_module_names(m.group(2), model_type) if m else None
     if parts is None:
         return None
-    return [f"base_model.model.model.layers.{m.group(1)}.{part}" for part in parts]
+    layers = f"base_model.model.{family_of(model_type).language_model}.layers"
+    return [f"{layers}.{m.group(1)}.{part}" for part in parts]
 
 
 def to_peft_tensors(
@@ -125,7 +141,8 @@ def to_peft_tensors(
     adapt."""
     tensors, targets = {}, set()
     paths = sorted({k.split(".adapter.")[0] for k in full})
-    peft_experts = family_of(model_type).peft_experts
+    family = family_of(model_type)
+    peft_experts = family.peft_experts
     if peft_experts is not None:  # the family's experts go as parameters, per layer
         by_layer: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         for path in [p for p in paths if _EXPERTS.match(p)]:
@@ -139,7 +156,8 @@ def to_peft_tensors(
         for layer, pairs in sorted(by_layer.items()):
             if any(a.any() or b.any() for a, b in pairs.values()):
                 more, names = peft_experts(
-                    f"base_model.model.model.layers.{layer}.mlp.experts", pairs
+                    f"base_model.model.{family.language_model}.layers.{layer}.mlp.experts",
+                    pairs,
                 )
                 tensors.update(more)
                 targets.update(names)
@@ -296,9 +314,11 @@ def import_peft(
             else None
         )
         expert_layer = _EXPERTS.match(path)
-        back = family_of(model_type).peft_experts_in
-        if back is not None and expert_layer:  # the family's experts came as parameters
-            module = f"base_model.model.model.layers.{expert_layer.group(1)}.mlp.experts"
+        family = family_of(model_type)
+        if family.peft_experts_in is not None and expert_layer:  # experts as parameters
+            layer = expert_layer.group(1)
+            module = f"base_model.model.{family.language_model}.layers.{layer}.mlp.experts"
+            back = family.peft_experts_in
             pair = back(remaining, module, expert_layer.group(2), n_experts) or (
                 torch.zeros(n_experts, r, layer_module.full_shape(A)[-1]),  # not adapted
                 torch.zeros(n_experts, layer_module.full_shape(B)[-2], r),

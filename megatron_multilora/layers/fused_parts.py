@@ -2,8 +2,9 @@
 
 Megatron fuses what Hugging Face keeps apart (q/k/v in ``linear_qkv``, gate/up in a gated
 ``linear_fc1``), so ``target_modules=["q_proj", "v_proj"]`` wraps ``linear_qkv`` with only
-its q and v rows adapted. ``linear_qkv`` (a default target) also names multi-latent
-attention's input projections, so the defaults adapt every family's attention. The other rows of every slot's B are zero and the LoRA term's
+its q and v rows adapted. ``linear_qkv`` and ``linear_proj`` (default targets) also name
+multi-latent attention's input projections and a Gated DeltaNet's ``in_proj`` and
+``out_proj``, so the defaults adapt every family's attention. The other rows of every slot's B are zero and the LoRA term's
 rows there are masked out, so they add nothing and get no gradient: B stays zero there
 under any optimizer, as if k_proj were not wrapped (and export leaves it out).
 """
@@ -14,11 +15,15 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_multilora.ops.fused_rows import QKVRows
-from megatron_multilora.validation import MLA_INPUT_PROJECTIONS, PEFT_TARGETS
+from megatron_multilora.ops.fused_rows import DeltaNetRows, QKVRows
+from megatron_multilora.validation import DELTA_NET_LINEARS, MLA_INPUT_PROJECTIONS, PEFT_TARGETS
 
 # The parts of each fused linear, in its row order.
-FUSED_PARTS = {"linear_qkv": ("q", "k", "v"), "linear_fc1": ("gate", "up")}
+FUSED_PARTS = {
+    "linear_qkv": ("q", "k", "v"),
+    "linear_fc1": ("gate", "up"),
+    "in_proj": DeltaNetRows.PARTS,  # a Gated DeltaNet's
+}
 
 
 class Targets:
@@ -51,21 +56,28 @@ class Targets:
 
 def _linears(target: str) -> tuple[tuple[str, str | None], ...]:
     """The (linear, part) pairs a target stands for; ``linear_qkv`` is multi-latent
-    attention's input projections too."""
+    attention's input projections and a Gated DeltaNet's ``in_proj`` too, ``linear_proj`` its
+    ``out_proj``."""
     if target == "linear_qkv":
-        return (("linear_qkv", None), *((name, None) for name in MLA_INPUT_PROJECTIONS))
+        inputs = (*MLA_INPUT_PROJECTIONS, DELTA_NET_LINEARS[0])
+        return (("linear_qkv", None), *((name, None) for name in inputs))
+    if target == "linear_proj":
+        return ("linear_proj", None), (DELTA_NET_LINEARS[1], None)
     return PEFT_TARGETS.get(target, ((target, None),))
 
 
 def kept_rows(linear: str, parts: frozenset[str], rows: int, config: object) -> torch.Tensor:
     """Which of a fused linear's ``rows`` output rows (this rank's) belong to ``parts``.
 
-    ``linear_qkv`` rows are whole query groups (q heads, k, v; :class:`QKVRows`) on every
-    tensor-parallel rank; a gated fc1's are ``[gate_r; up_r]``."""
+    ``linear_qkv`` rows are whole query groups (q heads and their output gates, k, v;
+    :class:`QKVRows`) on every tensor-parallel rank, a Gated DeltaNet's ``in_proj`` rows whole
+    key heads (:class:`DeltaNetRows`); a gated fc1's are ``[gate_r; up_r]``."""
+    if linear == "in_proj":
+        return DeltaNetRows.of(config).kept(parts, rows)
     if linear == "linear_qkv":
         layout = QKVRows.of(config)
         d = layout.head_dim
-        sizes = {"q": layout.q_per_group * d, "k": d, "v": d}
+        sizes = {"q": layout.q_rows_per_group, "k": d, "v": d}
         group = torch.cat([torch.full((sizes[p],), p in parts) for p in FUSED_PARTS[linear]])
         return group.repeat(rows // group.numel())
     half = rows // 2

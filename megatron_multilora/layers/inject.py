@@ -123,7 +123,9 @@ def apply_multi_lora(
     for parent, child, wrapper in planned:
         setattr(parent, child, wrapper)
         parts = targets.parts.get(child)
-        if parts is not None and (child == "linear_qkv" or _is_gated_fc1(parent, child)):
+        if parts is not None and (
+            child in ("linear_qkv", "in_proj") or _is_gated_fc1(parent, child)
+        ):
             rows = B.weight(wrapper.adapters[0]).size(-2)
             kept = kept_rows(child, parts, rows, wrapper.to_wrap.config)
             wrapper.adapt_only_rows(kept, parts)

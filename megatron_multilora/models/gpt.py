@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -39,6 +40,7 @@ _SAME_NAMED = (
     "hidden_dropout",
     "softmax_type",
     "glu_linear_offset",
+    "attention_output_gate",
 )
 _MOE_SAME_NAMED = (
     "num_moe_experts",
@@ -94,7 +96,7 @@ def transformer_config(
     # One RoPE op per call (TE's, or ops/rope.py where TE is absent) instead of megatron's
     # unfused packed path, which splits the micro-batch into its sequences in every layer.
     overrides = {"apply_rope_fusion": rope_fusion_available(), **overrides}
-    overrides = {**_window(cfg), **overrides}
+    overrides = {**_window(cfg), **_linear_attention(cfg), **overrides}
     if cfg.no_rope_freq is not None and 1 in cfg.no_rope_freq:
         overrides = {"no_rope_freq": list(cfg.no_rope_freq), **overrides}
     # None: megatron's 1/sqrt(head dim); Gemma 3: query_pre_attn_scalar ** -0.5.
@@ -162,6 +164,23 @@ def _window(cfg: GPTModelConfig) -> dict:
     if cfg.layer_types is not None:
         layers = [int(kind == "sliding_attention") for kind in cfg.layer_types]
     return {"window_size": (cfg.sliding_window - 1, 0), "window_attn_skip_freq": layers}
+
+
+def _linear_attention(cfg: GPTModelConfig) -> dict:
+    """megatron's Gated DeltaNet fields: its shape, and which layers (1) have it."""
+    if cfg.linear_attention is None:
+        return {}
+    return {
+        **dataclasses.asdict(cfg.linear_attention),
+        "experimental_attention_variant": "gated_delta_net",
+        "linear_attention_freq": _linear_layers(cfg, 0, cfg.num_layers),
+    }
+
+
+def _linear_layers(cfg: GPTModelConfig, offset: int, num_layers: int) -> list[int]:
+    """Per layer of a chunk (global ``offset`` on), 1 for a Gated DeltaNet layer."""
+    types = cfg.layer_types or ["full_attention"] * cfg.num_layers
+    return [int(kind == "linear_attention") for kind in types[offset : offset + num_layers]]
 
 
 def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -289,6 +308,7 @@ def build_model_chunks(
                         init_seed,
                         multi_latent_attention=cfg.mla is not None,
                         moe_layers=_moe_layers(cfg, offset, num_layers),
+                        linear_layers=_linear_layers(cfg, offset, num_layers),
                     ),
                     config,
                     cfg,

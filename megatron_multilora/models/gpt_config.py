@@ -44,6 +44,20 @@ class YarnConfig:
 
 
 @dataclasses.dataclass
+class DeltaNetConfig:
+    """The Gated DeltaNet layers (Qwen3.5's linear attention: ``layer_types``'
+    "linear_attention" ones), in megatron's field names."""
+
+    linear_num_key_heads: int = ranged(2, at_least(1))
+    linear_num_value_heads: int = ranged(4, at_least(1))
+    """A multiple of the key heads: each key head serves value heads / key heads of them."""
+    linear_key_head_dim: int = ranged(16, at_least(1))
+    linear_value_head_dim: int = ranged(16, at_least(1))
+    linear_conv_kernel_dim: int = ranged(4, at_least(2))
+    """Taps of the causal convolution over q, k and v."""
+
+
+@dataclasses.dataclass
 class GPTModelConfig:
     """Architecture of a decoder-only GPT; every field maps onto megatron's config."""
 
@@ -89,9 +103,15 @@ class GPTModelConfig:
     """Linear RoPE scaling (megatron's name): positions divided by it in the layers that
     rotate with rotary_base (Gemma 3: the global layers); None: unscaled."""
     layer_types: list[str] | None = None
-    """Per layer, "full_attention" or "sliding_attention" (Hugging Face's names): which layers
-    have the sliding_window, and (local_rotary_base) which RoPE base they rotate with. None:
-    every layer has the window, if any."""
+    """Per layer, "full_attention", "sliding_attention" or "linear_attention" (Hugging Face's
+    names): which layers have the sliding_window, (local_rotary_base) which RoPE base they
+    rotate with, and which are Gated DeltaNet layers (``linear_attention``). None: every
+    layer attention, with the window if any."""
+    linear_attention: DeltaNetConfig | None = None
+    """The shape of the "linear_attention" layers (Qwen3.5's Gated DeltaNet)."""
+    attention_output_gate: bool = False
+    """Attention's output times sigmoid of a gate projected with q, per head (Qwen3.5;
+    megatron's name)."""
     no_rope_freq: list[int] | None = None
     """Per layer, 1 where the layer applies no RoPE (SmolLM3's NoPE layers; megatron's name);
     None: every layer rotates."""
@@ -192,6 +212,12 @@ class GPTModelConfig:
         ):
             if value % tp:
                 problems.append(f"{name}={value} is not divisible by tensor parallel size {tp}")
+        if self.linear_attention is not None and self.linear_attention.linear_num_key_heads % tp:
+            problems.append(
+                f"linear_attention.linear_num_key_heads="
+                f"{self.linear_attention.linear_num_key_heads} is not divisible by tensor "
+                f"parallel size {tp}"
+            )
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             problems.append(
                 f"hidden_size={self.hidden_size} is not divisible by "
@@ -261,9 +287,18 @@ class GPTModelConfig:
 
 def _layer_type_problems(cfg: GPTModelConfig) -> list[str]:
     types = cfg.layer_types
+    linear = cfg.linear_attention
     if types is None:
-        return ["local_rotary_base needs layer_types"] if cfg.local_rotary_base else []
-    kinds = ("full_attention", "sliding_attention")
+        problems = ["local_rotary_base needs layer_types"] if cfg.local_rotary_base else []
+        return problems + (["linear_attention needs layer_types"] if linear else [])
+    kinds = ("full_attention", "sliding_attention", "linear_attention")
     if len(types) != cfg.num_layers or not set(types) <= set(kinds):
         return [f"layer_types={types}: one of {kinds} per layer ({cfg.num_layers})"]
+    if ("linear_attention" in types) != (linear is not None):
+        return ["layer_types' linear_attention layers and linear_attention go together"]
+    if linear is not None and linear.linear_num_value_heads % linear.linear_num_key_heads:
+        return [
+            f"linear_attention: linear_num_value_heads={linear.linear_num_value_heads} is "
+            f"not a multiple of linear_num_key_heads={linear.linear_num_key_heads}"
+        ]
     return []

@@ -52,6 +52,11 @@ def hf_to_model_config(hf_config: dict) -> GPTModelConfig:
     """
     hf = _Fields(hf_config)
     family = hf.family
+    if family.text_config is not None:  # a multimodal model: its language model's
+        text = dict(hf.require(family.text_config))
+        if "tie_word_embeddings" in hf_config:
+            text["tie_word_embeddings"] = hf_config["tie_word_embeddings"]
+        return hf_to_model_config(text)
     if family.config is not None:
         return family.config(hf)
     heads = hf.require("num_attention_heads")
@@ -62,7 +67,8 @@ def hf_to_model_config(hf_config: dict) -> GPTModelConfig:
         hidden_size=hidden,
         num_attention_heads=heads,
         num_query_groups=hf.get("num_key_value_heads") or heads,
-        ffn_hidden_size=hf.require("intermediate_size"),
+        # MoE families without dense layers may leave it out: their experts' width
+        ffn_hidden_size=hf.get("intermediate_size") or hf.require(family.expert_width),
         vocab_size=hf.require("vocab_size"),
         max_sequence_length=hf.get("max_position_embeddings", 4096),
         normalization="RMSNorm",

@@ -77,7 +77,12 @@ from megatron_multilora.models.gpt import build_gpt_model
 from megatron_multilora.models.gpt_config import GPTModelConfig
 from megatron_multilora.models.hf_config import hf_to_model_config, read_hf_config
 from megatron_multilora.models.hf_safetensors import SafetensorsFolder
-from megatron_multilora.ops.fused_rows import QKVRows, fuse_gate_up
+from megatron_multilora.ops.fused_rows import (
+    DELTA_NET_INPUTS,
+    DeltaNetRows,
+    QKVRows,
+    fuse_gate_up,
+)
 
 __all__ = ["hf_to_model_config", "load_hf_checkpoint", "load_hf_model", "load_hf_tokenizer"]
 
@@ -91,7 +96,13 @@ _LAYER_DIRECT = {
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    # a Gated DeltaNet layer's (Qwen3.5's linear_attn)
+    "self_attention.A_log": "linear_attn.A_log",
+    "self_attention.dt_bias": "linear_attn.dt_bias",
+    "self_attention.out_norm.weight": "linear_attn.norm.weight",
+    "self_attention.out_proj.weight": "linear_attn.out_proj.weight",
 }
+
 _EXPERT = re.compile(
     r"mlp\.experts\.(?:linear_(fc[12])\.(weight|bias)(\d+)|local_experts\.(\d+)\."
     r"linear_(fc[12])\.(weight|bias))"
@@ -191,8 +202,25 @@ class _Loader:
 
         d = layout.head_dim
         return layout.fuse(
-            rows("q_proj", layout.q_per_group * d), rows("k_proj", d), rows("v_proj", d)
+            rows("q_proj", layout.q_rows_per_group), rows("k_proj", d), rows("v_proj", d)
         )
+
+    def delta_net_in(self, prefix: str, shard: _Shard) -> torch.Tensor:
+        """A Gated DeltaNet's fused in_proj rows (:class:`DeltaNetRows`) of this rank's key
+        heads, from ``in_proj_qkv`` / ``_z`` / ``_b`` / ``_a``."""
+        layout = DeltaNetRows.of(self.cfg)
+        v = layout.value_heads // shard.size  # this rank's value heads, from shard.rank * v
+        qkv_name, *rest = (self.require(f"{prefix}.{n}.weight") for n in DELTA_NET_INPUTS)
+        z, b, a = (
+            self.ckpt.read(name, (slice(shard.rank * v * n, (shard.rank + 1) * v * n),))
+            for name, n in zip(rest, (layout.value_dim, 1, 1))
+        )
+        return layout.fuse(self.channels(qkv_name, shard), z, b, a)
+
+    def channels(self, name: str, shard: _Shard) -> torch.Tensor:
+        """This rank's rows of a tensor over a Gated DeltaNet's q, k, v channels."""
+        spans = DeltaNetRows.of(self.cfg).channel_spans(shard.rank, shard.size)
+        return torch.cat([self.ckpt.read(name, (span,)) for span in spans])
 
     def gate_up(self, mlp: str, shard: _Shard) -> torch.Tensor:
         """A dense MLP's fc1 from gate_proj and up_proj, or from the one module a family
@@ -234,6 +262,10 @@ class _Loader:
             return self.qkv(f"{hf}.self_attn", rest.rsplit(".", 1)[1], shard)
         if rest == "mlp.linear_fc1.weight":
             return self.gate_up(f"{hf}.mlp", shard)
+        if rest == "self_attention.in_proj.weight":
+            return self.delta_net_in(f"{hf}.linear_attn", shard)
+        if rest == "self_attention.conv1d.weight":
+            return self.channels(self.require(f"{hf}.linear_attn.conv1d.weight"), shard)
         moe = f"{hf}.{self.family.moe_block}"
         if rest in ("mlp.router.weight", "mlp.router.bias"):
             return self.read(f"{moe}.{self.family.router}.{rest.rsplit('.', 1)[1]}")
@@ -316,8 +348,9 @@ def load_hf_checkpoint(
     silently lost).
     """
     chunks = [_unwrap(m) for m in (model if isinstance(model, Sequence) else [model])]
-    with SafetensorsFolder(folder) as ckpt, torch.no_grad():
-        family = family_of(read_hf_config(folder).get("model_type"))
+    family = family_of(read_hf_config(folder).get("model_type"))
+    renamed = ((f"{family.language_model}.", "model."),) if family.language_model != "model" else ()
+    with SafetensorsFolder(folder, renamed) as ckpt, torch.no_grad():
         loader = _Loader(ckpt, model_config, family)
         for chunk in chunks:
             loader.global_layer = [layer.layer_number - 1 for layer in chunk.decoder.layers]

@@ -24,9 +24,13 @@ INDEX_FILE = "model.safetensors.index.json"
 
 class SafetensorsFolder:
     """Tensor names, shapes and sliced reads of one checkpoint folder; use as a context
-    manager (files are opened lazily and closed on exit). ``used`` records every name read."""
+    manager (files are opened lazily and closed on exit). ``used`` records every name read.
 
-    def __init__(self, folder: str) -> None:
+    ``renamed``: (stored prefix, name prefix) pairs: a tensor stored as ``stored + rest`` is
+    known as ``name + rest`` (a multimodal checkpoint's language model, stored below
+    ``model.language_model.``, read as a causal LM's ``model.``)."""
+
+    def __init__(self, folder: str, renamed: tuple[tuple[str, str], ...] = ()) -> None:
         self.folder = folder
         index = os.path.join(folder, INDEX_FILE)
         single = os.path.join(folder, SINGLE_FILE)
@@ -38,6 +42,8 @@ class SafetensorsFolder:
                 self._file_of = {name: SINGLE_FILE for name in f.keys()}
         else:
             raise FileNotFoundError(f"{folder}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+        self._stored = {_renamed(name, renamed): name for name in self._file_of}
+        self._file_of = {name: self._file_of[stored] for name, stored in self._stored.items()}
         self._stack = contextlib.ExitStack()
         self._handles: dict[str, Any] = {}
         self.used: set[str] = set()
@@ -68,7 +74,7 @@ class SafetensorsFolder:
                 )
             self._handles[file] = self._stack.enter_context(_opened(path))
         try:
-            return self._handles[file].get_slice(name)
+            return self._handles[file].get_slice(self._stored[name])
         except Exception as err:  # safetensors' own errors name neither the file nor a fix
             raise _damaged(os.path.join(self.folder, file), err) from None
 
@@ -84,6 +90,13 @@ class SafetensorsFolder:
             return part[index] if index else part[:]
         except Exception as err:
             raise _damaged(os.path.join(self.folder, self._file_of[name]), err) from None
+
+
+def _renamed(name: str, renamed: tuple[tuple[str, str], ...]) -> str:
+    for stored, known in renamed:
+        if name.startswith(stored):
+            return known + name[len(stored) :]
+    return name
 
 
 @contextlib.contextmanager

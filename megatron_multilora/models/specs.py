@@ -13,6 +13,8 @@ from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
@@ -25,6 +27,11 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
+from megatron_multilora.models.gated_delta_net import (
+    GatedDeltaNet,
+    GatedDeltaNetSubmodules,
+    GatedRMSNorm,
+)
 from megatron_multilora.models.mla_spec import mla_cpu_submodules
 from megatron_multilora.models.torch_modules import (
     AcrossHeadsRMSNorm,
@@ -91,6 +98,7 @@ def gpt_block_spec(
     init_seed: int = 0,
     multi_latent_attention: bool = False,
     moe_layers: list[bool] | None = None,
+    linear_layers: list[int] | None = None,
 ) -> TransformerBlockSubmodules:
     """The decoder-block spec for ``num_layers`` layers of a GPT (one pipeline chunk's
     layers; MoE MLPs with experts), each a :class:`SeededTransformerLayer` for ``init_seed``.
@@ -98,25 +106,28 @@ def gpt_block_spec(
     ``qk_layernorm_across_heads`` swaps the per-head q/k norms for :class:`AcrossHeadsRMSNorm`
     (one RMSNorm over the whole q or k projection, as OLMoE has). ``multi_latent_attention``
     builds megatron's MLA (its q/kv latent norms are the q/k norms). ``moe_layers``: per layer
-    of this chunk, whether its MLP is the MoE one (None: all, when there are experts)."""
+    of this chunk, whether its MLP is the MoE one (None: all, when there are experts);
+    ``linear_layers``: per layer, 1 where a Gated DeltaNet takes attention's place."""
     if moe_layers is None:
         moe_layers = [num_experts is not None] * num_layers
+    kinds = list(zip(moe_layers, linear_layers or [0] * num_layers))
     specs = {
-        moe: _layer_spec(
+        (moe, linear): _layer_spec(
             qk_layernorm,
             num_experts if moe else None,
             qk_layernorm_across_heads,
             init_seed,
             multi_latent_attention,
+            bool(linear),
         )
-        for moe in set(moe_layers)
+        for moe, linear in set(kinds)
     }
     if transformer_engine_usable():
         from megatron.core.extensions.transformer_engine import TENorm as final_norm
     else:
         final_norm = TorchNorm
     return TransformerBlockSubmodules(
-        layer_specs=[specs[moe] for moe in moe_layers], layer_norm=final_norm
+        layer_specs=[specs[kind] for kind in kinds], layer_norm=final_norm
     )
 
 
@@ -126,6 +137,7 @@ def _layer_spec(
     qk_layernorm_across_heads: bool,
     init_seed: int,
     multi_latent_attention: bool,
+    linear_attention: bool = False,
 ) -> ModuleSpec:
     """One layer's spec (see :func:`gpt_block_spec`); a dense MLP without experts."""
     if transformer_engine_usable():
@@ -142,8 +154,27 @@ def _layer_spec(
         layer = torch_layer_spec(layer, qk_layernorm, num_experts)
     if qk_layernorm_across_heads:
         layer = across_heads_qk_norm_spec(layer)
+    if linear_attention:
+        layer = gated_delta_net_spec(layer)
     return dataclasses.replace(
         layer, module=SeededTransformerLayer, params={**layer.params, "init_seed": init_seed}
+    )
+
+
+def gated_delta_net_spec(layer: ModuleSpec) -> ModuleSpec:
+    """``layer`` with a Gated DeltaNet in attention's place, its input norm unfused."""
+    norm = layer.submodules.input_layernorm
+    if norm is IdentityOp:  # TE's spec fuses it into linear_qkv
+        from megatron.core.extensions.transformer_engine import TENorm as norm
+    net = ModuleSpec(
+        module=GatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=GatedRMSNorm, out_proj=RowParallelLinear
+        ),
+    )
+    return dataclasses.replace(
+        layer,
+        submodules=dataclasses.replace(layer.submodules, input_layernorm=norm, self_attention=net),
     )
 
 

@@ -190,7 +190,7 @@ class SDPAttention(MegatronModule):
                 keep.triu_(1 - self.window)
             q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))  # [1,h,t,d]
             return self._attend(q, k, v, keep, False)[0].permute(1, 0, 2).flatten(1)
-        layout = _packed_layout(params, query.device)
+        layout = packed_layout(params, query.device)
         outs = []
         for rows in layout.buckets:  # rows: [n, padded] indices into the packed tokens
             q, k, v = (t[rows].permute(0, 2, 1, 3) for t in (query, key, value))  # [n, h, L, d]
@@ -268,7 +268,9 @@ def _same_sequence_causal(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor
 
 
 @dataclasses.dataclass(frozen=True)
-class _AttentionBuckets:
+class PackedBuckets:
+    # Packed sequences as batches of one padded length each ([n, padded] token indices,
+    # pads repeating the sequence's first token), and the way back.
     buckets: list[torch.Tensor]
     unpack: torch.Tensor  # for each packed token, its row in the concatenated bucket outputs
 
@@ -284,9 +286,10 @@ def padded_length(length: int) -> int:
     return -(-length // step) * step
 
 
-def _packed_layout(params: PackedSeqParams, device: torch.device) -> _AttentionBuckets:
+def packed_layout(params: PackedSeqParams, device: torch.device) -> PackedBuckets:
     """Bucket the packed sequences by :func:`padded_length`, built once per micro-batch:
-    every layer gets the same ``params`` object, which caches it."""
+    every layer (attention and Gated DeltaNet alike) gets the same ``params`` object, which
+    caches it."""
     cached = getattr(params, "_sdpa_layout", None)
     if cached is not None:
         return cached
@@ -307,7 +310,7 @@ def _packed_layout(params: PackedSeqParams, device: torch.device) -> _AttentionB
             )
         rows.append(index.to(device))
         offset += len(bucket) * padded
-    layout = _AttentionBuckets(rows, torch.tensor(unpack, dtype=torch.int64, device=device))
+    layout = PackedBuckets(rows, torch.tensor(unpack, dtype=torch.int64, device=device))
     params._sdpa_layout = layout
     return layout
 

@@ -24,11 +24,13 @@ def gemma3(seed: int = 11):
     return make_hf_model("gemma3_text", seed=seed, num_hidden_layers=4)
 
 
-def check(failures: list[str], got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+def check(
+    failures: list[str], got: torch.Tensor, want: torch.Tensor, what: str, tol: float = TOL
+) -> None:
     err = (got - want).abs().max().item()
     print(f"{what}: max |logit diff| = {err:.2e}")
-    if err > TOL:
-        failures.append(f"{what}: max |logit diff| {err:.3e} > {TOL}")
+    if err > tol:
+        failures.append(f"{what}: max |logit diff| {err:.3e} > {tol}")
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])

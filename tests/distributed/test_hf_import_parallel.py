@@ -23,6 +23,14 @@ from tests.hf_models import FAMILIES, MOE, hf_logits, make_hf_model, megatron_lo
 pytest.importorskip("transformers")
 
 REL = 1e-5  # of max|logit| (~7): about 7e-5 absolute; observed <= 1e-6 relative
+# Qwen3.5: its DeltaNet's b and a rows (4 each) round differently in the fused in_proj than
+# in transformers' own 4-row GEMMs (~1e-7), and the decay's exp(A_log) (up to 16) amplifies
+# that: observed 1.3e-5 relative on one process already, 2e-5 at PP2.
+REL_QWEN3_5 = 1e-4
+
+
+def rel_tol(model_type: str) -> float:
+    return REL_QWEN3_5 if model_type.startswith("qwen3_5") else REL
 
 
 @contextmanager
@@ -67,7 +75,7 @@ def check_logits(layout, model_type, tp=1, ep=1, sp=False, **save_kwargs):
             failures,
             megatron_logits(model, ids),
             hf_logits(hf_model, ids),
-            REL,
+            rel_tol(model_type),
             f"{model_type} tp={tp} ep={ep} sp={sp} logits (batch {seed})",
         )
     assert_all_ranks(failures)
@@ -80,7 +88,18 @@ def test_tp2_logits_match_transformers(layout, model_type):
 
 @pytest.mark.parametrize(
     "model_type",
-    ["llama", "llama3", "mistral", "phi3", "smollm3", "qwen2_moe", "glm4_moe", "gpt_oss"],
+    [
+        "llama",
+        "llama3",
+        "mistral",
+        "phi3",
+        "smollm3",
+        "qwen2_moe",
+        "glm4_moe",
+        "gpt_oss",
+        "qwen3_5_text",
+        "qwen3_5_moe_text",
+    ],
 )
 def test_tp2_sp_logits_match_transformers(layout, model_type):
     check_logits(layout, model_type, tp=2, sp=True)
@@ -96,7 +115,9 @@ def test_tp2_sharded_checkpoint(layout):
 
 
 @pytest.mark.world(4)
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "olmoe", "glm4_moe", "gpt_oss"])
+@pytest.mark.parametrize(
+    "model_type", ["qwen3_moe", "olmoe", "glm4_moe", "gpt_oss", "qwen3_5_moe_text"]
+)
 def test_tp2_ep2_logits_match_transformers(layout, model_type):
     check_logits(layout, model_type, tp=2, ep=2)
 
@@ -271,6 +292,12 @@ LAST = ["full_attention"] * 3 + ["sliding_attention"]
         ("glm4_moe", dict(first_k_dense_replace=3), lambda cfg: cfg.moe_layer_freq == [0, 0, 0, 1]),
         # sinks, YaRN, biased experts; the last layer alone windowed
         ("gpt_oss", dict(layer_types=LAST), lambda cfg: cfg.layer_types == LAST),
+        # three Gated DeltaNet layers, then gated attention
+        (
+            "qwen3_5_text",
+            dict(full_attention_interval=4),
+            lambda cfg: cfg.layer_types == ["linear_attention"] * 3 + ["full_attention"],
+        ),
     ],
 )
 def test_pp2_logits_match_transformers_with_layers_that_differ(
@@ -291,5 +318,7 @@ def test_pp2_logits_match_transformers_with_layers_that_differ(
             ids = token_batch(seed)
             got = pipelined_logits(model, ids, cfg.hidden_size)
             if got is not None:
-                check(failures, got, hf_logits(hf_model, ids), f"{model_type} pp2 {seed}")
+                want = hf_logits(hf_model, ids)
+                tol = rel_tol(model_type) * want.abs().max().item()
+                check(failures, got, want, f"{model_type} pp2 {seed}", tol)
     assert_all_ranks(failures)

@@ -5,7 +5,7 @@ uninterrupted one's losses and exports), and the PEFT exports load with peft wit
 warning about their keys. (``mmlora api`` serving each family: test_api_model_families.py.)
 
 Layouts: TP=2 (with sequence parallelism) then DP=2 for the dense families, EP=2 then TP=2
-for DeepSeek-V3. Tolerances: the two layouts reduce in different orders (observed per-step
+for the MoE ones. Tolerances: the two layouts reduce in different orders (observed per-step
 loss differences around 1e-7 relative).
 """
 
@@ -27,6 +27,7 @@ LAYOUTS = {
     "deepseek_v3": ("parallel=ep2", "parallel=tp2"),
     "glm4_moe": ("parallel=ep2", "parallel=tp2"),
     "gpt_oss": ("parallel=ep2", "parallel=tp2"),
+    "qwen3_5_moe_text": ("parallel=ep2", "parallel=tp2"),
 }
 DENSE_LAYOUTS = ("parallel=tp2", "parallel=dp")
 NEW_FAMILIES = [
@@ -38,6 +39,8 @@ NEW_FAMILIES = [
     "deepseek_v3",
     "glm4_moe",
     "gpt_oss",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
 ]
 STEPS, SAVE_AT = 4, 2
 LOSS_RTOL, TENSOR_RTOL = 1e-5, 1e-4

@@ -133,14 +133,14 @@ def test_the_attention_buckets_come_from_the_host_lengths_not_a_device_read():
     """On a GPU a read of ``cu_seqlens_q`` would wait for the device every micro-batch: the
     packed micro-batch's bounds travel as the host knows them, through the slot layout too."""
     from megatron_multilora.layers.slot_layout_route import with_slot_layout
-    from megatron_multilora.models.torch_modules import _packed_layout
+    from megatron_multilora.models.torch_modules import packed_layout
     from megatron_multilora.ops import host_values
     from tests.host_reads import refuse_host_reads
 
     (mb,) = pack_micro_batches(examples(torch.Generator().manual_seed(2)), 1000, pad_multiple=8)
     params = with_slot_layout(mb.packed_seq_params(), mb.counts)
     with refuse_host_reads():
-        layout = _packed_layout(params, torch.device("cpu"))
+        layout = packed_layout(params, torch.device("cpu"))
         ids = mb.sequence_ids()
     assert int(layout.unpack.numel()) == sum(mb.seq_lengths)
     assert ids.tolist() == [i for i, n in enumerate(mb.seq_lengths) for _ in range(n)]

@@ -16,6 +16,7 @@ from megatron_multilora.models.families import (
     qwen2,
     qwen2_moe,
     qwen3,
+    qwen3_5,
     qwen3_moe,
     smollm3,
 )
@@ -38,6 +39,10 @@ FAMILIES: dict[str, Family] = {
         smollm3.FAMILY,
         glm4_moe.FAMILY,
         gpt_oss.FAMILY,
+        qwen3_5.FAMILY,
+        qwen3_5.MOE_FAMILY,
+        qwen3_5.MULTIMODAL_FAMILY,
+        qwen3_5.MULTIMODAL_MOE_FAMILY,
     )
 }
 

@@ -68,6 +68,11 @@ class Family:
     renormalise_topk: bool | None = None  # None: as norm_topk_prob says
     expert_width: str = "intermediate_size"  # the config.json field of an expert's width
     shared_expert_gate: bool = False  # shared_expert_intermediate_size, with a sigmoid gate
+    # A multimodal checkpoint's language model: the config.json section it is described in,
+    # and the module holding its embed_tokens, layers and norm (in tensor and PEFT names;
+    # its tensors are read as a causal LM's "model.").
+    text_config: str | None = None
+    language_model: str = "model"
     # -- tensors (below model.layers.{i}.) ---------------------------------------------------
     layer_tensors: Mapping[str, str] = dataclasses.field(default_factory=dict)  # beyond Llama's
     unit_offset_norms: tuple[str, ...] = ()  # parameters (suffixes) holding (1 + w) norms
