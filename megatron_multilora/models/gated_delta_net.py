@@ -14,8 +14,9 @@ names and its fields (``linear_*`` of the TransformerConfig), and computes, in p
 * an RMSNorm per value head gated by ``silu(z)``, and the row-parallel output linear.
 
 Packed (thd) micro-batches run as batches of sequences of one padded length (the buckets
-attention uses, so a sequence's result does not depend on its neighbours), each sequence
-from a zero state. Under megatron's static inference context (the KV-cache generation) a
+attention uses), each sequence from a zero state; the activations of its few values per head
+run on rows padded to whole vector blocks (:mod:`~megatron_multilora.ops.lanes`): a
+sequence's bits do not depend on its neighbours. Under megatron's static inference context (the KV-cache generation) a
 layer keeps its convolution's last inputs and its delta-rule state per sequence in the
 context's ``key_value_memory_dict`` (batch on dim 1, as the KV caches, so ``keep_rows``
 drops finished rows of both).
@@ -40,6 +41,7 @@ from megatron_multilora.ops.gated_delta_rule import (
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
+from megatron_multilora.ops.lanes import lane_aligned
 
 __all__ = ["GatedDeltaNet", "GatedDeltaNetSubmodules", "GatedRMSNorm"]
 
@@ -58,7 +60,7 @@ class GatedRMSNorm(torch.nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * x32.to(dtype)
-        return (out * F.silu(gate.float())).to(dtype)
+        return (out * lane_aligned(F.silu, gate.float())).to(dtype)
 
 
 class GatedDeltaNet(MegatronModule):
@@ -105,8 +107,13 @@ class GatedDeltaNet(MegatronModule):
         qk, v = self.rows.key_heads * self.rows.key_dim, self.rows.value_heads * self.rows.value_dim
         conv = torch.empty(2 * qk + v, 1, self.kernel)
         torch.nn.init.kaiming_uniform_(conv, a=5**0.5)  # torch's Conv1d default
-        self.conv1d = torch.nn.Conv1d(
-            self.channels, self.channels, self.kernel, groups=self.channels, bias=False
+        self.conv1d = torch.nn.utils.skip_init(  # no draws of its own: the layout's size
+            torch.nn.Conv1d,
+            self.channels,
+            self.channels,
+            self.kernel,
+            groups=self.channels,
+            bias=False,
         )
         rank = 0 if group is None else group.rank()
         self.conv1d.weight.data.copy_(
@@ -160,8 +167,9 @@ class GatedDeltaNet(MegatronModule):
         rows = self.rows
         q, k, v, z, beta, a = fused.view(s, b, self.key_heads, -1).split(rows.head_sizes(), -1)
         qkv = torch.cat([t.reshape(s, b, -1) for t in (q, k, v)], dim=-1)
-        g = -self.A_log.float().exp() * F.softplus(a.reshape(s, b, -1).float() + self.dt_bias)
-        beta = beta.reshape(s, b, -1).sigmoid()
+        a = a.reshape(s, b, -1).float() + self.dt_bias
+        g = -self.A_log.float().exp() * lane_aligned(F.softplus, a)
+        beta = lane_aligned(torch.sigmoid, beta.reshape(s, b, -1))
         if packed_seq_params is not None:
             out = self._packed(qkv, g, beta, packed_seq_params)
         elif inference_context is not None:
@@ -191,7 +199,7 @@ class GatedDeltaNet(MegatronModule):
         if past is None:
             past = qkv.new_zeros(qkv.size(0), self.kernel - 1, qkv.size(2))
         x = torch.cat([past.to(qkv.dtype), qkv], dim=1).transpose(1, 2)
-        return F.silu(self.conv1d(x)[..., -length:]).transpose(1, 2)
+        return lane_aligned(F.silu, self.conv1d(x)[..., -length:].transpose(1, 2))
 
     def _sequences(
         self,

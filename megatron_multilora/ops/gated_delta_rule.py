@@ -71,6 +71,7 @@ def chunk_gated_delta_rule(
     g, beta = (x.reshape(b, h, n, chunk) for x in (g, beta))
 
     decay = g.cumsum(-1)  # G, per chunk
+    decayed = decay.exp()
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
     pairwise = (decay[..., :, None] - decay[..., None, :]).masked_fill(upper, float("-inf")).exp()
     k_beta = k * beta[..., None]
@@ -79,12 +80,12 @@ def chunk_gated_delta_rule(
         coupling, v * beta[..., None], upper=False, unitriangular=True
     )
     reads = torch.linalg.solve_triangular(
-        coupling, k_beta * decay.exp()[..., None], upper=False, unitriangular=True
+        coupling, k_beta * decayed[..., None], upper=False, unitriangular=True
     )
     local = (q @ k.transpose(-1, -2)) * pairwise
-    q_decayed = q * decay.exp()[..., None]
+    q_decayed = q * decayed[..., None]
     k_to_end = k * (decay[..., -1:] - decay).exp()[..., None]
-    chunk_decay = decay[..., -1].exp()[..., None, None]
+    chunk_decay = decayed[..., -1, None, None]  # from whole chunks' exp: see ops/lanes.py
 
     s = q.new_zeros(b, h, k.size(-1), dv) if state is None else state.to(torch.float32)
     out = torch.empty_like(writes)

@@ -10,6 +10,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
 import megatron_multilora as mm
+from megatron_multilora.ops.fused_rows import DeltaNetRows
 from megatron_multilora.validation import TARGETS
 from tests.models import with_slots
 
@@ -97,6 +98,8 @@ def local_view(
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
     dim = like.partition_dim
+    if key.endswith("conv1d.weight"):  # a Gated DeltaNet's q, k, v channels: part of each
+        return torch.cat([tensor[span] for span in DeltaNetRows.of(cfg).channel_spans(rank, tp)])
     if (
         re.search(r"\.mlp\.(shared_experts\.)?linear_fc1\.", key)
         and cfg.gated_linear_unit

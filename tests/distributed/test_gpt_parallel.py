@@ -16,6 +16,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
 import megatron_multilora as mm
 from megatron_multilora.layers.factors import A
+from megatron_multilora.models.gpt_config import DeltaNetConfig
 from megatron_multilora.training.step.grad_sync import SlotGradSync
 from megatron_multilora.training.step.slot_adamw import SlotAdamW
 from megatron_multilora.validation import TARGETS
@@ -113,6 +114,34 @@ def test_tp2_attention_sinks_and_a_window_match_tp1(layout, sp):
     cfg = dataclasses.replace(CFG, softmax_type="learnable", sliding_window=4)
     state, ref_losses, ref_grads = reference(layout, cfg=cfg)
     assert any(k.endswith("softmax_offset") and v.abs().sum() > 0 for k, v in state.items())
+    layout(tp=2, sp=sp)
+    ddp = build(cfg, sp)
+    load_full_state(ddp, state, cfg)
+    ddp.zero_grad_buffer()
+    losses = step(ddp, micro_batch(0, COUNTS, cfg.vocab_size))
+    finalize_model_grads([ddp])
+    failures: list[str] = []
+    compare(failures, losses, ref_losses, REL, "per-slot loss")
+    like = ddp.module.state_dict(keep_vars=True)
+    for k, g in trainable_grads(ddp).items():
+        compare(failures, g, local_view(k, ref_grads, like[k], cfg), REL, k)
+    assert_all_ranks(failures)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["sp_off", "sp_on"])
+def test_tp2_delta_net_and_gated_attention_match_tp1(layout, sp):
+    """Qwen3.5's layers: a Gated DeltaNet (its key heads, their value heads, convolution
+    channels, decays and gated norm split over TP; in_proj and out_proj adapted through the
+    default targets), then attention with an output gate per head."""
+    cfg = dataclasses.replace(
+        CFG,
+        layer_types=["linear_attention", "full_attention"],
+        linear_attention=DeltaNetConfig(2, 4, 8, 12, 4),
+        attention_output_gate=True,
+        rotary_percent=0.25,
+    )
+    state, ref_losses, ref_grads = reference(layout, cfg=cfg)
+    assert any(".in_proj.adapters." in k for k in ref_grads)
     layout(tp=2, sp=sp)
     ddp = build(cfg, sp)
     load_full_state(ddp, state, cfg)

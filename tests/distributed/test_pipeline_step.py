@@ -9,7 +9,8 @@ factor gets a gradient). The step (``equalize_micro_batches``, megatron's 1F1B o
 interleaved schedule, per-slot gradient sync) must give every adapter PP=1's loss and every
 gradient, compared by global key, and the global per-slot gradient norms.
 
-The model has a sliding window in its middle layers, shorter than most examples. The data:
+The model has a sliding window in its second layer, shorter than most examples, and a Gated
+DeltaNet in its third. The data:
 four slots of unequal LoRA ranks, three with examples and one claimed but idle
 (zero tokens); micro-batches of different lengths and slot mixes, padded to one length by
 the step, with a filler of pads only in the middle. Under EP=2 the two data-parallel ranks
@@ -47,6 +48,7 @@ from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_t
 import megatron_multilora as mm
 from megatron_multilora.data.datasets import Example
 from megatron_multilora.models.gpt import build_model_chunks
+from megatron_multilora.models.gpt_config import DeltaNetConfig
 from megatron_multilora.training.config import AdapterJob
 from megatron_multilora.training.step import evaluation, generation
 from megatron_multilora.training.step.micro_batches import (
@@ -68,12 +70,13 @@ IDLE = 2  # claimed, but no examples anywhere
 # one rank runs both otherwise).
 SHARES = [[[9, 14, 6], [11, 13], [], [7, 10]], [[12], [], [], [8, 15, 5]]]
 REL_LOSS, REL_GRAD = 1e-6, 1e-5
-# A 4-token window in the middle layers: a stage that numbered its layers from 1 would put
-# it in others.
+# A 4-token window in the second layer and a Gated DeltaNet (Qwen3.5's linear attention) in
+# the third: a stage that numbered its layers from 1 would put them in others.
 DENSE = tiny_gpt(
     num_layers=4,
     sliding_window=4,
-    layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+    layer_types=["full_attention", "sliding_attention", "linear_attention", "full_attention"],
+    linear_attention=DeltaNetConfig(2, 4, 8, 12, 4),
 )
 MOE = dataclasses.replace(
     DENSE,

@@ -313,7 +313,7 @@ def test_every_schema_field_has_a_range_rule_or_another_check():
     choices the model's own check covers, lists checked field by field."""
     import dataclasses
 
-    from megatron_multilora.models.gpt_config import GPTModelConfig, YarnConfig
+    from megatron_multilora.models.gpt_config import DeltaNetConfig, GPTModelConfig, YarnConfig
     from megatron_multilora.models.mla_config import MLAConfig
     from megatron_multilora.training import config as schema
 
@@ -355,10 +355,11 @@ def test_every_schema_field_has_a_range_rule_or_another_check():
         "model_name",
         "mla",  # multi-latent attention's section: its fields have their rules
         "yarn",  # YaRN's section: likewise
+        "linear_attention",  # the Gated DeltaNet's section: likewise
     }
     checked_by_model = {
         f.name
-        for model in (GPTModelConfig, MLAConfig, YarnConfig)
+        for model in (GPTModelConfig, MLAConfig, YarnConfig, DeltaNetConfig)
         for f in dataclasses.fields(model)
         if f.type in ("str", "bool", "str | None", "list[str] | None", "list[int] | None")
     }
@@ -375,10 +376,12 @@ def test_every_schema_field_has_a_range_rule_or_another_check():
         GPTModelConfig,
         MLAConfig,
         YarnConfig,
+        DeltaNetConfig,
     ):
         for field in dataclasses.fields(cls):
             if field.name in elsewhere or (
-                cls in (GPTModelConfig, MLAConfig, YarnConfig) and field.name in checked_by_model
+                cls in (GPTModelConfig, MLAConfig, YarnConfig, DeltaNetConfig)
+                and field.name in checked_by_model
             ):
                 continue
             assert "rule" in field.metadata, f"{cls.__name__}.{field.name} has no range rule"

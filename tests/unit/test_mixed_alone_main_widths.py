@@ -9,13 +9,17 @@ bits are equal by construction: every bf16 GEMM runs in calls of the same row co
 (ops/packed_linear.py), an example's attention is its own (padded to a length of its own),
 and a slot's LoRA GEMMs are the same BLAS calls alone and beside others at the same rank.
 With fp32 frozen GEMMs (run whole: MKL and oneDNN choose their kernels by row count) within
-the rounding of the sums that lead to each value. Both jobs have rank 8, as in the main job."""
+the rounding of the sums that lead to each value. Both jobs have rank 8, as in the main job.
+The same at Qwen3.5's layer kinds (a Gated DeltaNet, gated attention) and these widths."""
+
+import dataclasses
 
 import pytest
 import torch
 
 import megatron_multilora as mm
 from megatron_multilora.data.datasets import Example
+from megatron_multilora.models.gpt_config import DeltaNetConfig
 from megatron_multilora.ops import packed_linear
 from megatron_multilora.training.objectives.registry import DEFAULT
 from megatron_multilora.training.step.slot_step import SlotStep, SlotWork
@@ -31,6 +35,16 @@ SMOLLM2_WIDTHS = mm.GPTModelConfig(
     max_sequence_length=256,
     tie_word_embeddings=True,
 )
+# Qwen3.5's layers at those widths: a Gated DeltaNet (its examples each batched with those
+# of their padded length, from a zero state), then attention with an output gate.
+QWEN3_5_WIDTHS = dataclasses.replace(
+    SMOLLM2_WIDTHS,
+    layer_types=["linear_attention", "full_attention"],
+    linear_attention=DeltaNetConfig(3, 6, 64, 64),
+    attention_output_gate=True,
+    qk_layernorm=True,
+    rotary_percent=0.25,
+)
 PAD = 0
 
 
@@ -43,12 +57,12 @@ def _examples(gen: torch.Generator, lengths: tuple[int, ...]) -> list[Example]:
     return out
 
 
-def _model(gemm_dtype: torch.dtype, state: dict | None = None) -> torch.nn.Module:
+def _model(
+    gemm_dtype: torch.dtype, state: dict | None = None, cfg: mm.GPTModelConfig = SMOLLM2_WIDTHS
+) -> torch.nn.Module:
     torch.manual_seed(0)
     model = mm.apply_multi_lora(
-        mm.build_gpt_model(
-            SMOLLM2_WIDTHS, calculate_per_token_loss=True, cpu_gemm_dtype=gemm_dtype
-        ),
+        mm.build_gpt_model(cfg, calculate_per_token_loss=True, cpu_gemm_dtype=gemm_dtype),
         2,
         8,
         16.0,
@@ -67,8 +81,9 @@ def _model(gemm_dtype: torch.dtype, state: dict | None = None) -> torch.nn.Modul
     ids=["fp32_input_grad_mkl", "fp32_input_grad_packed", "bf16"],
 )
 @pytest.mark.parametrize("lengths", [(30, 41, 70, 9), (7,)], ids=["four_examples", "seven_rows"])
+@pytest.mark.parametrize("cfg", [SMOLLM2_WIDTHS, QWEN3_5_WIDTHS], ids=["smollm2", "qwen3_5"])
 def test_a_job_at_smollm2_widths_has_the_same_bits_beside_another_as_alone(
-    monkeypatch, gemm_dtype, input_grad_packed, lengths
+    monkeypatch, gemm_dtype, input_grad_packed, lengths, cfg
 ):
     """``seven_rows``: alone, every frozen GEMM of the job has 7 rows, a count at which MKL's
     fp32 kernels sum in another order than among more rows (on AMD and Intel CPUs alike):
@@ -81,10 +96,12 @@ def test_a_job_at_smollm2_widths_has_the_same_bits_beside_another_as_alone(
     # The other job's 45 rows (not a multiple of the GEMMs' row block) come first; this job's
     # examples cross block boundaries either way.
     other, job = _examples(gen, (17, 28)), _examples(gen, lengths)
-    state = {k: v for k, v in _model(gemm_dtype).state_dict().items() if torch.is_tensor(v)}
+    state = {
+        k: v for k, v in _model(gemm_dtype, cfg=cfg).state_dict().items() if torch.is_tensor(v)
+    }
     results = {}
     for name, work in {"mixed": {0: other, 1: job}, "alone": {1: job}}.items():
-        model = _model(gemm_dtype, state)
+        model = _model(gemm_dtype, state, cfg)
         step = SlotStep([model], 2, 4096, 1, PAD)
         result = step.train(
             {s: SlotWork(items, DEFAULT()) for s, items in work.items()}, keep=("logprobs",)
@@ -100,7 +117,6 @@ def test_a_job_at_smollm2_widths_has_the_same_bits_beside_another_as_alone(
             assert torch.equal(g, want)
         return
     # fp32: each value within the rounding of the GEMM sums before it, forward and backward
-    cfg = SMOLLM2_WIDTHS
     sums = 2 * (4 * cfg.num_layers + 1)
     longest = max(cfg.ffn_hidden_size, cfg.vocab_size, sum(lengths) + 45)
     want = torch.tensor([v for row in logprobs_alone for v in row])
