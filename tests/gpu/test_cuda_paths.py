@@ -19,6 +19,8 @@ Skipped without CUDA (``scripts/gpu_check.sh`` runs them on a GPU machine):
   in fewer slots against each alone;
 - flash attention's varlen kernel with a sliding window (the graphed pass's attention)
   against the per-length masked batches, and attention sinks on the GPU against the CPU;
+- Qwen3.5's Gated DeltaNet and gated attention (packed, and the KV cache's decode steps)
+  against the CPU;
 - the training pass under CUDA graphs (``trainer.cuda_graphs``): a replay against the same
   static pass run eagerly, and the graphed pass and the trainer's graphed step against the
   eager ones (losses and every slot's gradients), one capture per length, again on a rank
@@ -469,3 +471,50 @@ def test_flash_varlen_keeps_the_window_and_sinks_match_the_cpu():
     want = sinks(q, k, v, None)
     got = sinks.cuda()(q.cuda(), k.cuda(), v.cuda(), None)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_qwen3_5_layers_on_the_gpu_match_the_cpu(tmp_path):
+    """Qwen3.5's Gated DeltaNet and gated attention on the GPU (plain torch: the rule in fp32
+    whatever the weights' dtype), packed sequences across chunk boundaries and the KV cache's
+    decode steps, against the same model on the CPU, fp32."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    from megatron_multilora.models.hf_import import load_hf_model
+    from tests.hf_models import make_hf_model, packed, token_batch
+
+    make_hf_model("qwen3_5_text").save_pretrained(tmp_path)
+    cpu, _ = load_hf_model(str(tmp_path))
+    gpu, _ = load_hf_model(str(tmp_path))
+    gpu.cuda()
+    lengths = [130, 9, 40]
+    ids = token_batch(batch=1, seq=sum(lengths))
+    params, positions = packed(lengths)
+    with torch.no_grad():
+        want = cpu(ids, positions, None, packed_seq_params=params)
+        params.cu_seqlens_q = params.cu_seqlens_kv = params.cu_seqlens_q.cuda()
+        got = gpu(ids.cuda(), positions.cuda(), None, packed_seq_params=params)
+    assert relative(got.cpu(), want) < 1e-4
+    rows = ids[:, :12].expand(2, 12)
+    outs = []
+    for model, device in ((cpu, "cpu"), (gpu, "cuda")):
+        context = StaticInferenceContext(max_batch_size=2, max_sequence_length=12)
+        with torch.no_grad():
+            model(
+                rows[:, :4].to(device),
+                torch.arange(4, device=device).expand(2, 4),
+                None,
+                inference_context=context,
+                runtime_gather_output=True,
+            )
+            for end in range(5, 13):
+                context.sequence_len_offset = end - 1
+                position = torch.full((2, 1), end - 1, device=device)
+                out = model(
+                    rows[:, end - 1 : end].to(device),
+                    position,
+                    None,
+                    inference_context=context,
+                    runtime_gather_output=True,
+                )
+        outs.append(out.cpu())
+    assert relative(outs[1], outs[0]) < 1e-4

@@ -168,6 +168,9 @@ def test_config_mapping():
     assert qwen3.rotary_base == 12345.5
 
 
+S, F = "sliding_attention", "full_attention"
+
+
 def _minimal(model_type: str) -> dict:
     d = {
         "model_type": model_type,
@@ -218,15 +221,21 @@ def _minimal(model_type: str) -> dict:
         ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
         ("qwen2_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
         ("olmoe", {"clip_qkv": 8.0}, "clip_qkv=8.0"),
+        ("qwen3_5_text", {"layer_types": ["linear_attention", S]}, "layer_types"),
+        ("qwen3_5_text", {"attn_output_gate": False}, "attn_output_gate=False"),
+        ("qwen3_5_text", {"attention_bias": True}, "attention_bias=True"),
+        ("qwen3_5_moe_text", {"mlp_only_layers": [1]}, "mlp_only_layers"),
+        (
+            "qwen3_5_text",
+            {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+            "rope_parameters",
+        ),
     ],
 )
 def test_unsupported_config_raises(model_type, fields, named):
     with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("(", r"\(")) as e:
         hf_to_model_config({**_minimal(model_type), **fields})
     assert model_type in str(e.value)
-
-
-S, F = "sliding_attention", "full_attention"
 
 
 @pytest.mark.parametrize(

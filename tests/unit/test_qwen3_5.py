@@ -165,3 +165,18 @@ def test_the_published_image_text_checkpoints_load_their_language_model(tmp_path
     else:
         got_model = peft.PeftModel.from_pretrained(published(), str(tmp_path / "peft")).eval()
     assert (hf_logits(got_model, ids) - want).abs().max() <= TOL
+
+
+def test_a_config_without_layer_types_takes_transformers_rule():
+    from megatron_multilora.models.hf_config import hf_to_model_config
+
+    cfg = hf_to_model_config(
+        dict(COMMON_TEXT, model_type="qwen3_5_text", num_hidden_layers=8, head_dim=16)
+    )
+    linear, full = "linear_attention", "full_attention"
+    assert cfg.layer_types == [linear, linear, linear, full] * 2  # full_attention_interval 4
+    assert cfg.attention_output_gate and cfg.rotary_percent == 0.25 and cfg.qk_layernorm
+    assert (
+        cfg.linear_attention.linear_num_key_heads,
+        cfg.linear_attention.linear_num_value_heads,
+    ) == (16, 32)
