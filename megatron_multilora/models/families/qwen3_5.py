@@ -21,7 +21,7 @@ from megatron_multilora.models.families.family import Family, Fields
 from megatron_multilora.models.families.qwen2_moe import every_layer_moe
 from megatron_multilora.models.gpt_config import DeltaNetConfig, GPTModelConfig
 
-_KINDS = ("full_attention", "linear_attention")
+_KINDS = ("linear_attention", "full_attention")  # by (i + 1) % interval == 0
 
 
 def _layer_types(hf: Fields) -> list[str]:
