@@ -35,6 +35,17 @@ class CallQueue:
         self._in_step: set[str] = set()  # the training clients of the last batch
         self._sampled: set[str] = set()  # the keys with other calls (samples) in it
 
+    @property
+    def waiting(self) -> int:
+        """Calls queued and not yet taken by the engine."""
+        with self._cond:
+            return self._pending
+
+    def waiting_of(self, owner: str) -> int:
+        """The key's calls queued and not yet taken."""
+        with self._cond:
+            return self._owners.get(owner, 0)
+
     def refusal(
         self, owner: str, client: str | None = None, seq_id: int | None = None, skip: bool = False
     ) -> tuple[int, str] | None:

@@ -25,6 +25,7 @@ from megatron_multilora.atomic_files import write_json_atomic
 
 INDEX = "checkpoints.json"
 MAX_EPHEMERAL = 8  # a key's sampler weights of save_weights_and_get_sampling_client
+MAX_NAME = 200  # a checkpoint name's bytes (a folder name: the filesystem takes 255)
 
 
 class CheckpointIndex:
@@ -63,11 +64,13 @@ class CheckpointIndex:
             )
 
     def place(self, owner: str, model_id: str, kind: str, name: str) -> tuple[str, str]:
-        """The path and folder a client's checkpoint named ``name`` gets."""
-        if not name or "/" in name or name.startswith("."):
-            raise Refused(
-                400, f"checkpoint name {name!r}: use letters, digits, '-', '_', '.' (no '/')"
-            )
+        """The path and folder a client's checkpoint named ``name`` gets: a name the
+        filesystem takes as one folder (no '/', no leading '.', no control characters such
+        as NUL, at most ``MAX_NAME`` bytes), refused at the front otherwise."""
+        problem = _name_problem(name)
+        if problem is not None:
+            shown = name if len(name) <= 40 else f"{name[:40]}..."
+            raise Refused(400, f"checkpoint name {shown!r}: {problem}")
         path = f"tinker://{model_id}/{kind}/{name}"
         return path, str(self.root / owner / model_id.replace(":", "_") / kind / name)
 
@@ -189,6 +192,17 @@ class CheckpointIndex:
         self.root.mkdir(parents=True, exist_ok=True)
         written = {p: e for p, e in self.entries.items() if not e.get("pending")}
         write_json_atomic(self.root / INDEX, written)
+
+
+def _name_problem(name: str) -> str | None:
+    if not name or "/" in name or name.startswith("."):
+        return "use letters, digits, '-', '_', '.' (no '/', not starting with '.')"
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return "control characters (such as NUL) are not allowed"
+    size = len(name.encode("utf-8", "surrogatepass"))
+    if size > MAX_NAME:
+        return f"{size} bytes: names of up to {MAX_NAME} bytes"
+    return None
 
 
 def _expired(entry: dict) -> bool:

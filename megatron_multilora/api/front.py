@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import json
+import re
 import threading
 import time
 import uuid
@@ -45,6 +46,16 @@ RESEND_WINDOW = 256  # a client's calls whose resend is recognised: its last one
 MAX_BODY = 4 << 20  # a JSON request's bytes (forward_backward's protobuf is read apart)
 MAX_METADATA = 16 << 10  # the user_metadata and tags a client's session or model keeps
 MAX_SAMPLERS = 64  # sampling clients of saved weights or the base one key may hold
+
+
+# An absolute filesystem path in a message (not a tinker:// path's parts): the server's own,
+# which its answers do not show (its log does).
+_SERVER_PATH = re.compile(r"(?<![\w:/.])/(?:[^\s'\"/]+/)*[^\s'\"/]+")
+
+
+def without_server_paths(message: str) -> str:
+    """``message`` with the server's filesystem paths replaced by ``<server path>``."""
+    return _SERVER_PATH.sub("<server path>", message)
 
 
 @dataclasses.dataclass
@@ -106,6 +117,8 @@ class Front:
         if result.kind == ERROR:
             owner = self.futures.owner(request_id)
             self.say(f"api: call {request_id} of {owner} failed: {result.payload[0]}")
+            message, category = result.payload
+            result = Result(ERROR, (without_server_paths(message), category))
         self.checkpoints.settle(request_id, written=result.kind != ERROR)
         self.futures.complete(request_id, result)
 

@@ -243,3 +243,43 @@ def test_clients_beyond_the_slots_get_numbers_up_to_the_bound_then_429(tmp_path)
     assert err.value.status == 429 and "api.max_training_clients" in str(err.value)
     assert len(front.clients) == 3
     loop.close()
+
+
+@pytest.mark.parametrize(
+    "name,problem",
+    [("a\x00b", "control characters"), ("x" * 5000, "5000 bytes"), ("../up", "no '/'")],
+    ids=["nul", "5000_chars", "dot_dot"],
+)
+def test_a_checkpoint_name_the_filesystem_cannot_take_is_refused_at_the_front(
+    tmp_path, name, problem
+):
+    """Refused with a 400 naming the rule before anything is queued or indexed (it used to
+    fail in the engine with the server's path in the answer)."""
+    from megatron_multilora.api.weights_front import WeightsEndpoints
+
+    front, calls, loop = serving(tmp_path)
+    model_id = create(front, loop, "s0", 0, owner="key-0")["model_id"]
+    queued = calls.waiting
+    weights = WeightsEndpoints(front)
+    for seq, endpoint in enumerate((weights.save_weights, weights.save_weights_for_sampler)):
+        with pytest.raises(Refused, match=problem) as err:
+            call(loop, endpoint, "key-0", model_id=model_id, path=name, seq_id=seq + 1)
+        assert err.value.status == 400 and str(tmp_path) not in str(err.value)
+    # nothing indexed; only the refused calls' places in the client's order (skips)
+    assert front.checkpoints.entries == {} and calls.waiting == queued + 2
+
+
+def test_a_failed_calls_answer_shows_no_server_path(tmp_path):
+    """The engine's error can name a folder under the run (an OSError's file name): the
+    client's answer says ``<server path>`` instead; the service's log keeps the path."""
+    from megatron_multilora.api.futures import ERROR, Result
+
+    logged: list[str] = []
+    front, _, loop = serving(tmp_path)
+    front.say = logged.append
+    request_id = front.futures.new("key-0")
+    folder = f"{tmp_path}/api/key-0/s0_train_0/weights/x"
+    front.answer(request_id, Result(ERROR, (f"OSError: [Errno 36] too long: '{folder}'", "user")))
+    message, _ = loop.run_until_complete(front.futures.wait(request_id, 1.0)).payload
+    assert message == "OSError: [Errno 36] too long: '<server path>'"
+    assert folder in logged[0]
