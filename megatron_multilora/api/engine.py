@@ -106,7 +106,10 @@ class Engine:
         self.steps: dict[int, int] = {}  # its client's optim_steps here
         self.losses: dict[int, float] = {}  # its last forward_backward's loss
         self.saved: dict[str, tuple[int, int]] = {}  # sampler weights -> (client, its version)
-        self.recorded = RecordedSamples()  # samples drawn with record_stability_info
+        api = runtime.run.api
+        self.recorded = RecordedSamples(  # samples drawn with record_stability_info
+            api.recorded_samples_per_session, int(api.recorded_samples_mb * 2**20)
+        )
         self.calls = self._call_table()
 
     # -- the batch ------------------------------------------------------------------------

@@ -45,7 +45,6 @@ from megatron_multilora.api.request_checks import (
 RESEND_WINDOW = 256  # a client's calls whose resend is recognised: its last ones
 MAX_BODY = 4 << 20  # a JSON request's bytes (forward_backward's protobuf is read apart)
 MAX_METADATA = 16 << 10  # the user_metadata and tags a client's session or model keeps
-MAX_SAMPLERS = 64  # sampling clients of saved weights or the base one key may hold
 
 
 # An absolute filesystem path in a message (not a tinker:// path's parts): the server's own,
@@ -94,6 +93,8 @@ class Front:
         session_timeout: float,
         max_saves: int = 1000,
         say: Callable[[str], None] = lambda line: None,
+        max_sessions: int = 1024,
+        max_samplers: int = 64,
     ) -> None:
         self.keys, self.limits, self.calls, self.futures = keys, limits, calls, futures
         self.say = say  # the service's log
@@ -108,6 +109,8 @@ class Front:
         self.seen: dict[tuple[str, int], str] = {}  # (client, seq_id) -> request id
         self.checkpoints = CheckpointIndex(self.root, max_saves)  # a key's at most
         self.expired_at = 0.0  # when sweep last expired checkpoints
+        self.max_sessions, self.max_samplers = max_sessions, max_samplers  # per key
+        self.memory: dict = {}  # what the service keeps (api/memory.py), for /healthz
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -223,7 +226,9 @@ class Front:
         return types.ClientDynamicConfigResponse().model_dump()
 
     async def healthz(self, request: Request, owner: None) -> dict:
-        return {"status": "ok"}
+        """Alive, and what the service keeps in all (no tenant's own: this answers anyone)."""
+        memory = self.memory
+        return {"status": "ok", **({"memory": memory["in_all"]} if memory else {})}
 
     async def telemetry(self, request: Request, owner: None) -> dict:  # not kept
         return {"status": "accepted"}
@@ -253,6 +258,14 @@ class Front:
         await self.parse_body(request, types.CreateSessionRequest)
         session_id = f"session-{uuid.uuid4().hex[:12]}"
         with self.lock:
+            held = sum(1 for o, _ in self.sessions.values() if o == owner)
+            if held >= self.max_sessions:
+                raise Refused(
+                    429,
+                    f"this API key holds {held} open sessions, the most it may "
+                    "(api.max_sessions): close some (ServiceClient.close) or let silent ones "
+                    "time out",
+                )
             self.sessions[session_id] = (owner, time.monotonic())
         return {"type": "create_session", "session_id": session_id}
 
@@ -318,11 +331,12 @@ class Front:
         """A new sampling client; the ephemeral samplers whose weights were ``freed`` go."""
         with self.lock:
             held = sum(1 for s in self.samplers.values() if s.owner == sampler.owner)
-            if not sampler.ephemeral and held >= MAX_SAMPLERS:
+            if not sampler.ephemeral and held >= self.max_samplers:
                 raise Refused(
                     400,
-                    f"this API key holds {held} sampling clients, the most it may: end a "
-                    "session (its samplers go with it) and create it again",
+                    f"this API key holds {held} sampling clients, the most it may "
+                    "(api.max_samplers): end a session (its samplers go with it) and create "
+                    "it again",
                 )
             for gone in [s for s in self.samplers.values() if s.folder in freed]:
                 del self.samplers[gone.sampler_id]
@@ -381,8 +395,8 @@ class Front:
         if self.futures.owner(body.request_id) != owner:
             raise Refused(
                 404,
-                f"no request {body.request_id!r} of this API key (results are "
-                f"kept {KEEP_S / 60:.0f} minutes)",
+                f"no request {body.request_id!r} of this API key (results are kept "
+                f"{KEEP_S / 60:.0f} minutes, within api.kept_results_mb)",
             )
         # Held up to 20 s: the SDK asks again at once after a "try again".
         result = await self.futures.wait(body.request_id, 20.0)

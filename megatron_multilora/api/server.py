@@ -124,7 +124,16 @@ def _start_front(
     loop = asyncio.new_event_loop()
     queue = CallQueue(api.max_pending, len(keys))
     front = Front(
-        keys, limits, run_dir, queue, Futures(loop), api.session_timeout_s, api.max_saves, say
+        keys,
+        limits,
+        run_dir,
+        queue,
+        Futures(loop, int(api.kept_results_mb * 2**20)),
+        api.session_timeout_s,
+        api.max_saves,
+        say,
+        api.max_sessions,
+        api.max_samplers,
     )
     server = uvicorn.Server(
         uvicorn.Config(

@@ -1,6 +1,6 @@
 """The service's ``status.json`` (the one ``mmlora status`` and ``mmlora stop`` read for a
-trainer): its URL and model, the calls it ran, what paging clients' adapters cost, and a
-row per training client (its device slot, None while paged out, optim steps and last loss). Rank 0 writes it at most once a second, and when it stops."""
+trainer): its URL and model, the calls it ran, what paging clients' adapters cost, what it
+keeps per tenant and in all (``memory.py``), and a row per training client (its device slot, None while paged out, optim steps and last loss). Rank 0 writes it at most once a second, and when it stops."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import time
 
 from megatron_multilora.api.engine import Engine
 from megatron_multilora.api.front import Front
+from megatron_multilora.api.heap import TRIM_EVERY_S, trim_heap
+from megatron_multilora.api.memory import service_memory
 from megatron_multilora.training.jobs.states import ACTIVE, SERVING
 from megatron_multilora.training.mailbox import folder
 
@@ -19,12 +21,16 @@ class ServiceStatus:
     def __init__(self, run_dir: str, url: str, front: Front, engine: Engine, dp_size: int) -> None:
         self.run_dir, self.front, self.engine = run_dir, front, engine
         self.about = {"url": url, "model": front.limits.model_name}
-        self.dp_size, self.calls, self._written = dp_size, 0, 0.0
+        self.dp_size, self.calls, self._written, self._trimmed = dp_size, 0, 0.0, 0.0
 
     def write(self, state: str = SERVING, force: bool = False) -> None:
         if not force and time.time() - self._written < 1.0:
             return
         self._written = time.time()
+        memory = self.front.memory = service_memory(self.front, self.engine)
+        if time.time() - self._trimmed > TRIM_EVERY_S:
+            self._trimmed = time.time()
+            trim_heap()
         with self.front.lock:
             clients = sorted(self.front.clients.values(), key=lambda c: c.slot)
         rows = [
@@ -50,6 +56,7 @@ class ServiceStatus:
                 "dp_size": self.dp_size,
                 "service": self.about,
                 "paging": dataclasses.asdict(self.engine.table.stats),
+                "memory": memory,
                 "jobs": rows,
             },
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from megatron_multilora.api.heap import ARENAS
 from megatron_multilora.cli.command import Commands
 from megatron_multilora.cli.train import train
 
@@ -32,6 +33,8 @@ def api(args: argparse.Namespace) -> int:
         *keys,
         "adapters=[]",
     ]
+    # Few malloc arenas: a service's freed buffers go back to the system (api/heap.py).
+    os.environ.setdefault("MALLOC_ARENA_MAX", ARENAS)
     return train(args)
 
 

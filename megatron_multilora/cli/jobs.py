@@ -281,7 +281,7 @@ def _submission_row(sub: folder.Submission, event: dict[str, Any] | None) -> dic
 
 
 def _render(report: dict[str, Any]) -> str:
-    lines = [_header(report), ""]
+    lines = [_header(report), *_memory(report), ""]
     columns = ("NAME", "STATE", "SLOT", "STEP", "LOSS", "EVAL LOSS", "TOKENS/S", "ETA")
     cells = [columns] + [_cells(row) for row in report["jobs"]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
@@ -294,6 +294,33 @@ def _render(report: dict[str, Any]) -> str:
         if row["status"] == "refused"
     ]
     return "\n".join(lines)
+
+
+def _memory(report: dict[str, Any]) -> list[str]:
+    """A service's kept structures in all, then per tenant (``api/memory.py``)."""
+    memory = (report["trainer"] or {}).get("memory")
+    if not memory:
+        return []
+
+    def sizes(row: dict[str, Any]) -> str:
+        parts = []
+        for what, value in row.items():
+            count, nbytes = (
+                (value["count"], value.get("bytes"))
+                if isinstance(value, dict)
+                else ((value[0], value[1]) if isinstance(value, list) else (value, None))
+            )
+            size = "" if nbytes is None else f" ({nbytes / 2**20:.1f} MiB)"
+            parts.append(f"{what.replace('_', ' ')} {count}{size}")
+        return ", ".join(parts)
+
+    rss = memory.get("rss_mib")
+    lines = [
+        f"memory: {'?' if rss is None else f'{rss:,.0f}'} MiB resident (rank 0); kept: "
+        f"{sizes(memory['in_all'])}"
+    ]
+    lines += [f"  {owner}: {sizes(row)}" for owner, row in sorted(memory["tenants"].items())]
+    return lines
 
 
 def _header(report: dict[str, Any]) -> str:

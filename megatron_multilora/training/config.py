@@ -240,6 +240,20 @@ class APISettings:
     max_saves: int = ranged(1000, at_least(1))
     """Checkpoints one API key may keep (save_state, save_weights_for_sampler with a path);
     beyond it a save is refused until it deletes some or they expire (ttl_seconds)."""
+    max_sessions: int = ranged(1024, at_least(1))
+    """Sessions one API key may hold open (each SDK ServiceClient opens one; they end when
+    closed or silent for session_timeout_s); beyond it create_session is answered 429."""
+    max_samplers: int = ranged(64, at_least(1))
+    """Sampling clients of saved weights or of the base one API key may hold; beyond it a
+    creation is refused until a session ends."""
+    kept_results_mb: float = ranged(256.0, positive())
+    """Results of finished calls kept for the SDK to fetch (each up to 10 minutes), all keys
+    together: past it the oldest fetched-or-not results go first."""
+    recorded_samples_mb: float = ranged(1024.0, positive())
+    """Samples drawn with record_stability_info kept for stable_reinforce's provenance, all
+    sessions together: past it the largest session's oldest samples go first."""
+    recorded_samples_per_session: int = ranged(65536, at_least(1))
+    """Of those, the most one session keeps (its oldest go first)."""
 
 
 @dataclasses.dataclass

@@ -283,3 +283,46 @@ def test_a_failed_calls_answer_shows_no_server_path(tmp_path):
     message, _ = loop.run_until_complete(front.futures.wait(request_id, 1.0)).payload
     assert message == "OSError: [Errno 36] too long: '<server path>'"
     assert folder in logged[0]
+
+
+def test_what_the_service_keeps_is_accounted_per_tenant_and_in_all(tmp_path):
+    """Sessions, clients, results and their bytes, recorded samples, queued calls: each
+    tenant's own, the totals their sums, every structure with its bound."""
+    from types import SimpleNamespace
+
+    from megatron_multilora.api.futures import JSON, Result
+    from megatron_multilora.api.memory import BOUNDS, service_memory
+    from megatron_multilora.api.recorded_samples import RecordedSamples
+    from megatron_multilora.cli.jobs import _memory
+
+    front, calls, loop = serving(tmp_path, keys=2)
+    create(front, loop, "s0", 0, owner="key-0")
+    create(front, loop, "s1", 0, owner="key-1")
+    done = front.futures.new("key-1")
+    front.futures.complete(done, Result(JSON, {"loss": 1.5}))
+    engine = SimpleNamespace(table=SimpleNamespace(pages={}), recorded=RecordedSamples())
+    engine.recorded.record("s1", [1, 2], {"r:0": ([3], [-0.5])})
+    memory = service_memory(front, engine)
+    tenants, in_all = memory["tenants"], memory["in_all"]
+    assert tenants["key-0"]["sessions"] == 1 and tenants["key-0"]["training_clients"] == 1
+    assert tenants["key-1"]["results"] == [1, len('{"loss": 1.5}')]
+    assert tenants["key-1"]["recorded_samples"] == [1, 4 * 2 + 4 + 8]
+    assert tenants["key-0"]["queue"] == calls.waiting_of("key-0") == 1  # its creation
+    assert in_all["sessions"]["count"] == 2 and in_all["queue"]["count"] == calls.waiting
+    assert set(BOUNDS) <= set(in_all) and all("bound" in row for row in in_all.values())
+    front.memory = memory
+    health = loop.run_until_complete(front.healthz(None, None))
+    assert health["memory"] == in_all and "key-0" not in json.dumps(health)
+    shown = _memory({"trainer": {"memory": memory}})
+    assert shown[0].startswith("memory: ") and "sessions 2" in shown[0]
+    assert any(line.startswith("  key-1: ") and "recorded samples 1" in line for line in shown)
+
+
+def test_a_key_holds_a_bounded_number_of_sessions(tmp_path):
+    front, _, loop = serving(tmp_path)  # key-0 holds s0
+    front.max_sessions = 2
+    request = dict(tags=[], user_metadata=None, sdk_version="0.38.0")  # as the SDK sends it
+    call(loop, front.create_session, "key-0", **request)
+    with pytest.raises(Refused, match=r"holds 2 open sessions.*api\.max_sessions") as err:
+        call(loop, front.create_session, "key-0", **request)
+    assert err.value.status == 429 and len(front.sessions) == 2

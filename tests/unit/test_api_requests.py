@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from megatron_multilora.api import recorded_samples
 from megatron_multilora.api.calls import OpError
 from megatron_multilora.api.recorded_samples import RecordedSamples
 from megatron_multilora.api.request_checks import Limits, Refused, datum_example, loss_config
@@ -129,10 +128,36 @@ def test_recorded_samples_go_with_their_session_and_are_bounded(monkeypatch):
     samples.forget("s1")
     with pytest.raises(OpError, match="names no recorded sample"):
         samples.sampler_logprobs("s1", [5, 6, 7, 8], [0, 7, 8, 9], SPANS, [0.0] * 4, "d")
-    monkeypatch.setattr(recorded_samples, "PER_SESSION", 2)
+    samples.per_session = 2
     for k in range(3):
         samples.record("s1", [1], {f"q:{k}": ([2], [-1.0])})
-    assert list(samples.sessions["s1"]) == ["q:1", "q:2"]  # the newest PER_SESSION
+    assert list(samples.sessions["s1"]) == ["q:1", "q:2"]  # the newest per_session
+
+
+def test_recorded_samples_are_compact_and_bounded_in_all_by_bytes():
+    """4 bytes a token, 8 a log-prob (a call's prompt counted with each of its samples);
+    past the byte bound the largest session's oldest samples go, the others' stay."""
+    one = 4 * 2 + 4 * 3 + 8 * 3  # prompt, tokens, log-probs
+    samples = RecordedSamples(max_bytes=3 * one)
+    draw = ([7, 8, 9], [-0.5, -0.25, -0.125])
+    samples.record("small", [5, 6], {"s:0": draw})
+    assert samples.bytes == {"small": one}
+    samples.record("big", [5, 6], {f"b:{k}": draw for k in range(3)})  # one sample too many
+    assert list(samples.sessions["big"]) == ["b:1", "b:2"] and list(samples.sessions["small"])
+    assert sum(samples.bytes.values()) <= samples.max_bytes
+    # what is kept still serves provenance
+    got = samples.sampler_logprobs(
+        "small",
+        [5, 6, 7, 8],
+        [0, 7, 8, 9],
+        [
+            [("prompt", "s:0", 0, 2), ("sampled", "s:0", 0, 2)],
+            [("prompt", "s:0", 1, 1), ("sampled", "s:0", 0, 3)],
+        ],
+        [0.0] * 4,
+        "d",
+    )
+    assert got == (0.0, -0.5, -0.25, -0.125)
 
 
 def lora(rank: int = 4, **parts: bool) -> SimpleNamespace:

@@ -1,0 +1,33 @@
+"""The service process's heap, handed back to the system.
+
+A long-running service frees many buffers of varying sizes (each call's sequences, results
+and samples); glibc keeps freed memory in its arenas, so the resident size creeps up though
+nothing is kept. The launcher caps the arenas (``MALLOC_ARENA_MAX``: ``mmlora api``), and the
+status writer returns the arenas' free pages now and then (``malloc_trim``), as serving stacks
+do. A no-op where the C library is not glibc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+TRIM_EVERY_S = 30.0
+ARENAS = "2"  # MALLOC_ARENA_MAX for the service's processes
+
+
+def _glibc():
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
+
+
+_LIBC = _glibc()
+
+
+def trim_heap() -> bool:
+    """Return the heap's free pages to the system; whether anything was returned."""
+    return bool(_LIBC.malloc_trim(0)) if _LIBC is not None else False
