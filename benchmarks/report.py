@@ -46,6 +46,7 @@ class Results:
     probes: dict[str, list[dict]] = dataclasses.field(default_factory=dict)
     peers: dict | None = None
     mainjob: dict | None = None
+    soak: dict | None = None  # per base: RSS and the service's kept structures over time
     failed: dict[str, str] = dataclasses.field(default_factory=dict)  # section -> error
 
 

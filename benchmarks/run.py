@@ -26,6 +26,7 @@ from benchmarks.report import Results, Row, hardware, load_average, markdown, ve
 from benchmarks.rl_tenants import section_rl
 from benchmarks.scaling import section_scaling, section_width, width_config
 from benchmarks.settings import SECTIONS, Settings
+from benchmarks.soak import section_soak
 from benchmarks.tensor_parallel import section_tp
 from benchmarks.timing import Clock
 from benchmarks.workloads import model_config
@@ -47,6 +48,7 @@ RUN_SECTION = {
     "rl": section_rl,
     "mainjob": section_mainjob,
     "adapters": section_adapters,
+    "soak": section_soak,
 }
 
 
@@ -122,6 +124,7 @@ def run_benchmark(s: Settings, out_dir: Path, sections: tuple[str, ...] = SECTIO
                     "memory_probes": out.probes,
                     **({"peers": out.peers} if out.peers else {}),
                     **({"mainjob": out.mainjob} if out.mainjob else {}),
+                    **({"soak": out.soak} if out.soak else {}),
                 },
                 indent=1,
             )

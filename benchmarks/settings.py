@@ -33,6 +33,7 @@ FULL = dict(
     width_rounds=5,
     peer_steps=500,
     peer_rounds=3,
+    minutes=60,
 )
 
 
@@ -57,6 +58,7 @@ QUICK = dict(
     width_rounds=2,
     peer_steps=5,
     peer_rounds=1,
+    minutes=2,
 )
 
 
@@ -74,10 +76,10 @@ SECTIONS = (
 """What a run without ``--only`` runs."""
 
 
-EXTRA_SECTIONS = ("peers", "api", "rl", "mainjob", "launches", "graphs", "adapters")
+EXTRA_SECTIONS = ("peers", "api", "rl", "mainjob", "launches", "graphs", "adapters", "soak")
 """Run only when named in ``--only`` (minutes of whole training launches; counts rather than
 times, which ``tests/unit/test_launches.py`` holds; CUDA graphs, GPU only; a thousand
-adapters' builds)."""
+adapters' builds; the service's hour-long soak)."""
 
 
 ALL_SECTIONS = SECTIONS + EXTRA_SECTIONS
@@ -112,6 +114,8 @@ class Settings:
     peer_steps: int
     """steps per job of rows 10 (conf/jobs/demo4.yaml has 500)."""
     peer_rounds: int
+    minutes: int
+    """how long each base of rows 17 (the service soak) runs under its tenants."""
     threads: int
     """torch CPU threads of this process and the memory probes (TP/PP workers run 1 each)."""
     quick: bool
