@@ -11,8 +11,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
+import time
+import tracemalloc
+from pathlib import Path
 
 TRIM_EVERY_S = 30.0
+SNAPSHOTS = "MMLORA_HEAP_SNAPSHOTS"  # a folder: tracemalloc snapshots every SNAPSHOT_EVERY_S
+SNAPSHOT_EVERY_S = 300.0
 ARENAS = "2"  # MALLOC_ARENA_MAX for the service's processes
 
 
@@ -31,3 +37,25 @@ _LIBC = _glibc()
 def trim_heap() -> bool:
     """Return the heap's free pages to the system; whether anything was returned."""
     return bool(_LIBC.malloc_trim(0)) if _LIBC is not None else False
+
+
+class HeapSnapshots:
+    """With ``MMLORA_HEAP_SNAPSHOTS=<folder>`` in the service's environment (a diagnostic,
+    slow): Python's allocations traced from the start, a snapshot written every
+    ``SNAPSHOT_EVERY_S`` (``minute-<m>.tracemalloc``); ``scripts/heap_diff.py`` compares
+    two."""
+
+    def __init__(self) -> None:
+        folder = os.environ.get(SNAPSHOTS)
+        self.folder = Path(folder) if folder else None
+        self.start = self.last = time.monotonic()
+        if self.folder is not None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            tracemalloc.start(8)
+
+    def maybe_take(self) -> None:
+        if self.folder is None or time.monotonic() - self.last < SNAPSHOT_EVERY_S:
+            return
+        self.last = time.monotonic()
+        minute = round((self.last - self.start) / 60)
+        tracemalloc.take_snapshot().dump(str(self.folder / f"minute-{minute}.tracemalloc"))

@@ -11,7 +11,7 @@ import time
 
 from megatron_multilora.api.engine import Engine
 from megatron_multilora.api.front import Front
-from megatron_multilora.api.heap import TRIM_EVERY_S, trim_heap
+from megatron_multilora.api.heap import TRIM_EVERY_S, HeapSnapshots, trim_heap
 from megatron_multilora.api.memory import service_memory
 from megatron_multilora.training.jobs.states import ACTIVE, SERVING
 from megatron_multilora.training.mailbox import folder
@@ -22,12 +22,14 @@ class ServiceStatus:
         self.run_dir, self.front, self.engine = run_dir, front, engine
         self.about = {"url": url, "model": front.limits.model_name}
         self.dp_size, self.calls, self._written, self._trimmed = dp_size, 0, 0.0, 0.0
+        self.snapshots = HeapSnapshots()
 
     def write(self, state: str = SERVING, force: bool = False) -> None:
         if not force and time.time() - self._written < 1.0:
             return
         self._written = time.time()
         memory = self.front.memory = service_memory(self.front, self.engine)
+        self.snapshots.maybe_take()
         if time.time() - self._trimmed > TRIM_EVERY_S:
             self._trimmed = time.time()
             trim_heap()

@@ -326,3 +326,34 @@ def test_a_key_holds_a_bounded_number_of_sessions(tmp_path):
     with pytest.raises(Refused, match=r"holds 2 open sessions.*api\.max_sessions") as err:
         call(loop, front.create_session, "key-0", **request)
     assert err.value.status == 429 and len(front.sessions) == 2
+
+
+def test_heap_snapshots_are_taken_on_request(tmp_path, monkeypatch):
+    """``MMLORA_HEAP_SNAPSHOTS``: traced from the start, a snapshot every interval, which
+    ``scripts/heap_diff.py`` reads."""
+    import subprocess
+    import sys
+    import tracemalloc
+
+    from megatron_multilora.api import heap
+
+    monkeypatch.setenv(heap.SNAPSHOTS, str(tmp_path / "heap"))
+    monkeypatch.setattr(heap, "SNAPSHOT_EVERY_S", 0.0)
+    snapshots = heap.HeapSnapshots()
+    try:
+        snapshots.maybe_take()
+        kept = [bytearray(1 << 20) for _ in range(3)]  # 3 MiB more
+        time.sleep(0.01)
+        snapshots.start -= 60  # the second snapshot a minute later
+        snapshots.maybe_take()
+    finally:
+        tracemalloc.stop()
+    first, second = sorted((tmp_path / "heap").iterdir())
+    out = subprocess.run(
+        [sys.executable, "scripts/heap_diff.py", str(first), str(second)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "Python heap: +3." in out and "test_api_front.py" in out
+    del kept
