@@ -39,6 +39,23 @@ def rss_mib() -> float | None:
 def service_memory(front: Front, engine: Engine) -> dict[str, Any]:
     """``{"rss_mib", "in_all": {structure: {"count", "bytes"?, "bound"}}, "tenants": {key:
     {structure: count or [count, bytes]}}}``."""
+    tenants = _by_tenant(front, engine)
+    in_all: dict[str, dict[str, Any]] = {}
+    for row in tenants.values():
+        for what, value in row.items():
+            total = in_all.setdefault(what, {"count": 0})
+            if isinstance(value, list):
+                total["count"] += value[0]
+                total["bytes"] = total.get("bytes", 0) + value[1]
+            else:
+                total["count"] += value
+    for what, bound in BOUNDS.items():
+        in_all.setdefault(what, {"count": 0}).update(bound=bound)
+    in_all["queue"]["count"] = front.calls.waiting  # a forced call may have no tenant
+    return {"rss_mib": rss_mib(), "in_all": in_all, "tenants": tenants}
+
+
+def _by_tenant(front: Front, engine: Engine) -> dict[str, dict[str, Any]]:
     tenants: dict[str, dict[str, Any]] = {}
 
     def add(owner: str, what: str, count: int, nbytes: int | None = None) -> None:
@@ -75,16 +92,4 @@ def service_memory(front: Front, engine: Engine) -> dict[str, Any]:
         add(owner, "recorded_samples", len(samples), engine.recorded.bytes.get(session, 0))
     for owner, row in tenants.items():
         row["queue"] = front.calls.waiting_of(owner)
-    in_all: dict[str, dict[str, Any]] = {}
-    for row in tenants.values():
-        for what, value in row.items():
-            total = in_all.setdefault(what, {"count": 0})
-            if isinstance(value, list):
-                total["count"] += value[0]
-                total["bytes"] = total.get("bytes", 0) + value[1]
-            else:
-                total["count"] += value
-    for what, bound in BOUNDS.items():
-        in_all.setdefault(what, {"count": 0}).update(bound=bound)
-    in_all["queue"]["count"] = front.calls.waiting  # a forced call may have no tenant
-    return {"rss_mib": rss_mib(), "in_all": in_all, "tenants": tenants}
+    return tenants
