@@ -114,6 +114,11 @@ def test_tp2_attention_sinks_and_a_window_match_tp1(layout, sp):
     cfg = dataclasses.replace(CFG, softmax_type="learnable", sliding_window=4)
     state, ref_losses, ref_grads = reference(layout, cfg=cfg)
     assert any(k.endswith("softmax_offset") and v.abs().sum() > 0 for k, v in state.items())
+    check_tp2_against(layout, cfg, sp, state, ref_losses, ref_grads)
+
+
+def check_tp2_against(layout, cfg, sp, state, ref_losses, ref_grads) -> None:
+    """TP=2 on the reference's weights: its per-slot losses and every trainable gradient."""
     layout(tp=2, sp=sp)
     ddp = build(cfg, sp)
     load_full_state(ddp, state, cfg)
@@ -142,18 +147,7 @@ def test_tp2_delta_net_and_gated_attention_match_tp1(layout, sp):
     )
     state, ref_losses, ref_grads = reference(layout, cfg=cfg)
     assert any(".in_proj.adapters." in k for k in ref_grads)
-    layout(tp=2, sp=sp)
-    ddp = build(cfg, sp)
-    load_full_state(ddp, state, cfg)
-    ddp.zero_grad_buffer()
-    losses = step(ddp, micro_batch(0, COUNTS, cfg.vocab_size))
-    finalize_model_grads([ddp])
-    failures: list[str] = []
-    compare(failures, losses, ref_losses, REL, "per-slot loss")
-    like = ddp.module.state_dict(keep_vars=True)
-    for k, g in trainable_grads(ddp).items():
-        compare(failures, g, local_view(k, ref_grads, like[k], cfg), REL, k)
-    assert_all_ranks(failures)
+    check_tp2_against(layout, cfg, sp, state, ref_losses, ref_grads)
 
 
 def test_dp2_grads_equal_one_process_on_both_micro_batches(layout):
