@@ -161,6 +161,7 @@ NOT_ON_THE_MACHINE = (
     "benchmarks/api_service.py",
     "benchmarks/api_paging.py",
     "benchmarks/rl_tenants.py",
+    "benchmarks/soak.py",
 )
 
 
