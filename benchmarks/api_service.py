@@ -54,24 +54,30 @@ def launch(
         "trainer.micro_batch_tokens=16384",
         *extra,
     ]
-    env = {**os.environ, "MMLORA_API_KEYS": ",".join(keys), "OMP_NUM_THREADS": str(s.threads)}
+    return start_service(cfg, run_dir, port, log, keys, {"OMP_NUM_THREADS": str(s.threads)})
+
+
+def start_service(
+    overrides: list[str],
+    run_dir: Path,
+    port: int,
+    log: Path,
+    keys: list[str],
+    env: dict[str, str] | None = None,
+    timeout_s: float = 300,
+) -> subprocess.Popen:
+    """``mmlora api`` with ``overrides`` in a session of its own (the caller ends its whole
+    process group), once it says it serves."""
     proc = subprocess.Popen(
-        [
-            str(REPO / ".venv/bin/mmlora"),
-            "api",
-            "--run-dir",
-            str(run_dir),
-            "--port",
-            str(port),
-            *cfg,
-        ],
+        [str(REPO / ".venv/bin/mmlora"), "api", "--run-dir", str(run_dir), "--port", str(port)]
+        + overrides,
         cwd=REPO,
-        env=env,
+        env={**os.environ, "MMLORA_API_KEYS": ",".join(keys), **(env or {})},
         stdout=open(log, "w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + timeout_s
     while "api: serving" not in log.read_text():
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"the service did not start: {log.read_text()[-2000:]}")

@@ -3,17 +3,24 @@ memory sampled as it runs. Not a CI test: ``python -m benchmarks --only soak --m
 
 The load, per tenant (tinker SDK, one thread each): a LoRA training client of rank 32 on
 ``mmlora api``'s defaults (conf/api.yaml: the output layer adapted, 2048-token sequences),
-looping ``forward_backward`` (2 to 4 datums of random length up to 2047 tokens),
-``optim_step``, a ``sample`` from ``save_weights_and_get_sampling_client`` (recording its
-stability info every other time), a ``save_state`` (kept 10 minutes), and hostile requests
-(a NUL and a 5,000-character checkpoint name, a body that is not JSON) that must get 4xx;
-at the end a flood of polls for results that do not exist. 8 tenants on the tiny base, 4 on
-SmolLM2-135M (where data/smollm2-135m-instruct exists).
+looping ``forward_backward`` (2 to 4 datums of random length), ``optim_step``, a ``sample``
+from ``save_weights_and_get_sampling_client`` (recording its stability info every other
+time), a ``save_state`` (kept 10 minutes), and hostile requests (a NUL and a 5,000-character
+checkpoint name, a body that is not JSON) that must get 4xx; at the end a flood of polls for
+results that do not exist. 8 tenants on the tiny base with datums up to 2047 tokens; 4 on
+SmolLM2-135M (where data/smollm2-135m-instruct exists) with datums up to 511 tokens, so that a
+2-core machine runs more than a few dozen of its calls an hour. The bases run at once.
 
-Printed every ``minutes / 12`` (5 minutes of an hour): the service's resident memory (the
-launcher and its worker, summed over the process group) and each structure the service
-accounts for (``status.json``'s ``memory``). Rows: RSS at the end against RSS at a sixth of
-the run (10 minutes of an hour); the goal is within 5%.
+Every ``minutes / 12`` of load (5 minutes of an hour) the tenants are held after their
+current call, and once the service has been idle past a heap trim, the service's resident
+memory is read (the launcher and its worker, summed over the process group) with each
+structure the service accounts for (``status.json``'s ``memory``): memory at rest, what the
+service keeps. The peak while loaded, sampled every 5 s, is printed beside it. Rows: RSS at
+rest at the end against at a sixth of the run (10 minutes of an hour); the goal is within 5%.
+
+The services inherit this process's environment: ``SOAK_BASES=tiny`` runs one base, and
+``MMLORA_MALLOC_TRIM_S=0 MALLOC_ARENA_MAX=16`` (glibc's default on 2 cores) the baseline
+without the service's allocator settings (``megatron_multilora/api/heap.py``).
 """
 
 from __future__ import annotations
@@ -29,14 +36,17 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.api_service import free_port
+from benchmarks.api_service import free_port, start_service
 from benchmarks.report import Results, Row
 from benchmarks.settings import REPO, Settings
 from benchmarks.timing import Clock
+from megatron_multilora.api.heap import TRIM_EVERY_S
 from megatron_multilora.training.mailbox.folder import read_status
 
 SMOLLM2 = REPO / "data" / "smollm2-135m-instruct"
-BASES = {"tiny": (None, 8), "smollm2": (SMOLLM2, 4)}
+# base -> (hf_dir, tenants, longest datum)
+BASES = {"tiny": (None, 8, 2047), "smollm2": (SMOLLM2, 4, 511)}
+SAMPLE_EVERY_S = 5.0
 
 
 def tree_rss_mib(root: int) -> float:
@@ -65,29 +75,59 @@ def tree_rss_mib(root: int) -> float:
     return sum(kib for pid, kib in rss.items() if below(pid)) / 1024
 
 
-def _launch(run_dir: Path, port: int, log: Path, keys: list[str], hf_dir: Path | None):
-    import subprocess
+class Gate:
+    """Holds the tenants between calls, so that the service can be read at rest."""
 
-    env = {**os.environ, "MMLORA_API_KEYS": ",".join(keys)}
-    base = [f"hf_dir={hf_dir}"] if hf_dir else ["hf_dir=null"]
-    proc = subprocess.Popen(
-        [str(REPO / ".venv/bin/mmlora"), "api", "--run-dir", str(run_dir), "--port", str(port)]
-        + base,
-        cwd=REPO,
-        env=env,
-        stdout=open(log, "w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 300
-    while "api: serving" not in log.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the service did not start: {log.read_text()[-2000:]}")
-        time.sleep(0.5)
-    return proc
+    def __init__(self, tenants: int) -> None:
+        self.tenants, self.idle, self.held = tenants, 0, False
+        self.cond = threading.Condition()
+
+    def between_calls(self) -> None:
+        with self.cond:
+            if not self.held:
+                return
+            self.idle += 1
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: not self.held)
+            self.idle -= 1
+
+    def hold(self, timeout_s: float) -> bool:
+        with self.cond:
+            self.held = True
+            return self.cond.wait_for(lambda: self.idle >= self.tenants, timeout_s)
+
+    def release(self) -> None:
+        with self.cond:
+            self.held = False
+            self.cond.notify_all()
 
 
-def _tenant(url: str, key: str, base: str, vocab: int, stop: threading.Event, errors: list):
+class Peak:
+    """The process tree's highest RSS since the last ``take``, sampled every few seconds."""
+
+    def __init__(self, root: int, stop: threading.Event) -> None:
+        self.root, self.stop, self.peak = root, stop, 0.0
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self) -> None:
+        while not self.stop.wait(SAMPLE_EVERY_S):
+            self.peak = max(self.peak, tree_rss_mib(self.root))
+
+    def take(self) -> float:
+        peak, self.peak = self.peak, 0.0
+        return round(peak, 1)
+
+
+def _tenant(
+    url: str,
+    key: str,
+    base: str,
+    vocab: int,
+    longest: int,
+    gate: Gate,
+    stop: threading.Event,
+    errors: list,
+) -> None:
     import httpx
     import tinker
     from tinker import types
@@ -97,7 +137,7 @@ def _tenant(url: str, key: str, base: str, vocab: int, stop: threading.Event, er
     client = service.create_lora_training_client(base_model=base, rank=32).result()
 
     def datum() -> types.Datum:
-        n = rng.randint(8, 2047)
+        n = rng.randint(8, longest)
         tokens = [rng.randrange(3, vocab) for _ in range(n + 1)]
         return types.Datum(
             model_input=types.ModelInput.from_ints(tokens[:-1]),
@@ -106,6 +146,7 @@ def _tenant(url: str, key: str, base: str, vocab: int, stop: threading.Event, er
 
     i = 0
     while not stop.is_set():
+        gate.between_calls()
         try:
             data = [datum() for _ in range(rng.randint(2, 4))]
             client.forward_backward(data, "cross_entropy").result()
@@ -168,40 +209,52 @@ def _flood(url: str, key: str) -> int:
     return sum(1 for c in codes if c >= 500)
 
 
+def _at_rest(run_dir: Path, proc, gate: Gate, peak: Peak, loaded_s: float, errors: list) -> dict:
+    """Hold the tenants, wait past a heap trim with nothing queued, read the memory."""
+    held = gate.hold(timeout_s=1800)
+    idle_since = time.monotonic()
+    while time.monotonic() - idle_since < TRIM_EVERY_S + 5:
+        status = read_status(run_dir) or {}
+        if status.get("memory", {}).get("in_all", {}).get("queue", {}).get("count"):
+            idle_since = time.monotonic()
+        time.sleep(1.0)
+    memory = (read_status(run_dir) or {}).get("memory", {})
+    point = {
+        "minute": round(loaded_s / 60, 1),
+        "rss_mib": round(tree_rss_mib(proc.pid), 1),
+        "peak_loaded_mib": peak.take(),
+        "worker_rss_mib": memory.get("rss_mib"),
+        "kept": {k: [v["count"], v.get("bytes")] for k, v in memory.get("in_all", {}).items()},
+        "calls": (read_status(run_dir) or {}).get("step"),
+        "errors": len(errors),
+        "all_tenants_held": held,
+    }
+    gate.release()
+    return point
+
+
 def soak(minutes: float, base: str, clock: Clock) -> dict:
-    """One base under its tenants for ``minutes``: RSS and the accounted structures over time."""
-    hf_dir, tenants = BASES[base]
+    """One base under its tenants for ``minutes`` of load: its memory at rest over time."""
+    hf_dir, tenants, longest = BASES[base]
     keys = [f"tml-soak{i}" for i in range(tenants)]
     tmp = Path(tempfile.mkdtemp(prefix=f"bench-soak-{base}-"))
     port, run_dir = free_port(), tmp / "run"
-    proc = _launch(run_dir, port, tmp / "service.log", keys, hf_dir)
+    proc = start_service([f"hf_dir={hf_dir or 'null'}"], run_dir, port, tmp / "service.log", keys)
     url = f"http://127.0.0.1:{port}"
     vocab = 264 if hf_dir is None else 49152
     name = "tiny" if hf_dir is None else hf_dir.name
-    stop, errors = threading.Event(), []
+    stop, errors, gate = threading.Event(), [], Gate(tenants)
     threads = [
-        threading.Thread(target=_tenant, args=(url, k, name, vocab, stop, errors)) for k in keys
+        threading.Thread(target=_tenant, args=(url, k, name, vocab, longest, gate, stop, errors))
+        for k in keys
     ]
-    timeline = []
-    start = time.monotonic()
+    timeline, peak = [], Peak(proc.pid, stop)
     try:
         for t in threads:
             t.start()
-        every = minutes * 60 / 12
         for tick in range(1, 13):
-            time.sleep(max(0.0, start + tick * every - time.monotonic()))
-            status = read_status(run_dir) or {}
-            memory = status.get("memory", {})
-            point = {
-                "minute": round((time.monotonic() - start) / 60, 1),
-                "rss_mib": round(tree_rss_mib(proc.pid), 1),
-                "worker_rss_mib": memory.get("rss_mib"),
-                "kept": {
-                    k: [v["count"], v.get("bytes")] for k, v in memory.get("in_all", {}).items()
-                },
-                "calls": status.get("step"),
-                "errors": len(errors),
-            }
+            time.sleep(minutes * 60 / 12)
+            point = _at_rest(run_dir, proc, gate, peak, tick * minutes * 60 / 12, errors)
             timeline.append(point)
             clock.say(f"soak {base}: {json.dumps(point)}")
         stop.set()
@@ -210,6 +263,7 @@ def soak(minutes: float, base: str, clock: Clock) -> dict:
         flood_5xx = _flood(url, keys[0])
         end_rss = tree_rss_mib(proc.pid)
     finally:
+        stop.set()
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(120)
     return {
@@ -222,25 +276,41 @@ def soak(minutes: float, base: str, clock: Clock) -> dict:
 
 
 def section_soak(s: Settings, device: torch.device, clock: Clock, out: Results) -> None:
-    out.soak = {}
-    for base, (hf_dir, tenants) in BASES.items():
-        title = f"training service RSS under {tenants} tenants ({base})"
+    chosen = os.environ.get("SOAK_BASES", ",".join(BASES)).split(",")
+    out.soak, runs = {}, []
+    for base in chosen:
+        hf_dir, tenants, longest = BASES[base]
+        title = f"training service RSS at rest, {tenants} tenants ({base})"
         if hf_dir is not None and not hf_dir.is_dir():
             out.rows.append(Row("17", title, "", "", "", "MiB", skipped=f"no {hf_dir}"))
             continue
-        result = out.soak[base] = soak(s.minutes, base, clock)
+
+        def run(base: str = base) -> None:
+            try:
+                out.soak[base] = soak(s.minutes, base, clock)
+            except Exception as err:  # raised again below, from this thread
+                out.soak[base] = err
+
+        runs.append((base, title, tenants, longest, threading.Thread(target=run)))
+    for *_, thread in runs:
+        thread.start()
+    for base, title, tenants, longest, thread in runs:
+        thread.join()
+        result = out.soak[base]
+        if isinstance(result, Exception):
+            raise result
         timeline = result["timeline"]
         early = timeline[1]  # a sixth of the run: 10 minutes of an hour
         row = Row(
             "17a" if base == "tiny" else "17b",
             title,
-            f"{tenants} tinker SDK tenants for {s.minutes} min (forward_backward of 2-4 "
-            "datums up to 2047 tokens, optim_step, sample from new sampler weights, "
+            f"{tenants} tinker SDK tenants for {s.minutes} min of load (forward_backward of "
+            f"2-4 datums up to {longest} tokens, optim_step, sample from new sampler weights, "
             f"save_state, hostile bodies); {result['error_count']} unexpected answers, "
             f"{result['flood_5xx']} 5xx in the final flood",
-            f"RSS at {timeline[-1]['minute']} min",
-            f"RSS at {early['minute']} min",
+            f"at {timeline[-1]['minute']} min",
+            f"at {early['minute']} min",
             "MiB",
-            note="goal: within 5%",
+            note=f"goal: within 5%; peak while loaded {max(p['peak_loaded_mib'] for p in timeline)} MiB",
         )
         out.rows.append(row.fill(timeline[-1]["rss_mib"], early["rss_mib"]))

@@ -4,7 +4,9 @@ A long-running service frees many buffers of varying sizes (each call's sequence
 and samples); glibc keeps freed memory in its arenas, so the resident size creeps up though
 nothing is kept. The launcher caps the arenas (``MALLOC_ARENA_MAX``: ``mmlora api``), and the
 status writer returns the arenas' free pages now and then (``malloc_trim``), as serving stacks
-do. A no-op where the C library is not glibc.
+do. A no-op where the C library is not glibc. ``MMLORA_MALLOC_TRIM_S`` sets the trims'
+period (0: none, with ``MALLOC_ARENA_MAX`` set to glibc's own default: the baseline the soak
+benchmark, rows 17, compares against).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-TRIM_EVERY_S = 30.0
+TRIM_EVERY_S = float(os.environ.get("MMLORA_MALLOC_TRIM_S", 30))
 SNAPSHOTS = "MMLORA_HEAP_SNAPSHOTS"  # a folder: tracemalloc snapshots every SNAPSHOT_EVERY_S
 SNAPSHOT_EVERY_S = 300.0
 ARENAS = "2"  # MALLOC_ARENA_MAX for the service's processes
@@ -36,7 +38,9 @@ _LIBC = _glibc()
 
 def trim_heap() -> bool:
     """Return the heap's free pages to the system; whether anything was returned."""
-    return bool(_LIBC.malloc_trim(0)) if _LIBC is not None else False
+    if _LIBC is None or TRIM_EVERY_S <= 0:
+        return False
+    return bool(_LIBC.malloc_trim(0))
 
 
 class HeapSnapshots:
