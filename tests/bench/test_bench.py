@@ -254,3 +254,39 @@ def test_versions_without_git(monkeypatch):
     monkeypatch.setattr(report.subprocess, "run", no_git)
     found = report.versions()
     assert "git" not in found and found["torch"] and found["megatron-core"]
+
+
+def test_the_soak_reads_the_service_only_with_every_tenant_held_between_calls():
+    """Rows 17's memory at rest: ``hold`` returns once every tenant waits between calls (a
+    tenant mid-call keeps it waiting), and ``release`` lets them go on."""
+    import threading
+    import time
+
+    from benchmarks.soak import Gate
+
+    gate, calls, stop = Gate(tenants=2), [0, 0], threading.Event()
+    in_call = [threading.Event(), threading.Event()]
+
+    def tenant(i: int) -> None:
+        while not stop.is_set():
+            gate.between_calls()
+            in_call[i].wait()  # the test decides when this tenant's "call" ends
+            calls[i] += 1
+
+    in_call[0].set()
+    threads = [threading.Thread(target=tenant, args=(i,), daemon=True) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    assert not gate.hold(timeout_s=0.3)  # tenant 1 is still in its call
+    held_at = list(calls)
+    in_call[1].set()
+    assert gate.hold(timeout_s=5)
+    frozen = list(calls)
+    time.sleep(0.2)
+    assert calls == frozen and calls[1] <= held_at[1] + 1  # nobody runs a call while held
+    gate.release()
+    deadline = time.monotonic() + 5
+    while calls == frozen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert calls != frozen
+    stop.set()

@@ -2,6 +2,8 @@
 
 import asyncio
 import json
+import os
+import platform
 import time
 from pathlib import Path
 
@@ -357,3 +359,30 @@ def test_heap_snapshots_are_taken_on_request(tmp_path, monkeypatch):
     ).stdout
     assert "Python heap: +3." in out and "test_api_front.py" in out
     del kept
+
+
+def test_the_heap_is_trimmed_unless_its_period_is_zero():
+    """``MMLORA_MALLOC_TRIM_S=0`` turns the trims off (the soak's baseline); by default a
+    trim runs every 30 s and, on glibc, returns freed pages."""
+    import subprocess
+    import sys
+
+    probe = (
+        "from megatron_multilora.api import heap; "
+        "big = [bytearray(1 << 16) for _ in range(2000)]; del big[::2]; "
+        "print(heap.TRIM_EVERY_S, heap.trim_heap())"
+    )
+    off, default = (
+        subprocess.run(
+            [sys.executable, "-c", probe],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        for env in ({"MMLORA_MALLOC_TRIM_S": "0"}, {})
+    )
+    assert off == ["0.0", "False"]
+    assert default[0] == "30.0"
+    if platform.libc_ver()[0] == "glibc":
+        assert default[1] == "True"
