@@ -15,7 +15,7 @@ Every ``minutes / 12`` of load (5 minutes of an hour) the tenants are held after
 current call, and once the service has been idle past a heap trim, the service's resident
 memory is read (the launcher and its worker, summed over the process group) with each
 structure the service accounts for (``status.json``'s ``memory``): memory at rest, what the
-service keeps. The peak while loaded, sampled every 5 s, is printed beside it. Rows: RSS at
+service keeps (and once at start, serving, before any tenant). The peak while loaded, sampled every 5 s, is printed beside it. Rows: RSS at
 rest at the end against at a sixth of the run (10 minutes of an hour); the goal is within 5%.
 
 The services inherit this process's environment: ``SOAK_BASES=tiny`` runs one base, and
@@ -249,6 +249,7 @@ def soak(minutes: float, base: str, clock: Clock) -> dict:
         for k in keys
     ]
     timeline, peak = [], Peak(proc.pid, stop)
+    started_rss = round(tree_rss_mib(proc.pid), 1)  # serving, no tenant yet
     try:
         for t in threads:
             t.start()
@@ -267,6 +268,7 @@ def soak(minutes: float, base: str, clock: Clock) -> dict:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(120)
     return {
+        "rss_started_mib": started_rss,
         "timeline": timeline,
         "errors": errors[:20],
         "error_count": len(errors),
@@ -311,6 +313,7 @@ def section_soak(s: Settings, device: torch.device, clock: Clock, out: Results) 
             f"at {timeline[-1]['minute']} min",
             f"at {early['minute']} min",
             "MiB",
-            note=f"goal: within 5%; peak while loaded {max(p['peak_loaded_mib'] for p in timeline)} MiB",
+            note=f"goal: within 5%; {result['rss_started_mib']} MiB at start, no tenant yet; "
+            f"peak while loaded {max(p['peak_loaded_mib'] for p in timeline)} MiB",
         )
         out.rows.append(row.fill(timeline[-1]["rss_mib"], early["rss_mib"]))
