@@ -15,8 +15,9 @@ Every ``minutes / 12`` of load (5 minutes of an hour) the tenants are held after
 current call, and once the service has been idle past a heap trim, the service's resident
 memory is read (the launcher and its worker, summed over the process group) with each
 structure the service accounts for (``status.json``'s ``memory``): memory at rest, what the
-service keeps (and once at start, serving, before any tenant). The peak while loaded, sampled every 5 s, is printed beside it. Rows: RSS at
-rest at the end against at a sixth of the run (10 minutes of an hour); the goal is within 5%.
+service keeps. It is read once at start too, serving, before any tenant. The peak while
+loaded, sampled every 5 s, is printed beside it. Rows: RSS at rest at the end against at a
+sixth of the run (10 minutes of an hour); the goal is within 5%.
 
 The services inherit this process's environment: ``SOAK_BASES=tiny`` runs one base, and
 ``MMLORA_MALLOC_TRIM_S=0 MALLOC_ARENA_MAX=16`` (glibc's default on 2 cores) the baseline
