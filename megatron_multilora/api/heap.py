@@ -2,7 +2,8 @@
 
 A long-running service frees many buffers of varying sizes (each call's sequences, results
 and samples); glibc keeps freed memory in its arenas, so the resident size creeps up though
-nothing is kept. The launcher caps the arenas (``MALLOC_ARENA_MAX``: ``mmlora api``), and the
+nothing is kept. The launcher caps the arenas (``MALLOC_ARENA_MAX``: ``mmlora api``,
+``SERVICE_ENV``), and the
 status writer returns the arenas' free pages now and then (``malloc_trim``), as serving stacks
 do. A no-op where the C library is not glibc. ``MMLORA_MALLOC_TRIM_S`` sets the trims'
 period (0: none, with ``MALLOC_ARENA_MAX`` set to glibc's own default: the baseline the soak
@@ -21,7 +22,11 @@ from pathlib import Path
 TRIM_EVERY_S = float(os.environ.get("MMLORA_MALLOC_TRIM_S", 30))
 SNAPSHOTS = "MMLORA_HEAP_SNAPSHOTS"  # a folder: tracemalloc snapshots every SNAPSHOT_EVERY_S
 SNAPSHOT_EVERY_S = 300.0
-ARENAS = "2"  # MALLOC_ARENA_MAX for the service's processes
+# Set by ``mmlora api`` for its processes (where not set already): few malloc arenas, and a
+# small oneDNN primitive cache. oneDNN keeps a compiled primitive per GEMM shape (each
+# micro-batch's token count is a new one) up to its default of 1,024, about 0.3 GiB on
+# SmolLM2-135M; 256 keeps the shapes a service repeats (decoding) at a quarter of that.
+SERVICE_ENV = {"MALLOC_ARENA_MAX": "2", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256"}
 
 
 def _glibc():

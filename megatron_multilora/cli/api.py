@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from megatron_multilora.api.heap import ARENAS
+from megatron_multilora.api.heap import SERVICE_ENV
 from megatron_multilora.cli.command import Commands
 from megatron_multilora.cli.train import train
 
@@ -33,8 +33,10 @@ def api(args: argparse.Namespace) -> int:
         *keys,
         "adapters=[]",
     ]
-    # Few malloc arenas: a service's freed buffers go back to the system (api/heap.py).
-    os.environ.setdefault("MALLOC_ARENA_MAX", ARENAS)
+    # Few malloc arenas and a small oneDNN primitive cache: a service's memory stays flat
+    # (api/heap.py).
+    for name, value in SERVICE_ENV.items():
+        os.environ.setdefault(name, value)
     return train(args)
 
 
