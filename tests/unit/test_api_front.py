@@ -386,3 +386,23 @@ def test_the_heap_is_trimmed_unless_its_period_is_zero():
     assert default[0] == "30.0"
     if platform.libc_ver()[0] == "glibc":
         assert default[1] == "True"
+
+
+def test_mmlora_api_launches_with_the_services_allocator_settings(monkeypatch):
+    """``mmlora api`` sets ``SERVICE_ENV`` (few malloc arenas, a small oneDNN primitive cache)
+    for the processes it launches, unless the environment sets them already."""
+    import argparse
+
+    from megatron_multilora.api.heap import SERVICE_ENV
+    from megatron_multilora.cli import api as cli_api
+
+    seen = {}
+    monkeypatch.setattr(cli_api, "train", lambda args: seen.update(os.environ) or 0)
+    for name in SERVICE_ENV:  # unset here, and as it was after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")  # the user's own value wins
+    args = argparse.Namespace(keys_file=None, overrides=[], run_dir="r", port=0, host="127.0.0.1")
+    assert cli_api.api(args) == 0
+    assert seen["MALLOC_ARENA_MAX"] == "4"
+    assert seen["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == SERVICE_ENV["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]
