@@ -219,14 +219,15 @@ def _at_rest(run_dir: Path, proc, gate: Gate, peak: Peak, loaded_s: float, error
         if status.get("memory", {}).get("in_all", {}).get("queue", {}).get("count"):
             idle_since = time.monotonic()
         time.sleep(1.0)
-    memory = (read_status(run_dir) or {}).get("memory", {})
+    status = read_status(run_dir) or {}
+    memory = status.get("memory", {})
     point = {
         "minute": round(loaded_s / 60, 1),
         "rss_mib": round(tree_rss_mib(proc.pid), 1),
         "peak_loaded_mib": peak.take(),
         "worker_rss_mib": memory.get("rss_mib"),
         "kept": {k: [v["count"], v.get("bytes")] for k, v in memory.get("in_all", {}).items()},
-        "calls": (read_status(run_dir) or {}).get("step"),
+        "calls": status.get("step"),
         "errors": len(errors),
         "all_tenants_held": held,
     }
