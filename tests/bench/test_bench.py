@@ -265,11 +265,15 @@ def test_the_soak_reads_the_service_only_with_every_tenant_held_between_calls():
     from benchmarks.soak import Gate
 
     gate, calls, stop = Gate(tenants=2), [0, 0], threading.Event()
-    in_call = [threading.Event(), threading.Event()]
+    in_call, started = (
+        [threading.Event(), threading.Event()],
+        [threading.Event(), threading.Event()],
+    )
 
     def tenant(i: int) -> None:
         while not stop.is_set():
             gate.between_calls()
+            started[i].set()
             in_call[i].wait()  # the test decides when this tenant's "call" ends
             calls[i] += 1
 
@@ -277,6 +281,7 @@ def test_the_soak_reads_the_service_only_with_every_tenant_held_between_calls():
     threads = [threading.Thread(target=tenant, args=(i,), daemon=True) for i in (0, 1)]
     for t in threads:
         t.start()
+    assert started[1].wait(5)  # tenant 1 has begun its call before the hold
     assert not gate.hold(timeout_s=0.3)  # tenant 1 is still in its call
     held_at = list(calls)
     in_call[1].set()
