@@ -370,7 +370,7 @@ class Front:
                 raise Refused(
                     429,
                     f"this service holds {self.limits.max_clients} training clients at once "
-                    "(api.max_training_clients) and has that many: end one (or wait for an "
+                    f"({self.limits.clients_bound}) and has that many: end one (or wait for an "
                     "idle one to time out) and create it again",
                 )
             number = heapq.heappop(self._free_numbers)

@@ -8,6 +8,7 @@ by ``mmlora status`` and, in all only, by ``/healthz``.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from megatron_multilora.api.engine import Engine
@@ -19,7 +20,7 @@ BOUNDS = {
     "recorded_samples": "api.recorded_samples_mb; api.recorded_samples_per_session a session",
     "sessions": "api.max_sessions a key; silent ones end after api.session_timeout_s",
     "training_clients": "api.max_training_clients",
-    "paged_adapters": "api.max_training_clients less lora.slots",
+    "paged_adapters": "api.max_training_clients less lora.slots, within api.paged_adapters_mb",
     "samplers": "api.max_samplers a key, and its last 8 weights-and-sampler saves",
     "checkpoints": "api.max_saves a key",
     "resend_window": f"{RESEND_WINDOW} calls a training client",
@@ -34,6 +35,56 @@ def rss_mib() -> float | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except (OSError, ValueError, IndexError):
         return None
+
+
+def available_host_bytes() -> int | None:
+    """The memory this machine can still give (``MemAvailable``), or less where a cgroup (a
+    container's limit) allows less; None where neither can be read."""
+    found = []
+    try:
+        meminfo = Path("/proc/meminfo").read_text().splitlines()
+        found += [int(ln.split()[1]) * 1024 for ln in meminfo if ln.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def held_clients(
+    wanted: int, slots: int, page_bytes: int, budget_mb: float | None, available: int | None
+) -> tuple[int, str | None]:
+    """The training clients held at once: ``wanted`` (api.max_training_clients), or fewer
+    where the pages of those beyond the ``slots`` (``page_bytes`` each, all of this host's
+    ranks together) would not fit ``budget_mb`` (api.paged_adapters_mb; None: half of
+    ``available``). With it, why it is fewer, or None."""
+    if wanted <= slots or page_bytes <= 0:
+        return wanted, None
+    if budget_mb is None:
+        if available is None:  # nothing to measure by: the count alone bounds them
+            return wanted, None
+        budget = available // 2
+        setting = (
+            f"api.paged_adapters_mb (null: half the {available / 2**20:,.0f} MiB available, "
+            f"{budget / 2**20:,.0f} MiB)"
+        )
+    else:
+        budget, setting = int(budget_mb * 2**20), f"api.paged_adapters_mb={budget_mb:g}"
+    fit = budget // page_bytes
+    if slots + fit >= wanted:
+        return wanted, None
+    page = page_bytes / 2**20
+    return slots + fit, (
+        f"api.max_training_clients={wanted} would page {wanted - slots} adapters of "
+        f"{page:,.1f} MiB each to host memory ({(wanted - slots) * page:,.0f} MiB); "
+        f"{setting} holds {fit}, so the service holds {slots + fit} training clients at "
+        "once. For more: a larger api.paged_adapters_mb, a lower lora.max_rank or fewer "
+        "lora.targets"
+    )
 
 
 def service_memory(front: Front, engine: Engine) -> dict[str, Any]:

@@ -53,6 +53,7 @@ class Limits:
     tokenizer_id: str | None
     unembed: bool = False  # the output layer is adapted (lora.targets has output_layer)
     clients: int | None = None
+    clients_bound: str = "api.max_training_clients"  # what the 429 names
 
     @property
     def max_clients(self) -> int:

@@ -7,6 +7,7 @@ the engine loop: rank 0 takes the ready calls from the call queue, every rank re
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from megatron_multilora.api.call_queue import CallQueue
 from megatron_multilora.api.engine import Engine
 from megatron_multilora.api.front import Front, Limits
 from megatron_multilora.api.futures import Futures
+from megatron_multilora.api.memory import available_host_bytes, held_clients
 from megatron_multilora.api.routes import build_app
 from megatron_multilora.api.status import ServiceStatus
 from megatron_multilora.errors import RunError
@@ -37,7 +39,8 @@ def serve_api(run: RunConfig, keys: dict[str, str], say: Callable[[str], None] =
     hf_dir = str(Path(run.hf_dir).resolve()) if run.hf_dir else None
     front = None
     if dist.get_rank() == 0:
-        front, url = _start_front(run, keys, runtime.model_config, hf_dir, run_dir, say)
+        clients = _held_clients(run, runtime.table.page_bytes(True), say)
+        front, url = _start_front(run, keys, runtime.model_config, hf_dir, run_dir, say, clients)
     engine = Engine(runtime, run_dir, hf_dir, front.answer if front else None)
     status = None
     if front:
@@ -46,7 +49,7 @@ def serve_api(run: RunConfig, keys: dict[str, str], say: Callable[[str], None] =
         status.write(force=True)
         say(
             f"api: serving {front.limits.model_name!r} ({run.lora.slots} adapter slots, up to "
-            f"{run.api.max_training_clients} training clients (those beyond the slots paged "
+            f"{front.limits.max_clients} training clients (those beyond the slots paged "
             f"to host memory, {engine.table.page_bytes(True) / 2**20:.1f} MiB each), ranks "
             f"up to {run.lora.max_rank}, world {dist.get_world_size()}, data parallel {dp}) "
             f"at {url}"
@@ -86,6 +89,22 @@ def serve_api(run: RunConfig, keys: dict[str, str], say: Callable[[str], None] =
     destroy_parallel()
 
 
+def _held_clients(run: RunConfig, page_bytes: int, say: Callable[[str], None]) -> int:
+    """api.max_training_clients, or fewer where their pages would not fit host memory (every
+    rank of this host pages its part of each client)."""
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    clients, why = held_clients(
+        run.api.max_training_clients,
+        run.lora.slots,
+        page_bytes * ranks_here,
+        run.api.paged_adapters_mb,
+        available_host_bytes(),
+    )
+    if why:
+        say(f"api: {why}")
+    return clients
+
+
 def _byte_tokenizer_folder(run_dir: Path) -> str:
     """The built-in byte tokenizer (a model built from its config) as a Hugging Face folder,
     whose path ``get_info`` hands the SDK as the tokenizer id: ``get_tokenizer()`` then loads
@@ -104,6 +123,7 @@ def _start_front(
     hf_dir,
     run_dir: Path,
     say: Callable[[str], None],
+    clients: int,
 ) -> tuple[Front, str]:
     import asyncio
 
@@ -119,7 +139,10 @@ def _start_front(
         run.lora.max_rank,
         hf_dir or _byte_tokenizer_folder(run_dir),
         unembed="output_layer" in run.lora.targets,
-        clients=api.max_training_clients,
+        clients=clients,
+        clients_bound="api.max_training_clients"
+        if clients == api.max_training_clients
+        else "api.paged_adapters_mb: host memory for paged clients",
     )
     loop = asyncio.new_event_loop()
     queue = CallQueue(api.max_pending, len(keys))

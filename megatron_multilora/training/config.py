@@ -237,6 +237,10 @@ class APISettings:
     """Training clients held at once: lora.slots of them in device slots, the others' adapters
     and optimizer state paged to host memory until their next call; beyond it a creation is
     answered 429."""
+    paged_adapters_mb: float | None = ranged(None, positive(optional=True))
+    """Host memory for the paged-out clients' adapters and optimizer state (null: half the
+    memory available when the service starts). Where max_training_clients' pages would not
+    fit, it holds fewer clients: lora.slots plus as many pages as fit."""
     max_saves: int = ranged(1000, at_least(1))
     """Checkpoints one API key may keep (save_state, save_weights_for_sampler with a path);
     beyond it a save is refused until it deletes some or they expire (ttl_seconds)."""

@@ -73,3 +73,28 @@ def test_clients_beyond_the_device_slots_are_paged_invisibly(tmp_path):
     assert got == want  # the same bits: paging is invisible
     log = (tmp_path / "paged.log").read_text()
     assert "2 adapter slots, up to 5 training clients (those beyond the slots paged" in log
+
+
+@pytest.mark.timeout(300)
+def test_paged_clients_are_bounded_by_host_memory_as_well_as_by_their_count(tmp_path):
+    """api.paged_adapters_mb too small for one page: the service holds only its two slots'
+    clients, says so at start, and answers a third creation 429 naming that setting."""
+    service = Service(
+        tmp_path / "run",
+        free_port(),
+        tmp_path / "run.log",
+        overrides=("hf_dir=null", "api.paged_adapters_mb=0.01"),
+        slots=2,
+    )
+    try:
+        sc = service.client()
+        for seed in (1, 2):
+            sc.create_lora_training_client(base_model="tiny", rank=8, seed=seed).result(120)
+        with pytest.raises(tinker.RateLimitError, match=r"api\.paged_adapters_mb"):
+            sc.create_lora_training_client(base_model="tiny", rank=8).result(120)
+    finally:
+        service.stop()
+    log = (tmp_path / "run.log").read_text()
+    assert "api.max_training_clients=256 would page 254 adapters of" in log
+    assert "api.paged_adapters_mb=0.01 holds 0, so the service holds 2 training" in log
+    assert "2 adapter slots, up to 2 training clients" in log

@@ -406,3 +406,31 @@ def test_mmlora_api_launches_with_the_services_allocator_settings(monkeypatch):
     assert cli_api.api(args) == 0
     assert seen["MALLOC_ARENA_MAX"] == "4"
     assert seen["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == SERVICE_ENV["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]
+
+
+def test_paged_clients_are_held_only_as_far_as_their_pages_fit_host_memory(tmp_path):
+    """api.max_training_clients beyond lora.slots costs a page each: held_clients keeps it
+    where the pages fit api.paged_adapters_mb (or half the memory available), else holds the
+    slots plus the pages that fit, and says why; the 429 then names the memory bound."""
+    from megatron_multilora.api.memory import available_host_bytes, held_clients
+
+    mib = 2**20
+    assert held_clients(256, 4, 2 * mib, None, 1024 * mib) == (256, None)  # 504 MiB <= 512
+    clients, why = held_clients(256, 4, 148 * mib, None, 24 * 1024 * mib)
+    assert clients == 4 + 12288 // 148  # half of 24 GiB in 148 MiB pages
+    assert "(null: half the 24,576 MiB available, 12,288 MiB) holds 83, so the" in why
+    assert held_clients(256, 4, 148 * mib, 300.0, None)[0] == 6  # set: two pages fit
+    assert held_clients(256, 4, 148 * mib, None, None) == (256, None)  # nothing to measure by
+    assert held_clients(3, 4, 148 * mib, 1.0, None) == (3, None)  # none paged
+    assert 0 < available_host_bytes() < os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    loop = asyncio.new_event_loop()
+    bound = "api.paged_adapters_mb: host memory for paged clients"
+    limits = Limits("tiny", 64, 128, 2, 8, None, True, clients=2, clients_bound=bound)
+    front = Front({"tml-a": OWNER}, limits, tmp_path, CallQueue(64), Futures(loop), 60.0)
+    front.sessions["s"] = (OWNER, time.monotonic())
+    create(front, loop, "s", 0)
+    create(front, loop, "s", 1)
+    with pytest.raises(Refused) as err:
+        create(front, loop, "s", 2)
+    assert err.value.status == 429 and bound in str(err.value)
+    loop.close()
