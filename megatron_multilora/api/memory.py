@@ -103,6 +103,9 @@ def service_memory(front: Front, engine: Engine) -> dict[str, Any]:
     for what, bound in BOUNDS.items():
         in_all.setdefault(what, {"count": 0}).update(bound=bound)
     in_all["queue"]["count"] = front.calls.waiting  # a forced call may have no tenant
+    in_all["training_clients"]["bound"] = (
+        f"{front.limits.max_clients}: {front.limits.clients_bound}"
+    )
     return {"rss_mib": rss_mib(), "in_all": in_all, "tenants": tenants}
 
 

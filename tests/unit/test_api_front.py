@@ -312,6 +312,8 @@ def test_what_the_service_keeps_is_accounted_per_tenant_and_in_all(tmp_path):
     assert tenants["key-0"]["queue"] == calls.waiting_of("key-0") == 1  # its creation
     assert in_all["sessions"]["count"] == 2 and in_all["queue"]["count"] == calls.waiting
     assert set(BOUNDS) <= set(in_all) and all("bound" in row for row in in_all.values())
+    held = front.limits.max_clients
+    assert in_all["training_clients"]["bound"] == f"{held}: api.max_training_clients"
     front.memory = memory
     health = loop.run_until_complete(front.healthz(None, None))
     assert health["memory"] == in_all and "key-0" not in json.dumps(health)
