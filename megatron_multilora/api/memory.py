@@ -8,7 +8,6 @@ by ``mmlora status`` and, in all only, by ``/healthz``.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 from megatron_multilora.api.engine import Engine
@@ -37,56 +36,6 @@ def rss_mib() -> float | None:
         return None
 
 
-def available_host_bytes() -> int | None:
-    """The memory this machine can still give (``MemAvailable``), or less where a cgroup (a
-    container's limit) allows less; None where neither can be read."""
-    found = []
-    try:
-        meminfo = Path("/proc/meminfo").read_text().splitlines()
-        found += [int(ln.split()[1]) * 1024 for ln in meminfo if ln.startswith("MemAvailable:")]
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max":
-            found.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
-    except (OSError, ValueError):
-        pass
-    return min(found) if found else None
-
-
-def held_clients(
-    wanted: int, slots: int, page_bytes: int, budget_mb: float | None, available: int | None
-) -> tuple[int, str | None]:
-    """The training clients held at once: ``wanted`` (api.max_training_clients), or fewer
-    where the pages of those beyond the ``slots`` (``page_bytes`` each, all of this host's
-    ranks together) would not fit ``budget_mb`` (api.paged_adapters_mb; None: half of
-    ``available``). With it, why it is fewer, or None."""
-    if wanted <= slots or page_bytes <= 0:
-        return wanted, None
-    if budget_mb is None:
-        if available is None:  # nothing to measure by: the count alone bounds them
-            return wanted, None
-        budget = available // 2
-        setting = (
-            f"api.paged_adapters_mb (null: half the {available / 2**20:,.0f} MiB available, "
-            f"{budget / 2**20:,.0f} MiB)"
-        )
-    else:
-        budget, setting = int(budget_mb * 2**20), f"api.paged_adapters_mb={budget_mb:g}"
-    fit = budget // page_bytes
-    if slots + fit >= wanted:
-        return wanted, None
-    page = page_bytes / 2**20
-    return slots + fit, (
-        f"api.max_training_clients={wanted} would page {wanted - slots} adapters of "
-        f"{page:,.1f} MiB each to host memory ({(wanted - slots) * page:,.0f} MiB); "
-        f"{setting} holds {fit}, so the service holds {slots + fit} training clients at "
-        "once. For more: a larger api.paged_adapters_mb, a lower lora.max_rank or fewer "
-        "lora.targets"
-    )
-
-
 def service_memory(front: Front, engine: Engine) -> dict[str, Any]:
     """``{"rss_mib", "in_all": {structure: {"count", "bytes"?, "bound"}}, "tenants": {key:
     {structure: count or [count, bytes]}}}``."""
@@ -104,7 +53,7 @@ def service_memory(front: Front, engine: Engine) -> dict[str, Any]:
         in_all.setdefault(what, {"count": 0}).update(bound=bound)
     in_all["queue"]["count"] = front.calls.waiting  # a forced call may have no tenant
     in_all["training_clients"]["bound"] = (
-        f"{front.limits.max_clients}: {front.limits.clients_bound}"
+        f"{front.limits.max_clients} ({front.limits.clients_bound})"
     )
     return {"rss_mib": rss_mib(), "in_all": in_all, "tenants": tenants}
 

@@ -7,7 +7,7 @@ the engine loop: rank 0 takes the ready calls from the call queue, every rank re
 
 from __future__ import annotations
 
-import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -19,7 +19,7 @@ from megatron_multilora.api.call_queue import CallQueue
 from megatron_multilora.api.engine import Engine
 from megatron_multilora.api.front import Front, Limits
 from megatron_multilora.api.futures import Futures
-from megatron_multilora.api.memory import available_host_bytes, held_clients
+from megatron_multilora.api.host_memory import available_host_bytes, held_clients
 from megatron_multilora.api.routes import build_app
 from megatron_multilora.api.status import ServiceStatus
 from megatron_multilora.errors import RunError
@@ -38,8 +38,11 @@ def serve_api(run: RunConfig, keys: dict[str, str], say: Callable[[str], None] =
     run_dir = Path(run.run_dir)
     hf_dir = str(Path(run.hf_dir).resolve()) if run.hf_dir else None
     front = None
+    pages = [None] * dist.get_world_size()  # each rank's (host, page), as stages differ
+    dist.all_gather_object(pages, (socket.gethostname(), runtime.table.page_bytes(True)))
+    page = sum(b for host, b in pages if host == pages[0][0])  # a client's, on rank 0's host
     if dist.get_rank() == 0:
-        clients = _held_clients(run, runtime.table.page_bytes(True), say)
+        clients = _held_clients(run, page, say)
         front, url = _start_front(run, keys, runtime.model_config, hf_dir, run_dir, say, clients)
     engine = Engine(runtime, run_dir, hf_dir, front.answer if front else None)
     status = None
@@ -50,7 +53,7 @@ def serve_api(run: RunConfig, keys: dict[str, str], say: Callable[[str], None] =
         say(
             f"api: serving {front.limits.model_name!r} ({run.lora.slots} adapter slots, up to "
             f"{front.limits.max_clients} training clients (those beyond the slots paged "
-            f"to host memory, {engine.table.page_bytes(True) / 2**20:.1f} MiB each), ranks "
+            f"to host memory, {page / 2**20:.1f} MiB each on this host), ranks "
             f"up to {run.lora.max_rank}, world {dist.get_world_size()}, data parallel {dp}) "
             f"at {url}"
         )
@@ -90,13 +93,12 @@ def serve_api(run: RunConfig, keys: dict[str, str], say: Callable[[str], None] =
 
 
 def _held_clients(run: RunConfig, page_bytes: int, say: Callable[[str], None]) -> int:
-    """api.max_training_clients, or fewer where their pages would not fit host memory (every
-    rank of this host pages its part of each client)."""
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    """api.max_training_clients, or fewer where their pages (``page_bytes`` each: all of this
+    host's ranks' parts) would not fit host memory."""
     clients, why = held_clients(
         run.api.max_training_clients,
         run.lora.slots,
-        page_bytes * ranks_here,
+        page_bytes,
         run.api.paged_adapters_mb,
         available_host_bytes(),
     )
@@ -142,7 +144,7 @@ def _start_front(
         clients=clients,
         clients_bound="api.max_training_clients"
         if clients == api.max_training_clients
-        else "api.paged_adapters_mb: host memory for paged clients",
+        else "api.paged_adapters_mb, host memory for paged clients",
     )
     loop = asyncio.new_event_loop()
     queue = CallQueue(api.max_pending, len(keys))

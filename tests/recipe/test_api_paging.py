@@ -95,6 +95,6 @@ def test_paged_clients_are_bounded_by_host_memory_as_well_as_by_their_count(tmp_
     finally:
         service.stop()
     log = (tmp_path / "run.log").read_text()
-    assert "api.max_training_clients=256 would page 254 adapters of" in log
-    assert "api.paged_adapters_mb=0.01 holds 0, so the service holds 2 training" in log
+    assert "api.max_training_clients=256 would page 254 clients to host memory at" in log
+    assert "api.paged_adapters_mb=0.01 fits 0 pages beside those, so the service holds 2" in log
     assert "2 adapter slots, up to 2 training clients" in log

@@ -313,7 +313,7 @@ def test_what_the_service_keeps_is_accounted_per_tenant_and_in_all(tmp_path):
     assert in_all["sessions"]["count"] == 2 and in_all["queue"]["count"] == calls.waiting
     assert set(BOUNDS) <= set(in_all) and all("bound" in row for row in in_all.values())
     held = front.limits.max_clients
-    assert in_all["training_clients"]["bound"] == f"{held}: api.max_training_clients"
+    assert in_all["training_clients"]["bound"] == f"{held} (api.max_training_clients)"
     front.memory = memory
     health = loop.run_until_complete(front.healthz(None, None))
     assert health["memory"] == in_all and "key-0" not in json.dumps(health)
@@ -411,22 +411,25 @@ def test_mmlora_api_launches_with_the_services_allocator_settings(monkeypatch):
 
 
 def test_paged_clients_are_held_only_as_far_as_their_pages_fit_host_memory(tmp_path):
-    """api.max_training_clients beyond lora.slots costs a page each: held_clients keeps it
-    where the pages fit api.paged_adapters_mb (or half the memory available), else holds the
-    slots plus the pages that fit, and says why; the 429 then names the memory bound."""
-    from megatron_multilora.api.memory import available_host_bytes, held_clients
+    """api.max_training_clients beyond lora.slots costs a page each, and the slots' reused
+    buffers a page each: held_clients keeps the count where those fit api.paged_adapters_mb
+    (or half the memory available), else holds the slots plus the pages that fit, and says
+    why; the 429 then names the memory bound."""
+    from megatron_multilora.api.host_memory import held_clients
 
     mib = 2**20
-    assert held_clients(256, 4, 2 * mib, None, 1024 * mib) == (256, None)  # 504 MiB <= 512
+    assert held_clients(256, 4, 2 * mib, None, 1024 * mib) == (256, None)  # 512 MiB: 256 fit
+    assert held_clients(256, 4, 2 * mib, None, 1022 * mib)[0] == 255
     clients, why = held_clients(256, 4, 148 * mib, None, 24 * 1024 * mib)
-    assert clients == 4 + 12288 // 148  # half of 24 GiB in 148 MiB pages
-    assert "(null: half the 24,576 MiB available, 12,288 MiB) holds 83, so the" in why
-    assert held_clients(256, 4, 148 * mib, 300.0, None)[0] == 6  # set: two pages fit
+    assert clients == 12288 // 148  # half of 24 GiB in 148 MiB pages, 4 of them the slots'
+    assert "(null: half the 24,576 MiB available, 12,288 MiB) fits 79 pages" in why
+    assert "so the service holds 83 training clients at once" in why
+    assert held_clients(256, 4, 148 * mib, 1000.0, None)[0] == 6  # set: 6 pages, 2 beyond
+    assert held_clients(256, 4, 148 * mib, 1.0, None)[0] == 4  # never fewer than the slots
     assert held_clients(256, 4, 148 * mib, None, None) == (256, None)  # nothing to measure by
     assert held_clients(3, 4, 148 * mib, 1.0, None) == (3, None)  # none paged
-    assert 0 < available_host_bytes() < os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     loop = asyncio.new_event_loop()
-    bound = "api.paged_adapters_mb: host memory for paged clients"
+    bound = "api.paged_adapters_mb, host memory for paged clients"
     limits = Limits("tiny", 64, 128, 2, 8, None, True, clients=2, clients_bound=bound)
     front = Front({"tml-a": OWNER}, limits, tmp_path, CallQueue(64), Futures(loop), 60.0)
     front.sessions["s"] = (OWNER, time.monotonic())
@@ -436,3 +439,48 @@ def test_paged_clients_are_held_only_as_far_as_their_pages_fit_host_memory(tmp_p
         create(front, loop, "s", 2)
     assert err.value.status == 429 and bound in str(err.value)
     loop.close()
+
+
+def _files(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_host_memory_available_is_the_least_of_meminfo_and_each_memory_cgroup(tmp_path):
+    """A cgroup's room is its limit less its usage, its inactive page cache counted as free,
+    for every cgroup from the process's own up (v2), or its namespace's own (v1, where the
+    path /proc shows is the host's); never below 0; None where nothing can be read."""
+    from megatron_multilora.api.host_memory import available_host_bytes
+
+    gib = 2**30
+    meminfo = "MemTotal:       25165824 kB\nMemAvailable:   20971520 kB\n"  # 20 GiB
+    v2 = _files(
+        tmp_path / "v2",
+        {
+            "proc/meminfo": meminfo,
+            "proc/self/cgroup": "0::/user.slice/svc\n",
+            "sys/fs/cgroup/user.slice/svc/memory.max": "max\n",
+            "sys/fs/cgroup/user.slice/svc/memory.current": str(6 * gib),
+            "sys/fs/cgroup/user.slice/memory.max": str(8 * gib),
+            "sys/fs/cgroup/user.slice/memory.current": str(7 * gib),
+            "sys/fs/cgroup/user.slice/memory.stat": f"anon 1\ninactive_file {2 * gib}\n",
+        },
+    )
+    assert available_host_bytes(v2) == 3 * gib  # the slice's: 8 - 7 + 2
+    v1 = _files(
+        tmp_path / "v1",
+        {
+            "proc/meminfo": meminfo,
+            "proc/self/cgroup": "5:cpu:/\n4:memory:/docker/abc\n",
+            "sys/fs/cgroup/memory/memory.limit_in_bytes": str(2 * gib),
+            "sys/fs/cgroup/memory/memory.usage_in_bytes": str(3 * gib),
+            "sys/fs/cgroup/memory/memory.stat": "total_inactive_file 0\n",
+        },
+    )
+    assert available_host_bytes(v1) == 0  # over its limit
+    unlimited = _files(tmp_path / "unlimited", {"proc/meminfo": meminfo})
+    assert available_host_bytes(unlimited) == 20 * gib
+    assert available_host_bytes(tmp_path / "nothing") is None
+    assert 0 <= available_host_bytes() < os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
