@@ -22,11 +22,16 @@ from pathlib import Path
 TRIM_EVERY_S = float(os.environ.get("MMLORA_MALLOC_TRIM_S", 30))
 SNAPSHOTS = "MMLORA_HEAP_SNAPSHOTS"  # a folder: tracemalloc snapshots every SNAPSHOT_EVERY_S
 SNAPSHOT_EVERY_S = 300.0
-# Set by ``mmlora api`` for its processes (where not set already): few malloc arenas, and a
-# small oneDNN primitive cache. oneDNN keeps a compiled primitive per GEMM shape (each
-# micro-batch's token count is a new one) up to its default of 1,024, about 0.3 GiB on
-# SmolLM2-135M; 256 keeps the shapes a service repeats (decoding) at a quarter of that.
-SERVICE_ENV = {"MALLOC_ARENA_MAX": "2", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256"}
+# Set by ``mmlora api`` for its processes (where not set already): few malloc arenas, and
+# small GEMM caches. oneDNN, and torch's ideep above it, each keep a compiled primitive per
+# GEMM shape (each micro-batch's token count is a new one) up to 1,024 by default, a few
+# hundred KB each at SmolLM2-135M's widths; 256 keeps the shapes a service repeats
+# (decoding) at a quarter of that.
+SERVICE_ENV = {
+    "MALLOC_ARENA_MAX": "2",
+    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256",
+    "LRU_CACHE_CAPACITY": "256",
+}
 
 
 def _glibc():

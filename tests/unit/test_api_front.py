@@ -391,7 +391,7 @@ def test_the_heap_is_trimmed_unless_its_period_is_zero():
 
 
 def test_mmlora_api_launches_with_the_services_allocator_settings(monkeypatch):
-    """``mmlora api`` sets ``SERVICE_ENV`` (few malloc arenas, a small oneDNN primitive cache)
+    """``mmlora api`` sets ``SERVICE_ENV`` (few malloc arenas, small GEMM primitive caches)
     for the processes it launches, unless the environment sets them already."""
     import argparse
 
@@ -407,7 +407,8 @@ def test_mmlora_api_launches_with_the_services_allocator_settings(monkeypatch):
     args = argparse.Namespace(keys_file=None, overrides=[], run_dir="r", port=0, host="127.0.0.1")
     assert cli_api.api(args) == 0
     assert seen["MALLOC_ARENA_MAX"] == "4"
-    assert seen["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == SERVICE_ENV["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]
+    for cache in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):  # oneDNN's, ideep's
+        assert seen[cache] == SERVICE_ENV[cache] == "256"
 
 
 def test_paged_clients_are_held_only_as_far_as_their_pages_fit_host_memory(tmp_path):
